@@ -1,0 +1,139 @@
+"""Driver for an NVIDIA Dynamo worker's system server (see ENGINES.md).
+
+Every path and payload of Dynamo's LoRA and engine-control API lives here and
+nowhere else: these APIs are experimental upstream and change between releases.
+Dynamo answers some failures with HTTP 200 and ``{"status": "error"}``, so the
+body is checked as well as the status code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+
+from schemas import EngineError
+
+log = logging.getLogger(__name__)
+
+PAUSE_BODY = {"mode": "keep", "clear_cache": False}
+
+
+def _is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, EngineError) and exc.retryable
+
+
+class DynamoDriver:
+    """Drives one Dynamo worker through its system server at ``system_url``."""
+
+    kind = "dynamo"
+
+    def __init__(
+        self,
+        system_url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float = 30.0,
+        attempts: int = 5,
+    ) -> None:
+        self.system_url = system_url.rstrip("/")
+        self._attempts = attempts
+        self._http = httpx.AsyncClient(
+            base_url=self.system_url,
+            headers=dict(headers or {}),
+            timeout=httpx.Timeout(timeout_s),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def pause(self) -> None:
+        await self._call("POST", "/engine/pause_generation", PAUSE_BODY)
+
+    async def resume(self) -> None:
+        # A lost resume leaves an engine paused: retry transient failures (the
+        # caller's command budget bounds the whole).
+        await self._retrying(
+            lambda: self._call("POST", "/engine/resume_generation", {}), float("inf")
+        )
+
+    async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        uri = Path(path).absolute().as_uri()
+        body = {"lora_name": name, "source": {"uri": uri}}
+        # A shared filesystem can show a fresh adapter directory late: the engine
+        # then answers 404/5xx, which is worth retrying; other 4xx are final.
+        await self._retrying(lambda: self._call("POST", "/v1/loras", body), budget_s)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call("DELETE", f"/v1/loras/{quote(name, safe='/')}")
+
+    async def list_adapters(self) -> list[str]:
+        body = await self._call("GET", "/v1/loras")
+        loras = body.get("loras", {})
+        if not isinstance(loras, dict):
+            raise EngineError(f"GET /v1/loras answered an unexpected body: {body!r}")
+        return sorted(loras)
+
+    async def _retrying(self, call: Any, budget_s: float) -> None:
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self._attempts) | stop_after_delay(max(budget_s, 0.0)),
+            wait=wait_exponential_jitter(initial=0.1, max=2.0, jitter=0.1),
+            retry=retry_if_exception(_is_retryable),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                await call()
+
+    async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        what = f"{method} {self.system_url}{path}"
+        try:
+            response = await self._http.request(method, path, json=body)
+        except httpx.TransportError as exc:
+            raise EngineError(
+                f"{what} failed: {type(exc).__name__}: {exc}", retryable=True
+            ) from exc
+        payload = _json_or_none(response)
+        status = response.status_code
+        if status >= 400:
+            raise EngineError(
+                f"{what} answered {status}: {_message(payload, response.text)}",
+                retryable=status == 404 or status >= 500,
+                status=status,
+            )
+        if isinstance(payload, dict) and payload.get("status") == "error":
+            # Older Dynamo releases report a failed load as HTTP 200 with an error
+            # body; it is the same failure as their later 500, so retry it alike.
+            raise EngineError(
+                f"{what} answered {status} with an error: {_message(payload, response.text)}",
+                retryable=True,
+                status=status,
+            )
+        return payload if isinstance(payload, dict) else {}
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def _message(payload: Any, text: str) -> str:
+    if isinstance(payload, dict):
+        for key in ("message", "error", "detail"):
+            value = payload.get(key)
+            if isinstance(value, str) and value:
+                return value
+    return text.strip()[:500] or "(empty body)"

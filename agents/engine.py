@@ -1,0 +1,28 @@
+"""The engine-driver interface: what an agent needs from its inference engine.
+
+Agents talk to engines only through this interface, one implementation per
+engine kind, so the command logic never sees an engine's paths or payloads.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class EngineDriver(Protocol):
+    kind: str
+    """Engine kind announced in heartbeats, e.g. ``dynamo``."""
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        """Load ``path`` under ``name``; retry transient failures within ``budget_s``."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def list_adapters(self) -> list[str]: ...
+
+    async def aclose(self) -> None: ...

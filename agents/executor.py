@@ -1,0 +1,119 @@
+"""Carries out one command on one engine and turns the outcome into an ack.
+
+Kept apart from the bus so the command logic reads as plain async code: the
+agent's bus module feeds commands in, one at a time and in order, and publishes
+what comes out. Commands are idempotent: a pause of a paused engine, a load of
+a loaded name and an unload of a name the engine lacks all succeed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from agents.engine import EngineDriver
+from schemas import (
+    Ack,
+    Command,
+    EngineError,
+    ErrorCode,
+    ErrorInfo,
+    LoadCommand,
+    PauseCommand,
+    ResumeCommand,
+    UnloadCommand,
+    phase_of,
+)
+
+log = logging.getLogger(__name__)
+
+
+class CommandExecutor:
+    """Runs commands against one engine and remembers what it last saw of it."""
+
+    def __init__(self, worker_id: str, world_size: int, driver: EngineDriver) -> None:
+        self.worker_id = worker_id
+        self.world_size = world_size
+        self.driver = driver
+        self.paused = False
+        self.adapters: list[str] = []
+
+    async def refresh(self) -> None:
+        """Read the engine's adapter list (at start, so heartbeats tell the truth)."""
+        self.adapters = await self.driver.list_adapters()
+
+    async def execute(self, command: Command, budget_s: float) -> Ack:
+        """Run ``command`` within ``budget_s`` seconds and return its ack."""
+        started = time.monotonic()
+        error: ErrorInfo | None = None
+        try:
+            async with asyncio.timeout(max(budget_s, 0.0)):
+                await self._run(command, budget_s)
+        except TimeoutError:
+            error = ErrorInfo(
+                code=ErrorCode.PHASE_TIMEOUT,
+                message=f"{phase_of(command)} on {self.worker_id} did not finish "
+                f"within its budget of {budget_s:.1f}s",
+            )
+        except EngineError as exc:
+            error = exc.info()
+        except Exception as exc:
+            # A bug must cost one failed ack, not the agent: the engine may be
+            # paused, and only a live agent can still resume it.
+            log.exception("worker=%s update=%s command crashed", self.worker_id, command.update_id)
+            error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+        if error is not None:
+            log.warning("worker=%s update=%s %s", self.worker_id, command.update_id, error.message)
+        return Ack(
+            update_id=command.update_id,
+            phase=phase_of(command),
+            worker_id=self.worker_id,
+            ok=error is None,
+            world_size=self.world_size,
+            adapters=list(self.adapters),
+            paused=self.paused,
+            error=error,
+            duration_s=time.monotonic() - started,
+        )
+
+    async def _run(self, command: Command, budget_s: float) -> None:
+        match command:
+            case PauseCommand():
+                await self.driver.pause()
+                self.paused = True
+            case ResumeCommand():
+                await self.driver.resume()
+                self.paused = False
+            case LoadCommand(served_name=name, path=path, replace=replace):
+                await self._load(name, path, replace=replace, budget_s=budget_s)
+            case UnloadCommand(names=names):
+                await self._unload(names)
+
+    async def _load(self, name: str, path: str, *, replace: bool, budget_s: float) -> None:
+        if replace and name in await self.driver.list_adapters():
+            # Dynamo answers "already loaded" for a name it has and keeps the
+            # old weights, so fixed naming must drop the name first.
+            await self.driver.unload_adapter(name)
+        try:
+            await self.driver.load_adapter(name, path, budget_s=budget_s)
+        finally:
+            self.adapters = await self.driver.list_adapters()
+        if name not in self.adapters:
+            raise _NotListed(
+                f"the engine of {self.worker_id} accepted adapter {name!r} but its "
+                f"adapter list does not show it: {self.adapters}"
+            )
+
+    async def _unload(self, names: list[str]) -> None:
+        loaded = set(await self.driver.list_adapters())
+        try:
+            for name in names:
+                if name in loaded:
+                    await self.driver.unload_adapter(name)
+        finally:
+            self.adapters = await self.driver.list_adapters()
+
+
+class _NotListed(EngineError):
+    code = ErrorCode.NOT_LISTED

@@ -1,0 +1,9 @@
+"""lorabus coordinator: runs updates across a fleet's agents over the bus.
+
+Never imports ``agents``: the two meet only on the bus.
+"""
+
+from coordinator.config import CoordinatorConfig
+from coordinator.service import Coordinator
+
+__all__ = ["Coordinator", "CoordinatorConfig"]

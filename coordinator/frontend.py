@@ -1,0 +1,70 @@
+"""The coordinator's view of the Dynamo frontend: which models it lists.
+
+``/v1/models`` is a union over workers, so a listing proves that some worker
+published the adapter, not that all did; the per-worker read-backs in the load
+acks are what prove every replica has it. Polling starts at tens of
+milliseconds because a listing usually appears right after the load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import httpx
+from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
+
+log = logging.getLogger(__name__)
+
+
+class FrontendUnverified(Exception):
+    """Raised when the frontend did not list a model before the deadline."""
+
+
+class FrontendClient:
+    def __init__(
+        self, base_url: str, *, headers: Mapping[str, str] | None = None, timeout_s: float = 10.0
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=dict(headers or {}), timeout=httpx.Timeout(timeout_s)
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def list_models(self) -> set[str]:
+        response = await self._http.get("/v1/models")
+        response.raise_for_status()
+        return {entry["id"] for entry in response.json().get("data", []) if "id" in entry}
+
+    async def wait_listed(self, model: str, timeout_s: float) -> float:
+        """Poll until ``model`` is listed; return seconds taken or raise FrontendUnverified."""
+        started = time.monotonic()
+        last_problem = "never listed"
+
+        async def listed() -> bool:
+            nonlocal last_problem
+            try:
+                models = await self.list_models()
+            except (httpx.HTTPError, ValueError) as exc:
+                last_problem = f"last poll failed: {type(exc).__name__}: {exc}"
+                return False
+            if model in models:
+                return True
+            last_problem = f"last listing: {sorted(models)[:20]}"
+            return False
+
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(timeout_s),
+            wait=wait_exponential(multiplier=0.02, min=0.02, max=1.0),
+            retry=retry_if_result(lambda ok: not ok),
+            retry_error_callback=lambda _state: False,
+        )
+        if not await retrying(listed):
+            raise FrontendUnverified(
+                f"frontend {self.base_url} did not list {model!r} within {timeout_s:.1f}s "
+                f"({last_problem})"
+            )
+        return time.monotonic() - started

@@ -1,0 +1,78 @@
+"""Gathering the acks of one phase from a known set of members.
+
+The bus callback hands every ack to :class:`AckRouter`, which passes it to the
+gather waiting for that (update, phase); acks for anything else (late, repeated,
+from non-members) are dropped there. Completion is a single event, so 1000 acks
+cost 1000 dict look-ups and one wake-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from schemas import Ack, Phase
+
+
+class PhaseGather:
+    def __init__(self, update_id: str, phase: Phase, members: Iterable[str]) -> None:
+        self.update_id = update_id
+        self.phase = phase
+        self.acks: dict[str, Ack] = {}
+        self.waiting: set[str] = set(members)
+        self.lost: set[str] = set()
+        self._done = asyncio.Event()
+        if not self.waiting:
+            self._done.set()
+
+    @property
+    def key(self) -> tuple[str, Phase]:
+        return (self.update_id, self.phase)
+
+    @property
+    def complete(self) -> bool:
+        return self._done.is_set()
+
+    def offer(self, ack: Ack) -> None:
+        if ack.worker_id not in self.waiting:
+            return
+        self.waiting.discard(ack.worker_id)
+        self.acks[ack.worker_id] = ack
+        if not self.waiting:
+            self._done.set()
+
+    def give_up_on(self, worker_ids: Iterable[str]) -> None:
+        """Stop waiting for members that are known to be gone."""
+        for worker_id in worker_ids:
+            if worker_id in self.waiting:
+                self.waiting.discard(worker_id)
+                self.lost.add(worker_id)
+        if not self.waiting:
+            self._done.set()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every member; True once none is left waiting."""
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                await self._done.wait()
+        except TimeoutError:
+            pass
+        return self.complete
+
+
+class AckRouter:
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, Phase], PhaseGather] = {}
+
+    def expect(self, update_id: str, phase: Phase, members: Iterable[str]) -> PhaseGather:
+        gather = PhaseGather(update_id, phase, members)
+        self._open[gather.key] = gather
+        return gather
+
+    def close(self, gather: PhaseGather) -> None:
+        self._open.pop(gather.key, None)
+
+    def route(self, ack: Ack) -> None:
+        gather = self._open.get((ack.update_id, ack.phase))
+        if gather is not None:
+            gather.offer(ack)

@@ -1,0 +1,286 @@
+"""The lifecycle of one update: quorum -> pause -> load -> verify -> resume.
+
+Each phase is one broadcast; acks are gathered against the membership snapshot
+with a deadline, and members that have not acked get the command again on
+their own subject with a doubling interval (core NATS may have dropped it).
+Members that stop heartbeating are given up on at once rather than at the
+deadline. Resume runs in a ``finally``: whatever failed, every member that may
+have paused is told to resume. After a commit, versions beyond ``keep`` are
+unloaded; that clean-up is reported but never fails a committed update.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import msgspec
+
+from coordinator.config import CoordinatorConfig
+from coordinator.frontend import FrontendClient, FrontendUnverified
+from coordinator.gather import AckRouter
+from coordinator.membership import Membership, QuorumNotReached
+from coordinator.plan import UpdatePlan, retired_names
+from schemas import (
+    COMMITTED,
+    FAILED,
+    Ack,
+    Command,
+    ErrorCode,
+    ErrorInfo,
+    Event,
+    LoadCommand,
+    PauseCommand,
+    Phase,
+    PhaseFinished,
+    RankMap,
+    ResumeCommand,
+    UnloadCommand,
+    UpdateResult,
+    UpdateStarted,
+    WorkerOutcome,
+    build_rank_map,
+)
+
+log = logging.getLogger(__name__)
+
+_FIRST_RESEND_S = 0.25
+_LIVENESS_TICK_S = 0.25
+
+
+class CommandBus(Protocol):
+    acks: AckRouter
+
+    async def broadcast(self, command: Command) -> None: ...
+
+    async def send_to(self, worker_id: str, command: Command) -> None: ...
+
+    async def emit(self, event: Event) -> None: ...
+
+
+class PhaseOutcome(msgspec.Struct, kw_only=True):
+    phase: Phase
+    acks: dict[str, Ack]
+    missing: list[str]
+    """Members that did not ack before the deadline."""
+    lost: list[str]
+    """Members that stopped heartbeating while the phase ran."""
+    duration_s: float
+    timeout_s: float
+
+    @property
+    def failed(self) -> list[str]:
+        return sorted(wid for wid, ack in self.acks.items() if not ack.ok)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.lost and not self.failed
+
+    def worker_errors(self) -> dict[str, ErrorInfo]:
+        errors: dict[str, ErrorInfo] = {}
+        for wid in self.failed:
+            error = self.acks[wid].error
+            errors[wid] = error or ErrorInfo(code=ErrorCode.ENGINE_ERROR, message="failed")
+        for wid in self.missing:
+            errors[wid] = ErrorInfo(
+                code=ErrorCode.PHASE_TIMEOUT,
+                message=f"no {self.phase} ack within {self.timeout_s:.1f}s",
+            )
+        for wid in self.lost:
+            errors[wid] = ErrorInfo(
+                code=ErrorCode.PHASE_TIMEOUT,
+                message=f"agent stopped heartbeating during {self.phase}",
+            )
+        return errors
+
+    def summary(self) -> ErrorInfo:
+        errors = self.worker_errors()
+        code = ErrorCode.WORKER_FAILED if self.failed else ErrorCode.PHASE_TIMEOUT
+        if self.phase is Phase.RESUME:
+            code = ErrorCode.RESUME_FAILED
+        details = "; ".join(f"{wid}: {err.message}" for wid, err in sorted(errors.items())[:10])
+        more = f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""
+        return ErrorInfo(
+            code=code,
+            message=f"{self.phase} failed on {len(errors)} worker(s): {details}{more}",
+        )
+
+
+class UpdateRunner:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        membership: Membership,
+        frontend: FrontendClient,
+        bus: CommandBus,
+    ) -> None:
+        self.config = config
+        self.membership = membership
+        self.frontend = frontend
+        self.bus = bus
+
+    async def run(self, plan: UpdatePlan) -> UpdateResult:
+        """Run ``plan`` to a terminal result; never leaves a member told to pause unresumed."""
+        phases: dict[str, float] = {}
+        started = time.monotonic()
+        try:
+            members = await self.membership.wait_quorum(
+                self.config.expected_world_size, self.config.quorum_timeout_s
+            )
+        except QuorumNotReached as exc:
+            phases[Phase.QUORUM] = time.monotonic() - started
+            error = ErrorInfo(code=ErrorCode.QUORUM_TIMEOUT, message=str(exc))
+            return self._result(plan, FAILED, phases, {}, None, error)
+        phases[Phase.QUORUM] = time.monotonic() - started
+        await self.bus.emit(UpdateStarted(
+            ts=time.time(), source="coordinator", update_id=plan.update_id,
+            adapter=plan.served_name, version=plan.version, members=members,
+        ))
+
+        targets = sorted(members)
+        errors: dict[str, ErrorInfo] = {}
+        error: ErrorInfo | None = None
+        load: PhaseOutcome | None = None
+        try:
+            error, errors, load = await self._pause_load_verify(plan, targets, phases)
+        finally:
+            resume = await self._phase(ResumeCommand(
+                update_id=plan.update_id, targets=targets, budget_s=self.config.phase_timeout_s,
+            ), phases)
+            for wid, err in resume.worker_errors().items():
+                errors.setdefault(wid, err)
+            if not resume.ok and error is None:
+                error = resume.summary()
+        if error is not None:
+            return self._result(plan, FAILED, phases, members, load, error, errors)
+        rank_map = build_rank_map(members)
+        await self._retire_old_versions(plan, load, targets, phases)
+        return self._result(plan, COMMITTED, phases, members, load, None, errors, rank_map)
+
+    async def _pause_load_verify(
+        self, plan: UpdatePlan, targets: list[str], phases: dict[str, float]
+    ) -> tuple[ErrorInfo | None, dict[str, ErrorInfo], PhaseOutcome | None]:
+        """Run the phases that happen inside the pause; the first failure ends them."""
+        budget = self.config.phase_timeout_s
+        pause = await self._phase(
+            PauseCommand(update_id=plan.update_id, targets=targets, budget_s=budget), phases
+        )
+        if not pause.ok:
+            return pause.summary(), pause.worker_errors(), None
+        load = await self._phase(LoadCommand(
+            update_id=plan.update_id, targets=targets, budget_s=budget,
+            served_name=plan.served_name, path=plan.path, replace=plan.replace,
+        ), phases)
+        if not load.ok:
+            return load.summary(), load.worker_errors(), load
+        return await self._verify(plan, load, phases), {}, load
+
+    async def _verify(
+        self, plan: UpdatePlan, load: PhaseOutcome, phases: dict[str, float]
+    ) -> ErrorInfo | None:
+        started = time.monotonic()
+        try:
+            unlisted = sorted(w for w, a in load.acks.items() if plan.served_name not in a.adapters)
+            if unlisted:
+                return ErrorInfo(
+                    code=ErrorCode.NOT_LISTED,
+                    message=f"{plan.served_name!r} is missing from the read-back of {unlisted}",
+                )
+            try:
+                await self.frontend.wait_listed(plan.served_name, self.config.verify_timeout_s)
+            except FrontendUnverified as exc:
+                return ErrorInfo(code=ErrorCode.VERIFY_TIMEOUT, message=str(exc))
+            return None
+        finally:
+            phases[Phase.VERIFY] = time.monotonic() - started
+
+    async def _retire_old_versions(
+        self, plan: UpdatePlan, load: PhaseOutcome | None, targets: list[str],
+        phases: dict[str, float],
+    ) -> None:
+        if plan.replace or load is None:
+            return
+        loaded = {name for ack in load.acks.values() for name in ack.adapters}
+        names = retired_names(plan.adapter, loaded, self.config.keep)
+        if not names:
+            return
+        outcome = await self._phase(UnloadCommand(
+            update_id=plan.update_id, targets=targets, budget_s=self.config.phase_timeout_s,
+            names=names,
+        ), phases)
+        if not outcome.ok:
+            log.warning("update=%s retiring %s: %s", plan.update_id, names,
+                        outcome.summary().message)
+
+    async def _phase(self, command: Command, phases: dict[str, float]) -> PhaseOutcome:
+        outcome = await self._gather(command)
+        phases[outcome.phase] = outcome.duration_s
+        await self.bus.emit(PhaseFinished(
+            ts=time.time(), source="coordinator", update_id=command.update_id,
+            phase=outcome.phase, ok=outcome.ok, duration_s=outcome.duration_s,
+            missing=sorted(outcome.missing + outcome.lost), failed=outcome.failed,
+        ))
+        if not outcome.ok:
+            log.warning("update=%s %s", command.update_id, outcome.summary().message)
+        return outcome
+
+    async def _gather(self, command: Command) -> PhaseOutcome:
+        phase = Phase(type(command).__struct_config__.tag)
+        timeout_s = command.budget_s
+        gather = self.bus.acks.expect(command.update_id, phase, command.targets)
+        started = time.monotonic()
+        deadline = started + timeout_s
+        next_resend = started + _FIRST_RESEND_S
+        resend_gap = _FIRST_RESEND_S
+        try:
+            await self.bus.broadcast(command)
+            while not gather.complete:
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                if await gather.wait(min(deadline, next_resend, now + _LIVENESS_TICK_S) - now):
+                    break
+                gather.give_up_on([w for w in gather.waiting if not self.membership.is_live(w)])
+                now = time.monotonic()
+                if now >= next_resend and gather.waiting and now < deadline:
+                    again = msgspec.structs.replace(command, budget_s=deadline - now)
+                    for worker_id in sorted(gather.waiting):
+                        await self.bus.send_to(worker_id, again)
+                    resend_gap *= 2
+                    next_resend = now + resend_gap
+        finally:
+            self.bus.acks.close(gather)
+        return PhaseOutcome(
+            phase=phase, acks=gather.acks, missing=sorted(gather.waiting),
+            lost=sorted(gather.lost), duration_s=time.monotonic() - started, timeout_s=timeout_s,
+        )
+
+    def _result(
+        self,
+        plan: UpdatePlan,
+        status: str,
+        phases: dict[str, float],
+        members: dict[str, int],
+        load: PhaseOutcome | None,
+        error: ErrorInfo | None,
+        errors: dict[str, ErrorInfo] | None = None,
+        rank_map: RankMap | None = None,
+    ) -> UpdateResult:
+        errors = errors or {}
+        acks = load.acks if load is not None else {}
+        workers = {
+            wid: WorkerOutcome(
+                ok=wid not in errors,
+                world_size=size,
+                error=errors.get(wid),
+                adapters=acks[wid].adapters if wid in acks else [],
+            )
+            for wid, size in sorted(members.items())
+        }
+        return UpdateResult(
+            update_id=plan.update_id, status=status, adapter=plan.served_name,
+            version=plan.version, rank_map=rank_map,
+            phases={str(k): round(v, 6) for k, v in phases.items()},
+            workers=workers, error=error,
+        )

@@ -1,0 +1,85 @@
+"""Fleet membership, learnt from heartbeats.
+
+An agent is live while its last heartbeat is younger than three of its own
+beat intervals. ``wait_quorum`` blocks until live agents' world sizes sum to
+the expected world size and returns that membership as a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from schemas import Heartbeat
+
+MISSED_BEATS = 3
+
+
+class Member(msgspec.Struct, kw_only=True):
+    heartbeat: Heartbeat
+    seen_at: float
+
+
+class QuorumNotReached(Exception):
+    """Raised when live world sizes do not sum to the expected size in time."""
+
+
+class Membership:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._members: dict[str, Member] = {}
+        self._changed = asyncio.Event()
+
+    def observe(self, heartbeat: Heartbeat) -> None:
+        known = self._members.get(heartbeat.worker_id)
+        if known is None or known.heartbeat.world_size != heartbeat.world_size:
+            self._changed.set()
+        self._members[heartbeat.worker_id] = Member(heartbeat=heartbeat, seen_at=self._clock())
+
+    def is_live(self, worker_id: str) -> bool:
+        member = self._members.get(worker_id)
+        return member is not None and self._age(member) < MISSED_BEATS * member.heartbeat.interval_s
+
+    def live(self) -> dict[str, Member]:
+        return {wid: m for wid, m in self._members.items() if self.is_live(wid)}
+
+    def age_of(self, member: Member) -> float:
+        return self._age(member)
+
+    def live_world_sizes(self) -> dict[str, int]:
+        return {wid: m.heartbeat.world_size for wid, m in self.live().items()}
+
+    async def wait_quorum(self, expected_world_size: int, timeout_s: float) -> dict[str, int]:
+        """Return ``{worker_id: world_size}`` of live agents once they sum to the target."""
+        deadline = self._clock() + timeout_s
+        while True:
+            sizes = self.live_world_sizes()
+            total = sum(sizes.values())
+            if total == expected_world_size:
+                return sizes
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise QuorumNotReached(_quorum_message(sizes, total, expected_world_size, timeout_s))
+            self._changed.clear()
+            # Wake on a new member or a world-size change, and at least every
+            # 100 ms so members that stopped beating drop out of the sum.
+            try:
+                async with asyncio.timeout(min(remaining, 0.1)):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
+
+    def _age(self, member: Member) -> float:
+        return self._clock() - member.seen_at
+
+
+def _quorum_message(sizes: dict[str, int], total: int, expected: int, timeout_s: float) -> str:
+    listing = ", ".join(f"{wid}={size}" for wid, size in sorted(sizes.items())) or "none"
+    relation = "exceeds" if total > expected else "is short of"
+    return (
+        f"quorum not reached within {timeout_s:.1f}s: live agents' world sizes sum to "
+        f"{total}, which {relation} the expected {expected} (live: {listing})"
+    )

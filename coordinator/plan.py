@@ -1,0 +1,115 @@
+"""From an update request to a plan: validation, served names and retention.
+
+Everything here is pure, so the rules a request must meet are tested without
+a bus: name syntax, an absolute path (under the configured roots), a version
+not older than the committed one, and the served name for the naming policy.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+
+import msgspec
+
+from coordinator.config import CoordinatorConfig
+from schemas import BadRequest, ErrorCode, LorabusError, Naming, RankMap, UpdateRequest
+
+_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
+
+
+class StaleVersion(LorabusError):
+    """Raised when a request asks for a version older than the committed one."""
+
+    code = ErrorCode.STALE_VERSION
+
+
+class Committed(msgspec.Struct, frozen=True, kw_only=True):
+    """What one adapter lineage has committed last."""
+
+    adapter: str
+    version: int
+    path: str
+    served_name: str
+    rank_map: RankMap
+
+
+class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
+    update_id: str
+    adapter: str
+    version: int
+    path: str
+    served_name: str
+    replace: bool
+
+
+def plan_update(
+    request: UpdateRequest, config: CoordinatorConfig, committed: Committed | None
+) -> UpdatePlan:
+    """Validate ``request`` against the config and the committed state."""
+    if not request.update_id or len(request.update_id) > 128:
+        raise BadRequest("update_id must be 1-128 characters")
+    if not _NAME.match(request.adapter) or ".." in request.adapter or "//" in request.adapter:
+        raise BadRequest(
+            f"adapter name {request.adapter!r} is not valid: use letters, digits and "
+            "'.', '_', '-', '/' (not at either end), at most 128 characters"
+        )
+    path = _checked_path(request.path, config.adapter_roots)
+    version = _checked_version(request, committed, path)
+    if config.naming is Naming.VERSIONED:
+        served_name, replace = f"{request.adapter}-v{version}", False
+    else:
+        served_name, replace = request.adapter, True
+    return UpdatePlan(
+        update_id=request.update_id, adapter=request.adapter, version=version, path=path,
+        served_name=served_name, replace=replace,
+    )
+
+
+def is_already_committed(plan: UpdatePlan, committed: Committed | None) -> bool:
+    return (
+        committed is not None
+        and committed.version == plan.version
+        and committed.path == plan.path
+    )
+
+
+def retired_names(adapter: str, loaded: set[str], keep: int) -> list[str]:
+    """Versioned names of ``adapter`` beyond the newest ``keep``, to unload."""
+    pattern = re.compile(rf"^{re.escape(adapter)}-v(\d+)$")
+    versions = sorted(
+        ((int(m.group(1)), name) for name in loaded if (m := pattern.match(name))), reverse=True
+    )
+    return [name for _, name in versions[keep:]]
+
+
+def _checked_path(path: str, roots: list[str]) -> str:
+    if not path or not posixpath.isabs(path):
+        raise BadRequest(f"adapter path {path!r} must be an absolute directory path")
+    normal = posixpath.normpath(path)
+    if roots and not any(
+        normal == root or normal.startswith(root.rstrip("/") + "/")
+        for root in map(posixpath.normpath, roots)
+    ):
+        raise BadRequest(f"adapter path {path!r} is outside the adapter roots {roots}")
+    return normal
+
+
+def _checked_version(request: UpdateRequest, committed: Committed | None, path: str) -> int:
+    if request.version is None:
+        return 1 if committed is None else committed.version + 1
+    if request.version < 0:
+        raise BadRequest(f"version must be >= 0, got {request.version}")
+    if committed is None:
+        return request.version
+    if request.version < committed.version:
+        raise StaleVersion(
+            f"version {request.version} of {request.adapter!r} is older than the "
+            f"committed version {committed.version}"
+        )
+    if request.version == committed.version and path != committed.path:
+        raise BadRequest(
+            f"version {request.version} of {request.adapter!r} is already committed "
+            f"from {committed.path}; a different path needs a new version"
+        )
+    return request.version

@@ -1,0 +1,106 @@
+"""The orchestrator's side: ask a fleet's coordinator for an update, get the result.
+
+    async with await UpdateClient.connect("nats://127.0.0.1:4222", fleet="prod") as bus:
+        result = await bus.update("policy", "/ckpt/step_42", version=42)
+        if result.committed:
+            use(result.rank_map)
+
+A lost answer is harmless: asking again with the same ``update_id`` returns the
+first result without touching the engines.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import nats.errors
+from nats.aio.client import Client as NatsClient
+
+from lorabus.bus import close, connect
+from schemas import (
+    FAILED,
+    ErrorCode,
+    ErrorInfo,
+    FleetStatus,
+    StatusRequest,
+    Subjects,
+    UpdateRequest,
+    UpdateResult,
+    encode,
+    fleet_status_decoder,
+    update_result_decoder,
+)
+
+
+class CoordinatorUnavailable(Exception):
+    """Raised when no coordinator answers on the fleet's subjects."""
+
+
+class UpdateClient:
+    def __init__(self, nc: NatsClient, fleet: str, *, owns_connection: bool = False) -> None:
+        self.nc = nc
+        self.subjects = Subjects(fleet=fleet)
+        self._owns_connection = owns_connection
+
+    @classmethod
+    async def connect(cls, url: str, fleet: str) -> UpdateClient:
+        return cls(await connect(url, name=f"lorabus-client-{fleet}"), fleet, owns_connection=True)
+
+    async def __aenter__(self) -> UpdateClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owns_connection:
+            await close(self.nc)
+
+    async def update(
+        self,
+        adapter: str,
+        path: str,
+        *,
+        version: int | None = None,
+        update_id: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> UpdateResult:
+        """Request an update and wait for its result (committed or failed).
+
+        Failing to hear back is reported as a ``failed`` result with code
+        ``no_coordinator`` or ``timeout``; the update may still finish, and the
+        same ``update_id`` fetches its result later.
+        """
+        request = UpdateRequest(
+            update_id=update_id or uuid.uuid4().hex, adapter=adapter, path=path, version=version
+        )
+        try:
+            reply = await self.nc.request(
+                self.subjects.update_request(), encode(request), timeout=timeout_s
+            )
+        except nats.errors.NoRespondersError:
+            return self._unanswered(request, ErrorCode.NO_COORDINATOR,
+                                    f"no coordinator is listening on fleet {self.subjects.fleet!r}")
+        except TimeoutError:
+            return self._unanswered(request, ErrorCode.TIMEOUT,
+                                    f"no result within {timeout_s:.1f}s; ask again with "
+                                    f"update_id {request.update_id} for the outcome")
+        return update_result_decoder.decode(reply.data)
+
+    async def status(self, *, timeout_s: float = 5.0) -> FleetStatus:
+        try:
+            reply = await self.nc.request(
+                self.subjects.status_request(), encode(StatusRequest()), timeout=timeout_s
+            )
+        except (nats.errors.NoRespondersError, TimeoutError) as exc:
+            raise CoordinatorUnavailable(
+                f"no coordinator answered on fleet {self.subjects.fleet!r}"
+            ) from exc
+        return fleet_status_decoder.decode(reply.data)
+
+    @staticmethod
+    def _unanswered(request: UpdateRequest, code: ErrorCode, message: str) -> UpdateResult:
+        return UpdateResult(
+            update_id=request.update_id, status=FAILED, adapter=request.adapter,
+            version=request.version, error=ErrorInfo(code=code, message=message),
+        )

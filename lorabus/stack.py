@@ -1,0 +1,128 @@
+"""The embedded stack: NATS, a simulated fleet, its agents and a coordinator.
+
+``lorabus up`` runs it around a demo trainer, and tests use it when they need a
+whole fleet in one process. Each service gets its own NATS connection, as it
+would in its own process. Everything started here is stopped on exit, in
+reverse order, also when the body raises or is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from nats.aio.client import Client as NatsClient
+
+from agents import Agent, CommandExecutor, DynamoDriver
+from coordinator import Coordinator, CoordinatorConfig
+from lorabus.bus import close, connect
+from lorabus.client import UpdateClient
+from lorabus.natsserver import NatsServer
+from schemas import Naming, Subjects
+from simfleet import SimFleet
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedStack:
+    def __init__(
+        self,
+        world_sizes: Sequence[int] = (2, 4, 1, 1),
+        *,
+        fleet: str = "demo",
+        nats_url: str | None = None,
+        heartbeat_s: float = 0.5,
+        phase_timeout_s: float = 30.0,
+        verify_timeout_s: float = 60.0,
+        quorum_timeout_s: float = 30.0,
+        keep: int = 2,
+        naming: Naming = Naming.VERSIONED,
+        expected_world_size: int | None = None,
+    ) -> None:
+        self.world_sizes = list(world_sizes)
+        self.fleet_name = fleet
+        self._nats_url = nats_url
+        self._heartbeat_s = heartbeat_s
+        self._coordinator_options = {
+            "phase_timeout_s": phase_timeout_s, "verify_timeout_s": verify_timeout_s,
+            "quorum_timeout_s": quorum_timeout_s, "keep": keep, "naming": naming,
+        }
+        self._expected = expected_world_size or sum(self.world_sizes)
+        self.server: NatsServer | None = None
+        self.sim: SimFleet | None = None
+        self.coordinator: Coordinator | None = None
+        self.client: UpdateClient | None = None
+        self._exit = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._connections: list[NatsClient] = []
+
+    @property
+    def nats_url(self) -> str:
+        if self._nats_url is not None:
+            return self._nats_url
+        assert self.server is not None, "the stack is started"
+        return self.server.url
+
+    async def __aenter__(self) -> EmbeddedStack:
+        try:
+            await self._start()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def _start(self) -> None:
+        if self._nats_url is None:
+            self.server = await self._exit.enter_async_context(NatsServer())
+        self.sim = SimFleet.of_size(len(self.world_sizes), self.world_sizes)
+        await self._exit.enter_async_context(self.sim)
+        config = CoordinatorConfig(
+            fleet=self.fleet_name, frontend_url=self.sim.url,
+            expected_world_size=self._expected, **self._coordinator_options,  # type: ignore[arg-type]
+        )
+        self.coordinator = Coordinator(config)
+        await self._serve("coordinator", self.coordinator.run)
+        subjects = Subjects(fleet=self.fleet_name)
+        for worker in self.sim.workers.values():
+            driver = DynamoDriver(self.sim.system_url(worker.worker_id))
+            self._exit.push_async_callback(driver.aclose)
+            executor = CommandExecutor(worker.worker_id, worker.world_size, driver)
+            await executor.refresh()
+            agent = Agent(subjects, executor, heartbeat_s=self._heartbeat_s)
+            await self._serve(f"agent-{worker.worker_id}", agent.run)
+        client_nc = await self._connect("client")
+        self.client = UpdateClient(client_nc, self.fleet_name)
+
+    async def _connect(self, name: str) -> NatsClient:
+        nc = await connect(self.nats_url, name=f"lorabus-{name}")
+        self._connections.append(nc)
+        return nc
+
+    async def _serve(self, name: str, run: object) -> None:
+        nc = await self._connect(name)
+        ready = asyncio.Event()
+        task = asyncio.create_task(run(nc, ready), name=name)  # type: ignore[operator]
+        self._tasks.append(task)
+        waiter = asyncio.ensure_future(ready.wait())
+        done, _ = await asyncio.wait({task, waiter}, timeout=10,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task in done:
+            task.result()  # raises what killed it
+        if not ready.is_set():
+            raise RuntimeError(f"{name} did not become ready within 10s")
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        for task in reversed(self._tasks):
+            task.cancel()
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for task, result in zip(self._tasks, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("%s had died: %r", task.get_name(), result)
+        self._tasks.clear()
+        for nc in reversed(self._connections):
+            await close(nc)
+        self._connections.clear()
+        await self._exit.aclose()

@@ -1,0 +1,226 @@
+"""The wire contract: every message lorabus sends, as msgspec Structs.
+
+Each subject family has one tagged union (``type`` is the tag) so a receiver
+decodes with one reused Decoder and dispatches with ``match``. Every message has
+a version field ``v``; new fields get defaults and field types never change, so
+an older peer ignores what it does not know (msgspec drops unknown fields).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from schemas.errors import ErrorInfo
+from schemas.rankmap import RankMap
+
+WIRE_VERSION = 1
+
+
+class Phase(enum.StrEnum):
+    """The phases of one update, in the order they run."""
+
+    QUORUM = "quorum"
+    PAUSE = "pause"
+    LOAD = "load"
+    VERIFY = "verify"
+    RESUME = "resume"
+    UNLOAD = "unload"
+
+
+class Naming(enum.StrEnum):
+    VERSIONED = "versioned"
+    """Serve ``<adapter>-v<version>``: a new name per version, nothing replaced."""
+    FIXED = "fixed"
+    """Serve ``<adapter>``: unload then load under the same name inside the pause."""
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    v: int = WIRE_VERSION
+
+
+# -- commands: coordinator -> agents ------------------------------------------
+
+
+class _Command(_Message, frozen=True, kw_only=True):
+    update_id: str
+    targets: list[str]
+    """Worker ids that must act; every other agent ignores the command."""
+    budget_s: float
+    """How long the agent has, counted from when it receives the command."""
+
+
+class PauseCommand(_Command, frozen=True, kw_only=True, tag="pause"):
+    mode: str = "keep"
+
+
+class LoadCommand(_Command, frozen=True, kw_only=True, tag="load"):
+    served_name: str
+    path: str
+    replace: bool = False
+    """Unload ``served_name`` first if the engine has it (fixed naming)."""
+
+
+class ResumeCommand(_Command, frozen=True, kw_only=True, tag="resume"):
+    pass
+
+
+class UnloadCommand(_Command, frozen=True, kw_only=True, tag="unload"):
+    names: list[str]
+
+
+Command = PauseCommand | LoadCommand | ResumeCommand | UnloadCommand
+
+
+
+def tag_of(message: msgspec.Struct) -> str:
+    """The ``type`` tag a message is sent with (a command's tag is its phase)."""
+    tag = type(message).__struct_config__.tag
+    assert isinstance(tag, str), "every wire message has a string tag"
+    return tag
+
+
+def phase_of(command: Command) -> Phase:
+    return Phase(tag_of(command))
+
+
+# -- agent -> coordinator -----------------------------------------------------
+
+
+class Ack(_Message, frozen=True, kw_only=True, tag="ack"):
+    update_id: str
+    phase: Phase
+    worker_id: str
+    ok: bool
+    world_size: int
+    adapters: list[str]
+    """The engine's adapter list as last read back."""
+    paused: bool
+    error: ErrorInfo | None = None
+    duration_s: float = 0.0
+
+
+class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
+    worker_id: str
+    world_size: int
+    engine: str
+    adapters: list[str]
+    paused: bool
+    interval_s: float
+    """The agent's beat period; it counts as gone after three missed beats."""
+
+
+# -- orchestrator <-> coordinator ---------------------------------------------
+
+
+class UpdateRequest(_Message, frozen=True, kw_only=True, tag="update_request"):
+    update_id: str
+    adapter: str
+    path: str
+    version: int | None = None
+    """Policy version (trainer step); None means one past the committed version."""
+
+
+class WorkerOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    ok: bool
+    world_size: int
+    error: ErrorInfo | None = None
+    adapters: list[str] = []
+
+
+class UpdateResult(_Message, frozen=True, kw_only=True, tag="update_result"):
+    update_id: str
+    status: str
+    """``committed`` or ``failed``."""
+    adapter: str
+    """The served name (``<adapter>-v<version>`` with versioned naming)."""
+    version: int | None
+    rank_map: RankMap | None = None
+    phases: dict[str, float] = {}
+    """Seconds spent in each phase that ran."""
+    workers: dict[str, WorkerOutcome] = {}
+    error: ErrorInfo | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.status == COMMITTED
+
+
+COMMITTED = "committed"
+FAILED = "failed"
+
+
+class StatusRequest(_Message, frozen=True, kw_only=True, tag="status_request"):
+    pass
+
+
+class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    world_size: int
+    engine: str
+    paused: bool
+    adapters: list[str]
+    heartbeat_age_s: float
+    rank_offset: int | None = None
+
+
+class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
+    fleet: str
+    expected_world_size: int
+    live_world_size: int
+    members: list[MemberStatus]
+    committed_adapter: str | None = None
+    committed_version: int | None = None
+    rank_map: RankMap | None = None
+    in_flight: str | None = None
+    """The update id being run now, if any."""
+
+
+# -- events: anyone -> the audit tap ------------------------------------------
+
+
+class _Event(_Message, frozen=True, kw_only=True):
+    ts: float
+    """Unix time at the emitter."""
+    source: str
+    """``coordinator`` or ``agent:<worker_id>``."""
+
+
+class UpdateStarted(_Event, frozen=True, kw_only=True, tag="update_started"):
+    update_id: str
+    adapter: str
+    version: int
+    members: dict[str, int]
+
+
+class PhaseFinished(_Event, frozen=True, kw_only=True, tag="phase_finished"):
+    update_id: str
+    phase: Phase
+    ok: bool
+    duration_s: float
+    missing: list[str] = []
+    failed: list[str] = []
+
+
+class UpdateFinished(_Event, frozen=True, kw_only=True, tag="update_finished"):
+    update_id: str
+    status: str
+    error: ErrorInfo | None = None
+
+
+class CommandHandled(_Event, frozen=True, kw_only=True, tag="command_handled"):
+    update_id: str
+    phase: Phase
+    worker_id: str
+    ok: bool
+    error: ErrorInfo | None = None
+
+
+class BadMessage(_Event, frozen=True, kw_only=True, tag="bad_message"):
+    subject: str
+    error: str
+    size: int
+
+
+Event = UpdateStarted | PhaseFinished | UpdateFinished | CommandHandled | BadMessage

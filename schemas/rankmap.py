@@ -1,0 +1,52 @@
+"""The rank map of the trainer -> inference weight-broadcast group (NCCL/NIXL).
+
+The trainer is rank 0. Workers are ordered by worker id in plain string order
+(``sorted()`` on ``str``: "w10" sorts before "w2"), never by arrival or list
+order, so every process that builds the map from the same membership gets the
+same ranks. Each worker owns ``world_size`` consecutive ranks starting at its
+``rank_offset``; tensor-parallel sizes may differ between workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import msgspec
+
+
+class RankEntry(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    world_size: int
+    rank_offset: int
+
+
+class RankMap(msgspec.Struct, frozen=True, kw_only=True):
+    world_size: int
+    """Size of the whole group: 1 (the trainer) + every worker's world size."""
+    entries: list[RankEntry]
+    membership_version: str
+    """A digest of the membership: when it changes, the group must be rebuilt."""
+
+    def offset_of(self, worker_id: str) -> int | None:
+        for entry in self.entries:
+            if entry.worker_id == worker_id:
+                return entry.rank_offset
+        return None
+
+
+def build_rank_map(world_sizes: Mapping[str, int]) -> RankMap:
+    """Build the rank map of a membership given as ``{worker_id: world_size}``."""
+    entries: list[RankEntry] = []
+    next_rank = 1
+    digest = hashlib.sha256()
+    for worker_id in sorted(world_sizes):
+        size = world_sizes[worker_id]
+        if size < 1:
+            raise ValueError(f"worker {worker_id!r} has world size {size}; it must be >= 1")
+        entries.append(RankEntry(worker_id=worker_id, world_size=size, rank_offset=next_rank))
+        digest.update(f"{worker_id}={size};".encode())
+        next_rank += size
+    return RankMap(
+        world_size=next_rank, entries=entries, membership_version=digest.hexdigest()[:16]
+    )

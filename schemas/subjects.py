@@ -1,0 +1,76 @@
+"""Every NATS subject lorabus uses, built in one place.
+
+Callers never format subjects themselves: a typo in one f-string would make a
+command vanish silently (core NATS drops what nobody subscribed to).
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_token(kind: str, value: str) -> str:
+    """Return ``value`` if it can stand as one subject token, else raise ValueError.
+
+    Worker ids and fleet names become subject tokens, so dots, wildcards and
+    spaces would change which subscribers a message reaches.
+    """
+    if not _TOKEN.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not valid: use 1-64 letters, digits, '_' or '-'"
+        )
+    return value
+
+
+class Subjects(msgspec.Struct, frozen=True):
+    """The subjects of one fleet: ``<prefix>.<fleet>.<family>[.<worker>]``."""
+
+    fleet: str
+    prefix: str = "lorabus"
+
+    def __post_init__(self) -> None:
+        check_token("fleet", self.fleet)
+        for part in self.prefix.split("."):
+            check_token("subject prefix part", part)
+
+    @property
+    def _base(self) -> str:
+        return f"{self.prefix}.{self.fleet}"
+
+    def cmd(self) -> str:
+        """Coordinator -> every agent of the fleet (one publish, NATS fans out)."""
+        return f"{self._base}.cmd"
+
+    def cmd_worker(self, worker_id: str) -> str:
+        """Coordinator -> one agent: the targeted re-send to a straggler."""
+        return f"{self._base}.cmd.{worker_id}"
+
+    def ack(self, worker_id: str) -> str:
+        return f"{self._base}.ack.{worker_id}"
+
+    def ack_any(self) -> str:
+        return f"{self._base}.ack.*"
+
+    def heartbeat(self, worker_id: str) -> str:
+        return f"{self._base}.hb.{worker_id}"
+
+    def heartbeat_any(self) -> str:
+        return f"{self._base}.hb.*"
+
+    def update_request(self) -> str:
+        """Orchestrator -> coordinator, request/reply; the reply is the result."""
+        return f"{self._base}.req.update"
+
+    def status_request(self) -> str:
+        """Anyone -> coordinator, request/reply; the reply is the fleet status."""
+        return f"{self._base}.req.status"
+
+    def event(self, kind: str) -> str:
+        return f"{self._base}.evt.{kind}"
+
+    def event_any(self) -> str:
+        return f"{self._base}.evt.>"
