@@ -20,7 +20,8 @@ from tenacity import (
     retry_if_exception,
     stop_after_attempt,
     stop_after_delay,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 
 from schemas import EngineError
@@ -88,7 +89,7 @@ class DynamoDriver:
     async def _retrying(self, call: Any, budget_s: float) -> None:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._attempts) | stop_after_delay(max(budget_s, 0.0)),
-            wait=wait_exponential_jitter(initial=0.1, max=2.0, jitter=0.1),
+            wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.1),
             retry=retry_if_exception(_is_retryable),
             reraise=True,
         )

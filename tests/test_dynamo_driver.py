@@ -1,0 +1,92 @@
+"""The Dynamo driver sends exactly ENGINES.md's requests and reads answers strictly."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from agents import DynamoDriver
+from schemas import EngineError
+from simfleet import SimFleet
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimFleet]:
+    async with SimFleet(["w1"], [2], api_key="k") as fleet:
+        yield fleet
+
+
+@pytest.fixture
+async def driver(sim: SimFleet) -> AsyncIterator[DynamoDriver]:
+    engine = DynamoDriver(sim.system_url("w1"), headers={"Authorization": "Bearer k"},
+                          timeout_s=5)
+    yield engine
+    await engine.aclose()
+
+
+def _calls(sim: SimFleet) -> list[tuple[str, str, object]]:
+    return [(r.method, r.path, r.body) for r in sim.workers["w1"].requests]
+
+
+async def test_pause_load_list_unload_resume_use_dynamos_routes_and_bodies(
+    sim: SimFleet, driver: DynamoDriver, make_adapter: Callable[[int], str]
+) -> None:
+    path = make_adapter(1)
+    await driver.pause()
+    await driver.load_adapter("org/policy-v1", path, budget_s=5)
+    listed = await driver.list_adapters()
+    await driver.unload_adapter("org/policy-v1")
+    await driver.resume()
+
+    assert listed == ["org/policy-v1"]
+    assert _calls(sim) == [
+        ("POST", "/engine/pause_generation", {"mode": "keep", "clear_cache": False}),
+        ("POST", "/v1/loras",
+         {"lora_name": "org/policy-v1", "source": {"uri": Path(path).as_uri()}}),
+        ("GET", "/v1/loras", None),
+        ("DELETE", "/v1/loras/org/policy-v1", None),
+        ("POST", "/engine/resume_generation", {}),
+    ]
+
+
+async def test_http_200_with_status_error_is_a_failure(
+    sim: SimFleet, driver: DynamoDriver, tmp_path: Path
+) -> None:
+    sim.workers["w1"].set_faults(status_error_quirk=True)
+
+    with pytest.raises(EngineError, match="answered 200 with an error"):
+        await driver.load_adapter("p", str(tmp_path / "missing"), budget_s=0.5)
+
+
+async def test_a_server_error_is_retried_until_the_load_succeeds(
+    sim: SimFleet, driver: DynamoDriver, make_adapter: Callable[[int], str]
+) -> None:
+    sim.workers["w1"].set_faults(fail_next_loads=3)
+
+    await driver.load_adapter("p", make_adapter(1), budget_s=10)
+
+    assert [c[:2] for c in _calls(sim)] == [("POST", "/v1/loras")] * 4
+
+
+async def test_a_client_error_other_than_404_is_not_retried(sim: SimFleet) -> None:
+    unauthenticated = DynamoDriver(sim.system_url("w1"), timeout_s=5)
+    try:
+        with pytest.raises(EngineError, match="401") as raised:
+            await unauthenticated.load_adapter("p", "/nowhere", budget_s=10)
+    finally:
+        await unauthenticated.aclose()
+
+    assert raised.value.status == 401 and not raised.value.retryable
+    assert len(sim.workers["w1"].requests) == 1
+
+
+async def test_an_unreachable_engine_is_a_retryable_engine_error() -> None:
+    engine = DynamoDriver("http://127.0.0.1:9", timeout_s=1)
+    try:
+        with pytest.raises(EngineError, match="failed: ConnectError") as raised:
+            await engine.pause()
+    finally:
+        await engine.aclose()
+    assert raised.value.retryable

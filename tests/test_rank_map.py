@@ -1,0 +1,34 @@
+"""Rank offsets follow worker-id order and each worker's own world size."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas import build_rank_map
+
+
+def test_heterogeneous_world_sizes_get_offsets_after_the_trainer() -> None:
+    rank_map = build_rank_map({"c": 1, "a": 2, "b": 4})
+
+    assert [(e.worker_id, e.rank_offset) for e in rank_map.entries] == [
+        ("a", 1), ("b", 3), ("c", 7)
+    ]
+    assert rank_map.world_size == 8
+
+
+def test_workers_are_ordered_by_plain_string_order() -> None:
+    rank_map = build_rank_map({"w2": 1, "w10": 1})
+
+    assert [e.worker_id for e in rank_map.entries] == ["w10", "w2"]
+
+
+def test_membership_version_changes_with_membership_only() -> None:
+    same = build_rank_map({"a": 1, "b": 2}).membership_version
+    assert build_rank_map({"b": 2, "a": 1}).membership_version == same
+    assert build_rank_map({"a": 1, "b": 4}).membership_version != same
+    assert build_rank_map({"a": 1}).membership_version != same
+
+
+def test_a_world_size_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="world size 0"):
+        build_rank_map({"a": 0})

@@ -1,0 +1,104 @@
+"""An update over mixed world sizes commits everywhere and leaves nobody paused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+
+from lorabus.stack import EmbeddedStack
+from schemas import Naming
+
+
+def _stack(nats_url: str, fleet_name: str, sizes: list[int], **kw: object) -> EmbeddedStack:
+    return EmbeddedStack(sizes, fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2,
+                         phase_timeout_s=10, **kw)  # type: ignore[arg-type]
+
+
+async def test_update_commits_on_every_worker_with_heterogeneous_ranks(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with _stack(nats_url, fleet_name, [2, 4, 1]) as stack:
+        assert stack.client is not None and stack.sim is not None
+        result = await stack.client.update("policy", make_adapter(1), version=1, timeout_s=30)
+
+        assert result.status == "committed", result.error
+        assert result.adapter == "policy-v1"
+        assert result.rank_map is not None
+        assert [(e.worker_id, e.world_size, e.rank_offset) for e in result.rank_map.entries] == [
+            ("w000", 2, 1), ("w001", 4, 3), ("w002", 1, 7)
+        ]
+        assert result.rank_map.world_size == 8
+        assert set(result.phases) == {"quorum", "pause", "load", "verify", "resume"}
+        assert all(outcome.ok and "policy-v1" in outcome.adapters
+                   for outcome in result.workers.values())
+        for worker in stack.sim.workers.values():
+            assert "policy-v1" in worker.adapters, worker.worker_id
+            assert not worker.paused, worker.worker_id
+        async with httpx.AsyncClient(timeout=5) as http:
+            listing = (await http.get(f"{stack.sim.url}/v1/models")).json()
+        assert "policy-v1" in {model["id"] for model in listing["data"]}
+
+
+async def test_versions_beyond_keep_are_unloaded(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with _stack(nats_url, fleet_name, [1, 2], keep=2) as stack:
+        assert stack.client is not None and stack.sim is not None
+        for step in (1, 2, 3):
+            result = await stack.client.update("policy", make_adapter(step), version=step)
+            assert result.committed, result.error
+        for worker in stack.sim.workers.values():
+            assert sorted(worker.adapters) == ["policy-v2", "policy-v3"]
+
+
+async def test_repeated_update_id_returns_the_first_result_without_engine_work(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with _stack(nats_url, fleet_name, [1, 1]) as stack:
+        assert stack.client is not None and stack.sim is not None
+        first = await stack.client.update("policy", make_adapter(1), version=1,
+                                          update_id="step-1")
+        requests_after_first = sum(len(w.requests) for w in stack.sim.workers.values())
+        again = await stack.client.update("policy", "/elsewhere", version=9, update_id="step-1")
+
+        assert again == first
+        assert sum(len(w.requests) for w in stack.sim.workers.values()) == requests_after_first
+
+
+async def test_asking_again_for_the_committed_version_touches_no_engine(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with _stack(nats_url, fleet_name, [1, 1]) as stack:
+        assert stack.client is not None and stack.sim is not None
+        path = make_adapter(4)
+        first = await stack.client.update("policy", path, version=4)
+        requests_after_first = sum(len(w.requests) for w in stack.sim.workers.values())
+        again = await stack.client.update("policy", path, version=4)
+
+        assert first.committed and again.committed
+        assert again.update_id != first.update_id
+        assert again.rank_map == first.rank_map
+        assert sum(len(w.requests) for w in stack.sim.workers.values()) == requests_after_first
+
+
+async def test_fixed_naming_unloads_then_loads_inside_the_pause(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with _stack(nats_url, fleet_name, [1], naming=Naming.FIXED) as stack:
+        assert stack.client is not None and stack.sim is not None
+        assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
+        worker = stack.sim.workers["w000"]
+        worker.requests.clear()
+        result = await stack.client.update("policy", make_adapter(2), version=2)
+
+        assert result.committed and result.adapter == "policy"
+        calls = [(r.method, r.path) for r in worker.requests if r.path != "/v1/loras"
+                 or r.method != "GET"]
+        assert calls == [
+            ("POST", "/engine/pause_generation"),
+            ("DELETE", "/v1/loras/policy"),
+            ("POST", "/v1/loras"),
+            ("POST", "/engine/resume_generation"),
+        ]
+        assert worker.adapters == {"policy": worker.adapters["policy"]}

@@ -1,0 +1,82 @@
+"""Requests are validated and named before any engine is touched."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.plan import Committed, StaleVersion, plan_update, retired_names
+from schemas import BadRequest, Naming, UpdateRequest, build_rank_map
+
+CONFIG = CoordinatorConfig(fleet="f", frontend_url="http://127.0.0.1:1", expected_world_size=1)
+
+
+def _committed(version: int, path: str = "/ckpt/step_5") -> Committed:
+    return Committed(adapter="policy", version=version, path=path,
+                     served_name=f"policy-v{version}", rank_map=build_rank_map({"w": 1}))
+
+
+def _request(**kw: object) -> UpdateRequest:
+    fields = {"update_id": "u", "adapter": "policy", "path": "/ckpt/step_1"} | kw
+    return UpdateRequest(**fields)  # type: ignore[arg-type]
+
+
+def test_versioned_naming_serves_a_new_name_per_version() -> None:
+    plan = plan_update(_request(version=7), CONFIG, None)
+
+    assert (plan.served_name, plan.replace, plan.version) == ("policy-v7", False, 7)
+
+
+def test_fixed_naming_replaces_the_name_in_place() -> None:
+    config = CoordinatorConfig(fleet="f", frontend_url="http://x", expected_world_size=1,
+                               naming=Naming.FIXED)
+    plan = plan_update(_request(version=7), config, None)
+
+    assert (plan.served_name, plan.replace) == ("policy", True)
+
+
+def test_a_missing_version_is_one_past_the_committed_one() -> None:
+    assert plan_update(_request(), CONFIG, None).version == 1
+    assert plan_update(_request(), CONFIG, _committed(5)).version == 6
+
+
+@pytest.mark.parametrize("name", ["", "-x", "a b", "a..b", "x/", "a//b", "ü"])
+def test_bad_adapter_names_are_refused(name: str) -> None:
+    with pytest.raises(BadRequest, match="adapter name"):
+        plan_update(_request(adapter=name), CONFIG, None)
+
+
+def test_paths_must_be_absolute_and_under_the_roots() -> None:
+    with pytest.raises(BadRequest, match="absolute"):
+        plan_update(_request(path="ckpt/step_1"), CONFIG, None)
+    rooted = CoordinatorConfig(fleet="f", frontend_url="http://x", expected_world_size=1,
+                               adapter_roots=["/ckpt"])
+    assert plan_update(_request(path="/ckpt/step_1"), rooted, None).path == "/ckpt/step_1"
+    with pytest.raises(BadRequest, match="outside the adapter roots"):
+        plan_update(_request(path="/ckpt/../etc"), rooted, None)
+    with pytest.raises(BadRequest, match="outside the adapter roots"):
+        plan_update(_request(path="/ckpt-other/step_1"), rooted, None)
+
+
+def test_an_older_version_is_stale_and_the_same_version_needs_the_same_path() -> None:
+    with pytest.raises(StaleVersion, match="older than the committed version 5"):
+        plan_update(_request(version=4), CONFIG, _committed(5))
+    with pytest.raises(BadRequest, match="already committed"):
+        plan_update(_request(version=5, path="/ckpt/other"), CONFIG, _committed(5))
+
+
+def test_retired_names_keep_the_newest_versions_of_that_adapter_only() -> None:
+    loaded = {"policy-v1", "policy-v2", "policy-v10", "other-v1", "policy", "policy-vx"}
+
+    assert sorted(retired_names("policy", loaded, keep=2)) == ["policy-v1"]
+    assert sorted(retired_names("policy", loaded, keep=1)) == ["policy-v1", "policy-v2"]
+
+
+def test_bad_settings_are_refused_with_the_setting_named() -> None:
+    with pytest.raises(ValueError, match="keep"):
+        CoordinatorConfig(fleet="f", frontend_url="http://x", expected_world_size=1, keep=0)
+    with pytest.raises(ValueError, match="phase timeout"):
+        CoordinatorConfig(fleet="f", frontend_url="http://x", expected_world_size=1,
+                          phase_timeout_s=0)
+    with pytest.raises(ValueError, match="http"):
+        CoordinatorConfig(fleet="f", frontend_url="ftp://x", expected_world_size=1)
