@@ -82,12 +82,18 @@ class Agent:
         try:
             command = command_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
-            log.warning("worker=%s dropped a malformed command on %s: %s",
-                        self.worker_id, msg.subject, exc)
-            await self._emit(BadMessage(
-                ts=time.time(), source=self._source, subject=msg.subject,
-                error=str(exc), size=len(msg.data),
-            ))
+            log.warning(
+                "worker=%s dropped a malformed command on %s: %s", self.worker_id, msg.subject, exc
+            )
+            await self._emit(
+                BadMessage(
+                    ts=time.time(),
+                    source=self._source,
+                    subject=msg.subject,
+                    error=str(exc),
+                    size=len(msg.data),
+                )
+            )
             return
         if self.worker_id not in command.targets:
             return
@@ -112,10 +118,17 @@ class Agent:
             while len(self._acks) > _REMEMBERED_ACKS:
                 self._acks.popitem(last=False)
             await self._publish_ack(ack)
-            await self._emit(CommandHandled(
-                ts=time.time(), source=self._source, update_id=command.update_id,
-                phase=phase_of(command), worker_id=self.worker_id, ok=ack.ok, error=ack.error,
-            ))
+            await self._emit(
+                CommandHandled(
+                    ts=time.time(),
+                    source=self._source,
+                    update_id=command.update_id,
+                    phase=phase_of(command),
+                    worker_id=self.worker_id,
+                    ok=ack.ok,
+                    error=ack.error,
+                )
+            )
             await self._beat()
 
     async def _heartbeat_loop(self) -> None:
@@ -125,10 +138,19 @@ class Agent:
 
     async def _beat(self) -> None:
         ex = self.executor
-        await self._publish(self.subjects.heartbeat(self.worker_id), encode(Heartbeat(
-            worker_id=self.worker_id, world_size=ex.world_size, engine=ex.driver.kind,
-            adapters=list(ex.adapters), paused=ex.paused, interval_s=self.heartbeat_s,
-        )))
+        await self._publish(
+            self.subjects.heartbeat(self.worker_id),
+            encode(
+                Heartbeat(
+                    worker_id=self.worker_id,
+                    world_size=ex.world_size,
+                    engine=ex.driver.kind,
+                    adapters=list(ex.adapters),
+                    paused=ex.paused,
+                    interval_s=self.heartbeat_s,
+                )
+            ),
+        )
 
     async def _publish_ack(self, ack: Ack) -> None:
         await self._publish(self.subjects.ack(self.worker_id), encode(ack))

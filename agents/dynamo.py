@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
@@ -70,7 +70,10 @@ class DynamoDriver:
         )
 
     async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:
-        uri = Path(path).absolute().as_uri()
+        try:
+            uri = PurePosixPath(path).as_uri()
+        except ValueError as exc:
+            raise EngineError(f"adapter path {path!r} is not absolute") from exc
         body = {"lora_name": name, "source": {"uri": uri}}
         # A shared filesystem can show a fresh adapter directory late: the engine
         # then answers 404/5xx, which is worth retrying; other 4xx are final.

@@ -20,8 +20,11 @@ _REMEMBERED_RESULTS = 4096
 
 def failed_result(request: UpdateRequest, error: ErrorInfo) -> UpdateResult:
     return UpdateResult(
-        update_id=request.update_id, status=FAILED, adapter=request.adapter,
-        version=request.version, error=error,
+        update_id=request.update_id,
+        status=FAILED,
+        adapter=request.adapter,
+        version=request.version,
+        error=error,
     )
 
 
@@ -58,11 +61,17 @@ class UpdateBook:
         request = self._queue.pop(0)
         for newer in self._queue:
             if _supersedes(newer, request):
-                self.finish(request, failed_result(request, ErrorInfo(
-                    code=ErrorCode.SUPERSEDED,
-                    message=f"version {newer.version} of {request.adapter!r} was requested "
-                    f"(update {newer.update_id}) before this one could start",
-                )))
+                self.finish(
+                    request,
+                    failed_result(
+                        request,
+                        ErrorInfo(
+                            code=ErrorCode.SUPERSEDED,
+                            message=f"version {newer.version} of {request.adapter!r} was requested "
+                            f"(update {newer.update_id}) before this one could start",
+                        ),
+                    ),
+                )
                 return await self.next_request()
         self.running = request.update_id
         return request

@@ -36,4 +36,6 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.keep < 1:
             raise ValueError("keep must be >= 1: the committed version is always kept")
         if not self.frontend_url.startswith(("http://", "https://")):
-            raise ValueError(f"frontend URL {self.frontend_url!r} must start with http:// or https://")
+            raise ValueError(
+                f"frontend URL {self.frontend_url!r} must start with http:// or https://"
+            )

@@ -41,6 +41,7 @@ from schemas import (
     UpdateStarted,
     WorkerOutcome,
     build_rank_map,
+    phase_of,
 )
 
 log = logging.getLogger(__name__)
@@ -130,13 +131,19 @@ class UpdateRunner:
             )
         except QuorumNotReached as exc:
             phases[Phase.QUORUM] = time.monotonic() - started
-            error = ErrorInfo(code=ErrorCode.QUORUM_TIMEOUT, message=str(exc))
-            return self._result(plan, FAILED, phases, {}, None, error)
+            quorum_error = ErrorInfo(code=ErrorCode.QUORUM_TIMEOUT, message=str(exc))
+            return self._result(plan, FAILED, phases, {}, None, quorum_error)
         phases[Phase.QUORUM] = time.monotonic() - started
-        await self.bus.emit(UpdateStarted(
-            ts=time.time(), source="coordinator", update_id=plan.update_id,
-            adapter=plan.served_name, version=plan.version, members=members,
-        ))
+        await self.bus.emit(
+            UpdateStarted(
+                ts=time.time(),
+                source="coordinator",
+                update_id=plan.update_id,
+                adapter=plan.served_name,
+                version=plan.version,
+                members=members,
+            )
+        )
 
         targets = sorted(members)
         errors: dict[str, ErrorInfo] = {}
@@ -145,9 +152,14 @@ class UpdateRunner:
         try:
             error, errors, load = await self._pause_load_verify(plan, targets, phases)
         finally:
-            resume = await self._phase(ResumeCommand(
-                update_id=plan.update_id, targets=targets, budget_s=self.config.phase_timeout_s,
-            ), phases)
+            resume = await self._phase(
+                ResumeCommand(
+                    update_id=plan.update_id,
+                    targets=targets,
+                    budget_s=self.config.phase_timeout_s,
+                ),
+                phases,
+            )
             for wid, err in resume.worker_errors().items():
                 errors.setdefault(wid, err)
             if not resume.ok and error is None:
@@ -168,10 +180,17 @@ class UpdateRunner:
         )
         if not pause.ok:
             return pause.summary(), pause.worker_errors(), None
-        load = await self._phase(LoadCommand(
-            update_id=plan.update_id, targets=targets, budget_s=budget,
-            served_name=plan.served_name, path=plan.path, replace=plan.replace,
-        ), phases)
+        load = await self._phase(
+            LoadCommand(
+                update_id=plan.update_id,
+                targets=targets,
+                budget_s=budget,
+                served_name=plan.served_name,
+                path=plan.path,
+                replace=plan.replace,
+            ),
+            phases,
+        )
         if not load.ok:
             return load.summary(), load.worker_errors(), load
         return await self._verify(plan, load, phases), {}, load
@@ -196,7 +215,10 @@ class UpdateRunner:
             phases[Phase.VERIFY] = time.monotonic() - started
 
     async def _retire_old_versions(
-        self, plan: UpdatePlan, load: PhaseOutcome | None, targets: list[str],
+        self,
+        plan: UpdatePlan,
+        load: PhaseOutcome | None,
+        targets: list[str],
         phases: dict[str, float],
     ) -> None:
         if plan.replace or load is None:
@@ -205,28 +227,41 @@ class UpdateRunner:
         names = retired_names(plan.adapter, loaded, self.config.keep)
         if not names:
             return
-        outcome = await self._phase(UnloadCommand(
-            update_id=plan.update_id, targets=targets, budget_s=self.config.phase_timeout_s,
-            names=names,
-        ), phases)
+        outcome = await self._phase(
+            UnloadCommand(
+                update_id=plan.update_id,
+                targets=targets,
+                budget_s=self.config.phase_timeout_s,
+                names=names,
+            ),
+            phases,
+        )
         if not outcome.ok:
-            log.warning("update=%s retiring %s: %s", plan.update_id, names,
-                        outcome.summary().message)
+            log.warning(
+                "update=%s retiring %s: %s", plan.update_id, names, outcome.summary().message
+            )
 
     async def _phase(self, command: Command, phases: dict[str, float]) -> PhaseOutcome:
         outcome = await self._gather(command)
         phases[outcome.phase] = outcome.duration_s
-        await self.bus.emit(PhaseFinished(
-            ts=time.time(), source="coordinator", update_id=command.update_id,
-            phase=outcome.phase, ok=outcome.ok, duration_s=outcome.duration_s,
-            missing=sorted(outcome.missing + outcome.lost), failed=outcome.failed,
-        ))
+        await self.bus.emit(
+            PhaseFinished(
+                ts=time.time(),
+                source="coordinator",
+                update_id=command.update_id,
+                phase=outcome.phase,
+                ok=outcome.ok,
+                duration_s=outcome.duration_s,
+                missing=sorted(outcome.missing + outcome.lost),
+                failed=outcome.failed,
+            )
+        )
         if not outcome.ok:
             log.warning("update=%s %s", command.update_id, outcome.summary().message)
         return outcome
 
     async def _gather(self, command: Command) -> PhaseOutcome:
-        phase = Phase(type(command).__struct_config__.tag)
+        phase = phase_of(command)
         timeout_s = command.budget_s
         gather = self.bus.acks.expect(command.update_id, phase, command.targets)
         started = time.monotonic()
@@ -252,8 +287,12 @@ class UpdateRunner:
         finally:
             self.bus.acks.close(gather)
         return PhaseOutcome(
-            phase=phase, acks=gather.acks, missing=sorted(gather.waiting),
-            lost=sorted(gather.lost), duration_s=time.monotonic() - started, timeout_s=timeout_s,
+            phase=phase,
+            acks=gather.acks,
+            missing=sorted(gather.waiting),
+            lost=sorted(gather.lost),
+            duration_s=time.monotonic() - started,
+            timeout_s=timeout_s,
         )
 
     def _result(
@@ -279,8 +318,12 @@ class UpdateRunner:
             for wid, size in sorted(members.items())
         }
         return UpdateResult(
-            update_id=plan.update_id, status=status, adapter=plan.served_name,
-            version=plan.version, rank_map=rank_map,
+            update_id=plan.update_id,
+            status=status,
+            adapter=plan.served_name,
+            version=plan.version,
+            rank_map=rank_map,
             phases={str(k): round(v, 6) for k, v in phases.items()},
-            workers=workers, error=error,
+            workers=workers,
+            error=error,
         )

@@ -62,7 +62,9 @@ class Membership:
                 return sizes
             remaining = deadline - self._clock()
             if remaining <= 0:
-                raise QuorumNotReached(_quorum_message(sizes, total, expected_world_size, timeout_s))
+                raise QuorumNotReached(
+                    _quorum_message(sizes, total, expected_world_size, timeout_s)
+                )
             self._changed.clear()
             # Wake on a new member or a world-size change, and at least every
             # 100 ms so members that stopped beating drop out of the sum.

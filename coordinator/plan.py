@@ -61,16 +61,18 @@ def plan_update(
     else:
         served_name, replace = request.adapter, True
     return UpdatePlan(
-        update_id=request.update_id, adapter=request.adapter, version=version, path=path,
-        served_name=served_name, replace=replace,
+        update_id=request.update_id,
+        adapter=request.adapter,
+        version=version,
+        path=path,
+        served_name=served_name,
+        replace=replace,
     )
 
 
 def is_already_committed(plan: UpdatePlan, committed: Committed | None) -> bool:
     return (
-        committed is not None
-        and committed.version == plan.version
-        and committed.path == plan.path
+        committed is not None and committed.version == plan.version and committed.path == plan.path
     )
 
 

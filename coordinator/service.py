@@ -77,7 +77,8 @@ class Coordinator:
         """Serve the fleet until cancelled; set ``ready`` once subscribed."""
         bus = _NatsCommandBus(nc, self.subjects)
         frontend = FrontendClient(
-            self.config.frontend_url, headers=self.config.headers,
+            self.config.frontend_url,
+            headers=self.config.headers,
             timeout_s=self.config.http_timeout_s,
         )
         runner = UpdateRunner(self.config, self.membership, frontend, bus)
@@ -101,9 +102,12 @@ class Coordinator:
                     for sub in subs:
                         await _quietly(sub.unsubscribe())
         finally:
-            self.book.fail_all_pending(ErrorInfo(
-                code=ErrorCode.INTERNAL, message="the coordinator stopped before this update ran",
-            ))
+            self.book.fail_all_pending(
+                ErrorInfo(
+                    code=ErrorCode.INTERNAL,
+                    message="the coordinator stopped before this update ran",
+                )
+            )
             await frontend.aclose()
 
     async def _run_updates(self, runner: UpdateRunner, bus: _NatsCommandBus) -> None:
@@ -111,12 +115,21 @@ class Coordinator:
             request = await self.book.next_request()
             result = await self._execute(request, runner)
             self.book.finish(request, result)
-            await bus.emit(UpdateFinished(
-                ts=time.time(), source="coordinator", update_id=request.update_id,
-                status=result.status, error=result.error,
-            ))
-            log.info("update=%s %s %s", request.update_id, result.status,
-                     result.error.message if result.error else result.adapter)
+            await bus.emit(
+                UpdateFinished(
+                    ts=time.time(),
+                    source="coordinator",
+                    update_id=request.update_id,
+                    status=result.status,
+                    error=result.error,
+                )
+            )
+            log.info(
+                "update=%s %s %s",
+                request.update_id,
+                result.status,
+                result.error.message if result.error else result.adapter,
+            )
 
     async def _execute(self, request: UpdateRequest, runner: UpdateRunner) -> UpdateResult:
         try:
@@ -124,24 +137,35 @@ class Coordinator:
             plan = plan_update(request, self.config, committed)
             if committed is not None and is_already_committed(plan, committed):
                 return UpdateResult(
-                    update_id=request.update_id, status="committed",
-                    adapter=committed.served_name, version=committed.version,
+                    update_id=request.update_id,
+                    status="committed",
+                    adapter=committed.served_name,
+                    version=committed.version,
                     rank_map=committed.rank_map,
                 )
             result = await runner.run(plan)
             if result.committed and result.rank_map is not None:
-                self.book.commit(Committed(
-                    adapter=plan.adapter, version=plan.version, path=plan.path,
-                    served_name=plan.served_name, rank_map=result.rank_map,
-                ))
+                self.book.commit(
+                    Committed(
+                        adapter=plan.adapter,
+                        version=plan.version,
+                        path=plan.path,
+                        served_name=plan.served_name,
+                        rank_map=result.rank_map,
+                    )
+                )
             return result
         except LorabusError as exc:
             return failed_result(request, exc.info())
         except Exception as exc:
             log.exception("update=%s crashed", request.update_id)
-            return failed_result(request, ErrorInfo(
-                code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}",
-            ))
+            return failed_result(
+                request,
+                ErrorInfo(
+                    code=ErrorCode.INTERNAL,
+                    message=f"{type(exc).__name__}: {exc}",
+                ),
+            )
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -149,7 +173,7 @@ class Coordinator:
         except msgspec.DecodeError as exc:
             log.warning("dropped a malformed heartbeat on %s: %s", msg.subject, exc)
 
-    def _make_ack_cb(self, bus: _NatsCommandBus):  # noqa: ANN202 - a nats callback
+    def _make_ack_cb(self, bus: _NatsCommandBus):
         async def on_ack(msg: Msg) -> None:
             try:
                 bus.acks.route(ack_decoder.decode(msg.data))
@@ -158,19 +182,31 @@ class Coordinator:
 
         return on_ack
 
-    def _make_request_cb(self, tasks: asyncio.TaskGroup, bus: _NatsCommandBus):  # noqa: ANN202
+    def _make_request_cb(self, tasks: asyncio.TaskGroup, bus: _NatsCommandBus):
         async def on_request(msg: Msg) -> None:
             try:
                 request = update_request_decoder.decode(msg.data)
             except msgspec.DecodeError as exc:
-                await bus.emit(BadMessage(
-                    ts=time.time(), source="coordinator", subject=msg.subject,
-                    error=str(exc), size=len(msg.data),
-                ))
+                await bus.emit(
+                    BadMessage(
+                        ts=time.time(),
+                        source="coordinator",
+                        subject=msg.subject,
+                        error=str(exc),
+                        size=len(msg.data),
+                    )
+                )
                 bad = UpdateRequest(update_id="", adapter="", path="")
-                await _reply(msg, failed_result(bad, ErrorInfo(
-                    code=ErrorCode.BAD_REQUEST, message=f"malformed update request: {exc}",
-                )))
+                await _reply(
+                    msg,
+                    failed_result(
+                        bad,
+                        ErrorInfo(
+                            code=ErrorCode.BAD_REQUEST,
+                            message=f"malformed update request: {exc}",
+                        ),
+                    ),
+                )
                 return
             future = self.book.submit(request)
             tasks.create_task(_reply_when_done(msg, future))
@@ -183,24 +219,32 @@ class Coordinator:
     def status(self) -> FleetStatus:
         live = self.membership.live()
         latest = self.book.latest
-        rank_map = latest.rank_map if latest else build_rank_map(
-            {wid: m.heartbeat.world_size for wid, m in live.items()}
+        rank_map = (
+            latest.rank_map
+            if latest
+            else build_rank_map({wid: m.heartbeat.world_size for wid, m in live.items()})
         )
         members = [
             MemberStatus(
-                worker_id=wid, world_size=m.heartbeat.world_size, engine=m.heartbeat.engine,
-                paused=m.heartbeat.paused, adapters=m.heartbeat.adapters,
+                worker_id=wid,
+                world_size=m.heartbeat.world_size,
+                engine=m.heartbeat.engine,
+                paused=m.heartbeat.paused,
+                adapters=m.heartbeat.adapters,
                 heartbeat_age_s=round(self.membership.age_of(m), 3),
                 rank_offset=rank_map.offset_of(wid),
             )
             for wid, m in sorted(live.items())
         ]
         return FleetStatus(
-            fleet=self.config.fleet, expected_world_size=self.config.expected_world_size,
-            live_world_size=sum(m.world_size for m in members), members=members,
+            fleet=self.config.fleet,
+            expected_world_size=self.config.expected_world_size,
+            live_world_size=sum(m.world_size for m in members),
+            members=members,
             committed_adapter=latest.served_name if latest else None,
             committed_version=latest.version if latest else None,
-            rank_map=latest.rank_map if latest else None, in_flight=self.book.running,
+            rank_map=latest.rank_map if latest else None,
+            in_flight=self.book.running,
         )
 
 

@@ -39,7 +39,8 @@ async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> Na
                 servers=[url],
                 name=name,
                 connect_timeout=2,
-                reconnect_time_wait=0.5,
+                # nats-py annotates this as int, but waits a float of seconds.
+                reconnect_time_wait=0.5,  # type: ignore[arg-type]
                 max_reconnect_attempts=-1,
                 ping_interval=5,
                 max_outstanding_pings=3,

@@ -21,20 +21,36 @@ from lorabus.options import auth_headers
 log = logging.getLogger("lorabus")
 
 NATS_OPTION = click.option(
-    "--nats", "nats_url", envvar="LORABUS_NATS_URL", required=True, show_envvar=True,
+    "--nats",
+    "nats_url",
+    envvar="LORABUS_NATS_URL",
+    required=True,
+    show_envvar=True,
     help="NATS server URL.",
 )
 FLEET_OPTION = click.option(
-    "--fleet", envvar="LORABUS_FLEET", default="default", show_default=True, show_envvar=True,
+    "--fleet",
+    envvar="LORABUS_FLEET",
+    default="default",
+    show_default=True,
+    show_envvar=True,
     help="Fleet name; many fleets can share one NATS.",
 )
 
 
 def _auth_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    func = click.option("--header", "headers", multiple=True, metavar="NAME=VALUE",
-                        help="Extra HTTP header on every call (repeatable).")(func)
-    return click.option("--api-key-env", metavar="VAR",
-                        help="Send 'Authorization: Bearer $VAR' (unless unset or EMPTY).")(func)
+    func = click.option(
+        "--header",
+        "headers",
+        multiple=True,
+        metavar="NAME=VALUE",
+        help="Extra HTTP header on every call (repeatable).",
+    )(func)
+    return click.option(
+        "--api-key-env",
+        metavar="VAR",
+        help="Send 'Authorization: Bearer $VAR' (unless unset or EMPTY).",
+    )(func)
 
 
 def _headers(api_key_env: str | None, headers: tuple[str, ...]) -> dict[str, str]:
@@ -63,12 +79,17 @@ def _run(main: Callable[[], Awaitable[int]]) -> int:
 
 
 @click.group()
-@click.option("--log-level", default="WARNING", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option(
+    "--log-level",
+    default="WARNING",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
 def main(log_level: str) -> None:
     """lorabus: roll LoRA adapters out across inference workers over NATS."""
     logging.basicConfig(
-        level=log_level.upper(), stream=sys.stderr,
+        level=log_level.upper(),
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 
@@ -87,15 +108,34 @@ def schema() -> None:
 @click.option("--worker-id", required=True, help="Stable identity; orders the rank map.")
 @click.option("--engine", type=click.Choice(["dynamo"]), default="dynamo", show_default=True)
 @click.option("--system-url", required=True, help="The worker's system server base URL.")
-@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="The engine's world size (tensor x pipeline parallel).")
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="The engine's world size (tensor x pipeline parallel).",
+)
 @_auth_options
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
-@click.option("--engine-timeout", type=click.FloatRange(min=0.1), default=30.0,
-              show_default=True, help="Seconds for one engine HTTP call.")
-def agent(nats_url: str, fleet: str, worker_id: str, engine: str, system_url: str,
-          world_size: int, api_key_env: str | None, headers: tuple[str, ...],
-          heartbeat_s: float, engine_timeout: float) -> None:
+@click.option(
+    "--engine-timeout",
+    type=click.FloatRange(min=0.1),
+    default=30.0,
+    show_default=True,
+    help="Seconds for one engine HTTP call.",
+)
+def agent(
+    nats_url: str,
+    fleet: str,
+    worker_id: str,
+    engine: str,
+    system_url: str,
+    world_size: int,
+    api_key_env: str | None,
+    headers: tuple[str, ...],
+    heartbeat_s: float,
+    engine_timeout: float,
+) -> None:
     """Drive one worker's engine on the coordinator's commands."""
     from agents import Agent, CommandExecutor, DynamoDriver
     from schemas import EngineError, Subjects, check_token
@@ -133,32 +173,62 @@ def agent(nats_url: str, fleet: str, worker_id: str, engine: str, system_url: st
 @NATS_OPTION
 @FLEET_OPTION
 @click.option("--frontend-url", required=True, help="Dynamo frontend base URL.")
-@click.option("--expected-world-size", type=int, required=True,
-              help="Sum of the workers' world sizes an update waits for.")
+@click.option(
+    "--expected-world-size",
+    type=int,
+    required=True,
+    help="Sum of the workers' world sizes an update waits for.",
+)
 @click.option("--phase-timeout", type=float, default=30.0, show_default=True)
 @click.option("--verify-timeout", type=float, default=60.0, show_default=True)
 @click.option("--quorum-timeout", type=float, default=30.0, show_default=True)
-@click.option("--keep", type=int, default=2, show_default=True,
-              help="Versions of an adapter kept loaded after a commit.")
-@click.option("--naming", type=click.Choice(["versioned", "fixed"]), default="versioned",
-              show_default=True)
-@click.option("--adapter-root", "adapter_roots", multiple=True,
-              help="Accept adapter paths only under this directory (repeatable).")
+@click.option(
+    "--keep",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Versions of an adapter kept loaded after a commit.",
+)
+@click.option(
+    "--naming", type=click.Choice(["versioned", "fixed"]), default="versioned", show_default=True
+)
+@click.option(
+    "--adapter-root",
+    "adapter_roots",
+    multiple=True,
+    help="Accept adapter paths only under this directory (repeatable).",
+)
 @_auth_options
-def coordinator(nats_url: str, fleet: str, frontend_url: str, expected_world_size: int,
-                phase_timeout: float, verify_timeout: float, quorum_timeout: float, keep: int,
-                naming: str, adapter_roots: tuple[str, ...], api_key_env: str | None,
-                headers: tuple[str, ...]) -> None:
+def coordinator(
+    nats_url: str,
+    fleet: str,
+    frontend_url: str,
+    expected_world_size: int,
+    phase_timeout: float,
+    verify_timeout: float,
+    quorum_timeout: float,
+    keep: int,
+    naming: str,
+    adapter_roots: tuple[str, ...],
+    api_key_env: str | None,
+    headers: tuple[str, ...],
+) -> None:
     """Run updates for one fleet."""
     from coordinator import Coordinator, CoordinatorConfig
     from schemas import Naming
 
     try:
         config = CoordinatorConfig(
-            fleet=fleet, frontend_url=frontend_url, expected_world_size=expected_world_size,
-            phase_timeout_s=phase_timeout, verify_timeout_s=verify_timeout,
-            quorum_timeout_s=quorum_timeout, keep=keep, naming=Naming(naming),
-            headers=_headers(api_key_env, headers), adapter_roots=list(adapter_roots),
+            fleet=fleet,
+            frontend_url=frontend_url,
+            expected_world_size=expected_world_size,
+            phase_timeout_s=phase_timeout,
+            verify_timeout_s=verify_timeout,
+            quorum_timeout_s=quorum_timeout,
+            keep=keep,
+            naming=Naming(naming),
+            headers=_headers(api_key_env, headers),
+            adapter_roots=list(adapter_roots),
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -181,13 +251,25 @@ def coordinator(nats_url: str, fleet: str, frontend_url: str, expected_world_siz
 @FLEET_OPTION
 @click.option("--adapter", required=True, help="Adapter name (served as <name>-v<version>).")
 @click.option("--path", required=True, help="Absolute adapter directory, as workers see it.")
-@click.option("--version", type=click.IntRange(min=0), default=None,
-              help="Policy version; default: one past the committed version.")
+@click.option(
+    "--version",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Policy version; default: one past the committed version.",
+)
 @click.option("--update-id", default=None, help="Reuse to fetch the result of an earlier request.")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def update(nats_url: str, fleet: str, adapter: str, path: str, version: int | None,
-           update_id: str | None, timeout: float, as_json: bool) -> None:
+def update(
+    nats_url: str,
+    fleet: str,
+    adapter: str,
+    path: str,
+    version: int | None,
+    update_id: str | None,
+    timeout: float,
+    as_json: bool,
+) -> None:
     """Request an update and wait for its result (exit 0 committed, 1 failed)."""
     from lorabus.client import UpdateClient
     from lorabus.render import result_text
@@ -200,8 +282,9 @@ def update(nats_url: str, fleet: str, adapter: str, path: str, version: int | No
 
     async def request() -> int:
         async with await UpdateClient.connect(nats_url, fleet) as client:
-            result = await client.update(adapter, path, version=version, update_id=update_id,
-                                         timeout_s=timeout)
+            result = await client.update(
+                adapter, path, version=version, update_id=update_id, timeout_s=timeout
+            )
         click.echo(json.dumps(to_builtins(result)) if as_json else result_text(result))
         return 0 if result.committed else 1
 
@@ -225,8 +308,7 @@ def status(nats_url: str, fleet: str, as_json: bool) -> None:
             except CoordinatorUnavailable as exc:
                 click.echo(f"error: {exc}", err=True)
                 return 1
-        click.echo(json.dumps(to_builtins(fleet_status)) if as_json
-                   else status_text(fleet_status))
+        click.echo(json.dumps(to_builtins(fleet_status)) if as_json else status_text(fleet_status))
         return 0
 
     sys.exit(_run(ask))
@@ -244,17 +326,37 @@ def _world_sizes(_ctx: object, _param: object, value: str) -> list[int]:
 
 @main.command()
 @click.option("--workers", type=click.IntRange(min=1, max=4096), default=4, show_default=True)
-@click.option("--world-sizes", default="2,4,1", show_default=True, callback=_world_sizes,
-              help="World sizes, cycled over the workers.")
+@click.option(
+    "--world-sizes",
+    default="2,4,1",
+    show_default=True,
+    callback=_world_sizes,
+    help="World sizes, cycled over the workers.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True)
 @click.option("--api-key-env", metavar="VAR", help="Require 'Authorization: Bearer $VAR'.")
-@click.option("--status-error-quirk", is_flag=True,
-              help="Answer failed loads with HTTP 200 and status:error, as old releases do.")
-@click.option("--load-latency", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Seconds each load takes.")
-def sim(workers: int, world_sizes: list[int], host: str, port: int, api_key_env: str | None,
-        status_error_quirk: bool, load_latency: float) -> None:
+@click.option(
+    "--status-error-quirk",
+    is_flag=True,
+    help="Answer failed loads with HTTP 200 and status:error, as old releases do.",
+)
+@click.option(
+    "--load-latency",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds each load takes.",
+)
+def sim(
+    workers: int,
+    world_sizes: list[int],
+    host: str,
+    port: int,
+    api_key_env: str | None,
+    status_error_quirk: bool,
+    load_latency: float,
+) -> None:
     """Serve a simulated Dynamo fleet: workers' system servers and a frontend."""
     import os
 
@@ -269,8 +371,10 @@ def sim(workers: int, world_sizes: list[int], host: str, port: int, api_key_env:
     def ready(started: SimFleet) -> None:
         click.echo(f"frontend {started.url}", err=False)
         for worker in started.workers.values():
-            click.echo(f"worker {worker.worker_id} world_size={worker.world_size} "
-                       f"system_url={started.system_url(worker.worker_id)}")
+            click.echo(
+                f"worker {worker.worker_id} world_size={worker.world_size} "
+                f"system_url={started.system_url(worker.worker_id)}"
+            )
         sys.stdout.flush()
 
     async def serve() -> int:
@@ -282,8 +386,13 @@ def sim(workers: int, world_sizes: list[int], host: str, port: int, api_key_env:
 
 @main.command()
 @click.option("--steps", type=click.IntRange(min=1, max=100), default=3, show_default=True)
-@click.option("--world-sizes", default="2,4,1,1", show_default=True, callback=_world_sizes,
-              help="One world size per simulated worker.")
+@click.option(
+    "--world-sizes",
+    default="2,4,1,1",
+    show_default=True,
+    callback=_world_sizes,
+    help="One world size per simulated worker.",
+)
 def up(steps: int, world_sizes: list[int]) -> None:
     """Run everything on this machine: NATS, a simulated fleet, agents, coordinator, trainer."""
     from lorabus.up import run_up

@@ -79,12 +79,18 @@ class UpdateClient:
                 self.subjects.update_request(), encode(request), timeout=timeout_s
             )
         except nats.errors.NoRespondersError:
-            return self._unanswered(request, ErrorCode.NO_COORDINATOR,
-                                    f"no coordinator is listening on fleet {self.subjects.fleet!r}")
+            return self._unanswered(
+                request,
+                ErrorCode.NO_COORDINATOR,
+                f"no coordinator is listening on fleet {self.subjects.fleet!r}",
+            )
         except TimeoutError:
-            return self._unanswered(request, ErrorCode.TIMEOUT,
-                                    f"no result within {timeout_s:.1f}s; ask again with "
-                                    f"update_id {request.update_id} for the outcome")
+            return self._unanswered(
+                request,
+                ErrorCode.TIMEOUT,
+                f"no result within {timeout_s:.1f}s; ask again with "
+                f"update_id {request.update_id} for the outcome",
+            )
         return update_result_decoder.decode(reply.data)
 
     async def status(self, *, timeout_s: float = 5.0) -> FleetStatus:
@@ -101,6 +107,9 @@ class UpdateClient:
     @staticmethod
     def _unanswered(request: UpdateRequest, code: ErrorCode, message: str) -> UpdateResult:
         return UpdateResult(
-            update_id=request.update_id, status=FAILED, adapter=request.adapter,
-            version=request.version, error=ErrorInfo(code=code, message=message),
+            update_id=request.update_id,
+            status=FAILED,
+            adapter=request.adapter,
+            version=request.version,
+            error=ErrorInfo(code=code, message=message),
         )

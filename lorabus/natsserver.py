@@ -57,18 +57,31 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     async def start(self, timeout_s: float = 10.0) -> None:
-        self.process = subprocess.Popen(
-            [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port),
-             "-js", "-sd", self.store_dir],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        self.process = self._spawn()
         try:
             await self._wait_accepting(timeout_s)
         except BaseException:
             self.stop()
             raise
         log.info("nats-server pid %d on %s", self.process.pid, self.url)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        # A plain Popen, not asyncio's: stop() must also work synchronously,
+        # from a finally or after the event loop is gone.
+        return subprocess.Popen(
+            [
+                find_nats_server(),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                self.store_dir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     async def _wait_accepting(self, timeout_s: float) -> None:
         assert self.process is not None

@@ -40,8 +40,7 @@ def auth_headers(
     if api_key_env:
         key = environ.get(api_key_env)
         if key is None:
-            log.warning("$%s is not set: calls go out without an Authorization header",
-                        api_key_env)
+            log.warning("$%s is not set: calls go out without an Authorization header", api_key_env)
         elif key != NO_KEY:
             result["Authorization"] = f"Bearer {key}"
     for text in headers:

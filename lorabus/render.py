@@ -8,8 +8,11 @@ _PHASE_ORDER = [p.value for p in Phase]
 
 
 def phase_timeline(result: UpdateResult) -> str:
-    parts = [f"{name} {result.phases[name] * 1000:.0f}ms"
-             for name in _PHASE_ORDER if name in result.phases]
+    parts = [
+        f"{name} {result.phases[name] * 1000:.0f}ms"
+        for name in _PHASE_ORDER
+        if name in result.phases
+    ]
     return " | ".join(parts)
 
 
@@ -31,29 +34,40 @@ def result_text(result: UpdateResult) -> str:
 
 
 def rank_map_text(rank_map: RankMap, indent: str = "") -> str:
-    lines = [f"{indent}rank map: group world size {rank_map.world_size} "
-             f"(trainer = rank 0, membership {rank_map.membership_version})"]
+    lines = [
+        f"{indent}rank map: group world size {rank_map.world_size} "
+        f"(trainer = rank 0, membership {rank_map.membership_version})"
+    ]
     for entry in rank_map.entries:
         last = entry.rank_offset + entry.world_size - 1
-        lines.append(f"{indent}  {entry.worker_id:<12} world size {entry.world_size:>2}  "
-                     f"ranks {entry.rank_offset}-{last}")
+        lines.append(
+            f"{indent}  {entry.worker_id:<12} world size {entry.world_size:>2}  "
+            f"ranks {entry.rank_offset}-{last}"
+        )
     return "\n".join(lines)
 
 
 def status_text(status: FleetStatus) -> str:
-    committed = (f"{status.committed_adapter} (version {status.committed_version})"
-                 if status.committed_adapter else "nothing yet")
+    committed = (
+        f"{status.committed_adapter} (version {status.committed_version})"
+        if status.committed_adapter
+        else "nothing yet"
+    )
     lines = [
         f"fleet {status.fleet}: live world size {status.live_world_size} of "
         f"{status.expected_world_size} expected; committed: {committed}",
     ]
     if status.in_flight:
         lines.append(f"update in flight: {status.in_flight}")
-    lines.append(f"{'worker':<12} {'world':>5} {'offset':>6} {'engine':<8} {'paused':<6} "
-                 f"{'beat':>6}  adapters")
+    lines.append(
+        f"{'worker':<12} {'world':>5} {'offset':>6} {'engine':<8} {'paused':<6} "
+        f"{'beat':>6}  adapters"
+    )
     for m in status.members:
         offset = "-" if m.rank_offset is None else str(m.rank_offset)
-        lines.append(f"{m.worker_id:<12} {m.world_size:>5} {offset:>6} {m.engine:<8} "
-                     f"{'yes' if m.paused else 'no':<6} {m.heartbeat_age_s:>5.1f}s  "
-                     f"{', '.join(m.adapters) or '-'}")
+        lines.append(
+            f"{m.worker_id:<12} {m.world_size:>5} {offset:>6} {m.engine:<8} "
+            f"{'yes' if m.paused else 'no':<6} {m.heartbeat_age_s:>5.1f}s  "
+            f"{', '.join(m.adapters) or '-'}"
+        )
     return "\n".join(lines)

@@ -46,8 +46,11 @@ class EmbeddedStack:
         self._nats_url = nats_url
         self._heartbeat_s = heartbeat_s
         self._coordinator_options = {
-            "phase_timeout_s": phase_timeout_s, "verify_timeout_s": verify_timeout_s,
-            "quorum_timeout_s": quorum_timeout_s, "keep": keep, "naming": naming,
+            "phase_timeout_s": phase_timeout_s,
+            "verify_timeout_s": verify_timeout_s,
+            "quorum_timeout_s": quorum_timeout_s,
+            "keep": keep,
+            "naming": naming,
         }
         self._expected = expected_world_size or sum(self.world_sizes)
         self.server: NatsServer | None = None
@@ -79,8 +82,10 @@ class EmbeddedStack:
         self.sim = SimFleet.of_size(len(self.world_sizes), self.world_sizes)
         await self._exit.enter_async_context(self.sim)
         config = CoordinatorConfig(
-            fleet=self.fleet_name, frontend_url=self.sim.url,
-            expected_world_size=self._expected, **self._coordinator_options,  # type: ignore[arg-type]
+            fleet=self.fleet_name,
+            frontend_url=self.sim.url,
+            expected_world_size=self._expected,
+            **self._coordinator_options,  # type: ignore[arg-type]
         )
         self.coordinator = Coordinator(config)
         await self._serve("coordinator", self.coordinator.run)
@@ -106,8 +111,9 @@ class EmbeddedStack:
         task = asyncio.create_task(run(nc, ready), name=name)  # type: ignore[operator]
         self._tasks.append(task)
         waiter = asyncio.ensure_future(ready.wait())
-        done, _ = await asyncio.wait({task, waiter}, timeout=10,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {task, waiter}, timeout=10, return_when=asyncio.FIRST_COMPLETED
+        )
         waiter.cancel()
         if task in done:
             task.result()  # raises what killed it

@@ -18,8 +18,14 @@ TARGET_MODULES = ("q_proj", "v_proj")
 
 
 def write_adapter(
-    root: Path, step: int, *, rank: int = 8, hidden: int = 64, layers: int = 2,
-    base_model: str = "sim-base", seed: int = 0,
+    root: Path,
+    step: int,
+    *,
+    rank: int = 8,
+    hidden: int = 64,
+    layers: int = 2,
+    base_model: str = "sim-base",
+    seed: int = 0,
 ) -> Path:
     """Write step ``step``'s adapter under ``root/step_<step>`` and return its path."""
     directory = root / f"step_{step}"
@@ -29,9 +35,9 @@ def write_adapter(
     for layer in range(layers):
         for module in TARGET_MODULES:
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = rng.standard_normal(
-                (rank, hidden), dtype=np.float32
-            ) * 0.01
+            tensors[f"{prefix}.lora_A.weight"] = (
+                rng.standard_normal((rank, hidden), dtype=np.float32) * 0.01
+            )
             # PEFT initialises B to zero; a trained step has moved it off zero.
             tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal(
                 (hidden, rank), dtype=np.float32

@@ -27,19 +27,22 @@ async def run_up(
     """Run the demo; True when every step committed."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lorabus-adapters-") as tmp:
-        out(f"starting nats-server, {len(world_sizes)} simulated Dynamo workers "
-            f"(world sizes {', '.join(map(str, world_sizes))}), their agents and the coordinator")
+        out(
+            f"starting nats-server, {len(world_sizes)} simulated Dynamo workers "
+            f"(world sizes {', '.join(map(str, world_sizes))}), their agents and the coordinator"
+        )
         async with EmbeddedStack(world_sizes, fleet="demo") as stack:
             assert stack.client is not None and stack.sim is not None
             out(f"  nats {stack.nats_url}   frontend {stack.sim.url}")
             results: list[UpdateResult] = []
             for step in range(1, steps + 1):
                 path = write_adapter(Path(tmp), step)
-                result = await stack.client.update(ADAPTER, str(path), version=step,
-                                                   timeout_s=120)
+                result = await stack.client.update(ADAPTER, str(path), version=step, timeout_s=120)
                 results.append(result)
-                out(f"step {step}: {result.status:<9} {result.adapter:<12} "
-                    f"{sum(result.phases.values()) * 1000:6.0f}ms  [{phase_timeline(result)}]")
+                out(
+                    f"step {step}: {result.status:<9} {result.adapter:<12} "
+                    f"{sum(result.phases.values()) * 1000:6.0f}ms  [{phase_timeline(result)}]"
+                )
                 if result.error is not None:
                     out(f"  error [{result.error.code}]: {result.error.message}")
             last = next((r for r in reversed(results) if r.rank_map is not None), None)
@@ -48,7 +51,9 @@ async def run_up(
             serving = sorted({a for w in stack.sim.workers.values() for a in w.adapters})
             paused = sorted(w.worker_id for w in stack.sim.workers.values() if w.paused)
         committed = sum(r.committed for r in results)
-        out(f"summary: {committed}/{steps} updates committed; engines now serve "
+        out(
+            f"summary: {committed}/{steps} updates committed; engines now serve "
             f"{', '.join(serving) or 'nothing'}; paused engines: {', '.join(paused) or 'none'}; "
-            f"{time.monotonic() - started:.1f}s in all")
+            f"{time.monotonic() - started:.1f}s in all"
+        )
     return committed == steps

@@ -73,7 +73,6 @@ class UnloadCommand(_Command, frozen=True, kw_only=True, tag="unload"):
 Command = PauseCommand | LoadCommand | ResumeCommand | UnloadCommand
 
 
-
 def tag_of(message: msgspec.Struct) -> str:
     """The ``type`` tag a message is sent with (a command's tag is its phase)."""
     tag = type(message).__struct_config__.tag

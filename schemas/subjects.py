@@ -20,9 +20,7 @@ def check_token(kind: str, value: str) -> str:
     spaces would change which subscribers a message reaches.
     """
     if not _TOKEN.match(value):
-        raise ValueError(
-            f"{kind} {value!r} is not valid: use 1-64 letters, digits, '_' or '-'"
-        )
+        raise ValueError(f"{kind} {value!r} is not valid: use 1-64 letters, digits, '_' or '-'")
     return value
 
 

@@ -20,8 +20,7 @@ async def sim() -> AsyncIterator[SimFleet]:
 
 @pytest.fixture
 async def driver(sim: SimFleet) -> AsyncIterator[DynamoDriver]:
-    engine = DynamoDriver(sim.system_url("w1"), headers={"Authorization": "Bearer k"},
-                          timeout_s=5)
+    engine = DynamoDriver(sim.system_url("w1"), headers={"Authorization": "Bearer k"}, timeout_s=5)
     yield engine
     await engine.aclose()
 
@@ -43,8 +42,11 @@ async def test_pause_load_list_unload_resume_use_dynamos_routes_and_bodies(
     assert listed == ["org/policy-v1"]
     assert _calls(sim) == [
         ("POST", "/engine/pause_generation", {"mode": "keep", "clear_cache": False}),
-        ("POST", "/v1/loras",
-         {"lora_name": "org/policy-v1", "source": {"uri": Path(path).as_uri()}}),
+        (
+            "POST",
+            "/v1/loras",
+            {"lora_name": "org/policy-v1", "source": {"uri": Path(path).as_uri()}},
+        ),
         ("GET", "/v1/loras", None),
         ("DELETE", "/v1/loras/org/policy-v1", None),
         ("POST", "/engine/resume_generation", {}),

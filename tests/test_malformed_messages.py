@@ -14,8 +14,7 @@ async def test_garbage_on_the_command_subjects_is_reported_and_agents_keep_worki
     nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
 ) -> None:
     subjects = Subjects(fleet=fleet_name)
-    async with EmbeddedStack([1, 2], fleet=fleet_name, nats_url=nats_url,
-                             heartbeat_s=0.2) as stack:
+    async with EmbeddedStack([1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
         assert stack.client is not None
         nc = await connect(nats_url, name="test-saboteur")
         reports: asyncio.Queue[BadMessage] = asyncio.Queue()

@@ -11,7 +11,9 @@ def test_heterogeneous_world_sizes_get_offsets_after_the_trainer() -> None:
     rank_map = build_rank_map({"c": 1, "a": 2, "b": 4})
 
     assert [(e.worker_id, e.rank_offset) for e in rank_map.entries] == [
-        ("a", 1), ("b", 3), ("c", 7)
+        ("a", 1),
+        ("b", 3),
+        ("c", 7),
     ]
     assert rank_map.world_size == 8
 

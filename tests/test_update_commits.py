@@ -11,8 +11,9 @@ from schemas import Naming
 
 
 def _stack(nats_url: str, fleet_name: str, sizes: list[int], **kw: object) -> EmbeddedStack:
-    return EmbeddedStack(sizes, fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2,
-                         phase_timeout_s=10, **kw)  # type: ignore[arg-type]
+    return EmbeddedStack(
+        sizes, fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, phase_timeout_s=10, **kw
+    )  # type: ignore[arg-type]
 
 
 async def test_update_commits_on_every_worker_with_heterogeneous_ranks(
@@ -26,12 +27,15 @@ async def test_update_commits_on_every_worker_with_heterogeneous_ranks(
         assert result.adapter == "policy-v1"
         assert result.rank_map is not None
         assert [(e.worker_id, e.world_size, e.rank_offset) for e in result.rank_map.entries] == [
-            ("w000", 2, 1), ("w001", 4, 3), ("w002", 1, 7)
+            ("w000", 2, 1),
+            ("w001", 4, 3),
+            ("w002", 1, 7),
         ]
         assert result.rank_map.world_size == 8
         assert set(result.phases) == {"quorum", "pause", "load", "verify", "resume"}
-        assert all(outcome.ok and "policy-v1" in outcome.adapters
-                   for outcome in result.workers.values())
+        assert all(
+            outcome.ok and "policy-v1" in outcome.adapters for outcome in result.workers.values()
+        )
         for worker in stack.sim.workers.values():
             assert "policy-v1" in worker.adapters, worker.worker_id
             assert not worker.paused, worker.worker_id
@@ -57,8 +61,7 @@ async def test_repeated_update_id_returns_the_first_result_without_engine_work(
 ) -> None:
     async with _stack(nats_url, fleet_name, [1, 1]) as stack:
         assert stack.client is not None and stack.sim is not None
-        first = await stack.client.update("policy", make_adapter(1), version=1,
-                                          update_id="step-1")
+        first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
         requests_after_first = sum(len(w.requests) for w in stack.sim.workers.values())
         again = await stack.client.update("policy", "/elsewhere", version=9, update_id="step-1")
 
@@ -93,8 +96,11 @@ async def test_fixed_naming_unloads_then_loads_inside_the_pause(
         result = await stack.client.update("policy", make_adapter(2), version=2)
 
         assert result.committed and result.adapter == "policy"
-        calls = [(r.method, r.path) for r in worker.requests if r.path != "/v1/loras"
-                 or r.method != "GET"]
+        calls = [
+            (r.method, r.path)
+            for r in worker.requests
+            if r.path != "/v1/loras" or r.method != "GET"
+        ]
         assert calls == [
             ("POST", "/engine/pause_generation"),
             ("DELETE", "/v1/loras/policy"),

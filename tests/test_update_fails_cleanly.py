@@ -9,8 +9,9 @@ from lorabus.stack import EmbeddedStack
 
 
 def _stack(nats_url: str, fleet_name: str, sizes: list[int], **kw: object) -> EmbeddedStack:
-    return EmbeddedStack(sizes, fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2,
-                         phase_timeout_s=10, **kw)  # type: ignore[arg-type]
+    return EmbeddedStack(
+        sizes, fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, phase_timeout_s=10, **kw
+    )  # type: ignore[arg-type]
 
 
 async def test_one_worker_failing_its_load_fails_the_update_and_everyone_resumes(
@@ -55,8 +56,11 @@ async def test_a_transient_load_failure_is_retried(
         result = await stack.client.update("policy", make_adapter(1), version=1)
 
         assert result.committed, result.error
-        loads = [r for r in stack.sim.workers["w000"].requests
-                 if (r.method, r.path) == ("POST", "/v1/loras")]
+        loads = [
+            r
+            for r in stack.sim.workers["w000"].requests
+            if (r.method, r.path) == ("POST", "/v1/loras")
+        ]
         assert len(loads) == 3
 
 
@@ -104,13 +108,15 @@ async def test_an_older_version_than_the_committed_one_is_refused(
 async def test_quorum_not_reached_is_a_clear_error_and_pauses_nothing(
     nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
 ) -> None:
-    async with _stack(nats_url, fleet_name, [2, 1], expected_world_size=8,
-                      quorum_timeout_s=1.0) as stack:
+    async with _stack(
+        nats_url, fleet_name, [2, 1], expected_world_size=8, quorum_timeout_s=1.0
+    ) as stack:
         assert stack.client is not None and stack.sim is not None
         result = await stack.client.update("policy", make_adapter(1), version=1)
 
         assert result.status == "failed"
         assert result.error is not None and result.error.code == "quorum_timeout"
         assert "sum to 3" in result.error.message and "expected 8" in result.error.message
-        assert not any(r.path.startswith("/engine/")
-                       for w in stack.sim.workers.values() for r in w.requests)
+        assert not any(
+            r.path.startswith("/engine/") for w in stack.sim.workers.values() for r in w.requests
+        )

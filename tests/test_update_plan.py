@@ -12,8 +12,13 @@ CONFIG = CoordinatorConfig(fleet="f", frontend_url="http://127.0.0.1:1", expecte
 
 
 def _committed(version: int, path: str = "/ckpt/step_5") -> Committed:
-    return Committed(adapter="policy", version=version, path=path,
-                     served_name=f"policy-v{version}", rank_map=build_rank_map({"w": 1}))
+    return Committed(
+        adapter="policy",
+        version=version,
+        path=path,
+        served_name=f"policy-v{version}",
+        rank_map=build_rank_map({"w": 1}),
+    )
 
 
 def _request(**kw: object) -> UpdateRequest:
@@ -28,8 +33,9 @@ def test_versioned_naming_serves_a_new_name_per_version() -> None:
 
 
 def test_fixed_naming_replaces_the_name_in_place() -> None:
-    config = CoordinatorConfig(fleet="f", frontend_url="http://x", expected_world_size=1,
-                               naming=Naming.FIXED)
+    config = CoordinatorConfig(
+        fleet="f", frontend_url="http://x", expected_world_size=1, naming=Naming.FIXED
+    )
     plan = plan_update(_request(version=7), config, None)
 
     assert (plan.served_name, plan.replace) == ("policy", True)
@@ -49,8 +55,9 @@ def test_bad_adapter_names_are_refused(name: str) -> None:
 def test_paths_must_be_absolute_and_under_the_roots() -> None:
     with pytest.raises(BadRequest, match="absolute"):
         plan_update(_request(path="ckpt/step_1"), CONFIG, None)
-    rooted = CoordinatorConfig(fleet="f", frontend_url="http://x", expected_world_size=1,
-                               adapter_roots=["/ckpt"])
+    rooted = CoordinatorConfig(
+        fleet="f", frontend_url="http://x", expected_world_size=1, adapter_roots=["/ckpt"]
+    )
     assert plan_update(_request(path="/ckpt/step_1"), rooted, None).path == "/ckpt/step_1"
     with pytest.raises(BadRequest, match="outside the adapter roots"):
         plan_update(_request(path="/ckpt/../etc"), rooted, None)
@@ -76,7 +83,8 @@ def test_bad_settings_are_refused_with_the_setting_named() -> None:
     with pytest.raises(ValueError, match="keep"):
         CoordinatorConfig(fleet="f", frontend_url="http://x", expected_world_size=1, keep=0)
     with pytest.raises(ValueError, match="phase timeout"):
-        CoordinatorConfig(fleet="f", frontend_url="http://x", expected_world_size=1,
-                          phase_timeout_s=0)
+        CoordinatorConfig(
+            fleet="f", frontend_url="http://x", expected_world_size=1, phase_timeout_s=0
+        )
     with pytest.raises(ValueError, match="http"):
         CoordinatorConfig(fleet="f", frontend_url="ftp://x", expected_world_size=1)

@@ -39,8 +39,15 @@ def test_commands_round_trip_with_tag_and_version(command: object) -> None:
 
 
 def test_unknown_fields_from_a_newer_peer_are_ignored() -> None:
-    ack = Ack(update_id="u", phase=Phase.LOAD, worker_id="w1", ok=True, world_size=2,
-              adapters=["p-v1"], paused=True)
+    ack = Ack(
+        update_id="u",
+        phase=Phase.LOAD,
+        worker_id="w1",
+        ok=True,
+        world_size=2,
+        adapters=["p-v1"],
+        paused=True,
+    )
     newer = json.loads(encode(ack)) | {"gpu_temperature": 71}
 
     assert ack_decoder.decode(json.dumps(newer)) == ack
@@ -56,8 +63,14 @@ def test_json_schema_covers_every_message_family() -> None:
     text = json.dumps(schema)
 
     assert set(schema["properties"]) == {
-        "command", "ack", "heartbeat", "update_request", "update_result",
-        "status_request", "fleet_status", "event",
+        "command",
+        "ack",
+        "heartbeat",
+        "update_request",
+        "update_result",
+        "status_request",
+        "fleet_status",
+        "event",
     }
     for tag in ("pause", "load", "resume", "unload", "update_started", "bad_message"):
         assert f'"{tag}"' in text
