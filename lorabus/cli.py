@@ -179,9 +179,27 @@ def agent(
     required=True,
     help="Sum of the workers' world sizes an update waits for.",
 )
-@click.option("--phase-timeout", type=float, default=30.0, show_default=True)
-@click.option("--verify-timeout", type=float, default=60.0, show_default=True)
-@click.option("--quorum-timeout", type=float, default=30.0, show_default=True)
+@click.option(
+    "--phase-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds for every member to ack one phase.",
+)
+@click.option(
+    "--verify-timeout",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Seconds for the frontend to list the new adapter.",
+)
+@click.option(
+    "--quorum-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds for live world sizes to reach the expected sum.",
+)
 @click.option(
     "--keep",
     type=int,
@@ -258,7 +276,13 @@ def coordinator(
     help="Policy version; default: one past the committed version.",
 )
 @click.option("--update-id", default=None, help="Reuse to fetch the result of an earlier request.")
-@click.option("--timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0.1),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for the result.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def update(
     nats_url: str,
