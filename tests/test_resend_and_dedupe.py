@@ -1,0 +1,120 @@
+"""Lost commands are re-sent to stragglers, and re-sent commands run only once.
+
+Both sides are tested against the real bus with a hand-played peer: an agent
+that ignores the first broadcast (as if core NATS had dropped it), and a
+coordinator that sends the same command twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from nats.aio.msg import Msg
+
+from lorabus.bus import close, connect
+from lorabus.stack import EmbeddedStack
+from schemas import (
+    Ack,
+    Heartbeat,
+    PauseCommand,
+    Phase,
+    Subjects,
+    ack_decoder,
+    command_decoder,
+    encode,
+    phase_of,
+)
+
+
+async def test_a_member_that_missed_the_broadcast_gets_the_command_on_its_own_subject(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    subjects = Subjects(fleet=fleet_name)
+    async with EmbeddedStack(
+        [1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, expected_world_size=2
+    ) as stack:
+        assert stack.client is not None
+        nc = await connect(nats_url, name="test-deaf-agent")
+        heard: list[tuple[str, Phase]] = []
+
+        async def on_command(msg: Msg) -> None:
+            command = command_decoder.decode(msg.data)
+            heard.append((msg.subject, phase_of(command)))
+            if msg.subject == subjects.cmd():
+                return  # lost, as far as the coordinator can tell
+            await nc.publish(
+                subjects.ack("zz"),
+                encode(
+                    Ack(
+                        update_id=command.update_id,
+                        phase=phase_of(command),
+                        worker_id="zz",
+                        ok=True,
+                        world_size=1,
+                        adapters=["policy-v1"],
+                        paused=False,
+                    )
+                ),
+            )
+
+        async def beat() -> None:
+            while True:
+                await nc.publish(
+                    subjects.heartbeat("zz"),
+                    encode(
+                        Heartbeat(
+                            worker_id="zz",
+                            world_size=1,
+                            engine="hand",
+                            adapters=[],
+                            paused=False,
+                            interval_s=0.2,
+                        )
+                    ),
+                )
+                await asyncio.sleep(0.2)
+
+        await nc.subscribe(subjects.cmd(), cb=on_command)
+        await nc.subscribe(subjects.cmd_worker("zz"), cb=on_command)
+        beating = asyncio.create_task(beat())
+        try:
+            result = await stack.client.update("policy", make_adapter(1), version=1, timeout_s=30)
+        finally:
+            beating.cancel()
+            await asyncio.gather(beating, return_exceptions=True)
+            await close(nc)
+
+        assert result.committed, result.error
+        for phase in (Phase.PAUSE, Phase.LOAD, Phase.RESUME):
+            assert (subjects.cmd(), phase) in heard
+            assert (subjects.cmd_worker("zz"), phase) in heard
+
+
+async def test_an_agent_runs_a_repeated_command_once_and_acks_it_again(
+    nats_url: str, fleet_name: str
+) -> None:
+    subjects = Subjects(fleet=fleet_name)
+    async with EmbeddedStack([1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+        assert stack.sim is not None
+        nc = await connect(nats_url, name="test-hand-coordinator")
+        acks: asyncio.Queue[Ack] = asyncio.Queue()
+
+        async def on_ack(msg: Msg) -> None:
+            acks.put_nowait(ack_decoder.decode(msg.data))
+
+        try:
+            await nc.subscribe(subjects.ack("w000"), cb=on_ack)
+            pause = PauseCommand(update_id="u-hand", targets=["w000"], budget_s=5)
+            await nc.publish(subjects.cmd(), encode(pause))
+            first = await asyncio.wait_for(acks.get(), 10)
+            await nc.publish(subjects.cmd_worker("w000"), encode(pause))
+            second = await asyncio.wait_for(acks.get(), 10)
+        finally:
+            await close(nc)
+
+        assert first == second and first.ok and first.paused
+        pauses = [
+            r for r in stack.sim.workers["w000"].requests if r.path == "/engine/pause_generation"
+        ]
+        assert len(pauses) == 1

@@ -1,0 +1,48 @@
+"""One update at a time per fleet; newer queued versions supersede older ones."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from lorabus.stack import EmbeddedStack
+from simfleet import SimWorker
+
+
+def _loads_seen(worker: SimWorker) -> int:
+    return sum((r.method, r.path) == ("POST", "/v1/loras") for r in worker.requests)
+
+
+async def test_queued_older_versions_are_superseded_and_updates_never_overlap(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with EmbeddedStack([1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+        assert stack.client is not None and stack.sim is not None
+        slow = stack.sim.workers["w000"]
+        slow.set_faults(latency_s={"load": 0.5})
+        first = asyncio.create_task(stack.client.update("policy", make_adapter(1), version=1))
+        await asyncio.wait_for(slow.wait_until(lambda: _loads_seen(slow) == 1), 10)
+
+        second = asyncio.create_task(stack.client.update("policy", make_adapter(2), version=2))
+        third = asyncio.create_task(stack.client.update("policy", make_adapter(3), version=3))
+        results = await asyncio.wait_for(asyncio.gather(first, second, third), 30)
+
+        assert [r.status for r in results] == ["committed", "failed", "committed"]
+        assert results[1].error is not None and results[1].error.code == "superseded"
+        engine_calls = [r.path for r in slow.requests if r.path.startswith("/engine/")]
+        assert engine_calls == ["/engine/pause_generation", "/engine/resume_generation"] * 2
+
+
+async def test_the_same_update_id_sent_twice_at_once_runs_once(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with EmbeddedStack([1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+        assert stack.client is not None and stack.sim is not None
+        path = make_adapter(1)
+        results = await asyncio.gather(
+            stack.client.update("policy", path, version=1, update_id="twice"),
+            stack.client.update("policy", path, version=1, update_id="twice"),
+        )
+
+        assert results[0] == results[1] and results[0].committed
+        assert _loads_seen(stack.sim.workers["w000"]) == 1
