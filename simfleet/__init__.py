@@ -1,0 +1,28 @@
+"""A simulated NVIDIA Dynamo fleet over real HTTP, for tests, demo and benchmarks.
+
+One aiohttp server plays the Dynamo frontend (``/v1/models``,
+``/v1/rl/workers``, ``/v1/chat/completions``) and the system server of every
+worker (under ``/workers/{id}``), with faults that tests inject per worker
+(latency, hang, failed loads, the old status-200 error quirk) and a control API
+under ``/sim`` for driving a fleet in another process.
+
+Modules: ``identity`` (deterministic ids), ``state`` (worker state and waits),
+``lora_source`` (load URI checks), ``http_utils`` (shared replies and auth),
+``worker_routes``, ``frontend_routes``, ``control_routes`` (one route table
+each), ``fleet`` (server lifecycle), ``serve`` (run until cancelled).
+"""
+
+from .fleet import SimFleet
+from .identity import instance_id_for, lora_id_for
+from .serve import serve_forever
+from .state import RecordedRequest, SimWorker, WorkerFaults
+
+__all__ = [
+    "RecordedRequest",
+    "SimFleet",
+    "SimWorker",
+    "WorkerFaults",
+    "instance_id_for",
+    "lora_id_for",
+    "serve_forever",
+]

@@ -1,0 +1,179 @@
+"""The mutable state of one simulated Dynamo worker, and how to wait on it.
+
+Routes change a worker (adapters, pause flag, faults) and tests observe it. All
+changes go through :class:`SimWorker` methods so that each one wakes whoever
+waits in :meth:`SimWorker.wait_until`: hung requests wait for ``hang`` to clear,
+generation requests wait for a resume, tests wait for a request to arrive.
+Nothing here polls or sleeps to find out that something changed.
+
+Waking works by pulsing an :class:`asyncio.Event`: ``_notify`` sets the current
+event and replaces it with a fresh one, so every waiter re-checks its condition
+exactly once per change. :meth:`SimWorker.release` (called when the fleet
+stops) wakes everyone for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .identity import instance_id_for, lora_id_for
+
+__all__ = ["OPERATIONS", "RecordedRequest", "SimWorker", "WorkerFaults"]
+
+#: Worker operations that a latency can be injected into.
+OPERATIONS = frozenset({"pause", "resume", "load", "unload", "list", "health"})
+
+
+@dataclass
+class WorkerFaults:
+    """Misbehaviour injected into one worker."""
+
+    #: Seconds to wait before handling each operation (keys from ``OPERATIONS``).
+    latency_s: dict[str, float] = field(default_factory=dict)
+    #: The next N loads that would succeed answer an injected error instead.
+    fail_next_loads: int = 0
+    #: Every request to the worker waits until this is cleared.
+    hang: bool = False
+    #: Failed loads answer HTTP 200 with ``{"status": "error"}`` (older Dynamo).
+    status_error_quirk: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.latency_s) - OPERATIONS)
+        if unknown:
+            raise ValueError(f"unknown operations in latency_s: {unknown}")
+        negative = sorted(op for op, seconds in self.latency_s.items() if seconds < 0)
+        if negative:
+            raise ValueError(f"negative latency for: {negative}")
+        if self.fail_next_loads < 0:
+            raise ValueError(f"fail_next_loads must be >= 0, got {self.fail_next_loads}")
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One HTTP request as a worker received it."""
+
+    method: str
+    #: Path relative to the worker's system URL, e.g. ``/v1/loras``.
+    path: str
+    #: Header names lower-cased.
+    headers: dict[str, str]
+    #: The body parsed as JSON, or None when empty or not JSON.
+    body: Any
+    ts: float
+
+
+class SimWorker:
+    """One simulated worker: its adapters, pause flag, faults and request log."""
+
+    def __init__(self, worker_id: str, world_size: int, *, faults: WorkerFaults | None = None):
+        if not worker_id or "/" in worker_id:
+            raise ValueError(f"worker id must be non-empty and without '/': {worker_id!r}")
+        if world_size < 1:
+            raise ValueError(f"world size of {worker_id} must be >= 1, got {world_size}")
+        self.worker_id = worker_id
+        self.world_size = world_size
+        self.instance_id = instance_id_for(worker_id)
+        #: Loaded adapters: name -> lora_id.
+        self.adapters: dict[str, int] = {}
+        self.faults = faults if faults is not None else WorkerFaults()
+        self.requests: list[RecordedRequest] = []
+        #: Generation requests currently held back by a pause.
+        self.waiting_for_resume = 0
+        self._paused = False
+        self._changed = asyncio.Event()
+        self._released = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"SimWorker({self.worker_id!r}, world_size={self.world_size})"
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self._paused = value
+        self._notify()
+
+    @property
+    def released(self) -> bool:
+        """True once the fleet stopped: waits end and requests are refused."""
+        return self._released.is_set()
+
+    def set_faults(self, **changes: Any) -> None:
+        """Replace some fault fields; raises TypeError/ValueError for bad ones."""
+        if "latency_s" in changes:
+            changes["latency_s"] = dict(changes["latency_s"])
+        self.faults = dataclasses.replace(self.faults, **changes)
+        self._notify()
+
+    def take_injected_load_failure(self) -> bool:
+        """Consume one injected load failure; False when none is pending."""
+        if self.faults.fail_next_loads <= 0:
+            return False
+        self.set_faults(fail_next_loads=self.faults.fail_next_loads - 1)
+        return True
+
+    def add_adapter(self, lora_name: str) -> int:
+        lora_id = self.adapters[lora_name] = lora_id_for(lora_name)
+        self._notify()
+        return lora_id
+
+    def remove_adapter(self, lora_name: str) -> int | None:
+        lora_id = self.adapters.pop(lora_name, None)
+        self._notify()
+        return lora_id
+
+    def record(self, request: RecordedRequest) -> None:
+        self.requests.append(request)
+        self._notify()
+
+    async def wait_until(self, condition: Callable[[], bool]) -> bool:
+        """Wait until ``condition()`` holds; False if the worker is released first.
+
+        The condition is re-checked after every change made through this class
+        (direct assignments to ``adapters`` or ``faults`` wake nobody).
+        """
+        while not condition():
+            if self.released:
+                return False
+            changed = self._changed
+            await changed.wait()
+        return True
+
+    async def wait_requests(self, count: int) -> bool:
+        """Wait until at least ``count`` requests have been recorded."""
+        return await self.wait_until(lambda: len(self.requests) >= count)
+
+    async def wait_resumed(self) -> bool:
+        """Hold a generation request while paused; False if released first."""
+        if not self.paused:
+            return not self.released
+        self.waiting_for_resume += 1
+        self._notify()
+        try:
+            return await self.wait_until(lambda: not self.paused)
+        finally:
+            self.waiting_for_resume -= 1
+            self._notify()
+
+    async def delay(self, seconds: float) -> None:
+        """Sleep ``seconds`` of injected latency, ending early on release."""
+        if seconds <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._released.wait(), seconds)
+
+    def release(self) -> None:
+        """End every wait on this worker for good (the fleet is stopping)."""
+        self._released.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
