@@ -13,6 +13,7 @@ already ran, its ack is published again; if it is running, it is dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -39,6 +40,7 @@ from schemas import (
 log = logging.getLogger(__name__)
 
 _REMEMBERED_ACKS = 256
+_RESUME_ON_EXIT_S = 5.0
 
 
 class Agent:
@@ -76,7 +78,21 @@ class Agent:
                 tasks.create_task(self._command_loop())
         finally:
             for sub in subs:
-                await _quietly(sub.unsubscribe())
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            await self._resume_if_paused()
+
+    async def _resume_if_paused(self) -> None:
+        """A stopping agent resumes its engine: nobody would be left to do it."""
+        if not self.executor.paused:
+            return
+        try:
+            async with asyncio.timeout(_RESUME_ON_EXIT_S):
+                await self.executor.driver.resume()
+            self.executor.paused = False
+            log.warning("worker=%s resumed its engine on the way out", self.worker_id)
+        except Exception as exc:
+            log.error("worker=%s is stopping with its engine paused: %s", self.worker_id, exc)
 
     async def _on_command(self, msg: Msg) -> None:
         try:
@@ -168,10 +184,3 @@ class Agent:
     @property
     def _source(self) -> str:
         return f"agent:{self.worker_id}"
-
-
-async def _quietly(awaitable: object) -> None:
-    try:
-        await awaitable  # type: ignore[misc]
-    except Exception as exc:
-        log.debug("ignored during shutdown: %s", exc)

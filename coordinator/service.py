@@ -9,6 +9,7 @@ owned by the service's task group.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -82,32 +83,34 @@ class Coordinator:
             timeout_s=self.config.http_timeout_s,
         )
         runner = UpdateRunner(self.config, self.membership, frontend, bus)
+        replies: set[asyncio.Task[None]] = set()
+        subs = []
         try:
-            async with asyncio.TaskGroup() as tasks:
-                subs = [
-                    await nc.subscribe(self.subjects.heartbeat_any(), cb=self._on_heartbeat),
-                    await nc.subscribe(self.subjects.ack_any(), cb=self._make_ack_cb(bus)),
-                    await nc.subscribe(
-                        self.subjects.update_request(), cb=self._make_request_cb(tasks, bus)
-                    ),
-                    await nc.subscribe(self.subjects.status_request(), cb=self._on_status),
-                ]
-                await nc.flush(timeout=5)
-                log.info("coordinator ready on fleet %s", self.config.fleet)
-                if ready is not None:
-                    ready.set()
-                try:
-                    await self._run_updates(runner, bus)
-                finally:
-                    for sub in subs:
-                        await _quietly(sub.unsubscribe())
+            subs = [
+                await nc.subscribe(self.subjects.heartbeat_any(), cb=self._on_heartbeat),
+                await nc.subscribe(self.subjects.ack_any(), cb=self._make_ack_cb(bus)),
+                await nc.subscribe(
+                    self.subjects.update_request(), cb=self._make_request_cb(replies, bus)
+                ),
+                await nc.subscribe(self.subjects.status_request(), cb=self._on_status),
+            ]
+            await nc.flush(timeout=5)
+            log.info("coordinator ready on fleet %s", self.config.fleet)
+            if ready is not None:
+                ready.set()
+            await self._run_updates(runner, bus)
         finally:
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            # Nobody is left waiting for an answer that will never come.
             self.book.fail_all_pending(
                 ErrorInfo(
                     code=ErrorCode.INTERNAL,
-                    message="the coordinator stopped before this update ran",
+                    message="the coordinator stopped before this update finished",
                 )
             )
+            await _settle(replies, timeout_s=2.0)
             await frontend.aclose()
 
     async def _run_updates(self, runner: UpdateRunner, bus: _NatsCommandBus) -> None:
@@ -182,7 +185,7 @@ class Coordinator:
 
         return on_ack
 
-    def _make_request_cb(self, tasks: asyncio.TaskGroup, bus: _NatsCommandBus):
+    def _make_request_cb(self, replies: set[asyncio.Task[None]], bus: _NatsCommandBus):
         async def on_request(msg: Msg) -> None:
             try:
                 request = update_request_decoder.decode(msg.data)
@@ -209,7 +212,9 @@ class Coordinator:
                 )
                 return
             future = self.book.submit(request)
-            tasks.create_task(_reply_when_done(msg, future))
+            reply = asyncio.create_task(_reply_when_done(msg, future))
+            replies.add(reply)
+            reply.add_done_callback(replies.discard)
 
         return on_request
 
@@ -261,8 +266,11 @@ async def _reply(msg: Msg, message: msgspec.Struct) -> None:
         log.warning("could not reply on %s: %s", msg.reply, exc)
 
 
-async def _quietly(awaitable: object) -> None:
-    try:
-        await awaitable  # type: ignore[misc]
-    except Exception as exc:
-        log.debug("ignored during shutdown: %s", exc)
+async def _settle(tasks: set[asyncio.Task[None]], timeout_s: float) -> None:
+    """Let pending replies go out, then cancel and await whatever is left."""
+    if not tasks:
+        return
+    _, late = await asyncio.wait(set(tasks), timeout=timeout_s)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)

@@ -1,0 +1,49 @@
+"""A coordinator that is stopped answers everyone still waiting for a result."""
+
+from __future__ import annotations
+
+import asyncio
+
+from coordinator import Coordinator, CoordinatorConfig
+from lorabus.bus import close, connect
+from lorabus.client import UpdateClient
+
+
+async def test_a_stopped_coordinator_answers_pending_requests_instead_of_dropping_them(
+    nats_url: str, fleet_name: str
+) -> None:
+    config = CoordinatorConfig(
+        fleet=fleet_name,
+        frontend_url="http://127.0.0.1:9",
+        expected_world_size=4,
+        quorum_timeout_s=60,
+    )
+    coordinator = Coordinator(config)
+    coordinator_nc = await connect(nats_url, name="test-coordinator")
+    client_nc = await connect(nats_url, name="test-client")
+    ready = asyncio.Event()
+    serving = asyncio.create_task(coordinator.run(coordinator_nc, ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        client = UpdateClient(client_nc, fleet_name)
+        running = asyncio.create_task(client.update("policy", "/a/step_1", version=1))
+        queued = asyncio.create_task(client.update("other", "/a/step_2", version=2))
+        await asyncio.wait_for(_until_running(coordinator), 10)
+        serving.cancel()
+        results = await asyncio.wait_for(asyncio.gather(running, queued), 10)
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await close(client_nc)
+        await close(coordinator_nc)
+
+    for result in results:
+        assert result.status == "failed"
+        assert result.error is not None
+        assert "coordinator stopped" in result.error.message
+
+
+async def _until_running(coordinator: Coordinator) -> None:
+    """Poll until an update is in flight (it then waits for a quorum that never comes)."""
+    while coordinator.book.running is None:
+        await asyncio.sleep(0.01)
