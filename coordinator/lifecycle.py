@@ -165,6 +165,7 @@ class UpdateRunner:
             if not resume.ok and error is None:
                 error = resume.summary()
         if error is not None:
+            await self._withdraw_uncommitted(plan, load, phases)
             return self._result(plan, FAILED, phases, members, load, error, errors)
         rank_map = build_rank_map(members)
         await self._retire_old_versions(plan, load, targets, phases)
@@ -224,8 +225,25 @@ class UpdateRunner:
         if plan.replace or load is None:
             return
         loaded = {name for ack in load.acks.values() for name in ack.adapters}
-        names = retired_names(plan.adapter, loaded, self.config.keep)
-        if not names:
+        await self._unload(
+            plan, retired_names(plan.adapter, loaded, self.config.keep), targets, phases
+        )
+
+    async def _withdraw_uncommitted(
+        self, plan: UpdatePlan, load: PhaseOutcome | None, phases: dict[str, float]
+    ) -> None:
+        """Unload a version that failed to commit where it did load, so no
+        request for it is routed to a subset of the fleet."""
+        if plan.replace or load is None:
+            return
+        holders = sorted(w for w, a in load.acks.items() if plan.served_name in a.adapters)
+        await self._unload(plan, [plan.served_name], holders, phases)
+
+    async def _unload(
+        self, plan: UpdatePlan, names: list[str], targets: list[str], phases: dict[str, float]
+    ) -> None:
+        """Clean-up after the pause: reported, never fatal to the update."""
+        if not names or not targets:
             return
         outcome = await self._phase(
             UnloadCommand(
@@ -238,7 +256,7 @@ class UpdateRunner:
         )
         if not outcome.ok:
             log.warning(
-                "update=%s retiring %s: %s", plan.update_id, names, outcome.summary().message
+                "update=%s unloading %s: %s", plan.update_id, names, outcome.summary().message
             )
 
     async def _phase(self, command: Command, phases: dict[str, float]) -> PhaseOutcome:

@@ -24,7 +24,13 @@ async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> Na
     nc = NatsClient()
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats (%s): %s", name, exc)
+        # Before the first connection, failures are summed up by BusUnreachable.
+        log.log(
+            logging.WARNING if nc.is_connected or nc.is_reconnecting else logging.DEBUG,
+            "nats (%s): %s",
+            name,
+            exc,
+        )
 
     async def on_disconnect() -> None:
         if not (nc.is_closed or nc.is_draining):

@@ -16,6 +16,8 @@ from typing import Any
 
 import click
 
+from lorabus.bus import BusUnreachable
+from lorabus.natsserver import NatsServerMissing
 from lorabus.options import auth_headers
 
 log = logging.getLogger("lorabus")
@@ -74,6 +76,9 @@ def _run(main: Callable[[], Awaitable[int]]) -> int:
         except asyncio.CancelledError:
             log.info("stopped by signal")
             return 130
+        except (BusUnreachable, NatsServerMissing) as exc:
+            click.echo(f"error: {exc}", err=True)
+            return 1
 
     return asyncio.run(guarded())
 
@@ -422,6 +427,6 @@ def up(steps: int, world_sizes: list[int]) -> None:
     from lorabus.up import run_up
 
     async def demo() -> int:
-        return 0 if await run_up(steps, world_sizes) else 1
+        return 0 if await run_up(steps, world_sizes, out=click.echo) else 1
 
     sys.exit(_run(demo))

@@ -13,8 +13,16 @@ from __future__ import annotations
 
 import uuid
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from lorabus.bus import close, connect
 from schemas import (
@@ -37,8 +45,16 @@ class CoordinatorUnavailable(Exception):
 
 
 class UpdateClient:
-    def __init__(self, nc: NatsClient, fleet: str, *, owns_connection: bool = False) -> None:
+    def __init__(
+        self,
+        nc: NatsClient,
+        fleet: str,
+        *,
+        owns_connection: bool = False,
+        no_coordinator_wait_s: float = 2.0,
+    ) -> None:
         self.nc = nc
+        self.no_coordinator_wait_s = no_coordinator_wait_s
         self.subjects = Subjects(fleet=fleet)
         self._owns_connection = owns_connection
 
@@ -75,14 +91,13 @@ class UpdateClient:
             update_id=update_id or uuid.uuid4().hex, adapter=adapter, path=path, version=version
         )
         try:
-            reply = await self.nc.request(
-                self.subjects.update_request(), encode(request), timeout=timeout_s
-            )
+            reply = await self._request(self.subjects.update_request(), request, timeout_s)
         except nats.errors.NoRespondersError:
             return self._unanswered(
                 request,
                 ErrorCode.NO_COORDINATOR,
-                f"no coordinator is listening on fleet {self.subjects.fleet!r}",
+                f"no coordinator is listening on fleet {self.subjects.fleet!r} "
+                f"(waited {self.no_coordinator_wait_s:.1f}s for one)",
             )
         except TimeoutError:
             return self._unanswered(
@@ -95,14 +110,27 @@ class UpdateClient:
 
     async def status(self, *, timeout_s: float = 5.0) -> FleetStatus:
         try:
-            reply = await self.nc.request(
-                self.subjects.status_request(), encode(StatusRequest()), timeout=timeout_s
-            )
+            reply = await self._request(self.subjects.status_request(), StatusRequest(), timeout_s)
         except (nats.errors.NoRespondersError, TimeoutError) as exc:
             raise CoordinatorUnavailable(
                 f"no coordinator answered on fleet {self.subjects.fleet!r}"
             ) from exc
         return fleet_status_decoder.decode(reply.data)
+
+    async def _request(self, subject: str, message: msgspec.Struct, timeout_s: float) -> Msg:
+        # "No responders" is answered at once, also while a coordinator is
+        # restarting, and a just-connected client can be told so for its first
+        # request although the coordinator has subscribed: ask again briefly.
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(self.no_coordinator_wait_s),
+            wait=wait_exponential(multiplier=0.05, max=0.5),
+            retry=retry_if_exception_type(nats.errors.NoRespondersError),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self.nc.request(subject, encode(message), timeout=timeout_s)
+        raise AssertionError("tenacity either returns or re-raises")
 
     @staticmethod
     def _unanswered(request: UpdateRequest, code: ErrorCode, message: str) -> UpdateResult:

@@ -121,12 +121,16 @@ class EmbeddedStack:
             raise RuntimeError(f"{name} did not become ready within 10s")
 
     async def __aexit__(self, *exc_info: object) -> None:
-        for task in reversed(self._tasks):
-            task.cancel()
-        results = await asyncio.gather(*self._tasks, return_exceptions=True)
-        for task, result in zip(self._tasks, results, strict=True):
-            if isinstance(result, Exception):
-                log.error("%s had died: %r", task.get_name(), result)
+        # The coordinator stops first, while the agents still listen: an update
+        # it interrupts ends with a resume that every agent can still act on.
+        coordinator, agents = self._tasks[:1], self._tasks[1:]
+        for group in (coordinator, agents):
+            for task in group:
+                task.cancel()
+            results = await asyncio.gather(*group, return_exceptions=True)
+            for task, result in zip(group, results, strict=True):
+                if isinstance(result, Exception):
+                    log.error("%s had died: %r", task.get_name(), result)
         self._tasks.clear()
         for nc in reversed(self._connections):
             await close(nc)

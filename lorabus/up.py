@@ -21,9 +21,7 @@ from schemas import UpdateResult
 ADAPTER = "policy"
 
 
-async def run_up(
-    steps: int, world_sizes: Sequence[int], out: Callable[[str], None] = print
-) -> bool:
+async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], None]) -> bool:
     """Run the demo; True when every step committed."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lorabus-adapters-") as tmp:

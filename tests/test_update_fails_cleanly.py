@@ -32,6 +32,7 @@ async def test_one_worker_failing_its_load_fails_the_update_and_everyone_resumes
         assert result.rank_map is None
         assert "resume" in result.phases
         assert not any(worker.paused for worker in stack.sim.workers.values())
+        assert not any("policy-v1" in worker.adapters for worker in stack.sim.workers.values())
 
 
 async def test_a_failed_update_is_not_committed(

@@ -1,0 +1,310 @@
+"""Running lorabus parts as real OS processes in tests, and always stopping them.
+
+:class:`Processes` starts ``lorabus agent`` / ``lorabus coordinator`` (or any
+``lorabus`` subcommand) as children of the test, each with its stderr in a file
+under the test's tmp dir, and stops every one of them on exit, also when the
+test fails: SIGTERM, then SIGKILL after a deadline, and always a wait, so no
+child outlives its test. Use it as a fixture::
+
+    @pytest.fixture
+    async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
+        async with Processes(tmp_path / "logs") as started:
+            yield started
+
+:func:`run_lorabus` runs one short-lived command (``update``, ``status``,
+``schema``) to completion with a deadline. :func:`wait_live_workers` polls a
+coordinator's status until a given set of workers is live, and fails with what
+it last saw (and the stderr of any child that died) instead of hanging.
+
+Everything here is asyncio, so an in-process simulated fleet or coordinator
+keeps being served while the children run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from lorabus.client import CoordinatorUnavailable, UpdateClient
+from schemas import FleetStatus
+
+LORABUS = Path(sys.executable).parent / "lorabus"
+
+#: Seconds a child gets to exit after SIGTERM before it is killed.
+STOP_DEADLINE_S = 5.0
+
+
+def child_env(overrides: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """The test's environment with ``overrides`` applied; a None value removes a name."""
+    env = dict(os.environ)
+    for name, value in (overrides or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+@dataclass
+class RunningProcess:
+    """One child started by :class:`Processes`."""
+
+    name: str
+    argv: list[str]
+    process: asyncio.subprocess.Process
+    stderr_path: Path
+    #: Set once the test stopped or killed it on purpose.
+    stopped: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def stderr_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.stderr_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"(no stderr: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def describe(self) -> str:
+        state = "running" if self.returncode is None else f"exited {self.returncode}"
+        return (
+            f"{self.name} (pid {self.pid}, {state}); stderr {self.stderr_path}:\n"
+            f"{self.stderr_tail()}"
+        )
+
+
+async def stop_process(running: RunningProcess, deadline_s: float = STOP_DEADLINE_S) -> int:
+    """SIGTERM, SIGKILL if it is still there after ``deadline_s``; always waited."""
+    running.stopped = True
+    process = running.process
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), deadline_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+    return await process.wait()
+
+
+async def kill_process(running: RunningProcess) -> int:
+    """SIGKILL (no chance to clean up, like a crashed host) and wait."""
+    running.stopped = True
+    with contextlib.suppress(ProcessLookupError):
+        running.process.kill()
+    return await running.process.wait()
+
+
+class Processes:
+    """Starts lorabus children and guarantees every one is stopped on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[RunningProcess] = []
+
+    async def __aenter__(self) -> Processes:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop every child still running, concurrently; each one is waited for."""
+        results = await asyncio.gather(
+            *(stop_process(p) for p in self.started), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def start(
+        self, name: str, args: Sequence[str], *, env: Mapping[str, str | None] | None = None
+    ) -> RunningProcess:
+        """Start ``lorabus --log-level INFO <args>``; stderr goes to ``<log_dir>/<name>.log``."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        stderr_path = self.log_dir / f"{name}.log"
+        argv = [str(LORABUS), "--log-level", "INFO", *args]
+        with stderr_path.open("wb") as stderr:
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=stderr,
+                env=child_env(env),
+            )
+        running = RunningProcess(name, argv, process, stderr_path)
+        self.started.append(running)
+        return running
+
+    async def start_agent(
+        self,
+        *,
+        nats_url: str,
+        fleet: str,
+        worker_id: str,
+        system_url: str,
+        world_size: int = 1,
+        extra: Sequence[str] = (),
+        env: Mapping[str, str | None] | None = None,
+    ) -> RunningProcess:
+        args = [
+            "agent",
+            "--nats",
+            nats_url,
+            "--fleet",
+            fleet,
+            "--worker-id",
+            worker_id,
+            "--system-url",
+            system_url,
+            "--world-size",
+            str(world_size),
+            *extra,
+        ]
+        return await self.start(f"agent-{worker_id}", args, env=env)
+
+    async def start_coordinator(
+        self,
+        *,
+        nats_url: str,
+        fleet: str,
+        frontend_url: str,
+        expected_world_size: int,
+        extra: Sequence[str] = (),
+        env: Mapping[str, str | None] | None = None,
+    ) -> RunningProcess:
+        args = [
+            "coordinator",
+            "--nats",
+            nats_url,
+            "--fleet",
+            fleet,
+            "--frontend-url",
+            frontend_url,
+            "--expected-world-size",
+            str(expected_world_size),
+            *extra,
+        ]
+        return await self.start(f"coordinator-{fleet}", args, env=env)
+
+    def check_alive(self) -> None:
+        """Fail with its stderr if a child died that the test did not stop."""
+        dead = [p for p in self.started if p.returncode is not None and not p.stopped]
+        if dead:
+            raise AssertionError("child process died:\n" + "\n".join(p.describe() for p in dead))
+
+
+@dataclass
+class Finished:
+    """A ``lorabus`` command that ran to completion."""
+
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str = field(repr=False)
+
+    def __str__(self) -> str:
+        return (
+            f"{' '.join(self.argv)} -> exit {self.returncode}\n"
+            f"stdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+        )
+
+
+async def run_lorabus(
+    *args: str, env: Mapping[str, str | None] | None = None, deadline_s: float = 60.0
+) -> Finished:
+    """Run ``lorabus <args>`` to completion without blocking the event loop.
+
+    Past ``deadline_s`` the command is killed and the test fails with its output.
+    """
+    argv = [str(LORABUS), *args]
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=child_env(env),
+    )
+    communicating = asyncio.ensure_future(process.communicate())
+    try:
+        stdout, stderr = await asyncio.wait_for(asyncio.shield(communicating), deadline_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        stdout, stderr = await communicating
+        raise AssertionError(
+            f"{' '.join(argv)} did not finish within {deadline_s:.0f}s; killed.\n"
+            f"stdout:\n{stdout.decode(errors='replace')}\n"
+            f"stderr:\n{stderr.decode(errors='replace')}"
+        ) from None
+    finally:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await communicating
+    assert process.returncode is not None
+    return Finished(
+        argv, process.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace")
+    )
+
+
+async def wait_live_workers(
+    client: UpdateClient,
+    expected: Collection[str],
+    *,
+    deadline_s: float = 15.0,
+    processes: Processes | None = None,
+    poll_s: float = 0.05,
+) -> FleetStatus:
+    """Poll the coordinator's status until its live members are exactly ``expected``.
+
+    Keeps asking while no coordinator answers yet. Fails at once if one of
+    ``processes`` died, and at the deadline with the last status or error seen.
+    """
+    want = set(expected)
+    last_seen = "nothing yet"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while True:
+        if processes is not None:
+            processes.check_alive()
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            children = (
+                "\n" + "\n".join(p.describe() for p in processes.started)
+                if processes is not None
+                else ""
+            )
+            raise AssertionError(
+                f"live workers on fleet {client.subjects.fleet!r} were not {sorted(want)} "
+                f"within {deadline_s:.0f}s; last seen: {last_seen}{children}"
+            )
+        try:
+            status = await client.status(timeout_s=max(min(remaining, 1.0), 0.1))
+        except CoordinatorUnavailable as exc:
+            last_seen = str(exc)
+        else:
+            live = {member.worker_id for member in status.members}
+            if live == want:
+                return status
+            last_seen = f"live {sorted(live)}"
+        await asyncio.sleep(poll_s)

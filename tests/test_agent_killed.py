@@ -1,0 +1,122 @@
+"""An agent killed in the middle of a load fails the update fast, and the rest resume.
+
+Three agents run as processes (mixed world sizes) and beat every 0.2 s; the
+coordinator runs in this process with an 8 s phase timeout. One worker's engine
+takes a minute to load; once its load request has arrived, its agent gets
+SIGKILL. The coordinator must notice the silence from the missing heartbeats,
+fail the update naming that worker, and resume everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from processes import Processes, kill_process, wait_live_workers
+
+from coordinator import Coordinator, CoordinatorConfig
+from lorabus.bus import close, connect
+from lorabus.client import UpdateClient
+from simfleet import SimFleet
+
+WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}
+VICTIM = "w001"
+PHASE_TIMEOUT_S = 8.0
+#: Only a deadline so that a stuck update fails the test instead of hanging it.
+RESULT_DEADLINE_S = PHASE_TIMEOUT_S + 4.0
+
+
+@pytest.fixture
+async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
+    async with Processes(tmp_path / "logs") as started:
+        yield started
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimFleet]:
+    async with SimFleet(list(WORLD_SIZES), list(WORLD_SIZES.values())) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+async def coordinator(nats_url: str, fleet_name: str, sim: SimFleet) -> AsyncIterator[None]:
+    config = CoordinatorConfig(
+        fleet=fleet_name,
+        frontend_url=sim.url,
+        expected_world_size=sum(WORLD_SIZES.values()),
+        phase_timeout_s=PHASE_TIMEOUT_S,
+        verify_timeout_s=PHASE_TIMEOUT_S,
+        quorum_timeout_s=PHASE_TIMEOUT_S,
+    )
+    nc = await connect(nats_url, name="test-coordinator")
+    ready = asyncio.Event()
+    task = asyncio.create_task(Coordinator(config).run(nc, ready), name="coordinator")
+    try:
+        ready_wait = asyncio.ensure_future(ready.wait())
+        await asyncio.wait({task, ready_wait}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        ready_wait.cancel()
+        if task.done():
+            task.result()
+        assert ready.is_set(), "the coordinator did not subscribe within 10s"
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await close(nc)
+
+
+@pytest.fixture
+async def client(nats_url: str, fleet_name: str) -> AsyncIterator[UpdateClient]:
+    async with await UpdateClient.connect(nats_url, fleet_name) as connected:
+        yield connected
+
+
+@pytest.mark.usefixtures("coordinator")
+async def test_killed_agent_fails_the_update_by_name_and_the_others_resume(
+    processes: Processes,
+    sim: SimFleet,
+    client: UpdateClient,
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+) -> None:
+    agents = {
+        worker_id: await processes.start_agent(
+            nats_url=nats_url,
+            fleet=fleet_name,
+            worker_id=worker_id,
+            system_url=sim.system_url(worker_id),
+            world_size=world_size,
+            extra=["--heartbeat-s", "0.2"],
+        )
+        for worker_id, world_size in WORLD_SIZES.items()
+    }
+    await wait_live_workers(client, WORLD_SIZES, processes=processes)
+    victim = sim.workers[VICTIM]
+    victim.set_faults(latency_s={"load": 60})
+
+    update = asyncio.create_task(
+        client.update("policy", make_adapter(1), version=1, timeout_s=RESULT_DEADLINE_S)
+    )
+    try:
+        load_arrived = victim.wait_until(
+            lambda: any(r.method == "POST" and r.path == "/v1/loras" for r in victim.requests)
+        )
+        assert await asyncio.wait_for(load_arrived, RESULT_DEADLINE_S), "the sim stopped"
+        await kill_process(agents[VICTIM])
+        result = await asyncio.wait_for(asyncio.shield(update), RESULT_DEADLINE_S)
+    finally:
+        update.cancel()
+
+    assert result.status == "failed"
+    assert result.error is not None and VICTIM in result.error.message, result.error
+    victim_error = result.workers[VICTIM].error
+    assert victim_error is not None and "heartbeat" in victim_error.message, victim_error
+    for worker_id, worker in sim.workers.items():
+        if worker_id != VICTIM:
+            assert not worker.paused, worker_id
+            assert result.workers[worker_id].ok, result.workers[worker_id]

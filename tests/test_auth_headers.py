@@ -1,0 +1,130 @@
+"""Agents and the coordinator send the API key and extra headers on engine calls.
+
+The simulated fleet requires ``Authorization: Bearer s3cret`` on every worker
+and frontend route. The coordinator and the agents run as ``lorabus``
+processes configured the way an operator would: ``--api-key-env`` naming a
+variable and ``--header NAME=VALUE``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from processes import Processes, wait_live_workers
+
+from lorabus.client import UpdateClient
+from schemas import ErrorCode
+from simfleet import SimFleet
+
+API_KEY = "s3cret"
+KEY_VAR = "SIM_KEY"
+WORLD_SIZES = {"alpha": 2, "beta": 1}
+ENGINE_CALLS = [
+    ("POST", "/engine/pause_generation"),
+    ("POST", "/v1/loras"),
+    ("POST", "/engine/resume_generation"),
+]
+
+
+@pytest.fixture
+async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
+    async with Processes(tmp_path / "logs") as started:
+        yield started
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimFleet]:
+    async with SimFleet(list(WORLD_SIZES), list(WORLD_SIZES.values()), api_key=API_KEY) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+async def client(nats_url: str, fleet_name: str) -> AsyncIterator[UpdateClient]:
+    async with await UpdateClient.connect(nats_url, fleet_name) as connected:
+        yield connected
+
+
+async def _start_fleet(
+    processes: Processes,
+    sim: SimFleet,
+    nats_url: str,
+    fleet: str,
+    client: UpdateClient,
+    *,
+    agent_key: str | None,
+) -> None:
+    auth = ["--api-key-env", KEY_VAR, "--header", "X-Team=rl"]
+    await processes.start_coordinator(
+        nats_url=nats_url,
+        fleet=fleet,
+        frontend_url=sim.url,
+        expected_world_size=sum(WORLD_SIZES.values()),
+        extra=["--phase-timeout", "10", "--verify-timeout", "10", "--quorum-timeout", "10", *auth],
+        env={KEY_VAR: API_KEY},
+    )
+    for worker_id, world_size in WORLD_SIZES.items():
+        await processes.start_agent(
+            nats_url=nats_url,
+            fleet=fleet,
+            worker_id=worker_id,
+            system_url=sim.system_url(worker_id),
+            world_size=world_size,
+            extra=["--heartbeat-s", "0.2", *auth],
+            env={KEY_VAR: agent_key},
+        )
+    await wait_live_workers(client, WORLD_SIZES, processes=processes)
+
+
+async def test_update_commits_with_key_and_extra_header_on_every_engine_call(
+    processes: Processes,
+    sim: SimFleet,
+    client: UpdateClient,
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+) -> None:
+    await _start_fleet(processes, sim, nats_url, fleet_name, client, agent_key=API_KEY)
+
+    result = await client.update("policy", make_adapter(1), version=1, timeout_s=30)
+
+    assert result.committed, result.error
+    for worker_id, worker in sim.workers.items():
+        calls = [(r.method, r.path) for r in worker.requests]
+        for call in ENGINE_CALLS:
+            assert call in calls, (worker_id, calls)
+        for request in worker.requests:
+            assert request.headers.get("authorization") == f"Bearer {API_KEY}", (
+                worker_id,
+                request.method,
+                request.path,
+            )
+            assert request.headers.get("x-team") == "rl", (worker_id, request.method, request.path)
+
+
+async def test_update_fails_naming_every_worker_whose_engine_answers_401(
+    processes: Processes,
+    sim: SimFleet,
+    client: UpdateClient,
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+) -> None:
+    await _start_fleet(processes, sim, nats_url, fleet_name, client, agent_key=None)
+
+    result = await client.update("policy", make_adapter(1), version=1, timeout_s=30)
+
+    assert result.status == "failed"
+    assert result.error is not None
+    assert result.error.code == ErrorCode.WORKER_FAILED, result.error
+    for worker_id in WORLD_SIZES:
+        assert worker_id in result.error.message, result.error.message
+        outcome = result.workers[worker_id]
+        assert not outcome.ok and outcome.error is not None, outcome
+        assert "401" in outcome.error.message and "unauthorized" in outcome.error.message, (
+            outcome.error
+        )
+    assert "401" in result.error.message and "unauthorized" in result.error.message
+    for worker in sim.workers.values():
+        assert not worker.paused and not worker.adapters, worker
