@@ -1,13 +1,22 @@
 """The agent's side of the bus: commands in, acks, heartbeats and events out.
 
-This is the only module of ``agents`` that talks to NATS. A subscription
-callback only decodes and enqueues: engine calls take seconds and would stall
-every later message of that subscription. One worker task drains the queue,
-so commands for the engine run one at a time, in the order they arrived.
+This is the only module of ``agents`` that talks to NATS (core subjects, and
+one JetStream KV read of the fleet's committed state). A subscription
+callback only decodes, fences and enqueues: engine calls take seconds and
+would stall every later message of that subscription. One worker task drains
+the queue, so commands for the engine run one at a time, in arrival order.
 
 Core NATS is at-most-once, so the coordinator re-sends commands to agents that
-have not acked. A re-sent command is recognised by (update id, phase): if it
-already ran, its ack is published again; if it is running, it is dropped.
+have not acked. A re-sent command is recognised by (epoch, update id, type):
+if it already ran, its ack is published again; if it is queued, it is dropped.
+
+Fencing: every command carries its coordinator's epoch; the agent remembers
+the highest it has seen and refuses anything older, with a ``fenced`` ack and a
+``command_refused`` event, so a deposed coordinator cannot drive the engine.
+
+Readiness: the agent announces ``ready`` only while its engine holds what the
+fleet has committed. At start, after a reconnect, and whenever its engine turns
+out to have lost the adapter, it loads the committed adapter first.
 """
 
 from __future__ import annotations
@@ -17,19 +26,35 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from typing import TypeVar
 
 import msgspec
+import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from agents.executor import CommandExecutor
+from agents.lease import PauseLease
 from schemas import (
     Ack,
     BadMessage,
     Command,
     CommandHandled,
+    CommandRefused,
+    CommittedNotice,
+    CommittedRecord,
+    ErrorCode,
+    ErrorInfo,
     Event,
     Heartbeat,
+    LeaderRecord,
+    LeaseExpired,
+    LoadCommand,
+    PauseCommand,
+    PhasedCommand,
+    Reconciled,
+    RenewLeaseCommand,
+    ResumeCommand,
     Subjects,
     command_decoder,
     encode,
@@ -41,6 +66,18 @@ log = logging.getLogger(__name__)
 
 _REMEMBERED_ACKS = 256
 _RESUME_ON_EXIT_S = 5.0
+_STATE_READ_EVERY_S = 5.0
+_RECONCILE_BUDGET_S = 60.0
+
+_CommandKey = tuple[int, str, str]
+_T = TypeVar("_T")
+
+
+class _Work(msgspec.Struct):
+    command: PhasedCommand
+    received: float
+    internal: str = ""
+    """Why the agent queued this itself: ``reconcile`` or ``lease``; empty for bus commands."""
 
 
 class Agent:
@@ -55,10 +92,19 @@ class Agent:
         self.executor = executor
         self.worker_id = executor.worker_id
         self.heartbeat_s = heartbeat_s
-        self._queue: asyncio.Queue[tuple[Command, float]] = asyncio.Queue()
-        self._running: set[tuple[str, str]] = set()
-        self._acks: OrderedDict[tuple[str, str], Ack] = OrderedDict()
+        self.epoch_seen = 0
+        self.lease = PauseLease()
+        self.committed: CommittedNotice | None = None
+        self._queue: asyncio.Queue[_Work] = asyncio.Queue()
+        self._queued: set[_CommandKey] = set()
+        self._reconciled = asyncio.Event()
+        self._reconciled.set()
+        self._acks: OrderedDict[_CommandKey, Ack] = OrderedDict()
         self._nc: NatsClient | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.committed is None or self.committed.served_name in self.executor.adapters
 
     async def run(self, nc: NatsClient, ready: asyncio.Event | None = None) -> None:
         """Serve until cancelled; set ``ready`` once subscribed and announced."""
@@ -69,30 +115,26 @@ class Agent:
         ]
         try:
             await nc.flush(timeout=5)
-            await self._beat()
-            if ready is not None:
-                ready.set()
-            log.info("worker=%s agent ready on fleet %s", self.worker_id, self.subjects.fleet)
+            await self._read_fleet_state()
             async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._heartbeat_loop())
                 tasks.create_task(self._command_loop())
+                tasks.create_task(self.lease.watch(self._on_lease_expired))
+                # Converge before the first heartbeat, so the coordinator never
+                # counts this worker while its engine lacks the committed adapter.
+                await self._reconcile_if_needed()
+                await self._wait_reconciled()
+                await self._beat()
+                if ready is not None:
+                    ready.set()
+                log.info("worker=%s agent ready on fleet %s", self.worker_id, self.subjects.fleet)
+                tasks.create_task(self._heartbeat_loop())
         finally:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
             await self._resume_if_paused()
 
-    async def _resume_if_paused(self) -> None:
-        """A stopping agent resumes its engine: nobody would be left to do it."""
-        if not self.executor.paused:
-            return
-        try:
-            async with asyncio.timeout(_RESUME_ON_EXIT_S):
-                await self.executor.driver.resume()
-            self.executor.paused = False
-            log.warning("worker=%s resumed its engine on the way out", self.worker_id)
-        except Exception as exc:
-            log.error("worker=%s is stopping with its engine paused: %s", self.worker_id, exc)
+    # -- the bus side --------------------------------------------------------
 
     async def _on_command(self, msg: Msg) -> None:
         try:
@@ -113,26 +155,84 @@ class Agent:
             return
         if self.worker_id not in command.targets:
             return
-        key = (command.update_id, tag_of(command))
-        if key in self._running:
+        if command.epoch < self.epoch_seen:
+            await self._refuse(command)
+            return
+        self.epoch_seen = command.epoch
+        match command:
+            case RenewLeaseCommand(update_id=update_id, lease_s=lease_s):
+                self.lease.renew(update_id, lease_s)
+            case CommittedNotice():
+                self._learn_committed(command)
+                await self._reconcile_if_needed()
+            case _:
+                await self._accept(command)
+
+    async def _accept(self, command: PhasedCommand) -> None:
+        key = (command.epoch, command.update_id, tag_of(command))
+        if key in self._queued:
             return
         done = self._acks.get(key)
         if done is not None:
             await self._publish_ack(done)
             return
-        self._running.add(key)
-        self._queue.put_nowait((command, time.monotonic()))
+        self._queued.add(key)
+        self._queue.put_nowait(_Work(command=command, received=time.monotonic()))
+
+    async def _refuse(self, command: Command) -> None:
+        log.warning(
+            "worker=%s update=%s refused %s of epoch %d: epoch %d seen",
+            self.worker_id,
+            command.update_id,
+            tag_of(command),
+            command.epoch,
+            self.epoch_seen,
+        )
+        await self._emit(
+            CommandRefused(
+                ts=time.time(),
+                source=self._source,
+                update_id=command.update_id,
+                worker_id=self.worker_id,
+                command=tag_of(command),
+                epoch=command.epoch,
+                epoch_seen=self.epoch_seen,
+            )
+        )
+        if isinstance(command, RenewLeaseCommand | CommittedNotice):
+            return
+        await self._publish_ack(
+            self._ack_of(
+                command,
+                ErrorInfo(
+                    code=ErrorCode.FENCED,
+                    message=f"{self.worker_id} refused {tag_of(command)} of epoch "
+                    f"{command.epoch}: it has seen epoch {self.epoch_seen}",
+                ),
+            )
+        )
+
+    # -- the engine side -----------------------------------------------------
 
     async def _command_loop(self) -> None:
         while True:
-            command, received = await self._queue.get()
-            budget = command.budget_s - (time.monotonic() - received)
+            work = await self._queue.get()
+            command = work.command
+            budget = command.budget_s - (time.monotonic() - work.received)
             ack = await self.executor.execute(command, budget)
-            key = (command.update_id, tag_of(command))
-            self._running.discard(key)
+            if work.internal:
+                await self._after_internal(work, ack)
+                continue
+            key = (command.epoch, command.update_id, tag_of(command))
+            self._queued.discard(key)
             self._acks[key] = ack
             while len(self._acks) > _REMEMBERED_ACKS:
                 self._acks.popitem(last=False)
+            match command:
+                case PauseCommand(lease_s=lease_s) if ack.ok:
+                    self.lease.arm(command.update_id, lease_s)
+                case ResumeCommand() if ack.ok:
+                    self.lease.release()
             await self._publish_ack(ack)
             await self._emit(
                 CommandHandled(
@@ -147,9 +247,123 @@ class Agent:
             )
             await self._beat()
 
+    async def _after_internal(self, work: _Work, ack: Ack) -> None:
+        if work.internal == "reconcile":
+            self._reconciled.set()
+            assert isinstance(work.command, LoadCommand)
+            await self._emit(
+                Reconciled(
+                    ts=time.time(),
+                    source=self._source,
+                    worker_id=self.worker_id,
+                    served_name=work.command.served_name,
+                    ok=ack.ok,
+                    error=ack.error,
+                )
+            )
+        elif work.internal == "lease":
+            if ack.ok:
+                self.lease.release()
+            await self._emit(
+                LeaseExpired(
+                    ts=time.time(),
+                    source=self._source,
+                    update_id=work.command.update_id,
+                    worker_id=self.worker_id,
+                    resumed=ack.ok,
+                    error=ack.error,
+                )
+            )
+        await self._beat()
+
+    async def _on_lease_expired(self, update_id: str) -> None:
+        log.warning(
+            "worker=%s update=%s pause lease ran out: resuming the engine on its own",
+            self.worker_id,
+            update_id,
+        )
+        resume = ResumeCommand(
+            update_id=update_id,
+            targets=[self.worker_id],
+            budget_s=_RECONCILE_BUDGET_S,
+            epoch=self.epoch_seen,
+        )
+        self._queue.put_nowait(_Work(command=resume, received=time.monotonic(), internal="lease"))
+
+    # -- converging to the committed state -------------------------------------
+
+    def _learn_committed(self, notice: CommittedNotice) -> None:
+        if self.committed is None or notice.version >= self.committed.version:
+            self.committed = notice
+
+    async def _read_fleet_state(self) -> None:
+        """Learn the committed adapter and the current epoch from the fleet's KV."""
+        assert self._nc is not None
+        try:
+            async with asyncio.timeout(5):
+                kv = await self._nc.jetstream().key_value(self.subjects.state_bucket())
+                committed = await _get_record(kv, "committed", CommittedRecord)
+                leader = await _get_record(kv, "leader", LeaderRecord)
+        except (TimeoutError, nats.js.errors.BucketNotFoundError, nats.errors.Error) as exc:
+            log.debug("worker=%s no fleet state to read: %r", self.worker_id, exc)
+            return
+        if leader is not None:
+            self.epoch_seen = max(self.epoch_seen, leader.epoch)
+        if committed is not None:
+            self._learn_committed(
+                CommittedNotice(
+                    update_id="state",
+                    targets=[self.worker_id],
+                    budget_s=0,
+                    epoch=self.epoch_seen,
+                    served_name=committed.served_name,
+                    path=committed.path,
+                    version=committed.version,
+                )
+            )
+
+    async def _reconcile_if_needed(self) -> None:
+        target = self.committed
+        if target is None or self._reconciling or self.executor.paused:
+            return
+        if target.served_name in self.executor.adapters:
+            return
+        self._reconciled.clear()
+        log.info("worker=%s loading the committed %s", self.worker_id, target.served_name)
+        load = LoadCommand(
+            update_id=f"reconcile-{target.version}",
+            targets=[self.worker_id],
+            budget_s=_RECONCILE_BUDGET_S,
+            epoch=self.epoch_seen,
+            served_name=target.served_name,
+            path=target.path,
+        )
+        self._queue.put_nowait(_Work(command=load, received=time.monotonic(), internal="reconcile"))
+
+    @property
+    def _reconciling(self) -> bool:
+        return not self._reconciled.is_set()
+
+    async def _wait_reconciled(self) -> None:
+        """Bounded by the reconciling load's own budget."""
+        await self._reconciled.wait()
+
+    # -- heartbeats ----------------------------------------------------------
+
     async def _heartbeat_loop(self) -> None:
+        last_state_read = time.monotonic()
         while True:
             await asyncio.sleep(self.heartbeat_s)
+            if time.monotonic() - last_state_read >= _STATE_READ_EVERY_S:
+                # Catches up on notices missed while disconnected from NATS.
+                await self._read_fleet_state()
+                last_state_read = time.monotonic()
+            if self._queue.empty() and not self.executor.paused:
+                # An engine restart loses adapters: noticing it is what lets
+                # the agent reload the committed one.
+                with contextlib.suppress(Exception):
+                    await self.executor.refresh()
+                await self._reconcile_if_needed()
             await self._beat()
 
     async def _beat(self) -> None:
@@ -164,8 +378,39 @@ class Agent:
                     adapters=list(ex.adapters),
                     paused=ex.paused,
                     interval_s=self.heartbeat_s,
+                    ready=self.ready and not self._reconciling,
+                    epoch_seen=self.epoch_seen,
                 )
             ),
+        )
+
+    # -- leaving -------------------------------------------------------------
+
+    async def _resume_if_paused(self) -> None:
+        """A stopping agent resumes its engine: nobody would be left to do it."""
+        if not self.executor.paused:
+            return
+        try:
+            async with asyncio.timeout(_RESUME_ON_EXIT_S):
+                await self.executor.driver.resume()
+            self.executor.paused = False
+            log.warning("worker=%s resumed its engine on the way out", self.worker_id)
+        except Exception as exc:
+            log.error("worker=%s is stopping with its engine paused: %s", self.worker_id, exc)
+
+    # -- publishing ----------------------------------------------------------
+
+    def _ack_of(self, command: PhasedCommand, error: ErrorInfo) -> Ack:
+        ex = self.executor
+        return Ack(
+            update_id=command.update_id,
+            phase=phase_of(command),
+            worker_id=self.worker_id,
+            ok=False,
+            world_size=ex.world_size,
+            adapters=list(ex.adapters),
+            paused=ex.paused,
+            error=error,
         )
 
     async def _publish_ack(self, ack: Ack) -> None:
@@ -184,3 +429,17 @@ class Agent:
     @property
     def _source(self) -> str:
         return f"agent:{self.worker_id}"
+
+
+async def _get_record(kv: object, key: str, kind: type[_T]) -> _T | None:
+    try:
+        entry = await kv.get(key)  # type: ignore[attr-defined]
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    if entry.value is None:  # an expired key can come back without a value
+        return None
+    try:
+        return msgspec.json.decode(entry.value, type=kind)
+    except msgspec.DecodeError as exc:
+        log.warning("unreadable %s record in the fleet state: %s", key, exc)
+        return None

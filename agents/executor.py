@@ -15,12 +15,12 @@ import time
 from agents.engine import EngineDriver
 from schemas import (
     Ack,
-    Command,
     EngineError,
     ErrorCode,
     ErrorInfo,
     LoadCommand,
     PauseCommand,
+    PhasedCommand,
     ResumeCommand,
     UnloadCommand,
     phase_of,
@@ -43,7 +43,7 @@ class CommandExecutor:
         """Read the engine's adapter list (at start, so heartbeats tell the truth)."""
         self.adapters = await self.driver.list_adapters()
 
-    async def execute(self, command: Command, budget_s: float) -> Ack:
+    async def execute(self, command: PhasedCommand, budget_s: float) -> Ack:
         """Run ``command`` within ``budget_s`` seconds and return its ack."""
         started = time.monotonic()
         error: ErrorInfo | None = None
@@ -77,7 +77,7 @@ class CommandExecutor:
             duration_s=time.monotonic() - started,
         )
 
-    async def _run(self, command: Command, budget_s: float) -> None:
+    async def _run(self, command: PhasedCommand, budget_s: float) -> None:
         match command:
             case PauseCommand():
                 await self.driver.pause()

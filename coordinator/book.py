@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from coordinator.plan import Committed
-from schemas import FAILED, ErrorCode, ErrorInfo, UpdateRequest, UpdateResult
+from schemas import FAILED, CommittedRecord, ErrorCode, ErrorInfo, UpdateRequest, UpdateResult
 
 _REMEMBERED_RESULTS = 4096
 
@@ -30,13 +29,16 @@ def failed_result(request: UpdateRequest, error: ErrorInfo) -> UpdateResult:
 
 class UpdateBook:
     def __init__(self) -> None:
-        self.committed: dict[str, Committed] = {}
-        self.latest: Committed | None = None
+        self.committed: dict[str, CommittedRecord] = {}
+        self.latest: CommittedRecord | None = None
         self.running: str | None = None
         self._results: OrderedDict[str, UpdateResult] = OrderedDict()
         self._pending: dict[str, tuple[UpdateRequest, asyncio.Future[UpdateResult]]] = {}
         self._queue: list[UpdateRequest] = []
         self._queued = asyncio.Event()
+
+    def knows(self, update_id: str) -> bool:
+        return update_id in self._pending or update_id in self._results
 
     def submit(self, request: UpdateRequest) -> asyncio.Future[UpdateResult]:
         """The future result of ``request`` (the first one's, for a repeated id)."""
@@ -86,7 +88,7 @@ class UpdateBook:
         if future is not None and not future.done():
             future.set_result(result)
 
-    def commit(self, committed: Committed) -> None:
+    def commit(self, committed: CommittedRecord) -> None:
         self.committed[committed.adapter] = committed
         self.latest = committed
 

@@ -26,13 +26,30 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     adapter_roots: list[str] = []
     """If set, adapter paths must lie under one of these directories."""
     subject_prefix: str = "lorabus"
+    pause_lease_s: float = 30.0
+    """An agent resumes on its own when a pause is neither renewed nor ended in this."""
+    leader_lease_s: float = 5.0
+    """A standby takes over after the leader record stays unrenewed this long."""
+    holder: str = ""
+    """This coordinator's name in the leader record; default: host and pid."""
+    kv_replicas: int = 1
+    """Replicas of the fleet's KV buckets (3 on a three-node cluster)."""
 
     def __post_init__(self) -> None:
         if self.expected_world_size < 1:
             raise ValueError("expected world size must be >= 1")
-        for name in ("phase_timeout_s", "verify_timeout_s", "quorum_timeout_s", "http_timeout_s"):
+        for name in (
+            "phase_timeout_s",
+            "verify_timeout_s",
+            "quorum_timeout_s",
+            "http_timeout_s",
+            "pause_lease_s",
+            "leader_lease_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0")
+        if not 1 <= self.kv_replicas <= 5:
+            raise ValueError("kv replicas must be 1 to 5")
         if self.keep < 1:
             raise ValueError("keep must be >= 1: the committed version is always kept")
         if not self.frontend_url.startswith(("http://", "https://")):

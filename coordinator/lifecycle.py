@@ -11,9 +11,10 @@ unloaded; that clean-up is reported but never fails a committed update.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -30,11 +31,14 @@ from schemas import (
     ErrorCode,
     ErrorInfo,
     Event,
+    InflightRecord,
     LoadCommand,
     PauseCommand,
     Phase,
+    PhasedCommand,
     PhaseFinished,
     RankMap,
+    RenewLeaseCommand,
     ResumeCommand,
     UnloadCommand,
     UpdateResult,
@@ -46,8 +50,13 @@ from schemas import (
 
 log = logging.getLogger(__name__)
 
+_C = TypeVar("_C", PauseCommand, LoadCommand, ResumeCommand, UnloadCommand)
 _FIRST_RESEND_S = 0.25
 _LIVENESS_TICK_S = 0.25
+
+
+class Journal(Protocol):
+    async def record(self, in_flight: InflightRecord) -> None: ...
 
 
 class CommandBus(Protocol):
@@ -55,7 +64,7 @@ class CommandBus(Protocol):
 
     async def broadcast(self, command: Command) -> None: ...
 
-    async def send_to(self, worker_id: str, command: Command) -> None: ...
+    async def send_to(self, worker_id: str, command: PhasedCommand) -> None: ...
 
     async def emit(self, event: Event) -> None: ...
 
@@ -115,11 +124,16 @@ class UpdateRunner:
         membership: Membership,
         frontend: FrontendClient,
         bus: CommandBus,
+        journal: Journal,
     ) -> None:
         self.config = config
         self.membership = membership
         self.frontend = frontend
         self.bus = bus
+        self.journal = journal
+        self.epoch = 0
+        """The term this runner commands in; every command carries it."""
+        self._in_flight: InflightRecord | None = None
 
     async def run(self, plan: UpdatePlan) -> UpdateResult:
         """Run ``plan`` to a terminal result; never leaves a member told to pause unresumed."""
@@ -149,17 +163,24 @@ class UpdateRunner:
         errors: dict[str, ErrorInfo] = {}
         error: ErrorInfo | None = None
         load: PhaseOutcome | None = None
+        self._in_flight = InflightRecord(
+            update_id=plan.update_id,
+            epoch=self.epoch,
+            phase=Phase.PAUSE,
+            adapter=plan.adapter,
+            served_name=plan.served_name,
+            version=plan.version,
+            members=members,
+        )
+        renewing = asyncio.create_task(self._renew_pause_leases(plan.update_id, targets))
         try:
             error, errors, load = await self._pause_load_verify(plan, targets, phases)
         finally:
-            resume = await self._phase(
-                ResumeCommand(
-                    update_id=plan.update_id,
-                    targets=targets,
-                    budget_s=self.config.phase_timeout_s,
-                ),
-                phases,
-            )
+            try:
+                resume = await self._phase(self._command(ResumeCommand, plan, targets), phases)
+            finally:
+                renewing.cancel()
+                await asyncio.gather(renewing, return_exceptions=True)
             for wid, err in resume.worker_errors().items():
                 errors.setdefault(wid, err)
             if not resume.ok and error is None:
@@ -175,17 +196,16 @@ class UpdateRunner:
         self, plan: UpdatePlan, targets: list[str], phases: dict[str, float]
     ) -> tuple[ErrorInfo | None, dict[str, ErrorInfo], PhaseOutcome | None]:
         """Run the phases that happen inside the pause; the first failure ends them."""
-        budget = self.config.phase_timeout_s
         pause = await self._phase(
-            PauseCommand(update_id=plan.update_id, targets=targets, budget_s=budget), phases
+            self._command(PauseCommand, plan, targets, lease_s=self.config.pause_lease_s), phases
         )
         if not pause.ok:
             return pause.summary(), pause.worker_errors(), None
         load = await self._phase(
-            LoadCommand(
-                update_id=plan.update_id,
-                targets=targets,
-                budget_s=budget,
+            self._command(
+                LoadCommand,
+                plan,
+                targets,
                 served_name=plan.served_name,
                 path=plan.path,
                 replace=plan.replace,
@@ -246,20 +266,15 @@ class UpdateRunner:
         if not names or not targets:
             return
         outcome = await self._phase(
-            UnloadCommand(
-                update_id=plan.update_id,
-                targets=targets,
-                budget_s=self.config.phase_timeout_s,
-                names=names,
-            ),
-            phases,
+            self._command(UnloadCommand, plan, targets, names=names), phases
         )
         if not outcome.ok:
             log.warning(
                 "update=%s unloading %s: %s", plan.update_id, names, outcome.summary().message
             )
 
-    async def _phase(self, command: Command, phases: dict[str, float]) -> PhaseOutcome:
+    async def _phase(self, command: PhasedCommand, phases: dict[str, float]) -> PhaseOutcome:
+        await self._record_phase(phase_of(command))
         outcome = await self._gather(command)
         phases[outcome.phase] = outcome.duration_s
         await self.bus.emit(
@@ -278,7 +293,63 @@ class UpdateRunner:
             log.warning("update=%s %s", command.update_id, outcome.summary().message)
         return outcome
 
-    async def _gather(self, command: Command) -> PhaseOutcome:
+    def _command(
+        self, kind: type[_C], plan: UpdatePlan | InflightRecord, targets: list[str], **fields: Any
+    ) -> _C:
+        return kind(
+            update_id=plan.update_id,
+            targets=targets,
+            budget_s=self.config.phase_timeout_s,
+            epoch=self.epoch,
+            **fields,
+        )
+
+    async def _record_phase(self, phase: Phase) -> None:
+        """Write the update in flight before the phase starts, for a successor."""
+        if self._in_flight is None:
+            return
+        self._in_flight = msgspec.structs.replace(self._in_flight, phase=phase)
+        try:
+            await self.journal.record(self._in_flight)
+        except Exception as exc:  # the engines must still be driven (and resumed)
+            log.warning(
+                "update=%s could not record phase %s: %s", self._in_flight.update_id, phase, exc
+            )
+
+    async def _renew_pause_leases(self, update_id: str, targets: list[str]) -> None:
+        """While the pause window lasts, keep the agents' pause leases from running out."""
+        lease = self.config.pause_lease_s
+        while True:
+            await asyncio.sleep(lease / 3)
+            await self.bus.broadcast(
+                RenewLeaseCommand(
+                    update_id=update_id,
+                    targets=targets,
+                    budget_s=0.0,
+                    epoch=self.epoch,
+                    lease_s=lease,
+                )
+            )
+
+    async def roll_back(self, in_flight: InflightRecord) -> ErrorInfo:
+        """Finish what a dead predecessor left: resume every member, withdraw the
+        version it may have loaded, and describe the outcome."""
+        targets = sorted(in_flight.members)
+        phases: dict[str, float] = {}
+        resume = await self._phase(self._command(ResumeCommand, in_flight, targets), phases)
+        if in_flight.phase is not Phase.PAUSE and in_flight.served_name != in_flight.adapter:
+            await self._phase(
+                self._command(UnloadCommand, in_flight, targets, names=[in_flight.served_name]),
+                phases,
+            )
+        resumed = "every member resumed" if resume.ok else resume.summary().message
+        return ErrorInfo(
+            code=ErrorCode.FAILOVER,
+            message=f"the coordinator of epoch {in_flight.epoch} stopped during "
+            f"{in_flight.phase}; epoch {self.epoch} rolled the update back ({resumed})",
+        )
+
+    async def _gather(self, command: PhasedCommand) -> PhaseOutcome:
         phase = phase_of(command)
         timeout_s = command.budget_s
         gather = self.bus.acks.expect(command.update_id, phase, command.targets)

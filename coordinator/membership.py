@@ -35,7 +35,10 @@ class Membership:
 
     def observe(self, heartbeat: Heartbeat) -> None:
         known = self._members.get(heartbeat.worker_id)
-        if known is None or known.heartbeat.world_size != heartbeat.world_size:
+        if known is None or (known.heartbeat.world_size, known.heartbeat.ready) != (
+            heartbeat.world_size,
+            heartbeat.ready,
+        ):
             self._changed.set()
         self._members[heartbeat.worker_id] = Member(heartbeat=heartbeat, seen_at=self._clock())
 
@@ -50,7 +53,8 @@ class Membership:
         return self._age(member)
 
     def live_world_sizes(self) -> dict[str, int]:
-        return {wid: m.heartbeat.world_size for wid, m in self.live().items()}
+        """World sizes of live members that are ready (serve the committed state)."""
+        return {wid: m.heartbeat.world_size for wid, m in self.live().items() if m.heartbeat.ready}
 
     async def wait_quorum(self, expected_world_size: int, timeout_s: float) -> dict[str, int]:
         """Return ``{worker_id: world_size}`` of live agents once they sum to the target."""

@@ -13,7 +13,7 @@ import re
 import msgspec
 
 from coordinator.config import CoordinatorConfig
-from schemas import BadRequest, ErrorCode, LorabusError, Naming, RankMap, UpdateRequest
+from schemas import BadRequest, CommittedRecord, ErrorCode, LorabusError, Naming, UpdateRequest
 
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
 
@@ -22,16 +22,6 @@ class StaleVersion(LorabusError):
     """Raised when a request asks for a version older than the committed one."""
 
     code = ErrorCode.STALE_VERSION
-
-
-class Committed(msgspec.Struct, frozen=True, kw_only=True):
-    """What one adapter lineage has committed last."""
-
-    adapter: str
-    version: int
-    path: str
-    served_name: str
-    rank_map: RankMap
 
 
 class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,7 +34,7 @@ class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def plan_update(
-    request: UpdateRequest, config: CoordinatorConfig, committed: Committed | None
+    request: UpdateRequest, config: CoordinatorConfig, committed: CommittedRecord | None
 ) -> UpdatePlan:
     """Validate ``request`` against the config and the committed state."""
     if not request.update_id or len(request.update_id) > 128:
@@ -70,7 +60,7 @@ def plan_update(
     )
 
 
-def is_already_committed(plan: UpdatePlan, committed: Committed | None) -> bool:
+def is_already_committed(plan: UpdatePlan, committed: CommittedRecord | None) -> bool:
     return (
         committed is not None and committed.version == plan.version and committed.path == plan.path
     )
@@ -97,7 +87,7 @@ def _checked_path(path: str, roots: list[str]) -> str:
     return normal
 
 
-def _checked_version(request: UpdateRequest, committed: Committed | None, path: str) -> int:
+def _checked_version(request: UpdateRequest, committed: CommittedRecord | None, path: str) -> int:
     if request.version is None:
         return 1 if committed is None else committed.version + 1
     if request.version < 0:

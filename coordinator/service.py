@@ -1,9 +1,14 @@
-"""The coordinator's side of the bus: the only module of ``coordinator`` on NATS.
+"""The coordinator's side of the bus (with ``store.py``, its only NATS modules).
 
-It feeds heartbeats to the membership and acks to the ack router, answers
-update and status requests, and runs queued updates one at a time. Callbacks
-never wait for an update: they hand requests to the book and reply from a task
-owned by the service's task group.
+Every coordinator of a fleet follows heartbeats and acks, so a standby knows
+the membership the moment it takes over. Only the leader answers update and
+status requests and runs updates, one at a time, each command stamped with its
+epoch. A new leader first rolls back the update its predecessor left in
+flight (resume everyone, withdraw the uncommitted version) and records that
+result, so a requester retrying the same ``update_id`` gets a terminal answer.
+
+Callbacks never wait for an update: they hand requests to the book and reply
+from tasks owned by the service, which answers or cancels them when it stops.
 """
 
 from __future__ import annotations
@@ -11,26 +16,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
+import uuid
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from coordinator.book import UpdateBook, failed_result
 from coordinator.config import CoordinatorConfig
 from coordinator.frontend import FrontendClient
 from coordinator.gather import AckRouter
+from coordinator.leader import LeaderElection, LeadershipLost
 from coordinator.lifecycle import UpdateRunner
 from coordinator.membership import Membership
-from coordinator.plan import Committed, is_already_committed, plan_update
+from coordinator.plan import is_already_committed, plan_update
+from coordinator.store import FleetStore, StoreUnavailable
 from schemas import (
     BadMessage,
     Command,
+    CommittedNotice,
+    CommittedRecord,
     ErrorCode,
     ErrorInfo,
     Event,
     FleetStatus,
+    InflightRecord,
+    LeaderElected,
     LorabusError,
     MemberStatus,
     Subjects,
@@ -46,6 +63,8 @@ from schemas import (
 )
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class _NatsCommandBus:
@@ -67,56 +86,143 @@ class _NatsCommandBus:
             log.warning("could not emit %s: %s", tag_of(event), exc)
 
 
+class _StoreJournal:
+    def __init__(self, store: FleetStore) -> None:
+        self.store = store
+
+    async def record(self, in_flight: InflightRecord) -> None:
+        await self.store.write_inflight(in_flight)
+
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
+        self.holder = (
+            config.holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
         self.membership = Membership()
         self.book = UpdateBook()
+        self.epoch = 0
+        self.leading = asyncio.Event()
+        """Set while this coordinator holds the fleet's lease."""
 
     async def run(self, nc: NatsClient, ready: asyncio.Event | None = None) -> None:
-        """Serve the fleet until cancelled; set ``ready`` once subscribed."""
+        """Serve the fleet until cancelled; set ``ready`` once following the bus.
+
+        ``ready`` means "up": leading, or standing by to take over.
+        """
         bus = _NatsCommandBus(nc, self.subjects)
+        store = await FleetStore.open(nc, self.subjects, replicas=self.config.kv_replicas)
+        election = LeaderElection(store, self.holder, self.config.leader_lease_s)
         frontend = FrontendClient(
             self.config.frontend_url,
             headers=self.config.headers,
             timeout_s=self.config.http_timeout_s,
         )
-        runner = UpdateRunner(self.config, self.membership, frontend, bus)
-        replies: set[asyncio.Task[None]] = set()
-        subs = []
+        runner = UpdateRunner(self.config, self.membership, frontend, bus, _StoreJournal(store))
+        subs = [
+            await nc.subscribe(self.subjects.heartbeat_any(), cb=self._on_heartbeat),
+            await nc.subscribe(self.subjects.ack_any(), cb=self._make_ack_cb(bus)),
+        ]
         try:
+            await nc.flush(timeout=5)
+            if ready is not None:
+                ready.set()
+            while True:
+                self.epoch = await election.campaign()
+                try:
+                    async with asyncio.TaskGroup() as term:
+                        term.create_task(election.hold())
+                        term.create_task(self._lead(nc, store, runner, bus))
+                except* LeadershipLost as lost:
+                    log.warning("epoch=%d stepped down: %s", self.epoch, lost.exceptions[0])
+        finally:
+            await _unsubscribe(subs)
+            await frontend.aclose()
+
+    async def _lead(
+        self, nc: NatsClient, store: FleetStore, runner: UpdateRunner, bus: _NatsCommandBus
+    ) -> None:
+        """One term as leader: recover, then serve requests until cancelled."""
+        runner.epoch = self.epoch
+        self.book = UpdateBook()
+        replies: set[asyncio.Task[None]] = set()
+        subs: list[Subscription] = []
+        try:
+            recovered = await self._recover(store, runner)
+            await bus.emit(
+                LeaderElected(
+                    ts=time.time(),
+                    source="coordinator",
+                    holder=self.holder,
+                    epoch=self.epoch,
+                    recovered=recovered,
+                )
+            )
             subs = [
-                await nc.subscribe(self.subjects.heartbeat_any(), cb=self._on_heartbeat),
-                await nc.subscribe(self.subjects.ack_any(), cb=self._make_ack_cb(bus)),
                 await nc.subscribe(
-                    self.subjects.update_request(), cb=self._make_request_cb(replies, bus)
+                    self.subjects.update_request(),
+                    cb=self._make_request_cb(replies, bus, store),
                 ),
                 await nc.subscribe(self.subjects.status_request(), cb=self._on_status),
             ]
-            await nc.flush(timeout=5)
-            log.info("coordinator ready on fleet %s", self.config.fleet)
-            if ready is not None:
-                ready.set()
-            await self._run_updates(runner, bus)
+            self.leading.set()
+            log.info(
+                "coordinator %s leads fleet %s, epoch %d",
+                self.holder,
+                self.config.fleet,
+                self.epoch,
+            )
+            await self._run_updates(runner, bus, store)
         finally:
-            for sub in subs:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+            self.leading.clear()
+            await _unsubscribe(subs)
             # Nobody is left waiting for an answer that will never come.
             self.book.fail_all_pending(
                 ErrorInfo(
-                    code=ErrorCode.INTERNAL,
-                    message="the coordinator stopped before this update finished",
+                    code=ErrorCode.NOT_LEADER,
+                    message="the coordinator stopped or lost its lease before this update "
+                    "finished; ask again with the same update_id for the outcome",
                 )
             )
             await _settle(replies, timeout_s=2.0)
-            await frontend.aclose()
 
-    async def _run_updates(self, runner: UpdateRunner, bus: _NatsCommandBus) -> None:
+    async def _recover(self, store: FleetStore, runner: UpdateRunner) -> str | None:
+        """Load the committed state; roll back an update a predecessor left in flight."""
+        committed = await _or_none(store.read_committed())
+        if committed is not None:
+            self.book.commit(committed)
+        in_flight = await _or_none(store.read_inflight())
+        if in_flight is None:
+            return None
+        if await _or_none(store.read_result(in_flight.update_id)) is None:
+            log.warning(
+                "epoch=%d update=%s found in flight (%s): rolling back",
+                self.epoch,
+                in_flight.update_id,
+                in_flight.phase,
+            )
+            error = await runner.roll_back(in_flight)
+            result = UpdateResult(
+                update_id=in_flight.update_id,
+                status="failed",
+                adapter=in_flight.served_name,
+                version=in_flight.version,
+                error=error,
+            )
+            await _quietly(store.write_result(result))
+        await _quietly(store.clear_inflight())
+        return in_flight.update_id
+
+    async def _run_updates(
+        self, runner: UpdateRunner, bus: _NatsCommandBus, store: FleetStore
+    ) -> None:
         while True:
             request = await self.book.next_request()
-            result = await self._execute(request, runner)
+            result = await self._execute(request, runner, bus, store)
+            await _quietly(store.write_result(result))
+            await _quietly(store.clear_inflight())
             self.book.finish(request, result)
             await bus.emit(
                 UpdateFinished(
@@ -128,15 +234,24 @@ class Coordinator:
                 )
             )
             log.info(
-                "update=%s %s %s",
+                "epoch=%d update=%s %s %s",
+                self.epoch,
                 request.update_id,
                 result.status,
                 result.error.message if result.error else result.adapter,
             )
 
-    async def _execute(self, request: UpdateRequest, runner: UpdateRunner) -> UpdateResult:
+    async def _execute(
+        self,
+        request: UpdateRequest,
+        runner: UpdateRunner,
+        bus: _NatsCommandBus,
+        store: FleetStore,
+    ) -> UpdateResult:
         try:
             committed = self.book.committed.get(request.adapter)
+            if committed is None:
+                committed = await _or_none(store.read_committed(request.adapter))
             plan = plan_update(request, self.config, committed)
             if committed is not None and is_already_committed(plan, committed):
                 return UpdateResult(
@@ -148,13 +263,24 @@ class Coordinator:
                 )
             result = await runner.run(plan)
             if result.committed and result.rank_map is not None:
-                self.book.commit(
-                    Committed(
-                        adapter=plan.adapter,
-                        version=plan.version,
-                        path=plan.path,
+                record = CommittedRecord(
+                    adapter=plan.adapter,
+                    version=plan.version,
+                    path=plan.path,
+                    served_name=plan.served_name,
+                    rank_map=result.rank_map,
+                )
+                self.book.commit(record)
+                await _quietly(store.write_committed(record))
+                await bus.broadcast(
+                    CommittedNotice(
+                        update_id=plan.update_id,
+                        targets=sorted(self.membership.live()),
+                        budget_s=0.0,
+                        epoch=self.epoch,
                         served_name=plan.served_name,
-                        rank_map=result.rank_map,
+                        path=plan.path,
+                        version=plan.version,
                     )
                 )
             return result
@@ -163,11 +289,7 @@ class Coordinator:
         except Exception as exc:
             log.exception("update=%s crashed", request.update_id)
             return failed_result(
-                request,
-                ErrorInfo(
-                    code=ErrorCode.INTERNAL,
-                    message=f"{type(exc).__name__}: {exc}",
-                ),
+                request, ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
             )
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -185,7 +307,9 @@ class Coordinator:
 
         return on_ack
 
-    def _make_request_cb(self, replies: set[asyncio.Task[None]], bus: _NatsCommandBus):
+    def _make_request_cb(
+        self, replies: set[asyncio.Task[None]], bus: _NatsCommandBus, store: FleetStore
+    ):
         async def on_request(msg: Msg) -> None:
             try:
                 request = update_request_decoder.decode(msg.data)
@@ -200,23 +324,25 @@ class Coordinator:
                     )
                 )
                 bad = UpdateRequest(update_id="", adapter="", path="")
-                await _reply(
-                    msg,
-                    failed_result(
-                        bad,
-                        ErrorInfo(
-                            code=ErrorCode.BAD_REQUEST,
-                            message=f"malformed update request: {exc}",
-                        ),
-                    ),
+                error = ErrorInfo(
+                    code=ErrorCode.BAD_REQUEST, message=f"malformed update request: {exc}"
                 )
+                await _reply(msg, failed_result(bad, error))
                 return
-            future = self.book.submit(request)
-            reply = asyncio.create_task(_reply_when_done(msg, future))
+            reply = asyncio.create_task(self._answer(msg, request, store))
             replies.add(reply)
             reply.add_done_callback(replies.discard)
 
         return on_request
+
+    async def _answer(self, msg: Msg, request: UpdateRequest, store: FleetStore) -> None:
+        if not self.book.knows(request.update_id):
+            # A predecessor may have finished (or rolled back) this update.
+            stored = await _or_none(store.read_result(request.update_id))
+            if stored is not None:
+                await _reply(msg, stored)
+                return
+        await _reply(msg, await asyncio.shield(self.book.submit(request)))
 
     async def _on_status(self, msg: Msg) -> None:
         await _reply(msg, self.status())
@@ -229,6 +355,7 @@ class Coordinator:
             if latest
             else build_rank_map({wid: m.heartbeat.world_size for wid, m in live.items()})
         )
+        offsets = {entry.worker_id: entry.rank_offset for entry in rank_map.entries}
         members = [
             MemberStatus(
                 worker_id=wid,
@@ -237,7 +364,8 @@ class Coordinator:
                 paused=m.heartbeat.paused,
                 adapters=m.heartbeat.adapters,
                 heartbeat_age_s=round(self.membership.age_of(m), 3),
-                rank_offset=rank_map.offset_of(wid),
+                rank_offset=offsets.get(wid),
+                ready=m.heartbeat.ready,
             )
             for wid, m in sorted(live.items())
         ]
@@ -250,11 +378,18 @@ class Coordinator:
             committed_version=latest.version if latest else None,
             rank_map=latest.rank_map if latest else None,
             in_flight=self.book.running,
+            epoch=self.epoch,
+            leader=self.holder,
         )
 
 
-async def _reply_when_done(msg: Msg, future: asyncio.Future[UpdateResult]) -> None:
-    await _reply(msg, await asyncio.shield(future))
+async def _or_none(awaitable: Awaitable[_T]) -> _T | None:
+    """Await a store read; an unreachable store reads as "nothing there" (logged)."""
+    try:
+        return await awaitable
+    except StoreUnavailable as exc:
+        log.warning("store: %s", exc)
+        return None
 
 
 async def _reply(msg: Msg, message: msgspec.Struct) -> None:
@@ -264,6 +399,20 @@ async def _reply(msg: Msg, message: msgspec.Struct) -> None:
         await msg.respond(encode(message))
     except Exception as exc:
         log.warning("could not reply on %s: %s", msg.reply, exc)
+
+
+async def _unsubscribe(subs: list[Subscription]) -> None:
+    for sub in subs:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+async def _quietly(awaitable: object) -> None:
+    """Await a store write whose failure must not stop the fleet (it is logged)."""
+    try:
+        await awaitable  # type: ignore[misc]
+    except StoreUnavailable as exc:
+        log.warning("store: %s", exc)
 
 
 async def _settle(tasks: set[asyncio.Task[None]], timeout_s: float) -> None:

@@ -40,6 +40,12 @@ class ErrorCode(enum.StrEnum):
     """Nobody answered on the fleet's update subject."""
     TIMEOUT = "timeout"
     """The requester gave up waiting; the update may still finish."""
+    FENCED = "fenced"
+    """An agent refused a command from an older coordinator term."""
+    FAILOVER = "failover"
+    """The coordinator running the update died; its successor rolled it back."""
+    NOT_LEADER = "not_leader"
+    """This coordinator lost its lease while running the update."""
     INTERNAL = "internal"
     """A bug: an unexpected exception, reported instead of crashing."""
 

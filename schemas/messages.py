@@ -49,10 +49,14 @@ class _Command(_Message, frozen=True, kw_only=True):
     """Worker ids that must act; every other agent ignores the command."""
     budget_s: float
     """How long the agent has, counted from when it receives the command."""
+    epoch: int = 0
+    """The sending coordinator's term; agents refuse commands of an older term."""
 
 
 class PauseCommand(_Command, frozen=True, kw_only=True, tag="pause"):
     mode: str = "keep"
+    lease_s: float = 0.0
+    """The agent resumes on its own unless renewed or resumed within this (0: never)."""
 
 
 class LoadCommand(_Command, frozen=True, kw_only=True, tag="load"):
@@ -70,7 +74,26 @@ class UnloadCommand(_Command, frozen=True, kw_only=True, tag="unload"):
     names: list[str]
 
 
-Command = PauseCommand | LoadCommand | ResumeCommand | UnloadCommand
+class RenewLeaseCommand(_Command, frozen=True, kw_only=True, tag="renew_lease"):
+    """Extends the pause lease of the targets; not acked (the next one, or a
+    resume, follows soon, and a lost one only shortens the lease)."""
+
+    lease_s: float
+
+
+class CommittedNotice(_Command, frozen=True, kw_only=True, tag="committed"):
+    """What the fleet now serves: an agent that lacks it (a restarted engine,
+    a member left out of a partial commit) loads it before counting as ready."""
+
+    served_name: str
+    path: str
+    version: int
+
+
+Command = (
+    PauseCommand | LoadCommand | ResumeCommand | UnloadCommand | RenewLeaseCommand | CommittedNotice
+)
+PhasedCommand = PauseCommand | LoadCommand | ResumeCommand | UnloadCommand
 
 
 def tag_of(message: msgspec.Struct) -> str:
@@ -80,7 +103,7 @@ def tag_of(message: msgspec.Struct) -> str:
     return tag
 
 
-def phase_of(command: Command) -> Phase:
+def phase_of(command: PhasedCommand) -> Phase:
     return Phase(tag_of(command))
 
 
@@ -108,6 +131,10 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
     paused: bool
     interval_s: float
     """The agent's beat period; it counts as gone after three missed beats."""
+    ready: bool = True
+    """False while the agent brings its engine to the committed state."""
+    epoch_seen: int = 0
+    """The highest coordinator term this agent has seen."""
 
 
 # -- orchestrator <-> coordinator ---------------------------------------------
@@ -162,6 +189,7 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     adapters: list[str]
     heartbeat_age_s: float
     rank_offset: int | None = None
+    ready: bool = True
 
 
 class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
@@ -174,6 +202,8 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     rank_map: RankMap | None = None
     in_flight: str | None = None
     """The update id being run now, if any."""
+    epoch: int = 0
+    leader: str = ""
 
 
 # -- events: anyone -> the audit tap ------------------------------------------
@@ -222,4 +252,70 @@ class BadMessage(_Event, frozen=True, kw_only=True, tag="bad_message"):
     size: int
 
 
-Event = UpdateStarted | PhaseFinished | UpdateFinished | CommandHandled | BadMessage
+class CommandRefused(_Event, frozen=True, kw_only=True, tag="command_refused"):
+    update_id: str
+    worker_id: str
+    command: str
+    epoch: int
+    epoch_seen: int
+
+
+class LeaseExpired(_Event, frozen=True, kw_only=True, tag="lease_expired"):
+    update_id: str
+    worker_id: str
+    resumed: bool
+    error: ErrorInfo | None = None
+
+
+class Reconciled(_Event, frozen=True, kw_only=True, tag="reconciled"):
+    worker_id: str
+    served_name: str
+    ok: bool
+    error: ErrorInfo | None = None
+
+
+class LeaderElected(_Event, frozen=True, kw_only=True, tag="leader_elected"):
+    holder: str
+    epoch: int
+    recovered: str | None = None
+    """The update id found in flight and rolled back, if any."""
+
+
+Event = (
+    UpdateStarted
+    | PhaseFinished
+    | UpdateFinished
+    | CommandHandled
+    | BadMessage
+    | CommandRefused
+    | LeaseExpired
+    | Reconciled
+    | LeaderElected
+)
+
+
+# -- durable state (JetStream KV), written by the active coordinator ---------
+
+
+class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
+    holder: str
+    epoch: int
+
+
+class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
+    adapter: str
+    version: int
+    path: str
+    served_name: str
+    rank_map: RankMap
+
+
+class InflightRecord(msgspec.Struct, frozen=True, kw_only=True):
+    update_id: str
+    epoch: int
+    phase: Phase
+    adapter: str
+    served_name: str
+    version: int
+    members: dict[str, int]
+    """The membership snapshot: everyone here may have been told to pause."""

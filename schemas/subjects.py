@@ -70,5 +70,13 @@ class Subjects(msgspec.Struct, frozen=True):
     def event(self, kind: str) -> str:
         return f"{self._base}.evt.{kind}"
 
+    def state_bucket(self) -> str:
+        """JetStream KV bucket of the fleet's durable state (leader, committed, in flight)."""
+        return f"{self.prefix.replace('.', '_')}_{self.fleet}"
+
+    def results_bucket(self) -> str:
+        """JetStream KV bucket of update results, kept for late or repeated requests."""
+        return f"{self.prefix.replace('.', '_')}_{self.fleet}_results"
+
     def event_any(self) -> str:
         return f"{self._base}.evt.>"

@@ -105,7 +105,8 @@ async def test_an_agent_runs_a_repeated_command_once_and_acks_it_again(
 
         try:
             await nc.subscribe(subjects.ack("w000"), cb=on_ack)
-            pause = PauseCommand(update_id="u-hand", targets=["w000"], budget_s=5)
+            # A term above the stack's own coordinator's, or the agent would refuse it.
+            pause = PauseCommand(update_id="u-hand", targets=["w000"], budget_s=5, epoch=100)
             await nc.publish(subjects.cmd(), encode(pause))
             first = await asyncio.wait_for(acks.get(), 10)
             await nc.publish(subjects.cmd_worker("w000"), encode(pause))

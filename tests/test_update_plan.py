@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.plan import Committed, StaleVersion, plan_update, retired_names
-from schemas import BadRequest, Naming, UpdateRequest, build_rank_map
+from coordinator.plan import StaleVersion, plan_update, retired_names
+from schemas import BadRequest, CommittedRecord, Naming, UpdateRequest, build_rank_map
 
 CONFIG = CoordinatorConfig(fleet="f", frontend_url="http://127.0.0.1:1", expected_world_size=1)
 
 
-def _committed(version: int, path: str = "/ckpt/step_5") -> Committed:
-    return Committed(
+def _committed(version: int, path: str = "/ckpt/step_5") -> CommittedRecord:
+    return CommittedRecord(
         adapter="policy",
         version=version,
         path=path,

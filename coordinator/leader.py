@@ -1,0 +1,91 @@
+"""Leader election with fencing epochs, on the fleet's KV leader record.
+
+Several coordinators may run for one fleet; one holds the leader record and
+renews it (a compare-and-set that bumps its revision) every third of the
+lease. A standby watches the record: when its revision has not moved for a
+whole lease by the standby's own clock, the holder is presumed dead and the
+standby takes over with a compare-and-set that raises the epoch by one. Only
+one standby can win that race. No clocks are compared across machines.
+
+A holder that cannot renew (someone else wrote, or the store is unreachable
+for a whole lease) has lost the lease and must stop commanding at once; agents
+fence its commands anyway once they have seen the new epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from coordinator.store import FleetStore, LostRace, StoreUnavailable
+from schemas import LeaderRecord
+
+log = logging.getLogger(__name__)
+
+_STEP_DOWN_FRACTION = 0.6
+
+
+class LeadershipLost(Exception):
+    """Raised by :meth:`LeaderElection.hold` when this coordinator is no longer leader."""
+
+
+class LeaderElection:
+    def __init__(
+        self,
+        store: FleetStore,
+        holder: str,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if lease_s <= 0:
+            raise ValueError("leader lease must be > 0")
+        self.store = store
+        self.holder = holder
+        self.lease_s = lease_s
+        self._clock = clock
+        self.epoch = 0
+        self._revision = 0
+
+    async def campaign(self) -> int:
+        """Wait until this coordinator holds the lease; return its new epoch."""
+        seen_revision, seen_at = -1, self._clock()
+        while True:
+            try:
+                record, revision = await self.store.read_leader()
+                if revision != seen_revision:
+                    seen_revision, seen_at = revision, self._clock()
+                silent_for = self._clock() - seen_at
+                if record is None or silent_for >= self.lease_s:
+                    epoch = (record.epoch if record else 0) + 1
+                    self._revision = await self.store.write_leader(
+                        LeaderRecord(holder=self.holder, epoch=epoch), revision
+                    )
+                    self.epoch = epoch
+                    log.info("coordinator %s leads with epoch %d", self.holder, epoch)
+                    return epoch
+            except LostRace:
+                seen_revision = -1  # someone else moved first: watch the new holder
+            except StoreUnavailable as exc:
+                log.warning("leader election: %s", exc)
+            await asyncio.sleep(self.lease_s / 4)
+
+    async def hold(self) -> None:
+        """Renew the lease until it is lost; then raise LeadershipLost."""
+        renewed_at = self._clock()
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            try:
+                self._revision = await self.store.write_leader(
+                    LeaderRecord(holder=self.holder, epoch=self.epoch), self._revision
+                )
+                renewed_at = self._clock()
+            except LostRace as exc:
+                raise LeadershipLost(f"another coordinator took the lease: {exc}") from exc
+            except StoreUnavailable as exc:
+                # Step down well before a standby may take over (a full lease
+                # of silence), so two leaders never command at once.
+                if self._clock() - renewed_at >= self.lease_s * _STEP_DOWN_FRACTION:
+                    raise LeadershipLost(f"could not renew the lease in time: {exc}") from exc
+                log.warning("epoch=%d lease renewal failed, retrying: %s", self.epoch, exc)

@@ -1,0 +1,176 @@
+"""The coordinator's durable state, in JetStream KV; the second of its bus modules.
+
+What a successor must find when the active coordinator dies lives here: the
+leader record (holder and epoch), the committed adapter (per adapter and the
+latest, which agents read to converge), the update in flight (written before
+each phase starts), and every result by update id (kept a day, so a requester
+retrying an id after a failover still gets the outcome).
+
+Every call has a deadline; a failure raises :class:`StoreUnavailable` and the
+caller decides whether it can go on without the write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import TypeVar
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from schemas import (
+    CommittedRecord,
+    InflightRecord,
+    LeaderRecord,
+    Subjects,
+    UpdateResult,
+    update_result_decoder,
+)
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_CALL_DEADLINE_S = 5.0
+RESULTS_KEPT_S = 24 * 3600.0
+
+LEADER = "leader"
+COMMITTED = "committed"
+INFLIGHT = "inflight"
+
+
+class StoreUnavailable(Exception):
+    """Raised when the KV store cannot be read or written in time."""
+
+
+class LostRace(Exception):
+    """Raised when a compare-and-set finds that someone else wrote first."""
+
+
+class FleetStore:
+    def __init__(self, state: KeyValue, results: KeyValue) -> None:
+        self._state = state
+        self._results = results
+
+    @classmethod
+    async def open(cls, nc: NatsClient, subjects: Subjects, *, replicas: int = 1) -> FleetStore:
+        """Open the fleet's buckets, creating them if this is the first coordinator."""
+        js = nc.jetstream()
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S * 2):
+                state = await js.create_key_value(
+                    KeyValueConfig(
+                        bucket=subjects.state_bucket(),
+                        history=1,
+                        storage=StorageType.FILE,
+                        replicas=replicas,
+                    )
+                )
+                results = await js.create_key_value(
+                    KeyValueConfig(
+                        bucket=subjects.results_bucket(),
+                        history=1,
+                        storage=StorageType.FILE,
+                        replicas=replicas,
+                        ttl=RESULTS_KEPT_S,
+                    )
+                )
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot open the fleet's KV buckets: {exc!r}") from exc
+        return cls(state, results)
+
+    # -- leader ---------------------------------------------------------------
+
+    async def read_leader(self) -> tuple[LeaderRecord | None, int]:
+        """The leader record and its revision (0 when there is none yet)."""
+        return await self._read(self._state, LEADER, LeaderRecord)
+
+    async def write_leader(self, record: LeaderRecord, last_revision: int) -> int:
+        """Compare-and-set the leader record; return its new revision or raise LostRace."""
+        payload = msgspec.json.encode(record)
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                if last_revision == 0:
+                    return int(await self._state.create(LEADER, payload))
+                return int(await self._state.update(LEADER, payload, last=last_revision))
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise LostRace(f"the leader record changed under revision {last_revision}") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot write the leader record: {exc!r}") from exc
+
+    # -- committed state and the update in flight -------------------------------
+
+    async def read_committed(self, adapter: str | None = None) -> CommittedRecord | None:
+        key = COMMITTED if adapter is None else f"{COMMITTED}.{adapter}"
+        return (await self._read(self._state, key, CommittedRecord))[0]
+
+    async def write_committed(self, record: CommittedRecord) -> None:
+        payload = msgspec.json.encode(record)
+        await self._put(self._state, f"{COMMITTED}.{record.adapter}", payload)
+        await self._put(self._state, COMMITTED, payload)
+
+    async def read_inflight(self) -> InflightRecord | None:
+        return (await self._read(self._state, INFLIGHT, InflightRecord))[0]
+
+    async def write_inflight(self, record: InflightRecord) -> None:
+        await self._put(self._state, INFLIGHT, msgspec.json.encode(record))
+
+    async def clear_inflight(self) -> None:
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                await self._state.delete(INFLIGHT)
+        except nats.js.errors.KeyNotFoundError:
+            return
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot clear the update in flight: {exc!r}") from exc
+
+    # -- results ----------------------------------------------------------------
+
+    async def read_result(self, update_id: str) -> UpdateResult | None:
+        key = _result_key(update_id)
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                entry = await self._results.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot read result {update_id}: {exc!r}") from exc
+        if entry.value is None:
+            return None
+        return update_result_decoder.decode(entry.value)
+
+    async def write_result(self, result: UpdateResult) -> None:
+        await self._put(self._results, _result_key(result.update_id), msgspec.json.encode(result))
+
+    # -- plumbing -----------------------------------------------------------------
+
+    async def _read(self, kv: KeyValue, key: str, kind: type[_T]) -> tuple[_T | None, int]:
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError as exc:
+            # A deleted key still has a revision, which a create must name.
+            entry_of_delete = getattr(exc, "entry", None)
+            return None, int(getattr(entry_of_delete, "revision", 0) or 0)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot read {key}: {exc!r}") from exc
+        if entry.value is None:  # an expired key can come back without a value
+            return None, int(entry.revision or 0)
+        return msgspec.json.decode(entry.value, type=kind), int(entry.revision or 0)
+
+    async def _put(self, kv: KeyValue, key: str, payload: bytes) -> None:
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                await kv.put(key, payload)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot write {key}: {exc!r}") from exc
+
+
+def _result_key(update_id: str) -> str:
+    # Update ids are free text; KV keys are not. A hex digest is a safe key.
+    return "r." + hashlib.sha256(update_id.encode()).hexdigest()[:32]
