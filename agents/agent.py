@@ -84,7 +84,12 @@ class Agent:
     """One agent: serves commands for ``executor.worker_id`` on ``subjects``' fleet."""
 
     def __init__(
-        self, subjects: Subjects, executor: CommandExecutor, *, heartbeat_s: float = 1.0
+        self,
+        subjects: Subjects,
+        executor: CommandExecutor,
+        *,
+        heartbeat_s: float = 1.0,
+        max_pause_lease_s: float | None = None,
     ) -> None:
         if heartbeat_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
@@ -93,6 +98,7 @@ class Agent:
         self.worker_id = executor.worker_id
         self.heartbeat_s = heartbeat_s
         self.epoch_seen = 0
+        self.max_pause_lease_s = max_pause_lease_s
         self.lease = PauseLease()
         self.committed: CommittedNotice | None = None
         self._queue: asyncio.Queue[_Work] = asyncio.Queue()
@@ -161,7 +167,7 @@ class Agent:
         self.epoch_seen = command.epoch
         match command:
             case RenewLeaseCommand(update_id=update_id, lease_s=lease_s):
-                self.lease.renew(update_id, lease_s)
+                self.lease.renew(update_id, self._lease_length(lease_s))
             case CommittedNotice():
                 self._learn_committed(command)
                 await self._reconcile_if_needed()
@@ -230,7 +236,7 @@ class Agent:
                 self._acks.popitem(last=False)
             match command:
                 case PauseCommand(lease_s=lease_s) if ack.ok:
-                    self.lease.arm(command.update_id, lease_s)
+                    self.lease.arm(command.update_id, self._lease_length(lease_s))
                 case ResumeCommand() if ack.ok:
                     self.lease.release()
             await self._publish_ack(ack)
@@ -246,6 +252,12 @@ class Agent:
                 )
             )
             await self._beat()
+
+    def _lease_length(self, asked_s: float) -> float:
+        """The coordinator's lease, capped by this agent's own limit if it has one."""
+        if self.max_pause_lease_s is None:
+            return asked_s
+        return min(asked_s, self.max_pause_lease_s) if asked_s > 0 else self.max_pause_lease_s
 
     async def _after_internal(self, work: _Work, ack: Ack) -> None:
         if work.internal == "reconcile":

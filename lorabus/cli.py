@@ -129,6 +129,13 @@ def schema() -> None:
     show_default=True,
     help="Seconds for one engine HTTP call.",
 )
+@click.option(
+    "--max-pause-lease",
+    type=click.FloatRange(min=0.5),
+    default=None,
+    help="Resume the engine on its own after this long paused without a renewal, "
+    "whatever lease the coordinator asked for (default: the coordinator's lease).",
+)
 def agent(
     nats_url: str,
     fleet: str,
@@ -140,6 +147,7 @@ def agent(
     headers: tuple[str, ...],
     heartbeat_s: float,
     engine_timeout: float,
+    max_pause_lease: float | None,
 ) -> None:
     """Drive one worker's engine on the coordinator's commands."""
     from agents import Agent, CommandExecutor, DynamoDriver
@@ -164,7 +172,9 @@ def agent(
                 log.warning("worker=%s engine not answering at start: %s", worker_id, exc)
             nc = await connect(nats_url, name=f"lorabus-agent-{worker_id}")
             try:
-                await Agent(subjects, executor, heartbeat_s=heartbeat_s).run(nc)
+                await Agent(
+                    subjects, executor, heartbeat_s=heartbeat_s, max_pause_lease_s=max_pause_lease
+                ).run(nc)
             finally:
                 await close(nc)
         finally:
@@ -222,6 +232,28 @@ def agent(
     help="Accept adapter paths only under this directory (repeatable).",
 )
 @_auth_options
+@click.option(
+    "--pause-lease",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds an agent stays paused without a renewal before resuming on its own.",
+)
+@click.option(
+    "--leader-lease",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds of silence after which a standby coordinator takes over.",
+)
+@click.option("--holder", default="", help="This coordinator's name (default: host-pid-random).")
+@click.option(
+    "--kv-replicas",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Replicas of the fleet's KV buckets (3 on a three-node NATS cluster).",
+)
 def coordinator(
     nats_url: str,
     fleet: str,
@@ -235,8 +267,12 @@ def coordinator(
     adapter_roots: tuple[str, ...],
     api_key_env: str | None,
     headers: tuple[str, ...],
+    pause_lease: float,
+    leader_lease: float,
+    holder: str,
+    kv_replicas: int,
 ) -> None:
-    """Run updates for one fleet."""
+    """Run updates for one fleet (several may run: one leads, the others stand by)."""
     from coordinator import Coordinator, CoordinatorConfig
     from schemas import Naming
 
@@ -252,6 +288,10 @@ def coordinator(
             naming=Naming(naming),
             headers=_headers(api_key_env, headers),
             adapter_roots=list(adapter_roots),
+            pause_lease_s=pause_lease,
+            leader_lease_s=leader_lease,
+            holder=holder,
+            kv_replicas=kv_replicas,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -1,0 +1,150 @@
+"""SIGKILL of the leading coordinator mid-update: a standby takes over, rolls the
+update back, resumes every engine, and answers the requester's retry.
+
+Two ``lorabus coordinator`` processes and three ``lorabus agent`` processes run
+against a simulated fleet whose loads take seconds, so the kill lands while
+every engine is paused and loading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from processes import Processes, kill_process, wait_live_workers
+
+from lorabus.bus import close, connect
+from lorabus.client import UpdateClient
+from simfleet import SimFleet, SimWorker
+
+WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}
+LEADER_LEASE_S = 1.0
+#: Deadlines only, so that a stuck fleet fails the test instead of hanging it.
+DEADLINE_S = 30.0
+
+
+@pytest.fixture
+async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
+    async with Processes(tmp_path / "logs") as started:
+        yield started
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimFleet]:
+    async with SimFleet(list(WORLD_SIZES), list(WORLD_SIZES.values())) as fleet:
+        yield fleet
+
+
+def _loads(worker: SimWorker) -> int:
+    return sum((r.method, r.path) == ("POST", "/v1/loras") for r in worker.requests)
+
+
+async def _start_fleet(
+    processes: Processes, sim: SimFleet, nats_url: str, fleet_name: str
+) -> dict[str, object]:
+    coordinators = {}
+    for holder in ("c1", "c2"):
+        coordinators[holder] = await processes.start(
+            f"coordinator-{holder}",
+            [
+                "coordinator",
+                "--nats",
+                nats_url,
+                "--fleet",
+                fleet_name,
+                "--frontend-url",
+                sim.url,
+                "--expected-world-size",
+                str(sum(WORLD_SIZES.values())),
+                "--holder",
+                holder,
+                "--leader-lease",
+                str(LEADER_LEASE_S),
+                "--phase-timeout",
+                "20",
+                "--pause-lease",
+                "10",
+            ],
+        )
+    for worker_id, size in WORLD_SIZES.items():
+        await processes.start_agent(
+            nats_url=nats_url,
+            fleet=fleet_name,
+            worker_id=worker_id,
+            system_url=sim.system_url(worker_id),
+            world_size=size,
+            extra=["--heartbeat-s", "0.2"],
+        )
+    return coordinators
+
+
+async def test_a_standby_rolls_back_the_update_of_a_killed_leader_and_answers_its_retry(
+    processes: Processes,
+    sim: SimFleet,
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+) -> None:
+    coordinators = await _start_fleet(processes, sim, nats_url, fleet_name)
+    nc = await connect(nats_url, name="test-orchestrator")
+    try:
+        client = UpdateClient(nc, fleet_name)
+        before = await wait_live_workers(client, WORLD_SIZES, processes=processes)
+        leader, standby = before.leader, ({"c1", "c2"} - {before.leader}).pop()
+        for worker in sim.workers.values():
+            worker.set_faults(latency_s={"load": 3.0})
+
+        path = make_adapter(1)
+        first_try = asyncio.create_task(
+            client.update("policy", path, version=1, update_id="step-1", timeout_s=3)
+        )
+        await asyncio.wait_for(
+            asyncio.gather(
+                *(w.wait_until(lambda w=w: _loads(w) >= 1) for w in sim.workers.values())
+            ),
+            DEADLINE_S,
+        )
+        assert all(worker.paused for worker in sim.workers.values())
+        await kill_process(coordinators[leader])  # type: ignore[arg-type]
+        unanswered = await first_try
+        retried = await client.update(
+            "policy", path, version=1, update_id="step-1", timeout_s=DEADLINE_S
+        )
+        after = await client.status()
+    finally:
+        await close(nc)
+
+    assert unanswered.error is not None and unanswered.error.code == "timeout"
+    assert retried.status == "failed"
+    assert retried.error is not None and retried.error.code == "failover"
+    assert (after.leader, after.epoch) == (standby, before.epoch + 1)
+    for worker in sim.workers.values():
+        assert not worker.paused, worker.worker_id
+        assert "policy-v1" not in worker.adapters, worker.worker_id
+
+
+async def test_after_a_failover_the_new_leader_commits_updates(
+    processes: Processes,
+    sim: SimFleet,
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+) -> None:
+    coordinators = await _start_fleet(processes, sim, nats_url, fleet_name)
+    nc = await connect(nats_url, name="test-orchestrator")
+    try:
+        client = UpdateClient(nc, fleet_name)
+        before = await wait_live_workers(client, WORLD_SIZES, processes=processes)
+        first = await client.update("policy", make_adapter(1), version=1, timeout_s=DEADLINE_S)
+        await kill_process(coordinators[before.leader])  # type: ignore[arg-type]
+        second = await client.update("policy", make_adapter(2), timeout_s=DEADLINE_S)
+    finally:
+        await close(nc)
+
+    assert first.committed, first.error
+    assert second.committed, second.error
+    assert second.version == 2, "the successor read the committed version from the store"
+    for worker in sim.workers.values():
+        assert {"policy-v1", "policy-v2"} <= set(worker.adapters)

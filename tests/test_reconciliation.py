@@ -1,0 +1,84 @@
+"""Agents converge to the committed adapter before they count as ready."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from agents import Agent, CommandExecutor, DynamoDriver
+from lorabus.bus import close, connect
+from lorabus.stack import EmbeddedStack
+from schemas import Subjects
+from simfleet import SimFleet
+
+DEADLINE_S = 15.0
+
+
+async def test_a_new_agent_loads_the_committed_adapter_before_it_is_ready(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with EmbeddedStack([1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+        assert stack.client is not None
+        committed = await stack.client.update("policy", make_adapter(1), version=1)
+        assert committed.committed, committed.error
+
+        async with SimFleet(["late"], [2]) as newcomer_sim:
+            driver = DynamoDriver(newcomer_sim.system_url("late"))
+            agent = Agent(
+                Subjects(fleet=fleet_name), CommandExecutor("late", 2, driver), heartbeat_s=0.2
+            )
+            nc = await connect(nats_url, name="test-late-agent")
+            ready = asyncio.Event()
+            serving = asyncio.create_task(agent.run(nc, ready))
+            try:
+                await asyncio.wait_for(ready.wait(), DEADLINE_S)
+                loaded_when_ready = set(newcomer_sim.workers["late"].adapters)
+                assert agent.ready
+            finally:
+                serving.cancel()
+                await asyncio.gather(serving, return_exceptions=True)
+                await close(nc)
+                await driver.aclose()
+
+    assert loaded_when_ready == {"policy-v1"}
+
+
+async def test_an_engine_that_lost_its_adapters_gets_the_committed_one_back(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with EmbeddedStack([1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+        assert stack.client is not None and stack.sim is not None
+        assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
+        worker = stack.sim.workers["w001"]
+        worker.remove_adapter("policy-v1")  # as an engine restart would
+
+        await asyncio.wait_for(
+            worker.wait_until(lambda: "policy-v1" in worker.adapters), DEADLINE_S
+        )
+
+    assert "policy-v1" in worker.adapters
+
+
+async def test_an_update_does_not_count_an_agent_that_is_not_ready(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with EmbeddedStack(
+        [1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, quorum_timeout_s=1.0
+    ) as stack:
+        assert stack.client is not None and stack.sim is not None
+        assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
+        broken = stack.sim.workers["w001"]
+        broken.remove_adapter("policy-v1")
+        broken.set_faults(fail_next_loads=1000)  # it cannot reconcile
+
+        async def not_ready() -> None:
+            while True:
+                status = await stack.client.status()  # type: ignore[union-attr]
+                if any(m.worker_id == "w001" and not m.ready for m in status.members):
+                    return
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(not_ready(), DEADLINE_S)
+        result = await stack.client.update("policy", make_adapter(2), version=2)
+
+    assert result.error is not None and result.error.code == "quorum_timeout"
