@@ -32,6 +32,11 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A standby takes over after the leader record stays unrenewed this long."""
     holder: str = ""
     """This coordinator's name in the leader record; default: host and pid."""
+    quorum: float = 1.0
+    """Share of the expected world size an update needs: 1.0 is all; below, members
+    that fail or do not ack are left out of the commit and its rank map."""
+    quorum_grace_s: float = 2.0
+    """With a quorum below all: how long to wait for the full membership first."""
     kv_replicas: int = 1
     """Replicas of the fleet's KV buckets (3 on a three-node cluster)."""
 
@@ -48,6 +53,8 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0")
+        if not 0 < self.quorum <= 1:
+            raise ValueError(f"quorum must be 'all' or a fraction in (0, 1], got {self.quorum}")
         if not 1 <= self.kv_replicas <= 5:
             raise ValueError("kv replicas must be 1 to 5")
         if self.keep < 1:

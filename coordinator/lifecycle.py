@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, Protocol, TypeVar
 
@@ -141,7 +142,10 @@ class UpdateRunner:
         started = time.monotonic()
         try:
             members = await self.membership.wait_quorum(
-                self.config.expected_world_size, self.config.quorum_timeout_s
+                self.config.expected_world_size,
+                self.config.quorum_timeout_s,
+                needed=self._needed_world_size(),
+                grace_s=self.config.quorum_grace_s,
             )
         except QuorumNotReached as exc:
             phases[Phase.QUORUM] = time.monotonic() - started
@@ -174,7 +178,7 @@ class UpdateRunner:
         )
         renewing = asyncio.create_task(self._renew_pause_leases(plan.update_id, targets))
         try:
-            error, errors, load = await self._pause_load_verify(plan, targets, phases)
+            error, errors, load, serving = await self._pause_load_verify(plan, members, phases)
         finally:
             try:
                 resume = await self._phase(self._command(ResumeCommand, plan, targets), phases)
@@ -188,19 +192,28 @@ class UpdateRunner:
         if error is not None:
             await self._withdraw_uncommitted(plan, load, phases)
             return self._result(plan, FAILED, phases, members, load, error, errors)
-        rank_map = build_rank_map(members)
-        await self._retire_old_versions(plan, load, targets, phases)
+        rank_map = build_rank_map({wid: members[wid] for wid in serving})
+        await self._retire_old_versions(plan, load, serving, phases)
         return self._result(plan, COMMITTED, phases, members, load, None, errors, rank_map)
 
     async def _pause_load_verify(
-        self, plan: UpdatePlan, targets: list[str], phases: dict[str, float]
-    ) -> tuple[ErrorInfo | None, dict[str, ErrorInfo], PhaseOutcome | None]:
-        """Run the phases that happen inside the pause; the first failure ends them."""
+        self, plan: UpdatePlan, members: dict[str, int], phases: dict[str, float]
+    ) -> tuple[ErrorInfo | None, dict[str, ErrorInfo], PhaseOutcome | None, list[str]]:
+        """Run the phases inside the pause; return the error, the workers left out
+        (with why), the load outcome, and the members that serve the new version.
+
+        A phase that fails on some members ends the update, unless the quorum
+        policy allows going on without them: then they are left out.
+        """
+        left_out: dict[str, ErrorInfo] = {}
+        targets = sorted(members)
         pause = await self._phase(
             self._command(PauseCommand, plan, targets, lease_s=self.config.pause_lease_s), phases
         )
-        if not pause.ok:
-            return pause.summary(), pause.worker_errors(), None
+        paused = self._survivors(pause, targets, members, left_out)
+        if paused is None:
+            return pause.summary(), pause.worker_errors(), None, []
+        targets = paused
         load = await self._phase(
             self._command(
                 LoadCommand,
@@ -212,16 +225,43 @@ class UpdateRunner:
             ),
             phases,
         )
-        if not load.ok:
-            return load.summary(), load.worker_errors(), load
-        return await self._verify(plan, load, phases), {}, load
+        serving = self._survivors(load, targets, members, left_out)
+        if serving is None:
+            return load.summary(), left_out | load.worker_errors(), load, []
+        return await self._verify(plan, load, serving, phases), left_out, load, serving
+
+    def _survivors(
+        self,
+        outcome: PhaseOutcome,
+        targets: list[str],
+        members: dict[str, int],
+        left_out: dict[str, ErrorInfo],
+    ) -> list[str] | None:
+        """The targets to go on with, or None when the phase failed the update."""
+        if outcome.ok:
+            return targets
+        errors = outcome.worker_errors()
+        survivors = [wid for wid in targets if wid not in errors]
+        if sum(members[wid] for wid in survivors) < self._needed_world_size():
+            return None
+        log.warning(
+            "going on without %s after %s (quorum %s)",
+            sorted(errors),
+            outcome.phase,
+            self.config.quorum,
+        )
+        left_out.update(errors)
+        return survivors
+
+    def _needed_world_size(self) -> int:
+        return math.ceil(self.config.quorum * self.config.expected_world_size - 1e-9)
 
     async def _verify(
-        self, plan: UpdatePlan, load: PhaseOutcome, phases: dict[str, float]
+        self, plan: UpdatePlan, load: PhaseOutcome, serving: list[str], phases: dict[str, float]
     ) -> ErrorInfo | None:
         started = time.monotonic()
         try:
-            unlisted = sorted(w for w, a in load.acks.items() if plan.served_name not in a.adapters)
+            unlisted = [w for w in serving if plan.served_name not in load.acks[w].adapters]
             if unlisted:
                 return ErrorInfo(
                     code=ErrorCode.NOT_LISTED,

@@ -56,18 +56,30 @@ class Membership:
         """World sizes of live members that are ready (serve the committed state)."""
         return {wid: m.heartbeat.world_size for wid, m in self.live().items() if m.heartbeat.ready}
 
-    async def wait_quorum(self, expected_world_size: int, timeout_s: float) -> dict[str, int]:
-        """Return ``{worker_id: world_size}`` of live agents once they sum to the target."""
-        deadline = self._clock() + timeout_s
+    async def wait_quorum(
+        self,
+        expected_world_size: int,
+        timeout_s: float,
+        *,
+        needed: int | None = None,
+        grace_s: float = 0.0,
+    ) -> dict[str, int]:
+        """Return ``{worker_id: world_size}`` of live, ready agents once they sum to
+        the expected size, or, after ``grace_s``, to at least ``needed`` of it."""
+        started = self._clock()
+        deadline = started + timeout_s
+        needed = expected_world_size if needed is None else needed
         while True:
             sizes = self.live_world_sizes()
             total = sum(sizes.values())
             if total == expected_world_size:
                 return sizes
+            if needed <= total < expected_world_size and self._clock() - started >= grace_s:
+                return sizes
             remaining = deadline - self._clock()
             if remaining <= 0:
                 raise QuorumNotReached(
-                    _quorum_message(sizes, total, expected_world_size, timeout_s)
+                    _quorum_message(sizes, total, expected_world_size, needed, timeout_s)
                 )
             self._changed.clear()
             # Wake on a new member or a world-size change, and at least every
@@ -82,10 +94,17 @@ class Membership:
         return self._clock() - member.seen_at
 
 
-def _quorum_message(sizes: dict[str, int], total: int, expected: int, timeout_s: float) -> str:
+def _quorum_message(
+    sizes: dict[str, int], total: int, expected: int, needed: int, timeout_s: float
+) -> str:
     listing = ", ".join(f"{wid}={size}" for wid, size in sorted(sizes.items())) or "none"
     relation = "exceeds" if total > expected else "is short of"
+    target = (
+        f"the expected {expected}"
+        if needed == expected
+        else (f"the {needed} of {expected} expected that the quorum needs")
+    )
     return (
-        f"quorum not reached within {timeout_s:.1f}s: live agents' world sizes sum to "
-        f"{total}, which {relation} the expected {expected} (live: {listing})"
+        f"quorum not reached within {timeout_s:.1f}s: live, ready agents' world sizes sum "
+        f"to {total}, which {relation} {target} (live: {listing})"
     )

@@ -216,6 +216,14 @@ def agent(
     help="Seconds for live world sizes to reach the expected sum.",
 )
 @click.option(
+    "--quorum",
+    default="all",
+    show_default=True,
+    callback=lambda _c, _p, v: _quorum(v),
+    help="'all', or the fraction of the expected world size an update needs; below "
+    "all, workers that fail are left out of the commit and its rank map.",
+)
+@click.option(
     "--keep",
     type=int,
     default=2,
@@ -267,6 +275,7 @@ def coordinator(
     adapter_roots: tuple[str, ...],
     api_key_env: str | None,
     headers: tuple[str, ...],
+    quorum: float,
     pause_lease: float,
     leader_lease: float,
     holder: str,
@@ -284,6 +293,7 @@ def coordinator(
             phase_timeout_s=phase_timeout,
             verify_timeout_s=verify_timeout,
             quorum_timeout_s=quorum_timeout,
+            quorum=quorum,
             keep=keep,
             naming=Naming(naming),
             headers=_headers(api_key_env, headers),
@@ -381,6 +391,18 @@ def status(nats_url: str, fleet: str, as_json: bool) -> None:
         return 0
 
     sys.exit(_run(ask))
+
+
+def _quorum(value: str) -> float:
+    if value == "all":
+        return 1.0
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise click.BadParameter("use 'all' or a fraction in (0, 1], e.g. 0.75")
+    return fraction
 
 
 def _world_sizes(_ctx: object, _param: object, value: str) -> list[int]:

@@ -40,6 +40,8 @@ class EmbeddedStack:
         keep: int = 2,
         naming: Naming = Naming.VERSIONED,
         expected_world_size: int | None = None,
+        quorum: float = 1.0,
+        pause_lease_s: float = 30.0,
     ) -> None:
         self.world_sizes = list(world_sizes)
         self.fleet_name = fleet
@@ -51,6 +53,8 @@ class EmbeddedStack:
             "quorum_timeout_s": quorum_timeout_s,
             "keep": keep,
             "naming": naming,
+            "quorum": quorum,
+            "pause_lease_s": pause_lease_s,
         }
         self._expected = expected_world_size or sum(self.world_sizes)
         self.server: NatsServer | None = None

@@ -1,0 +1,55 @@
+"""Below a full quorum, an update commits without the workers that failed, names
+them, leaves them out of the rank map, and they catch up on their own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from lorabus.stack import EmbeddedStack
+
+DEADLINE_S = 15.0
+
+
+async def test_a_partial_quorum_commits_without_the_failed_worker_until_it_catches_up(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with EmbeddedStack(
+        [1, 1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, quorum=0.75
+    ) as stack:
+        assert stack.client is not None and stack.sim is not None
+        straggler = stack.sim.workers["w000"]
+        straggler.set_faults(fail_next_loads=1000)
+        result = await stack.client.update("policy", make_adapter(1), version=1)
+
+        assert result.committed, result.error
+        assert result.rank_map is not None
+        assert [(e.worker_id, e.rank_offset) for e in result.rank_map.entries] == [
+            ("w001", 1),
+            ("w002", 2),
+        ]
+        assert result.rank_map.world_size == 4
+        assert not result.workers["w000"].ok and result.workers["w000"].error is not None
+        assert result.workers["w001"].ok and result.workers["w002"].ok
+        assert "policy-v1" not in straggler.adapters
+        assert not any(worker.paused for worker in stack.sim.workers.values())
+
+        straggler.set_faults(fail_next_loads=0)
+        await asyncio.wait_for(
+            straggler.wait_until(lambda: "policy-v1" in straggler.adapters), DEADLINE_S
+        )
+
+
+async def test_a_partial_quorum_still_fails_when_too_few_workers_succeed(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with EmbeddedStack(
+        [1, 1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, quorum=0.75
+    ) as stack:
+        assert stack.client is not None and stack.sim is not None
+        stack.sim.workers["w002"].set_faults(fail_next_loads=1000)  # half the world size
+        result = await stack.client.update("policy", make_adapter(1), version=1)
+
+        assert result.status == "failed"
+        assert result.error is not None and "w002" in result.error.message
+        assert not any("policy-v1" in w.adapters for w in stack.sim.workers.values())
