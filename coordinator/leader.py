@@ -57,7 +57,14 @@ class LeaderElection:
                 if revision != seen_revision:
                     seen_revision, seen_at = revision, self._clock()
                 silent_for = self._clock() - seen_at
-                if record is None or silent_for >= self.lease_s:
+                # Our own record, untouched since we last wrote it (we stepped
+                # down, say, because the bus was away): nobody else leads.
+                ours = (
+                    record is not None
+                    and record.holder == self.holder
+                    and revision == self._revision
+                )
+                if record is None or ours or silent_for >= self.lease_s:
                     epoch = (record.epoch if record else 0) + 1
                     self._revision = await self.store.write_leader(
                         LeaderRecord(holder=self.holder, epoch=epoch), revision

@@ -113,7 +113,7 @@ class Coordinator:
         ``ready`` means "up": leading, or standing by to take over.
         """
         bus = _NatsCommandBus(nc, self.subjects)
-        store = await FleetStore.open(nc, self.subjects, replicas=self.config.kv_replicas)
+        store = await self._open_store(nc)
         election = LeaderElection(store, self.holder, self.config.leader_lease_s)
         frontend = FrontendClient(
             self.config.frontend_url,
@@ -140,6 +140,18 @@ class Coordinator:
         finally:
             await _unsubscribe(subs)
             await frontend.aclose()
+
+    async def _open_store(self, nc: NatsClient) -> FleetStore:
+        """Open the fleet's KV; JetStream can take a while (a cluster electing its
+        meta leader, a server restarting), so keep trying with a growing pause."""
+        pause = 0.2
+        while True:
+            try:
+                return await FleetStore.open(nc, self.subjects, replicas=self.config.kv_replicas)
+            except StoreUnavailable as exc:
+                log.warning("%s; retrying in %.1fs", exc, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 5.0)
 
     async def _lead(
         self, nc: NatsClient, store: FleetStore, runner: UpdateRunner, bus: _NatsCommandBus

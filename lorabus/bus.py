@@ -42,7 +42,8 @@ async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> Na
     try:
         await asyncio.wait_for(
             nc.connect(
-                servers=[url],
+                # A comma-separated list names the nodes of a cluster.
+                servers=[part.strip() for part in url.split(",") if part.strip()],
                 name=name,
                 connect_timeout=2,
                 # nats-py annotates this as int, but waits a float of seconds.

@@ -46,8 +46,21 @@ def free_port() -> int:
 class NatsServer:
     """One nats-server process with JetStream on 127.0.0.1."""
 
-    def __init__(self, port: int | None = None, store_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        store_dir: str | None = None,
+        *,
+        name: str | None = None,
+        cluster_port: int | None = None,
+        routes: list[int] | None = None,
+    ) -> None:
+        """A server; with ``cluster_port`` and ``routes`` (the other nodes' cluster
+        ports) it joins a loopback cluster named ``lorabus`` as node ``name``."""
         self.port = port or free_port()
+        self.name = name or f"lorabus-{self.port}"
+        self.cluster_port = cluster_port
+        self.routes = routes or []
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="lorabus-nats-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -68,17 +81,13 @@ class NatsServer:
     def _spawn(self) -> subprocess.Popen[bytes]:
         # A plain Popen, not asyncio's: stop() must also work synchronously,
         # from a finally or after the event loop is gone.
+        argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-n", self.name]
+        argv += ["-js", "-sd", self.store_dir]
+        if self.cluster_port is not None:
+            argv += ["--cluster_name", "lorabus", "--cluster", _loopback(self.cluster_port)]
+            argv += ["--routes", ",".join(_loopback(port) for port in self.routes)]
         return subprocess.Popen(
-            [
-                find_nats_server(),
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "-js",
-                "-sd",
-                self.store_dir,
-            ],
+            argv,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
@@ -119,3 +128,7 @@ class NatsServer:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _loopback(port: int) -> str:
+    return f"nats://127.0.0.1:{port}"

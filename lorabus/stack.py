@@ -42,6 +42,7 @@ class EmbeddedStack:
         expected_world_size: int | None = None,
         quorum: float = 1.0,
         pause_lease_s: float = 30.0,
+        kv_replicas: int = 1,
     ) -> None:
         self.world_sizes = list(world_sizes)
         self.fleet_name = fleet
@@ -55,6 +56,7 @@ class EmbeddedStack:
             "naming": naming,
             "quorum": quorum,
             "pause_lease_s": pause_lease_s,
+            "kv_replicas": kv_replicas,
         }
         self._expected = expected_world_size or sum(self.world_sizes)
         self.server: NatsServer | None = None
