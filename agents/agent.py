@@ -249,6 +249,7 @@ class Agent:
                     worker_id=self.worker_id,
                     ok=ack.ok,
                     error=ack.error,
+                    epoch=command.epoch,
                 )
             )
             await self._beat()
@@ -271,6 +272,7 @@ class Agent:
                     served_name=work.command.served_name,
                     ok=ack.ok,
                     error=ack.error,
+                    epoch=work.command.epoch,
                 )
             )
         elif work.internal == "lease":
@@ -284,6 +286,7 @@ class Agent:
                     worker_id=self.worker_id,
                     resumed=ack.ok,
                     error=ack.error,
+                    epoch=work.command.epoch,
                 )
             )
         await self._beat()
@@ -423,6 +426,7 @@ class Agent:
             adapters=list(ex.adapters),
             paused=ex.paused,
             error=error,
+            epoch=command.epoch,
         )
 
     async def _publish_ack(self, ack: Ack) -> None:

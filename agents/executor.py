@@ -75,6 +75,7 @@ class CommandExecutor:
             paused=self.paused,
             error=error,
             duration_s=time.monotonic() - started,
+            epoch=command.epoch,
         )
 
     async def _run(self, command: PhasedCommand, budget_s: float) -> None:

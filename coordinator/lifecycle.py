@@ -160,6 +160,7 @@ class UpdateRunner:
                 adapter=plan.served_name,
                 version=plan.version,
                 members=members,
+                epoch=self.epoch,
             )
         )
 
@@ -327,6 +328,7 @@ class UpdateRunner:
                 duration_s=outcome.duration_s,
                 missing=sorted(outcome.missing + outcome.lost),
                 failed=outcome.failed,
+                epoch=self.epoch,
             )
         )
         if not outcome.ok:

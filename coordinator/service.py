@@ -224,6 +224,17 @@ class Coordinator:
                 error=error,
             )
             await _quietly(store.write_result(result))
+            await runner.bus.emit(
+                UpdateFinished(
+                    ts=time.time(),
+                    source="coordinator",
+                    update_id=result.update_id,
+                    status=result.status,
+                    error=result.error,
+                    epoch=self.epoch,
+                    adapter=result.adapter,
+                )
+            )
         await _quietly(store.clear_inflight())
         return in_flight.update_id
 
@@ -243,6 +254,9 @@ class Coordinator:
                     update_id=request.update_id,
                     status=result.status,
                     error=result.error,
+                    epoch=self.epoch,
+                    adapter=result.adapter,
+                    rank_map=result.rank_map,
                 )
             )
             log.info(

@@ -121,6 +121,8 @@ class Ack(_Message, frozen=True, kw_only=True, tag="ack"):
     paused: bool
     error: ErrorInfo | None = None
     duration_s: float = 0.0
+    epoch: int = 0
+    """The epoch of the command this acks."""
 
 
 class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
@@ -214,6 +216,8 @@ class _Event(_Message, frozen=True, kw_only=True):
     """Unix time at the emitter."""
     source: str
     """``coordinator`` or ``agent:<worker_id>``."""
+    epoch: int = 0
+    """The coordinator term the event belongs to (for an agent: of the command)."""
 
 
 class UpdateStarted(_Event, frozen=True, kw_only=True, tag="update_started"):
@@ -236,6 +240,10 @@ class UpdateFinished(_Event, frozen=True, kw_only=True, tag="update_finished"):
     update_id: str
     status: str
     error: ErrorInfo | None = None
+    adapter: str = ""
+    """The served name."""
+    rank_map: RankMap | None = None
+    """Committed: the members that serve the new version, with their ranks."""
 
 
 class CommandHandled(_Event, frozen=True, kw_only=True, tag="command_handled"):
