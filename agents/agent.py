@@ -43,6 +43,7 @@ from schemas import (
     CommandRefused,
     CommittedNotice,
     CommittedRecord,
+    EngineResumed,
     ErrorCode,
     ErrorInfo,
     Event,
@@ -122,6 +123,7 @@ class Agent:
         try:
             await nc.flush(timeout=5)
             await self._read_fleet_state()
+            await self._resume_at_start()
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._command_loop())
                 tasks.create_task(self.lease.watch(self._on_lease_expired))
@@ -401,6 +403,26 @@ class Agent:
 
     # -- leaving -------------------------------------------------------------
 
+    async def _resume_at_start(self) -> None:
+        """A predecessor that died (SIGKILL) may have left the engine paused, and
+        no lease is held now: resuming an engine that runs is harmless."""
+        try:
+            async with asyncio.timeout(_RESUME_ON_EXIT_S):
+                await self.executor.driver.resume()
+        except Exception as exc:
+            log.warning("worker=%s could not resume its engine at start: %s", self.worker_id, exc)
+            return
+        self.executor.paused = False
+        await self._emit(
+            EngineResumed(
+                ts=time.time(),
+                source=self._source,
+                worker_id=self.worker_id,
+                reason="agent start",
+                epoch=self.epoch_seen,
+            )
+        )
+
     async def _resume_if_paused(self) -> None:
         """A stopping agent resumes its engine: nobody would be left to do it."""
         if not self.executor.paused:
@@ -412,6 +434,16 @@ class Agent:
             log.warning("worker=%s resumed its engine on the way out", self.worker_id)
         except Exception as exc:
             log.error("worker=%s is stopping with its engine paused: %s", self.worker_id, exc)
+            return
+        await self._emit(
+            EngineResumed(
+                ts=time.time(),
+                source=self._source,
+                worker_id=self.worker_id,
+                reason="agent stopping",
+                epoch=self.epoch_seen,
+            )
+        )
 
     # -- publishing ----------------------------------------------------------
 

@@ -37,6 +37,10 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     that fail or do not ack are left out of the commit and its rank map."""
     quorum_grace_s: float = 2.0
     """With a quorum below all: how long to wait for the full membership first."""
+    audit_max_age_s: float = 7 * 24 * 3600.0
+    """How long the audit stream keeps records."""
+    audit_max_bytes: int = 1 << 30
+    """How large the audit stream may grow before dropping its oldest records."""
     kv_replicas: int = 1
     """Replicas of the fleet's KV buckets (3 on a three-node cluster)."""
 

@@ -147,7 +147,13 @@ class Coordinator:
         pause = 0.2
         while True:
             try:
-                return await FleetStore.open(nc, self.subjects, replicas=self.config.kv_replicas)
+                return await FleetStore.open(
+                    nc,
+                    self.subjects,
+                    replicas=self.config.kv_replicas,
+                    audit_max_age_s=self.config.audit_max_age_s,
+                    audit_max_bytes=self.config.audit_max_bytes,
+                )
             except StoreUnavailable as exc:
                 log.warning("%s; retrying in %.1fs", exc, pause)
                 await asyncio.sleep(pause)

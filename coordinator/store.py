@@ -21,7 +21,8 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from schemas import (
@@ -58,9 +59,26 @@ class FleetStore:
         self._results = results
 
     @classmethod
-    async def open(cls, nc: NatsClient, subjects: Subjects, *, replicas: int = 1) -> FleetStore:
-        """Open the fleet's buckets, creating them if this is the first coordinator."""
+    async def open(
+        cls,
+        nc: NatsClient,
+        subjects: Subjects,
+        *,
+        replicas: int = 1,
+        audit_max_age_s: float = 7 * 24 * 3600.0,
+        audit_max_bytes: int = 1 << 30,
+    ) -> FleetStore:
+        """Open the fleet's buckets and audit stream, creating what is missing."""
         js = nc.jetstream()
+        audit = StreamConfig(
+            name=subjects.audit_stream(),
+            subjects=subjects.audited(),
+            storage=StorageType.FILE,
+            retention=RetentionPolicy.LIMITS,
+            max_age=audit_max_age_s,
+            max_bytes=audit_max_bytes,
+            num_replicas=replicas,
+        )
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S * 2):
                 state = await js.create_key_value(
@@ -80,8 +98,11 @@ class FleetStore:
                         ttl=RESULTS_KEPT_S,
                     )
                 )
+                await _ensure_stream(js, audit)
         except (TimeoutError, nats.errors.Error) as exc:
-            raise StoreUnavailable(f"cannot open the fleet's KV buckets: {exc!r}") from exc
+            raise StoreUnavailable(
+                f"cannot open the fleet's KV buckets and audit stream: {exc!r}"
+            ) from exc
         return cls(state, results)
 
     # -- leader ---------------------------------------------------------------
@@ -169,6 +190,16 @@ class FleetStore:
                 await kv.put(key, payload)
         except (TimeoutError, nats.errors.Error) as exc:
             raise StoreUnavailable(f"cannot write {key}: {exc!r}") from exc
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create the stream, or bring an existing one's limits to ``config``."""
+    try:
+        await js.stream_info(config.name or "")
+    except nats.js.errors.NotFoundError:
+        await js.add_stream(config)
+        return
+    await js.update_stream(config)
 
 
 def _result_key(update_id: str) -> str:

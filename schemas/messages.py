@@ -282,6 +282,14 @@ class Reconciled(_Event, frozen=True, kw_only=True, tag="reconciled"):
     error: ErrorInfo | None = None
 
 
+class EngineResumed(_Event, frozen=True, kw_only=True, tag="engine_resumed"):
+    """An agent resumed its engine outside any update: at start (its predecessor
+    may have died with the engine paused) or on its way out."""
+
+    worker_id: str
+    reason: str
+
+
 class LeaderElected(_Event, frozen=True, kw_only=True, tag="leader_elected"):
     holder: str
     epoch: int
@@ -299,6 +307,7 @@ Event = (
     | LeaseExpired
     | Reconciled
     | LeaderElected
+    | EngineResumed
 )
 
 

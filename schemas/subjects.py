@@ -78,5 +78,13 @@ class Subjects(msgspec.Struct, frozen=True):
         """JetStream KV bucket of update results, kept for late or repeated requests."""
         return f"{self.prefix.replace('.', '_')}_{self.fleet}_results"
 
+    def audit_stream(self) -> str:
+        """JetStream stream that records the fleet's commands, acks and events."""
+        return f"{self.prefix.replace('.', '_')}_{self.fleet}_audit"
+
+    def audited(self) -> list[str]:
+        """The subjects the audit stream captures (everything but heartbeats and requests)."""
+        return [self.cmd(), f"{self.cmd()}.*", self.ack_any(), self.event_any()]
+
     def event_any(self) -> str:
         return f"{self._base}.evt.>"

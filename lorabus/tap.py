@@ -1,0 +1,175 @@
+"""Reading a fleet's audit stream: live, or replayed from a time or sequence.
+
+The coordinator creates the stream; the tap only reads it, through a durable
+pull consumer that it acknowledges after each record is written, so a tap
+that stops (or a nats-server that restarts) resumes where it left off. A
+redelivered record (written, but its ack lost) is recognised by its stream
+sequence and not written twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from lorabus.audit import TrailRecord, decode_message
+from schemas import Subjects
+
+log = logging.getLogger(__name__)
+
+_BATCH = 256
+_FETCH_WAIT_S = 1.0
+
+Sink = Callable[[TrailRecord], Awaitable[None]]
+
+
+class AuditStreamMissing(Exception):
+    """Raised when the fleet has no audit stream (no coordinator has run yet)."""
+
+
+def to_record(msg: Msg, subjects: Subjects) -> TrailRecord:
+    meta = msg.metadata
+    kind = "event"
+    if msg.subject.startswith(subjects.cmd()):
+        kind = "command"
+    elif msg.subject.startswith(subjects.ack_any()[:-1]):
+        kind = "ack"
+    try:
+        message = msgspec.json.decode(msg.data)
+    except msgspec.DecodeError:
+        message = {"undecodable": msg.data.decode(errors="replace")[:500]}
+    return TrailRecord(
+        seq=meta.sequence.stream,
+        subject=msg.subject,
+        ts=meta.timestamp.timestamp() if meta.timestamp else 0.0,
+        kind=kind,
+        message=message if isinstance(message, dict) else {"value": message},
+    )
+
+
+class Tap:
+    def __init__(
+        self,
+        nc: NatsClient,
+        subjects: Subjects,
+        *,
+        durable: str | None = None,
+        start_seq: int | None = None,
+        start_time: dt.datetime | None = None,
+        after_seq: int = 0,
+    ) -> None:
+        """``durable`` names a consumer that remembers its position across runs;
+        ``after_seq`` skips records up to that sequence (already written)."""
+        self.nc = nc
+        self.subjects = subjects
+        self.durable = durable
+        self.start_seq = start_seq
+        self.start_time = start_time
+        self.last_seq = after_seq
+
+    async def run(self, sink: Sink, *, follow: bool) -> int:
+        """Write records to ``sink`` until caught up (or, following, until cancelled)."""
+        js = self.nc.jetstream()
+        stream = self.subjects.audit_stream()
+        try:
+            await js.stream_info(stream)
+        except nats.js.errors.NotFoundError as exc:
+            raise AuditStreamMissing(
+                f"fleet {self.subjects.fleet!r} has no audit stream {stream!r} yet: "
+                "a coordinator creates it when it starts"
+            ) from exc
+        sub = await js.pull_subscribe_bind(
+            stream=stream,
+            durable=self.durable,
+            name=await self._consumer(js, stream),
+        )
+        written = 0
+        pause = 0.1
+        while True:
+            try:
+                batch = await sub.fetch(batch=_BATCH, timeout=_FETCH_WAIT_S)
+                pause = 0.1
+            except (TimeoutError, nats.errors.TimeoutError):
+                if not follow and (await sub.consumer_info()).num_pending == 0:
+                    return written
+                continue
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                # The bus is away (a restart): the durable consumer keeps our place.
+                log.warning("tap: %s; retrying in %.1fs", exc, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 5.0)
+                continue
+            for msg in batch:
+                record = to_record(msg, self.subjects)
+                if record.seq > self.last_seq:
+                    await sink(record)
+                    self.last_seq = record.seq
+                    written += 1
+                await msg.ack()
+
+    async def _consumer(self, js: object, stream: str) -> str:
+        extra: dict[str, object] = {}
+        if self.start_seq is not None:
+            policy, extra = DeliverPolicy.BY_START_SEQUENCE, {"opt_start_seq": self.start_seq}
+        elif self.start_time is not None:
+            policy, extra = (
+                DeliverPolicy.BY_START_TIME,
+                {"opt_start_time": self.start_time.astimezone(dt.UTC).isoformat()},
+            )
+        else:
+            policy = DeliverPolicy.ALL
+        config = ConsumerConfig(
+            durable_name=self.durable,
+            name=self.durable,
+            deliver_policy=policy,
+            ack_policy=AckPolicy.EXPLICIT,
+            inactive_threshold=None if self.durable else 60.0,
+            **extra,  # type: ignore[arg-type]
+        )
+        if self.durable:
+            try:
+                await js.consumer_info(stream, self.durable)  # type: ignore[attr-defined]
+                return self.durable  # keep its position: this is a resumed tap
+            except nats.js.errors.NotFoundError:
+                pass
+        info = await js.add_consumer(stream, config=config)  # type: ignore[attr-defined]
+        return str(info.name)
+
+
+def timeline_line(record: TrailRecord, previous_update: str | None) -> tuple[str, str | None]:
+    """One human-readable line (with a header when the update changes)."""
+    try:
+        message = decode_message(record)
+    except (msgspec.DecodeError, KeyError):
+        return f"{record.seq:>7} {record.subject} (undecodable)", previous_update
+    update_id = getattr(message, "update_id", None) or previous_update
+    when = dt.datetime.fromtimestamp(record.ts).strftime("%H:%M:%S.%f")[:-3]
+    tag = record.message.get("type", "?")
+    who = getattr(message, "worker_id", None) or getattr(message, "source", "") or "coordinator"
+    epoch = getattr(message, "epoch", 0)
+    detail = _detail(record.message)
+    line = f"{when} {record.seq:>7} e{epoch} {who:<18} {tag:<16} {detail}"
+    if update_id != previous_update and update_id:
+        line = f"-- update {update_id} --\n{line}"
+    return line, update_id
+
+
+def _detail(message: dict[str, object]) -> str:
+    skip = {"type", "v", "ts", "source", "update_id", "worker_id", "epoch", "targets"}
+    parts = []
+    for key, value in message.items():
+        if key in skip or value in (None, [], {}, ""):
+            continue
+        if isinstance(value, dict) and "message" in value:
+            value = value["message"]
+        parts.append(f"{key}={value}")
+    return " ".join(parts)[:300]
