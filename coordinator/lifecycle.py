@@ -23,6 +23,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.frontend import FrontendClient, FrontendUnverified
 from coordinator.gather import AckRouter
 from coordinator.membership import Membership, QuorumNotReached
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.plan import UpdatePlan, retired_names
 from schemas import (
     COMMITTED,
@@ -126,12 +127,14 @@ class UpdateRunner:
         frontend: FrontendClient,
         bus: CommandBus,
         journal: Journal,
+        metrics: CoordinatorMetrics,
     ) -> None:
         self.config = config
         self.membership = membership
         self.frontend = frontend
         self.bus = bus
         self.journal = journal
+        self.metrics = metrics
         self.epoch = 0
         """The term this runner commands in; every command carries it."""
         self._in_flight: InflightRecord | None = None
@@ -178,6 +181,7 @@ class UpdateRunner:
             members=members,
         )
         renewing = asyncio.create_task(self._renew_pause_leases(plan.update_id, targets))
+        paused_at = time.monotonic()
         try:
             error, errors, load, serving = await self._pause_load_verify(plan, members, phases)
         finally:
@@ -186,6 +190,7 @@ class UpdateRunner:
             finally:
                 renewing.cancel()
                 await asyncio.gather(renewing, return_exceptions=True)
+                self.metrics.pause_window_seconds.observe(time.monotonic() - paused_at)
             for wid, err in resume.worker_errors().items():
                 errors.setdefault(wid, err)
             if not resume.ok and error is None:
@@ -275,6 +280,7 @@ class UpdateRunner:
             return None
         finally:
             phases[Phase.VERIFY] = time.monotonic() - started
+            self.metrics.phase_seconds.labels(Phase.VERIFY).observe(phases[Phase.VERIFY])
 
     async def _retire_old_versions(
         self,
@@ -318,6 +324,7 @@ class UpdateRunner:
         await self._record_phase(phase_of(command))
         outcome = await self._gather(command)
         phases[outcome.phase] = outcome.duration_s
+        self._measure(outcome)
         await self.bus.emit(
             PhaseFinished(
                 ts=time.time(),
@@ -334,6 +341,17 @@ class UpdateRunner:
         if not outcome.ok:
             log.warning("update=%s %s", command.update_id, outcome.summary().message)
         return outcome
+
+    def _measure(self, outcome: PhaseOutcome) -> None:
+        self.metrics.phase_seconds.labels(outcome.phase).observe(outcome.duration_s)
+        failed = len(outcome.failed)
+        for label, count in (
+            ("ok", len(outcome.acks) - failed),
+            ("failed", failed),
+            ("missing", len(outcome.missing) + len(outcome.lost)),
+        ):
+            if count:
+                self.metrics.acks.labels(outcome.phase, label).inc(count)
 
     def _command(
         self, kind: type[_C], plan: UpdatePlan | InflightRecord, targets: list[str], **fields: Any

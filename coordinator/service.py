@@ -35,6 +35,7 @@ from coordinator.gather import AckRouter
 from coordinator.leader import LeaderElection, LeadershipLost
 from coordinator.lifecycle import UpdateRunner
 from coordinator.membership import Membership
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.plan import is_already_committed, plan_update
 from coordinator.store import FleetStore, StoreUnavailable
 from schemas import (
@@ -102,6 +103,7 @@ class Coordinator:
             config.holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
         self.membership = Membership()
+        self.metrics = CoordinatorMetrics(self.membership)
         self.book = UpdateBook()
         self.epoch = 0
         self.leading = asyncio.Event()
@@ -120,7 +122,9 @@ class Coordinator:
             headers=self.config.headers,
             timeout_s=self.config.http_timeout_s,
         )
-        runner = UpdateRunner(self.config, self.membership, frontend, bus, _StoreJournal(store))
+        runner = UpdateRunner(
+            self.config, self.membership, frontend, bus, _StoreJournal(store), self.metrics
+        )
         subs = [
             await nc.subscribe(self.subjects.heartbeat_any(), cb=self._on_heartbeat),
             await nc.subscribe(self.subjects.ack_any(), cb=self._make_ack_cb(bus)),
@@ -186,6 +190,7 @@ class Coordinator:
                 await nc.subscribe(self.subjects.status_request(), cb=self._on_status),
             ]
             self.leading.set()
+            self.metrics.leading.labels(str(self.epoch)).set(1)
             log.info(
                 "coordinator %s leads fleet %s, epoch %d",
                 self.holder,
@@ -195,6 +200,7 @@ class Coordinator:
             await self._run_updates(runner, bus, store)
         finally:
             self.leading.clear()
+            self.metrics.leading.labels(str(self.epoch)).set(0)
             await _unsubscribe(subs)
             # Nobody is left waiting for an answer that will never come.
             self.book.fail_all_pending(
@@ -249,7 +255,10 @@ class Coordinator:
     ) -> None:
         while True:
             request = await self.book.next_request()
+            started = time.monotonic()
             result = await self._execute(request, runner, bus, store)
+            self.metrics.update_seconds.observe(time.monotonic() - started)
+            self.metrics.updates.labels(result.status).inc()
             await _quietly(store.write_result(result))
             await _quietly(store.clear_inflight())
             self.book.finish(request, result)

@@ -1,0 +1,84 @@
+"""Prometheus metrics of an agent: how its engine calls go, per operation.
+
+:class:`InstrumentedDriver` wraps any engine driver, so the drivers stay free
+of metrics code and every engine kind is measured the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from agents.engine import EngineDriver
+
+_T = TypeVar("_T")
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.call_seconds = Histogram(
+            "lorabus_engine_call_seconds",
+            "Engine calls by operation.",
+            ["operation"],
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
+        self.call_errors = Counter(
+            "lorabus_engine_call_errors",
+            "Failed engine calls by operation.",
+            ["operation"],
+            registry=self.registry,
+        )
+        self._server: WSGIServer | None = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class InstrumentedDriver:
+    """An engine driver that times every call of the driver it wraps."""
+
+    def __init__(self, driver: EngineDriver, metrics: AgentMetrics) -> None:
+        self.driver = driver
+        self.metrics = metrics
+        self.kind = driver.kind
+
+    async def pause(self) -> None:
+        await self._timed("pause", self.driver.pause)
+
+    async def resume(self) -> None:
+        await self._timed("resume", self.driver.resume)
+
+    async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        await self._timed("load", lambda: self.driver.load_adapter(name, path, budget_s=budget_s))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._timed("unload", lambda: self.driver.unload_adapter(name))
+
+    async def list_adapters(self) -> list[str]:
+        return await self._timed("list", self.driver.list_adapters)
+
+    async def aclose(self) -> None:
+        await self.driver.aclose()
+
+    async def _timed(self, operation: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        started = time.perf_counter()
+        try:
+            return await call()
+        except Exception:
+            self.metrics.call_errors.labels(operation).inc()
+            raise
+        finally:
+            self.metrics.call_seconds.labels(operation).observe(time.perf_counter() - started)

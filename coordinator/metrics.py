@@ -1,0 +1,94 @@
+"""Prometheus metrics of the coordinator, in a registry of its own.
+
+Served over HTTP only when ``--metrics-port`` is given; recorded always (a
+counter increment costs less than the check whether anyone listens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from coordinator.membership import Membership
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class CoordinatorMetrics:
+    def __init__(self, membership: Membership) -> None:
+        self.registry = CollectorRegistry()
+        self.update_seconds = Histogram(
+            "lorabus_update_duration_seconds",
+            "Whole update, request taken to result.",
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
+        self.phase_seconds = Histogram(
+            "lorabus_phase_duration_seconds",
+            "One phase of an update.",
+            ["phase"],
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
+        self.pause_window_seconds = Histogram(
+            "lorabus_pause_window_seconds",
+            "From the pause broadcast to the last resume ack.",
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
+        self.updates = Counter(
+            "lorabus_updates",
+            "Updates by outcome (committed, failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.acks = Counter(
+            "lorabus_acks",
+            "Acks by phase and outcome (ok, failed, missing).",
+            ["phase", "outcome"],
+            registry=self.registry,
+        )
+        self.leading = Gauge(
+            "lorabus_coordinator_leading",
+            "1 while this coordinator leads, with its epoch.",
+            ["epoch"],
+            registry=self.registry,
+        )
+        self.registry.register(_MembershipCollector(membership))
+        self._server: WSGIServer | None = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _MembershipCollector(Collector):
+    """Read at scrape time, so ages are current without a ticking task."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        live = self.membership.live()
+        paused = GaugeMetricFamily(
+            "lorabus_engines_paused", "Live engines whose last heartbeat said paused."
+        )
+        paused.add_metric([], sum(m.heartbeat.paused for m in live.values()))
+        yield paused
+        age = GaugeMetricFamily(
+            "lorabus_heartbeat_age_seconds",
+            "Seconds since each live worker's last heartbeat.",
+            labels=["worker"],
+        )
+        for worker_id, member in sorted(live.items()):
+            age.add_metric([worker_id], self.membership.age_of(member))
+        yield age

@@ -1,0 +1,71 @@
+"""Coordinator and agent metrics, scraped in Prometheus text format over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from agents import DynamoDriver
+from agents.metrics import AgentMetrics, InstrumentedDriver
+from lorabus.natsserver import free_port
+from lorabus.stack import EmbeddedStack
+from schemas import EngineError
+from simfleet import SimFleet
+
+
+async def _scrape(port: int) -> str:
+    async with httpx.AsyncClient(timeout=5) as http:
+        response = await http.get(f"http://127.0.0.1:{port}/metrics")
+    response.raise_for_status()
+    return response.text
+
+
+async def test_the_coordinator_exports_updates_phases_acks_and_membership(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    async with EmbeddedStack([2, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+        assert stack.client is not None and stack.coordinator is not None
+        assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
+        port = free_port()
+        stack.coordinator.metrics.serve(port, host="127.0.0.1")
+        try:
+            text = await _scrape(port)
+        finally:
+            stack.coordinator.metrics.close()
+
+    assert 'lorabus_updates_total{outcome="committed"} 1.0' in text
+    assert "lorabus_update_duration_seconds_count 1.0" in text
+    for phase in ("pause", "load", "verify", "resume"):
+        assert f'lorabus_phase_duration_seconds_count{{phase="{phase}"}} 1.0' in text
+    assert 'lorabus_acks_total{outcome="ok",phase="load"} 2.0' in text
+    assert "lorabus_pause_window_seconds_count 1.0" in text
+    assert "lorabus_engines_paused 0.0" in text
+    assert 'lorabus_heartbeat_age_seconds{worker="w000"}' in text
+
+
+async def test_an_agent_exports_engine_call_latency_and_errors_by_operation(
+    make_adapter: Callable[[int], str],
+) -> None:
+    metrics = AgentMetrics()
+    async with SimFleet(["w1"], [1]) as sim:
+        driver = InstrumentedDriver(DynamoDriver(sim.system_url("w1")), metrics)
+        try:
+            await driver.pause()
+            await driver.load_adapter("p-v1", make_adapter(1), budget_s=5)
+            sim.workers["w1"].set_faults(fail_next_loads=100)
+            with pytest.raises(EngineError):
+                await driver.load_adapter("p-v2", make_adapter(2), budget_s=0.01)
+        finally:
+            await driver.aclose()
+    port = free_port()
+    metrics.serve(port, host="127.0.0.1")
+    try:
+        text = await _scrape(port)
+    finally:
+        metrics.close()
+
+    assert 'lorabus_engine_call_seconds_count{operation="pause"} 1.0' in text
+    assert 'lorabus_engine_call_seconds_count{operation="load"} 2.0' in text
+    assert 'lorabus_engine_call_errors_total{operation="load"} 1.0' in text
