@@ -69,6 +69,10 @@ class AckRouter:
         self._open[gather.key] = gather
         return gather
 
+    def latest(self) -> PhaseGather | None:
+        """The phase gathered most recently opened, if one is still open."""
+        return next(reversed(self._open.values()), None)
+
     def close(self, gather: PhaseGather) -> None:
         self._open.pop(gather.key, None)
 

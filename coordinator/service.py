@@ -21,7 +21,7 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NatsClient
@@ -106,6 +106,7 @@ class Coordinator:
         self.metrics = CoordinatorMetrics(self.membership)
         self.book = UpdateBook()
         self.epoch = 0
+        self._acks: AckRouter | None = None
         self.leading = asyncio.Event()
         """Set while this coordinator holds the fleet's lease."""
 
@@ -125,6 +126,7 @@ class Coordinator:
         runner = UpdateRunner(
             self.config, self.membership, frontend, bus, _StoreJournal(store), self.metrics
         )
+        self._acks = bus.acks
         subs = [
             await nc.subscribe(self.subjects.heartbeat_any(), cb=self._on_heartbeat),
             await nc.subscribe(self.subjects.ack_any(), cb=self._make_ack_cb(bus)),
@@ -421,7 +423,18 @@ class Coordinator:
             in_flight=self.book.running,
             epoch=self.epoch,
             leader=self.holder,
+            **self._phase_progress(),
         )
+
+    def _phase_progress(self) -> dict[str, Any]:
+        gather = self._acks.latest() if self._acks is not None else None
+        if gather is None or gather.update_id != self.book.running:
+            return {}
+        return {
+            "in_flight_phase": str(gather.phase),
+            "acked": sorted(gather.acks),
+            "waiting": sorted(gather.waiting),
+        }
 
 
 async def _or_none(awaitable: Awaitable[_T]) -> _T | None:

@@ -56,18 +56,25 @@ def status_text(status: FleetStatus) -> str:
     lines = [
         f"fleet {status.fleet}: live world size {status.live_world_size} of "
         f"{status.expected_world_size} expected; committed: {committed}",
+        f"leader {status.leader or '-'} (epoch {status.epoch})",
     ]
     if status.in_flight:
-        lines.append(f"update in flight: {status.in_flight}")
+        progress = ""
+        if status.in_flight_phase:
+            total = len(status.acked) + len(status.waiting)
+            waiting = f" (waiting for {', '.join(status.waiting)})" if status.waiting else ""
+            progress = f": {status.in_flight_phase}, {len(status.acked)}/{total} acked{waiting}"
+        lines.append(f"update in flight: {status.in_flight}{progress}")
     lines.append(
         f"{'worker':<12} {'world':>5} {'offset':>6} {'engine':<8} {'paused':<6} "
-        f"{'beat':>6}  adapters"
+        f"{'ready':<5} {'beat':>6}  adapters"
     )
     for m in status.members:
         offset = "-" if m.rank_offset is None else str(m.rank_offset)
         lines.append(
             f"{m.worker_id:<12} {m.world_size:>5} {offset:>6} {m.engine:<8} "
-            f"{'yes' if m.paused else 'no':<6} {m.heartbeat_age_s:>5.1f}s  "
+            f"{'yes' if m.paused else 'no':<6} {'yes' if m.ready else 'no':<5} "
+            f"{m.heartbeat_age_s:>5.1f}s  "
             f"{', '.join(m.adapters) or '-'}"
         )
     return "\n".join(lines)

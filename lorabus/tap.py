@@ -10,9 +10,11 @@ sequence and not written twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -92,15 +94,22 @@ class Tap:
             durable=self.durable,
             name=await self._consumer(js, stream),
         )
+        try:
+            return await self._drain_into(sub, sink, follow)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _drain_into(self, sub: Any, sink: Sink, follow: bool) -> int:
         written = 0
         pause = 0.1
         while True:
             try:
+                if not follow and (await sub.consumer_info()).num_pending == 0:
+                    return written
                 batch = await sub.fetch(batch=_BATCH, timeout=_FETCH_WAIT_S)
                 pause = 0.1
             except (TimeoutError, nats.errors.TimeoutError):
-                if not follow and (await sub.consumer_info()).num_pending == 0:
-                    return written
                 continue
             except (nats.errors.Error, nats.js.errors.Error) as exc:
                 # The bus is away (a restart): the durable consumer keeps our place.

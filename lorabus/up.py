@@ -3,7 +3,9 @@
 Starts a private nats-server, a simulated Dynamo fleet with mixed world sizes,
 one agent per worker and the coordinator; then a small trainer writes a real
 PEFT adapter per step and asks for each to be served, as an RL orchestrator
-would. Everything it started is stopped when it ends, also on Ctrl-C.
+would. It ends by reading back the run's audit trail and printing the verdict
+of ``audit verify`` as its last line. Everything it started is stopped when it
+ends, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from lorabus.audit import TrailRecord, verify
 from lorabus.render import phase_timeline, rank_map_text
 from lorabus.stack import EmbeddedStack
+from lorabus.tap import Tap
 from lorabus.trainer import write_adapter
 from schemas import UpdateResult
 
@@ -48,10 +52,27 @@ async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], No
                 out(rank_map_text(last.rank_map))
             serving = sorted({a for w in stack.sim.workers.values() for a in w.adapters})
             paused = sorted(w.worker_id for w in stack.sim.workers.values() if w.paused)
+            trail = await _record_trail(stack)
         committed = sum(r.committed for r in results)
         out(
             f"summary: {committed}/{steps} updates committed; engines now serve "
             f"{', '.join(serving) or 'nothing'}; paused engines: {', '.join(paused) or 'none'}; "
             f"{time.monotonic() - started:.1f}s in all"
         )
-    return committed == steps
+        violations = verify(trail)
+        for violation in violations:
+            out(f"  {violation.rule}: {violation.message} (records {violation.seqs})")
+        out(f"audit: {len(trail)} records, {len(violations)} violation(s)")
+    return committed == steps and not violations
+
+
+async def _record_trail(stack: EmbeddedStack) -> list[TrailRecord]:
+    """The run's audit trail, read back from the fleet's audit stream."""
+    assert stack.client is not None
+    records: list[TrailRecord] = []
+
+    async def keep(record: TrailRecord) -> None:
+        records.append(record)
+
+    await Tap(stack.client.nc, stack.client.subjects).run(keep, follow=False)
+    return records

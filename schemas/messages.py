@@ -206,6 +206,12 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     """The update id being run now, if any."""
     epoch: int = 0
     leader: str = ""
+    in_flight_phase: str | None = None
+    """The phase the update in flight is in."""
+    acked: list[str] = []
+    """Members that have acked that phase so far."""
+    waiting: list[str] = []
+    """Members whose ack of that phase is still awaited."""
 
 
 # -- events: anyone -> the audit tap ------------------------------------------
