@@ -7,6 +7,7 @@ service died), 2 bad usage (click's convention for usage errors).
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import logging
 import signal
@@ -110,6 +111,137 @@ def schema() -> None:
 @main.command()
 @NATS_OPTION
 @FLEET_OPTION
+@click.option(
+    "--follow/--no-follow",
+    default=True,
+    show_default=True,
+    help="Keep printing new records, or stop once caught up.",
+)
+@click.option(
+    "--from-seq", type=click.IntRange(min=1), default=None, help="Start at this stream sequence."
+)
+@click.option(
+    "--since",
+    type=click.DateTime(),
+    default=None,
+    help="Start at this local time, e.g. 2026-11-30T14:05:00.",
+)
+@click.option(
+    "--durable",
+    default=None,
+    help="Consumer name that remembers the position across runs and restarts.",
+)
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Append JSON lines to this file instead of printing a timeline.",
+)
+def tap(
+    nats_url: str,
+    fleet: str,
+    follow: bool,
+    from_seq: int | None,
+    since: datetime.datetime | None,
+    durable: str | None,
+    out_path: str | None,
+) -> None:
+    """Follow or replay the fleet's audit trail (commands, acks, events)."""
+    from lorabus.tap import AuditStreamMissing, Tap
+    from lorabus.trail_file import TrailWriter, last_seq_in
+    from schemas import Subjects
+
+    async def run() -> int:
+        from lorabus.bus import close, connect
+
+        nc = await connect(nats_url, name=f"lorabus-tap-{fleet}")
+        after = last_seq_in(out_path) if out_path else 0
+        reader = Tap(
+            nc,
+            Subjects(fleet=fleet),
+            durable=durable,
+            start_seq=from_seq,
+            start_time=since,
+            after_seq=after,
+        )
+        try:
+            with TrailWriter(out_path, echo=click.echo) as writer:
+                await reader.run(writer.write, follow=follow)
+        except AuditStreamMissing as exc:
+            click.echo(f"error: {exc}", err=True)
+            return 1
+        finally:
+            await close(nc)
+        return 0
+
+    sys.exit(_run(run))
+
+
+@main.group()
+def audit() -> None:
+    """Check an audit trail against lorabus's promises."""
+
+
+@audit.command("verify")
+@click.argument("trail", type=click.Path(exists=True, dir_okay=False), required=False)
+@click.option("--live", is_flag=True, help="Check the fleet's audit stream as it is now.")
+@click.option(
+    "--nats",
+    "nats_url",
+    envvar="LORABUS_NATS_URL",
+    default=None,
+    help="NATS server URL (with --live).",
+)
+@FLEET_OPTION
+def audit_verify(trail: str | None, live: bool, nats_url: str | None, fleet: str) -> None:
+    """Verify a trail written by 'lorabus tap --out' (or, with --live, the stream).
+
+    Lists each violation with the stream sequences of the records that show it;
+    exits 1 when there is any.
+    """
+    from lorabus.audit import TrailRecord, verify
+    from lorabus.tap import AuditStreamMissing, Tap
+    from lorabus.trail_file import read_trail
+    from schemas import Subjects
+
+    if live == (trail is not None):
+        raise click.UsageError("give either a TRAIL file or --live")
+    if live and not nats_url:
+        raise click.UsageError("--live needs --nats (or $LORABUS_NATS_URL)")
+
+    async def check() -> int:
+        records: list[TrailRecord] = []
+        if trail is not None:
+            records = read_trail(trail)
+        else:
+            from lorabus.bus import close, connect
+
+            assert nats_url is not None
+            nc = await connect(nats_url, name=f"lorabus-audit-{fleet}")
+
+            async def keep(record: TrailRecord) -> None:
+                records.append(record)
+
+            try:
+                await Tap(nc, Subjects(fleet=fleet)).run(keep, follow=False)
+            except AuditStreamMissing as exc:
+                click.echo(f"error: {exc}", err=True)
+                return 1
+            finally:
+                await close(nc)
+        violations = verify(records)
+        for violation in violations:
+            click.echo(f"{violation.rule}: {violation.message} (records {violation.seqs})")
+        click.echo(f"audit: {len(records)} records, {len(violations)} violation(s)")
+        return 1 if violations else 0
+
+    sys.exit(_run(check))
+
+
+@main.command()
+@NATS_OPTION
+@FLEET_OPTION
 @click.option("--worker-id", required=True, help="Stable identity; orders the rank map.")
 @click.option("--engine", type=click.Choice(["dynamo"]), default="dynamo", show_default=True)
 @click.option("--system-url", required=True, help="The worker's system server base URL.")
@@ -136,6 +268,12 @@ def schema() -> None:
     help="Resume the engine on its own after this long paused without a renewal, "
     "whatever lease the coordinator asked for (default: the coordinator's lease).",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=1, max=65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (at /metrics).",
+)
 def agent(
     nats_url: str,
     fleet: str,
@@ -148,9 +286,11 @@ def agent(
     heartbeat_s: float,
     engine_timeout: float,
     max_pause_lease: float | None,
+    metrics_port: int | None,
 ) -> None:
     """Drive one worker's engine on the coordinator's commands."""
     from agents import Agent, CommandExecutor, DynamoDriver
+    from agents.metrics import AgentMetrics, InstrumentedDriver
     from schemas import EngineError, Subjects, check_token
 
     try:
@@ -163,8 +303,13 @@ def agent(
     async def serve() -> int:
         from lorabus.bus import close, connect
 
-        driver = DynamoDriver(system_url, headers=header_map, timeout_s=engine_timeout)
+        metrics = AgentMetrics()
+        driver = InstrumentedDriver(
+            DynamoDriver(system_url, headers=header_map, timeout_s=engine_timeout), metrics
+        )
         executor = CommandExecutor(worker_id, world_size, driver)
+        if metrics_port is not None:
+            metrics.serve(metrics_port)
         try:
             try:
                 await executor.refresh()
@@ -179,6 +324,7 @@ def agent(
                 await close(nc)
         finally:
             await driver.aclose()
+            metrics.close()
         return 0
 
     sys.exit(_run(serve))
@@ -262,6 +408,26 @@ def agent(
     show_default=True,
     help="Replicas of the fleet's KV buckets (3 on a three-node NATS cluster).",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=1, max=65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (at /metrics).",
+)
+@click.option(
+    "--audit-max-age",
+    type=click.FloatRange(min=60),
+    default=7 * 24 * 3600.0,
+    show_default=True,
+    help="Seconds the audit stream keeps records.",
+)
+@click.option(
+    "--audit-max-bytes",
+    type=click.IntRange(min=1 << 20),
+    default=1 << 30,
+    show_default=True,
+    help="Bytes the audit stream may hold before dropping its oldest records.",
+)
 def coordinator(
     nats_url: str,
     fleet: str,
@@ -280,6 +446,9 @@ def coordinator(
     leader_lease: float,
     holder: str,
     kv_replicas: int,
+    metrics_port: int | None,
+    audit_max_age: float,
+    audit_max_bytes: int,
 ) -> None:
     """Run updates for one fleet (several may run: one leads, the others stand by)."""
     from coordinator import Coordinator, CoordinatorConfig
@@ -302,6 +471,8 @@ def coordinator(
             leader_lease_s=leader_lease,
             holder=holder,
             kv_replicas=kv_replicas,
+            audit_max_age_s=audit_max_age,
+            audit_max_bytes=audit_max_bytes,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -310,10 +481,14 @@ def coordinator(
         from lorabus.bus import close, connect
 
         nc = await connect(nats_url, name=f"lorabus-coordinator-{fleet}")
+        service = Coordinator(config)
+        if metrics_port is not None:
+            service.metrics.serve(metrics_port)
         try:
-            await Coordinator(config).run(nc)
+            await service.run(nc)
         finally:
             await close(nc)
+            service.metrics.close()
         return 0
 
     sys.exit(_run(serve))
@@ -374,21 +549,42 @@ def update(
 @NATS_OPTION
 @FLEET_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object.")
-def status(nats_url: str, fleet: str, as_json: bool) -> None:
-    """Show members, world sizes, rank offsets, paused state and adapters."""
+@click.option("--watch", is_flag=True, help="Redraw the status until Ctrl-C.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between redraws with --watch.",
+)
+def status(nats_url: str, fleet: str, as_json: bool, watch: bool, interval: float) -> None:
+    """Show members, world sizes, rank offsets, paused state, adapters, the update in flight."""
     from lorabus.client import CoordinatorUnavailable, UpdateClient
     from lorabus.render import status_text
     from schemas import to_builtins
 
     async def ask() -> int:
         async with await UpdateClient.connect(nats_url, fleet) as client:
-            try:
-                fleet_status = await client.status()
-            except CoordinatorUnavailable as exc:
-                click.echo(f"error: {exc}", err=True)
-                return 1
-        click.echo(json.dumps(to_builtins(fleet_status)) if as_json else status_text(fleet_status))
-        return 0
+            while True:
+                try:
+                    fleet_status = await client.status()
+                    text = (
+                        json.dumps(to_builtins(fleet_status))
+                        if as_json
+                        else status_text(fleet_status)
+                    )
+                except CoordinatorUnavailable as exc:
+                    if not watch:
+                        click.echo(f"error: {exc}", err=True)
+                        return 1
+                    text = f"waiting for a coordinator: {exc}"
+                if not watch:
+                    click.echo(text)
+                    return 0
+                if not as_json:
+                    click.clear()
+                click.echo(text)
+                await asyncio.sleep(interval)
 
     sys.exit(_run(ask))
 
