@@ -2,8 +2,18 @@
 
 Every path and payload of Dynamo's LoRA and engine-control API lives here and
 nowhere else: these APIs are experimental upstream and change between releases.
-Dynamo answers some failures with HTTP 200 and ``{"status": "error"}``, so the
-body is checked as well as the status code.
+Checked against a real Dynamo 1.6.1 runtime by the ``real_dynamo`` test tier.
+
+Dynamo's ``/engine/...`` routes answer every failure of the engine's handler
+with HTTP **200** and ``{"status": "error", "message": ...}`` (and label their
+JSON ``text/plain``), while ``/v1/loras`` answers a failed load with a 500
+(older releases: 200 with an error body too); so the body is checked as well
+as the status code.
+
+Pause asks for ``keep`` mode (in-flight requests are held, then continue).
+Dynamo 1.6.1's vLLM backend refuses ``keep`` while requests for a LoRA
+adapter are in flight; the driver then pauses in ``wait`` mode, which lets
+those requests finish first.
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ from schemas import EngineError
 log = logging.getLogger(__name__)
 
 PAUSE_BODY = {"mode": "keep", "clear_cache": False}
+PAUSE_WAIT_BODY = {"mode": "wait", "clear_cache": False}
+#: How Dynamo's vLLM handler refuses a keep-mode pause (dynamo/vllm/handlers.py).
+KEEP_REFUSED = "Cannot pause generation in keep mode with active LoRA requests"
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -60,7 +73,15 @@ class DynamoDriver:
         await self._http.aclose()
 
     async def pause(self) -> None:
-        await self._call("POST", "/engine/pause_generation", PAUSE_BODY)
+        try:
+            await self._call("POST", "/engine/pause_generation", PAUSE_BODY)
+        except EngineError as exc:
+            if KEEP_REFUSED not in str(exc):
+                raise
+            log.info(
+                "%s refused a keep-mode pause (%s); pausing in wait mode", self.system_url, exc
+            )
+            await self._call("POST", "/engine/pause_generation", PAUSE_WAIT_BODY)
 
     async def resume(self) -> None:
         # A lost resume leaves an engine paused: retry transient failures (the
@@ -117,8 +138,8 @@ class DynamoDriver:
                 status=status,
             )
         if isinstance(payload, dict) and payload.get("status") == "error":
-            # Older Dynamo releases report a failed load as HTTP 200 with an error
-            # body; it is the same failure as their later 500, so retry it alike.
+            # Engine routes report every failure this way, and older releases
+            # a failed load too (the same failure as a later 500: retry alike).
             raise EngineError(
                 f"{what} answered {status} with an error: {_message(payload, response.text)}",
                 retryable=True,

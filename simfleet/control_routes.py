@@ -28,6 +28,7 @@ class _FaultsPatch(msgspec.Struct, forbid_unknown_fields=True):
     fail_next_loads: int | msgspec.UnsetType = msgspec.UNSET
     hang: bool | msgspec.UnsetType = msgspec.UNSET
     status_error_quirk: bool | msgspec.UnsetType = msgspec.UNSET
+    busy_loras: list[str] | msgspec.UnsetType = msgspec.UNSET
 
 
 _PATCH_DECODER = msgspec.json.Decoder(_FaultsPatch)

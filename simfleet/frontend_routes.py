@@ -6,6 +6,13 @@ about every replica), and routes a chat request round-robin only among the
 workers that hold the requested model — the strict routing lorabus tells
 operators to configure. A request that lands on a paused worker is held until
 that worker resumes, for at most ``paused_wait_s``.
+
+Shapes follow a real Dynamo 1.6.1 frontend: errors are flat
+``{"message", "type", "code"}`` bodies (``{"message": "Model not found",
+"type": "Not Found", "code": 404}``), and each ``/v1/rl/workers`` entry
+describes the worker's ``rl`` endpoint (``endpoint``, ``transport``,
+``request_plane_url``) with a full 64-bit ``instance_id`` and no
+``admin_base_url``.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ import itertools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from http import HTTPStatus
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 from aiohttp import web
@@ -42,8 +51,10 @@ _CHAT_DECODER = msgspec.json.Decoder(_ChatRequest)
 _Route = Callable[[web.Request], Awaitable[web.Response]]
 
 
-def _openai_error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+def _frontend_error(status: int, message: str) -> web.Response:
+    """An error the way Dynamo's frontend answers it: flat, not OpenAI's ``{"error": {...}}``."""
+    body = {"message": message, "type": HTTPStatus(status).phrase, "code": status}
+    return web.json_response(body, status=status)
 
 
 class FrontendRoutes:
@@ -93,16 +104,20 @@ class FrontendRoutes:
         entries = []
         for worker in self._workers.values():
             url = self._system_url(worker.worker_id)
+            tcp = f"{urlsplit(url).netloc}/{worker.instance_id:016x}/dynamo/backend/rl"
             entries.append(
                 {
                     "namespace": "dynamo",
                     "component": "backend",
-                    "endpoint": "generate",
+                    "endpoint": "rl",
                     "instance_id": worker.instance_id,
+                    "transport": {"tcp": tcp},
+                    "request_plane_url": "dyn://dynamo.backend.rl",
                     "system_url": url,
-                    "admin_base_url": url,
                     "model": self._base_model,
                     "routes": list(RL_ROUTES),
+                    # Backends that know their parallel size (vLLM) report it;
+                    # others leave it out and agents take it from their flag.
                     "world_size": worker.world_size,
                 }
             )
@@ -125,24 +140,23 @@ class FrontendRoutes:
         try:
             chat = _CHAT_DECODER.decode(await request.read())
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _openai_error(400, f"invalid chat request: {exc}", "BadRequestError")
+            message = f"Failed to deserialize the JSON body into the target type: {exc}"
+            return _frontend_error(400, message)
         model = chat.model
         try:
             async with asyncio.timeout(self._paused_wait_s):
                 while True:
                     worker = self._next_holder(model)
                     if worker is None:
-                        return _openai_error(404, f"model '{model}' not found", "NotFoundError")
+                        return _frontend_error(404, "Model not found")
                     if not await worker.wait_resumed():
-                        return _openai_error(
-                            503, "simulated fleet is stopping", "ServiceUnavailableError"
-                        )
+                        return _frontend_error(503, "simulated fleet is stopping")
                     # It may have dropped the adapter while paused: route again.
                     if worker in self._holders(model):
                         break
         except TimeoutError:
             message = f"worker for model '{model}' stayed paused for {self._paused_wait_s} s"
-            return _openai_error(503, message, "ServiceUnavailableError")
+            return _frontend_error(503, message)
         return _completion(worker, model)
 
 

@@ -1,7 +1,7 @@
 """Deterministic identifiers of the simulated fleet.
 
 Real Dynamo derives an adapter's ``lora_id`` from its name (so every replica
-agrees) and gives each worker a 64-bit discovery ``instance_id``. Tests and the
+agrees) and gives each worker an unsigned 64-bit discovery ``instance_id``. Tests and the
 demo compare these numbers across workers and runs, so they are pure functions
 of names here, never random.
 """
@@ -25,8 +25,12 @@ def lora_id_for(lora_name: str) -> int:
 
 
 def instance_id_for(worker_id: str) -> int:
-    """A worker's discovery instance id: a non-negative 63-bit integer."""
-    return _digest64(worker_id) >> 1
+    """A worker's discovery instance id: an unsigned 64-bit integer.
+
+    Real ids use all 64 bits (e.g. 11607668055850419719, above 2**63), so a
+    client that reads them as signed 64-bit integers breaks; so do these.
+    """
+    return _digest64(worker_id)
 
 
 def numbered_worker_ids(n: int) -> list[str]:

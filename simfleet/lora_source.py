@@ -1,9 +1,15 @@
 """Where a LoRA load request points, checked the way a Dynamo worker does.
 
-A load names its adapter by URI. The simulator accepts only ``file://`` URIs
-(like a worker without S3 or Hugging Face credentials) and checks that the
-directory holds a PEFT adapter; it never reads the weights. The messages copy
-the real runtime's, because agents and operators match on them.
+A load names its adapter by URI. A real Dynamo 1.6.1 worker resolves it in two
+steps, and so does the simulator: the runtime's downloader turns the URI into
+a local directory (:func:`resolve_local`, failing with
+:class:`SourceNotFound`), then the engine reads the adapter from it
+(:func:`check_adapter_dir`, failing with :class:`NotAnAdapter`). The simulator
+accepts only ``file://`` URIs (like a worker without S3 or Hugging Face
+credentials) and never reads the weights. The downloader's messages copy the
+real runtime's (observed in the ``real_dynamo`` tier), because agents and
+operators match on them; the engine's message is the simulator's own, since
+it depends on the engine behind Dynamo.
 """
 
 from __future__ import annotations
@@ -11,7 +17,14 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["ADAPTER_FILES", "LoraSourceError", "check_adapter_dir", "local_path_of"]
+__all__ = [
+    "ADAPTER_FILES",
+    "LoraSourceError",
+    "NotAnAdapter",
+    "SourceNotFound",
+    "check_adapter_dir",
+    "resolve_local",
+]
 
 #: Files a PEFT LoRA adapter directory must contain, checked in this order.
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -21,30 +34,39 @@ class LoraSourceError(Exception):
     """Raised when a load's source cannot be used; ``str()`` is the message."""
 
 
-def local_path_of(uri: str) -> str:
-    """The percent-decoded local path of a ``file://`` URI.
+class SourceNotFound(LoraSourceError):
+    """Raised when the downloader cannot resolve the URI to a local directory."""
 
-    Raises LoraSourceError for other schemes and for ``file://`` URIs naming
-    another host, which a worker cannot read either.
+
+class NotAnAdapter(LoraSourceError):
+    """Raised when the directory exists but holds no PEFT adapter."""
+
+
+def resolve_local(uri: str) -> str:
+    """The percent-decoded local path of a ``file://`` URI naming something that exists.
+
+    Like the runtime's downloader it names the URI, not the path, when it
+    fails: other schemes are "not found in any source", a ``file://`` URI with
+    a host or a path that does not exist is "Local LoRA not found". These are a
+    handful of stat calls, cheap enough for the event loop even when a thousand
+    workers load at once.
     """
     parts = urlsplit(uri)
     if parts.scheme != "file":
-        raise LoraSourceError(f"unsupported LoRA source scheme: {parts.scheme or '(none)'}")
+        raise SourceNotFound(f"LoRA {uri} not found in any source")
     path = unquote(parts.path)
-    if parts.netloc not in ("", "localhost"):
-        raise LoraSourceError(f"failed to resolve LoRA source: Local LoRA not found: {uri}")
+    if parts.netloc not in ("", "localhost") or not Path(path).is_absolute():
+        raise SourceNotFound(f"Local LoRA not found: {uri}")
+    if not Path(path).exists():
+        raise SourceNotFound(f"Local LoRA not found: {uri}")
     return path
 
 
 def check_adapter_dir(path: str) -> None:
-    """Raise LoraSourceError unless ``path`` is a directory with the adapter files.
-
-    These are a handful of stat calls on local paths, cheap enough to run on the
-    event loop even when a thousand workers load at once.
-    """
+    """Raise NotAnAdapter unless ``path`` is a directory with the adapter files."""
     directory = Path(path)
-    if not directory.is_absolute() or not directory.is_dir():
-        raise LoraSourceError(f"failed to resolve LoRA source: Local LoRA not found: {path}")
+    if not directory.is_dir():
+        raise NotAnAdapter(f"not a LoRA adapter: {path} is not a directory")
     for name in ADAPTER_FILES:
         if not (directory / name).is_file():
-            raise LoraSourceError(f"not a LoRA adapter: {path} has no {name}")
+            raise NotAnAdapter(f"not a LoRA adapter: {path} has no {name}")

@@ -41,6 +41,9 @@ class WorkerFaults:
     hang: bool = False
     #: Failed loads answer HTTP 200 with ``{"status": "error"}`` (older Dynamo).
     status_error_quirk: bool = False
+    #: Adapters with generation requests in flight. Dynamo 1.6.1's vLLM handler
+    #: then refuses a pause in ``keep`` mode; ``wait`` and ``abort`` drain them.
+    busy_loras: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.latency_s) - OPERATIONS)
@@ -109,6 +112,8 @@ class SimWorker:
         """Replace some fault fields; raises TypeError/ValueError for bad ones."""
         if "latency_s" in changes:
             changes["latency_s"] = dict(changes["latency_s"])
+        if "busy_loras" in changes:
+            changes["busy_loras"] = list(changes["busy_loras"])
         self.faults = dataclasses.replace(self.faults, **changes)
         self._notify()
 

@@ -1,10 +1,19 @@
 """The system status server of each simulated worker, under ``/workers/{id}``.
 
 One aiohttp route table serves every worker: the worker id is a path segment,
-so a thousand workers share one port. Paths, payloads, status codes and
-messages follow a real Dynamo 1.6 worker (see docs ENGINES.md), including its
-quirks: a malformed load body gets a plain-text 422, a failed load a JSON 500
-(or, with ``status_error_quirk``, a 200 whose body says ``"status":"error"``).
+so a thousand workers share one port. Paths, payloads, status codes, content
+types and messages follow a real Dynamo 1.6.1 worker as the ``real_dynamo``
+test tier observes it, request for request, quirks included:
+
+- ``/v1/loras`` answers ``application/json``; a failed load is a JSON 500 (or,
+  with ``status_error_quirk``, a 200 whose body says ``"status":"error"``); a
+  body that is not JSON is a plain-text 400, JSON of the wrong shape a
+  plain-text 422, a request without ``Content-Type: application/json`` a 415.
+- ``/engine/...`` routes and ``/health`` answer JSON labelled ``text/plain``;
+  an engine route that fails answers **200** with ``"status":"error"``; a body
+  that is not JSON is a 400 ``{"error":"Invalid JSON",...}``.
+- An unknown ``/engine/<name>`` route is a 404 with a JSON body, any other
+  unknown path a plain-text 404.
 
 Every request is first recorded in the worker's log, then waits out an
 injected ``hang`` and latency, then is checked for the bearer token, then
@@ -16,13 +25,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Literal
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from .http_utils import UNAUTHORIZED, error_reply, is_authorized, json_or_none, plain_text_reply
-from .lora_source import LoraSourceError, check_adapter_dir, local_path_of
+from .lora_source import NotAnAdapter, SourceNotFound, check_adapter_dir, resolve_local
 from .state import RecordedRequest, SimWorker
 
 __all__ = ["WORKER_PREFIX", "WorkerRoutes"]
@@ -42,20 +51,47 @@ class _LoadLora(msgspec.Struct):
     source: _LoraSource
 
 
-class _Pause(msgspec.Struct):
-    mode: Literal["keep", "wait", "abort"] = "keep"
-    clear_cache: bool = False
-
-
 _LOAD_DECODER = msgspec.json.Decoder(_LoadLora)
-_PAUSE_DECODER = msgspec.json.Decoder(_Pause)
-_BAD_BODY = (msgspec.DecodeError, msgspec.ValidationError)
-_OK = {"status": "ok"}
+_PAUSE_MODES = ("keep", "wait", "abort")
 
 
-def _deserialization_error(exc: Exception) -> web.Response:
-    # The real runtime (axum) answers a bad body with plain text, not JSON.
-    return plain_text_reply(422, f"Failed to deserialize the JSON body into the target type: {exc}")
+def _is_json(request: web.Request) -> bool:
+    mime = request.content_type
+    return mime == "application/json" or (
+        mime.startswith("application/") and mime.endswith("+json")
+    )
+
+
+def _decode_load(request: web.Request, raw: bytes) -> _LoadLora | web.Response:
+    # The real runtime (axum's Json extractor) answers a bad body in plain text.
+    if not _is_json(request):
+        return plain_text_reply(415, "Expected request with `Content-Type: application/json`")
+    try:
+        return _LOAD_DECODER.decode(raw)
+    except msgspec.ValidationError as exc:
+        return plain_text_reply(
+            422, f"Failed to deserialize the JSON body into the target type: {exc}"
+        )
+    except msgspec.DecodeError as exc:
+        return plain_text_reply(400, f"Failed to parse the request body as JSON: {exc}")
+
+
+def _engine_reply(body: Any, status: int = 200) -> web.Response:
+    """Engine routes and /health: a JSON body that says it is ``text/plain``."""
+    return web.Response(status=status, text=json.dumps(body), content_type="text/plain")
+
+
+def _engine_body(raw: bytes) -> dict[str, Any] | web.Response:
+    """An engine route's body: {} when empty, a 400 when not JSON, an error when not an object."""
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        return _engine_reply({"error": "Invalid JSON", "message": str(exc)}, status=400)
+    if not isinstance(body, dict):
+        return _engine_reply({"status": "error", "message": "request body must be a JSON object"})
+    return body
 
 
 def _lora_success(name: str, lora_id: int, message: str) -> web.Response:
@@ -63,9 +99,12 @@ def _lora_success(name: str, lora_id: int, message: str) -> web.Response:
     return web.json_response(body)
 
 
-def _load_error(worker: SimWorker, name: str, message: str) -> web.Response:
+def _load_error(worker: SimWorker, message: str, name: str | None = None) -> web.Response:
+    """A failed load; only the engine's own failures name the adapter, as in Dynamo."""
     status = 200 if worker.faults.status_error_quirk else 500
-    body = {"status": "error", "message": message, "lora_name": name}
+    body = {"status": "error", "message": message}
+    if name is not None:
+        body["lora_name"] = name
     return web.json_response(body, status=status)
 
 
@@ -119,28 +158,31 @@ class WorkerRoutes:
 
 
 async def _health(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
-    return web.json_response({"status": "ready"})
+    return _engine_reply({"status": "ready"})
 
 
 async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
-    try:
-        load = _LOAD_DECODER.decode(raw)
-    except _BAD_BODY as exc:
-        return _deserialization_error(exc)
+    load = _decode_load(request, raw)
+    if isinstance(load, web.Response):
+        return load
     name = load.lora_name
-    try:
-        path = local_path_of(load.source.uri)
-    except LoraSourceError as exc:
-        return _load_error(worker, name, str(exc))
+    if not name:
+        return _load_error(worker, "'lora_name' is required and must be a string")
+    if not load.source.uri:
+        return _load_error(worker, "'source.uri' is required and must be a string")
     if name in worker.adapters:
-        # Like Dynamo without hot-swap: the path is not looked at again.
+        # Like Dynamo without hot-swap: the source is not looked at again.
         return _lora_success(name, worker.adapters[name], f"LoRA adapter '{name}' already loaded")
     try:
+        path = resolve_local(load.source.uri)
+    except SourceNotFound as exc:
+        return _load_error(worker, f"Failed to download LoRA: Download failed: {exc}")
+    try:
         check_adapter_dir(path)
-    except LoraSourceError as exc:
-        return _load_error(worker, name, str(exc))
+    except NotAnAdapter as exc:
+        return _load_error(worker, f"Failed to add LoRA '{name}': {exc}", name)
     if worker.take_injected_load_failure():
-        return _load_error(worker, name, "injected load failure")
+        return _load_error(worker, f"Failed to add LoRA '{name}': injected load failure", name)
     lora_id = worker.add_adapter(name)
     return _lora_success(name, lora_id, f"LoRA adapter '{name}' loaded successfully")
 
@@ -154,27 +196,43 @@ async def _unload(request: web.Request, worker: SimWorker, raw: bytes) -> web.Re
     name = request.match_info["lora_name"]
     lora_id = worker.remove_adapter(name)
     if lora_id is None:
-        # json.dumps renders the list like the runtime's Rust debug format.
-        available = json.dumps(sorted(worker.adapters))
+        # Dynamo's Python handler formats the list: a Python repr, in load order.
+        available = repr(list(worker.adapters))
         message = f"LoRA adapter '{name}' not found. Available LoRAs: {available}"
         return web.json_response({"status": "error", "message": message}, status=500)
     return _lora_success(name, lora_id, f"LoRA adapter '{name}' unloaded successfully")
 
 
 async def _pause(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
-    if raw.strip():
-        try:
-            _PAUSE_DECODER.decode(raw)
-        except _BAD_BODY as exc:
-            return _deserialization_error(exc)
+    body = _engine_body(raw)
+    if isinstance(body, web.Response):
+        return body
+    mode, clear_cache = body.get("mode", "keep"), bool(body.get("clear_cache", False))
+    if mode not in _PAUSE_MODES:
+        message = f"Invalid mode '{mode}'; expected keep|wait|abort"
+        return _engine_reply({"status": "error", "message": message})
+    busy = sorted(worker.faults.busy_loras)
+    if mode == "keep" and busy:
+        message = "Cannot pause generation in keep mode with active LoRA requests: "
+        return _engine_reply({"status": "error", "message": message + ", ".join(busy)})
+    if busy:
+        worker.set_faults(busy_loras=[])  # waited for or aborted
     worker.paused = True
-    return web.json_response(_OK)
+    reply = {"status": "ok", "message": "Engine paused", "mode": mode, "clear_cache": clear_cache}
+    return _engine_reply(reply)
 
 
 async def _resume(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    body = _engine_body(raw)
+    if isinstance(body, web.Response):
+        return body
     worker.paused = False
-    return web.json_response(_OK)
+    return _engine_reply({"status": "ok", "message": "Engine resumed"})
 
 
 async def _route_not_found(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
-    return error_reply(404, "Route not found")
+    tail = request.match_info["tail"]
+    if tail.startswith("engine/"):
+        message = f"Route /{tail} not found"
+        return _engine_reply({"error": "Route not found", "message": message}, status=404)
+    return plain_text_reply(404, "Route not found")

@@ -92,3 +92,30 @@ async def test_an_unreachable_engine_is_a_retryable_engine_error() -> None:
     finally:
         await engine.aclose()
     assert raised.value.retryable
+
+
+async def test_a_refused_keep_mode_pause_is_retried_in_wait_mode(
+    sim: SimFleet, driver: DynamoDriver
+) -> None:
+    # Dynamo 1.6.1's vLLM handler refuses `keep` while adapter requests run.
+    worker = sim.workers["w1"]
+    worker.set_faults(busy_loras=["policy-v1"])
+
+    await driver.pause()
+
+    assert worker.paused
+    assert [r.body for r in worker.requests] == [
+        {"mode": "keep", "clear_cache": False},
+        {"mode": "wait", "clear_cache": False},
+    ]
+
+
+async def test_an_engine_route_answering_200_with_an_error_is_a_failure(sim: SimFleet) -> None:
+    # Real /engine/* routes report a failed handler as HTTP 200 + "status": "error".
+    engine = DynamoDriver(sim.system_url("w1"), headers={"Authorization": "Bearer k"}, timeout_s=5)
+    try:
+        with pytest.raises(EngineError, match="answered 200 with an error: Invalid mode"):
+            await engine._call("POST", "/engine/pause_generation", {"mode": "bogus"})
+    finally:
+        await engine.aclose()
+    assert not sim.workers["w1"].paused

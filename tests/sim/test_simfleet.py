@@ -68,14 +68,14 @@ async def test_loading_a_loaded_name_answers_already_loaded_without_checking_pat
     assert again.json()["lora_id"] == lora_id_for("l1")
 
 
-async def test_missing_directory_fails_with_not_found(client):
+async def test_missing_directory_fails_with_the_downloaders_not_found(client):
     reply = await client.post(f"{W0}/v1/loras", json=load_body("bad", "file:///no/such/dir"))
 
     assert reply.status_code == 500
     assert reply.json() == {
         "status": "error",
-        "message": "failed to resolve LoRA source: Local LoRA not found: /no/such/dir",
-        "lora_name": "bad",
+        "message": "Failed to download LoRA: Download failed: "
+        "Local LoRA not found: file:///no/such/dir",
     }
 
 
@@ -86,7 +86,12 @@ async def test_directory_without_config_is_not_an_adapter(client, adapter_uri):
 
     assert reply.status_code == 500
     path = uri.removeprefix("file://")
-    assert reply.json()["message"] == f"not a LoRA adapter: {path} has no adapter_config.json"
+    assert reply.json() == {
+        "status": "error",
+        "message": f"Failed to add LoRA 'bad': not a LoRA adapter: {path} has no "
+        "adapter_config.json",
+        "lora_name": "bad",
+    }
 
 
 async def test_directory_without_weights_is_not_an_adapter(client, adapter_uri):
@@ -98,14 +103,24 @@ async def test_directory_without_weights_is_not_an_adapter(client, adapter_uri):
     assert reply.json()["message"].endswith("has no adapter_model.safetensors")
 
 
-async def test_unsupported_scheme_fails(client):
+async def test_unsupported_scheme_is_not_found_in_any_source(client):
     reply = await client.post(f"{W0}/v1/loras", json=load_body("s3", "s3://bucket/adapter"))
 
     assert reply.status_code == 500
     assert reply.json() == {
         "status": "error",
-        "message": "unsupported LoRA source scheme: s3",
-        "lora_name": "s3",
+        "message": "Failed to download LoRA: Download failed: "
+        "LoRA s3://bucket/adapter not found in any source",
+    }
+
+
+async def test_empty_name_is_refused(client, adapter_uri):
+    reply = await client.post(f"{W0}/v1/loras", json=load_body("", adapter_uri()))
+
+    assert reply.status_code == 500
+    assert reply.json() == {
+        "status": "error",
+        "message": "'lora_name' is required and must be a string",
     }
 
 
@@ -119,14 +134,31 @@ async def test_status_error_quirk_answers_200_with_error_body(sim, client):
     assert "Local LoRA not found" in reply.json()["message"]
 
 
-async def test_bad_load_body_gets_plain_text_422(client):
-    for body in (b"not json", b'{"lora_name": "x"}', b'{"lora_name": 1, "source": {"uri": "a"}}'):
+async def test_load_body_of_the_wrong_shape_gets_plain_text_422(client):
+    for body in (b'{"lora_name": "x"}', b'{"lora_name": 1, "source": {"uri": "a"}}'):
         reply = await client.post(
             f"{W0}/v1/loras", content=body, headers={"content-type": "application/json"}
         )
         assert reply.status_code == 422
         assert reply.headers["content-type"].startswith("text/plain")
-        assert reply.text.startswith("Failed to deserialize")
+        assert reply.text.startswith("Failed to deserialize the JSON body into the target type: ")
+
+
+async def test_load_body_that_is_not_json_gets_plain_text_400(client):
+    reply = await client.post(
+        f"{W0}/v1/loras", content=b"not json", headers={"content-type": "application/json"}
+    )
+
+    assert reply.status_code == 400
+    assert reply.headers["content-type"].startswith("text/plain")
+    assert reply.text.startswith("Failed to parse the request body as JSON: ")
+
+
+async def test_load_without_json_content_type_gets_415(client):
+    reply = await client.post(f"{W0}/v1/loras", content=b"{}")
+
+    assert reply.status_code == 415
+    assert reply.text == "Expected request with `Content-Type: application/json`"
 
 
 async def test_fail_next_loads_injects_that_many_failures(sim, client, adapter_uri):
@@ -139,7 +171,7 @@ async def test_fail_next_loads_injects_that_many_failures(sim, client, adapter_u
     assert [r.status_code for r in replies] == [500, 500, 200]
     assert replies[0].json() == {
         "status": "error",
-        "message": "injected load failure",
+        "message": "Failed to add LoRA 'l1': injected load failure",
         "lora_name": "l1",
     }
     assert worker.faults.fail_next_loads == 0
@@ -161,15 +193,16 @@ async def test_unload_removes_a_name_containing_a_slash(sim, client, adapter_uri
     assert sim.workers["w000"].adapters == {}
 
 
-async def test_unload_of_unknown_name_lists_available(client, adapter_uri):
-    await client.post(f"{W0}/v1/loras", json=load_body("l1", adapter_uri()))
+async def test_unload_of_unknown_name_lists_available_in_load_order(client, adapter_uri):
+    await client.post(f"{W0}/v1/loras", json=load_body("l2", adapter_uri("b")))
+    await client.post(f"{W0}/v1/loras", json=load_body("l1", adapter_uri("a")))
 
     reply = await client.delete(f"{W0}/v1/loras/nope")
 
     assert reply.status_code == 500
     assert reply.json() == {
         "status": "error",
-        "message": """LoRA adapter 'nope' not found. Available LoRAs: ["l1"]""",
+        "message": "LoRA adapter 'nope' not found. Available LoRAs: ['l2', 'l1']",
     }
 
 
@@ -179,17 +212,47 @@ async def test_pause_and_resume_set_the_flag(sim, client):
     paused = await client.post(
         f"{W0}/engine/pause_generation", json={"mode": "keep", "clear_cache": False}
     )
-    assert (paused.status_code, paused.json(), worker.paused) == (200, {"status": "ok"}, True)
+    said = {"status": "ok", "message": "Engine paused", "mode": "keep", "clear_cache": False}
+    assert (paused.status_code, paused.json(), worker.paused) == (200, said, True)
+    assert paused.headers["content-type"].startswith("text/plain")
 
     resumed = await client.post(f"{W0}/engine/resume_generation", json={})
-    assert (resumed.status_code, resumed.json(), worker.paused) == (200, {"status": "ok"}, False)
+    said = {"status": "ok", "message": "Engine resumed"}
+    assert (resumed.status_code, resumed.json(), worker.paused) == (200, said, False)
+
+
+async def test_pause_with_an_unknown_mode_answers_200_with_an_error(sim, client):
+    reply = await client.post(f"{W0}/engine/pause_generation", json={"mode": "bogus"})
+
+    assert reply.status_code == 200
+    assert reply.json() == {
+        "status": "error",
+        "message": "Invalid mode 'bogus'; expected keep|wait|abort",
+    }
+    assert not sim.workers["w000"].paused
+
+
+async def test_engine_route_body_that_is_not_json_is_400(client):
+    reply = await client.post(f"{W0}/engine/pause_generation", content=b"nope")
+
+    assert reply.status_code == 400
+    assert reply.json()["error"] == "Invalid JSON"
 
 
 async def test_unknown_engine_route_is_404(client):
     reply = await client.post(f"{W0}/engine/update_everything", json={})
 
     assert reply.status_code == 404
-    assert reply.json() == {"error": "Route not found"}
+    assert reply.json() == {
+        "error": "Route not found",
+        "message": "Route /engine/update_everything not found",
+    }
+
+
+async def test_unknown_path_is_a_plain_text_404(client):
+    reply = await client.get(f"{W0}/no/such/path")
+
+    assert (reply.status_code, reply.text) == (404, "Route not found")
 
 
 async def test_unknown_worker_is_404(client):
@@ -275,3 +338,21 @@ async def test_load_latency_still_loads(adapter_uri):
         reply = await http.post("/v1/loras", json=load_body("l1", adapter_uri()))
 
     assert reply.json()["status"] == "success"
+
+
+async def test_keep_mode_pause_is_refused_while_adapter_requests_run(sim, client):
+    worker = sim.workers["w000"]
+    worker.set_faults(busy_loras=["b", "a"])
+
+    refused = await client.post(f"{W0}/engine/pause_generation", json={"mode": "keep"})
+    waited = await client.post(f"{W0}/engine/pause_generation", json={"mode": "wait"})
+
+    assert (refused.status_code, refused.json()) == (
+        200,
+        {
+            "status": "error",
+            "message": "Cannot pause generation in keep mode with active LoRA requests: a, b",
+        },
+    )
+    assert waited.json()["status"] == "ok"
+    assert worker.paused and worker.faults.busy_loras == []

@@ -26,6 +26,7 @@ async def test_control_lists_worker_states(client):
             "fail_next_loads": 0,
             "hang": False,
             "status_error_quirk": False,
+            "busy_loras": [],
         },
     }
 
@@ -141,11 +142,12 @@ def test_url_before_start_is_an_error():
         _ = SimFleet(["a"], [1]).url
 
 
-def test_instance_ids_are_deterministic_63_bit():
-    first = SimFleet.of_size(2).workers["w001"].instance_id
+def test_instance_ids_are_deterministic_unsigned_64_bit():
+    ids = [SimFleet.of_size(8).workers[f"w00{i}"].instance_id for i in range(8)]
 
-    assert first == SimFleet.of_size(2).workers["w001"].instance_id
-    assert 0 <= first < 2**63
+    assert ids == [SimFleet.of_size(8).workers[f"w00{i}"].instance_id for i in range(8)]
+    assert all(0 <= i < 2**64 for i in ids)
+    assert any(i >= 2**63 for i in ids), "real ids use the top bit too"
 
 
 def test_public_names_are_exported():

@@ -48,13 +48,17 @@ async def test_rl_workers_describe_every_worker(sim, client):
 
     assert (discovery["protocol_version"], discovery["namespace"]) == (1, "dynamo")
     first = discovery["workers"][0]
+    instance_id = sim.workers["w000"].instance_id
     assert first == {
         "namespace": "dynamo",
         "component": "backend",
-        "endpoint": "generate",
-        "instance_id": sim.workers["w000"].instance_id,
+        "endpoint": "rl",
+        "instance_id": instance_id,
+        "transport": {
+            "tcp": f"{sim.url.removeprefix('http://')}/{instance_id:016x}/dynamo/backend/rl"
+        },
+        "request_plane_url": "dyn://dynamo.backend.rl",
         "system_url": sim.system_url("w000"),
-        "admin_base_url": sim.system_url("w000"),
         "model": "sim-base",
         "routes": [
             "liveness_probe",
@@ -67,7 +71,7 @@ async def test_rl_workers_describe_every_worker(sim, client):
     }
     assert [w["world_size"] for w in discovery["workers"]] == [1, 2, 1]
     assert len({w["instance_id"] for w in discovery["workers"]}) == 3
-    assert all(0 <= w["instance_id"] < 2**63 for w in discovery["workers"])
+    assert all(0 <= w["instance_id"] < 2**64 for w in discovery["workers"])
 
 
 async def test_chat_routes_only_to_workers_holding_the_adapter(client, adapter_uri):
@@ -100,13 +104,15 @@ async def test_chat_for_unknown_model_is_404(client):
     reply = await client.post("/v1/chat/completions", json=chat_body("nope"))
 
     assert reply.status_code == 404
-    assert reply.json() == {"error": {"message": "model 'nope' not found", "type": "NotFoundError"}}
+    assert reply.json() == {"message": "Model not found", "type": "Not Found", "code": 404}
 
 
 async def test_chat_with_bad_body_is_400(client):
     reply = await client.post("/v1/chat/completions", json={"messages": []})
 
     assert reply.status_code == 400
+    assert reply.json()["type"] == "Bad Request"
+    assert reply.json()["message"].startswith("Failed to deserialize the JSON body")
 
 
 async def test_chat_to_a_paused_worker_waits_for_resume(sim, client, adapter_uri):
