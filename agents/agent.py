@@ -33,6 +33,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from agents.cancellation import raise_if_cancelled
 from agents.executor import CommandExecutor
 from agents.lease import PauseLease
 from schemas import (
@@ -224,6 +225,7 @@ class Agent:
 
     async def _command_loop(self) -> None:
         while True:
+            raise_if_cancelled()
             work = await self._queue.get()
             command = work.command
             budget = command.budget_s - (time.monotonic() - work.received)
@@ -370,6 +372,7 @@ class Agent:
     async def _heartbeat_loop(self) -> None:
         last_state_read = time.monotonic()
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(self.heartbeat_s)
             if time.monotonic() - last_state_read >= _STATE_READ_EVERY_S:
                 # Catches up on notices missed while disconnected from NATS.

@@ -15,6 +15,8 @@ import enum
 import time
 from collections.abc import Awaitable, Callable
 
+from agents.cancellation import raise_if_cancelled
+
 
 class LeaseState(enum.Enum):
     RELEASED = "released"
@@ -53,6 +55,7 @@ class PauseLease:
     async def watch(self, on_expiry: Callable[[str], Awaitable[None]]) -> None:
         """Run forever: call ``on_expiry(update_id)`` whenever a held lease runs out."""
         while True:
+            raise_if_cancelled()
             self._changed.clear()
             remaining = self.remaining_s
             if remaining is None:

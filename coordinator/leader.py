@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from coordinator.cancellation import raise_if_cancelled
 from coordinator.store import FleetStore, LostRace, StoreUnavailable
 from schemas import LeaderRecord
 
@@ -52,6 +53,7 @@ class LeaderElection:
         """Wait until this coordinator holds the lease; return its new epoch."""
         seen_revision, seen_at = -1, self._clock()
         while True:
+            raise_if_cancelled()
             try:
                 record, revision = await self.store.read_leader()
                 if revision != seen_revision:
@@ -82,6 +84,7 @@ class LeaderElection:
         """Renew the lease until it is lost; then raise LeadershipLost."""
         renewed_at = self._clock()
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(self.lease_s / 4)
             try:
                 self._revision = await self.store.write_leader(

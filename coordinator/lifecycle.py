@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from coordinator.cancellation import raise_if_cancelled
 from coordinator.config import CoordinatorConfig
 from coordinator.frontend import FrontendClient, FrontendUnverified
 from coordinator.gather import AckRouter
@@ -380,6 +381,7 @@ class UpdateRunner:
         """While the pause window lasts, keep the agents' pause leases from running out."""
         lease = self.config.pause_lease_s
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(lease / 3)
             await self.bus.broadcast(
                 RenewLeaseCommand(
@@ -420,6 +422,7 @@ class UpdateRunner:
         try:
             await self.bus.broadcast(command)
             while not gather.complete:
+                raise_if_cancelled()
                 now = time.monotonic()
                 if now >= deadline:
                     break

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from coordinator.cancellation import raise_if_cancelled
 from schemas import Heartbeat
 
 MISSED_BEATS = 3
@@ -70,6 +71,7 @@ class Membership:
         deadline = started + timeout_s
         needed = expected_world_size if needed is None else needed
         while True:
+            raise_if_cancelled()
             sizes = self.live_world_sizes()
             total = sum(sizes.values())
             if total == expected_world_size:

@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from coordinator.book import UpdateBook, failed_result
+from coordinator.cancellation import raise_if_cancelled
 from coordinator.config import CoordinatorConfig
 from coordinator.frontend import FrontendClient
 from coordinator.gather import AckRouter
@@ -136,6 +137,7 @@ class Coordinator:
             if ready is not None:
                 ready.set()
             while True:
+                raise_if_cancelled()
                 self.epoch = await election.campaign()
                 try:
                     async with asyncio.TaskGroup() as term:
@@ -152,6 +154,7 @@ class Coordinator:
         meta leader, a server restarting), so keep trying with a growing pause."""
         pause = 0.2
         while True:
+            raise_if_cancelled()
             try:
                 return await FleetStore.open(
                     nc,
@@ -256,6 +259,7 @@ class Coordinator:
         self, runner: UpdateRunner, bus: _NatsCommandBus, store: FleetStore
     ) -> None:
         while True:
+            raise_if_cancelled()
             request = await self.book.next_request()
             started = time.monotonic()
             result = await self._execute(request, runner, bus, store)

@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lorabus.audit import TrailRecord, decode_message
+from lorabus.cancellation import raise_if_cancelled
 from schemas import Subjects
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class Tap:
         written = 0
         pause = 0.1
         while True:
+            raise_if_cancelled()
             try:
                 if not follow and (await sub.consumer_info()).num_pending == 0:
                     return written

@@ -78,12 +78,13 @@ async def test_audit_verify_exits_1_and_names_a_planted_violation(tmp_path: Path
     assert "unresumed_pause" in verified.stdout and "[7]" in verified.stdout, verified
 
 
-async def _scrape(port: int) -> str:
+async def _scrape(port: int, expected: str) -> str:
+    """Poll the metrics page until it shows ``expected`` (the service is still starting)."""
     async with httpx.AsyncClient(timeout=2) as http:
         while True:
             try:
                 response = await http.get(f"http://127.0.0.1:{port}/metrics")
-                if response.status_code == 200:
+                if response.status_code == 200 and expected in response.text:
                     return response.text
             except httpx.TransportError:
                 pass
@@ -109,8 +110,13 @@ async def test_coordinator_and_agent_serve_metrics_on_their_ports(
             system_url=sim.system_url("w000"),
             extra=["--metrics-port", str(agent_port), "--heartbeat-s", "0.2"],
         )
-        coordinator_text = await asyncio.wait_for(_scrape(coordinator_port), DEADLINE_S)
-        agent_text = await asyncio.wait_for(_scrape(agent_port), DEADLINE_S)
+        coordinator_text = await asyncio.wait_for(
+            _scrape(coordinator_port, 'lorabus_heartbeat_age_seconds{worker="w000"}'), DEADLINE_S
+        )
+        agent_text = await asyncio.wait_for(
+            _scrape(agent_port, 'lorabus_engine_call_seconds_count{operation="resume"}'),
+            DEADLINE_S,
+        )
 
     assert "lorabus_engines_paused" in coordinator_text
     assert "lorabus_update_duration_seconds" in coordinator_text
