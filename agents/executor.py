@@ -98,8 +98,10 @@ class CommandExecutor:
             await self.driver.unload_adapter(name)
         try:
             await self.driver.load_adapter(name, path, budget_s=budget_s)
-        finally:
-            self.adapters = await self.driver.list_adapters()
+        except EngineError:
+            await self._read_back_quietly()  # the load's own error is the one to report
+            raise
+        self.adapters = await self.driver.list_adapters()
         if name not in self.adapters:
             raise _NotListed(
                 f"the engine of {self.worker_id} accepted adapter {name!r} but its "
@@ -112,8 +114,17 @@ class CommandExecutor:
             for name in names:
                 if name in loaded:
                     await self.driver.unload_adapter(name)
-        finally:
+        except EngineError:
+            await self._read_back_quietly()
+            raise
+        self.adapters = await self.driver.list_adapters()
+
+    async def _read_back_quietly(self) -> None:
+        """Refresh what the engine holds after a failure, keeping that failure's error."""
+        try:
             self.adapters = await self.driver.list_adapters()
+        except EngineError as exc:
+            log.debug("worker=%s read-back after a failure failed too: %s", self.worker_id, exc)
 
 
 class _NotListed(EngineError):
