@@ -688,3 +688,82 @@ def up(steps: int, world_sizes: list[int]) -> None:
         return 0 if await run_up(steps, world_sizes, out=click.echo) else 1
 
     sys.exit(_run(demo))
+
+
+@main.command()
+@click.option(
+    "--duration",
+    type=click.FloatRange(min=1),
+    default=60.0,
+    show_default=True,
+    help="Seconds of updates under faults (then every fault is healed and checked).",
+)
+@click.option("--seed", type=int, default=1, show_default=True, help="Seeds the fault schedule.")
+@click.option("--workers", type=click.IntRange(min=1, max=64), default=4, show_default=True)
+@click.option(
+    "--world-sizes",
+    default="2,1,4,1",
+    show_default=True,
+    callback=_world_sizes,
+    help="World sizes, cycled over the workers.",
+)
+@click.option(
+    "--fault-gap",
+    type=click.FloatRange(min=0.5),
+    default=4.0,
+    show_default=True,
+    help="Mean seconds between the starts of two faults.",
+)
+@click.option(
+    "--out", "out_path", type=click.Path(dir_okay=False), help="Write the run's figures as JSON."
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False),
+    help="Keep logs, NATS store and adapters here (default: a temporary dir, kept on violations).",
+)
+def chaos(
+    duration: float,
+    seed: int,
+    workers: int,
+    world_sizes: list[int],
+    fault_gap: float,
+    out_path: str | None,
+    run_dir: str | None,
+) -> None:
+    """Run updates while a seeded schedule kills, stops and slows the fleet; check invariants."""
+    from pathlib import Path
+
+    from lorabus.chaos import ChaosConfig, ChaosReport, report_json, run_chaos
+
+    if logging.getLogger().level > logging.INFO:
+        # Its own connection's warnings while the nats-server restarts on purpose.
+        logging.getLogger("lorabus.bus").setLevel(logging.ERROR)
+    config = ChaosConfig(
+        duration_s=duration,
+        seed=seed,
+        world_sizes=[world_sizes[i % len(world_sizes)] for i in range(workers)],
+        mean_gap_s=fault_gap,
+        run_dir=Path(run_dir) if run_dir else None,
+    )
+
+    reports: list[ChaosReport] = []
+
+    async def go() -> int:
+        reports.append(await run_chaos(config, out=click.echo))
+        return 0
+
+    code = _run(go)
+    if not reports:
+        sys.exit(code)
+    report = reports[0]
+    for note in report.notes:
+        click.echo(f"note: {note}")
+    for violation in report.violations:
+        click.echo(str(violation))
+    if not report.ok:
+        click.echo(f"logs kept in {report.run_dir}")
+    if out_path:
+        Path(out_path).write_bytes(report_json(report) + b"\n")
+    click.echo(report.summary_line())
+    sys.exit(0 if report.ok else 1)

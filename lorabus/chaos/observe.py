@@ -1,0 +1,146 @@
+"""Watching a chaos run: the engines of the simulated fleet and the fleet's bus.
+
+The engines are watched in this process, on their own change notifications
+(no polling), so a pause is timed where it happens, not where an agent says
+it did. On the bus the observer listens as any tap would: events, commands
+(for the pause renewals and the epochs they carry) and heartbeats (for the
+epoch each agent reports having seen). It only listens; it never publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from lorabus.chaos.timeline import LeaseCommand, SeenCommand, Timeline, now
+from schemas import (
+    CommandHandled,
+    CommandRefused,
+    LeaderElected,
+    PauseCommand,
+    RenewLeaseCommand,
+    Subjects,
+    command_decoder,
+    event_decoder,
+    heartbeat_decoder,
+    tag_of,
+)
+from simfleet import SimFleet, SimWorker
+
+log = logging.getLogger(__name__)
+
+
+class EngineWatcher:
+    """Records every pause and adapter change of every simulated worker."""
+
+    def __init__(self, sim: SimFleet, timeline: Timeline) -> None:
+        self.sim = sim
+        self.timeline = timeline
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tasks:
+            for worker in self.sim.workers.values():
+                tasks.create_task(self._watch(worker))
+
+    def _record(self, worker: SimWorker) -> tuple[bool, frozenset[str]]:
+        state = (worker.paused, frozenset(worker.adapters))
+        at = now()
+        self.timeline.engine_paused(worker.worker_id, state[0], at)
+        self.timeline.engine_adapters(worker.worker_id, state[1], at)
+        return state
+
+    async def _watch(self, worker: SimWorker) -> None:
+        while True:
+            seen = self._record(worker)
+
+            def changed(seen: tuple[bool, frozenset[str]] = seen) -> bool:
+                return (worker.paused, frozenset(worker.adapters)) != seen
+
+            if not await worker.wait_until(changed):
+                return  # the fleet stopped
+
+
+class BusObserver:
+    """Subscribes to a fleet's events, commands and heartbeats, into a timeline."""
+
+    def __init__(self, subjects: Subjects, timeline: Timeline) -> None:
+        self.subjects = subjects
+        self.timeline = timeline
+        self._subs: list[Subscription] = []
+
+    async def start(self, nc: NatsClient) -> None:
+        s = self.subjects
+        self._subs = [
+            await nc.subscribe(s.event_any(), cb=self._on_event),
+            await nc.subscribe(s.cmd(), cb=self._on_command),
+            await nc.subscribe(s.cmd_worker("*"), cb=self._on_command),
+            await nc.subscribe(s.heartbeat_any(), cb=self._on_heartbeat),
+        ]
+        await nc.flush(timeout=5)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # a closed connection has no subscriptions left
+                log.debug("unsubscribe: %s", exc)
+        self._subs = []
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            event = event_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            self.timeline.undecodable += 1
+            return
+        at = now()
+        self.timeline.event_counts[tag_of(event)] += 1
+        match event:
+            case CommandHandled():
+                self.timeline.handled.append((at, event))
+            case CommandRefused():
+                self.timeline.refused.append((at, event))
+                self.timeline.epoch_seen(event.worker_id, event.epoch_seen, at)
+            case LeaderElected(holder=holder, epoch=epoch):
+                self.timeline.leaders.append((at, holder, epoch))
+
+    async def _on_command(self, msg: Msg) -> None:
+        try:
+            command = command_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            self.timeline.undecodable += 1
+            return
+        at = now()
+        self.timeline.command_seen(
+            SeenCommand(
+                at=at,
+                epoch=command.epoch,
+                command=tag_of(command),
+                update_id=command.update_id,
+                targets=frozenset(command.targets),
+            )
+        )
+        if isinstance(command, PauseCommand | RenewLeaseCommand):
+            for worker_id in command.targets:
+                self.timeline.lease_command(
+                    LeaseCommand(
+                        worker_id=worker_id,
+                        at=at,
+                        epoch=command.epoch,
+                        update_id=command.update_id,
+                    )
+                )
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            beat = heartbeat_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            self.timeline.undecodable += 1
+            return
+        at = now()
+        self.timeline.epoch_seen(beat.worker_id, beat.epoch_seen, at)
+        self.timeline.heartbeat(beat.worker_id, beat.paused, at)

@@ -1,0 +1,56 @@
+"""The fault schedule is a pure function of its seed, and covers every kind early."""
+
+from __future__ import annotations
+
+from lorabus.chaos import ALL_KINDS, FaultKind, build_schedule
+from lorabus.chaos.schedule import CONTROL
+
+WORKERS = ["w000", "w001", "w002", "w003"]
+
+
+def test_the_same_seed_gives_the_same_schedule() -> None:
+    assert build_schedule(7, 300, WORKERS) == build_schedule(7, 300, WORKERS)
+
+
+def test_another_seed_gives_another_schedule() -> None:
+    assert build_schedule(7, 300, WORKERS) != build_schedule(8, 300, WORKERS)
+
+
+def test_the_schedule_does_not_depend_on_the_order_of_the_worker_ids() -> None:
+    assert build_schedule(3, 120, WORKERS) == build_schedule(3, 120, list(reversed(WORKERS)))
+
+
+def test_the_first_faults_cover_every_kind_once() -> None:
+    for seed in range(20):
+        first = build_schedule(seed, 300, WORKERS)[: len(ALL_KINDS)]
+        assert {f.kind for f in first} == set(ALL_KINDS), seed
+
+
+def test_faults_start_within_the_run_in_order() -> None:
+    faults = build_schedule(1, 60, WORKERS, warmup_s=2.0)
+    starts = [f.at_s for f in faults]
+    assert starts == sorted(starts)
+    assert all(2.0 <= at < 60 for at in starts)
+
+
+def test_a_target_holds_one_fault_at_a_time() -> None:
+    for seed in range(20):
+        busy_until: dict[str, float] = {}
+        for fault in build_schedule(seed, 300, WORKERS, mean_gap_s=1.0):
+            assert busy_until.get(fault.occupies, 0.0) <= fault.at_s, (seed, fault)
+            busy_until[fault.occupies] = fault.at_s + fault.hold_s
+
+
+def test_targets_and_parameters_fit_their_kind() -> None:
+    for fault in build_schedule(5, 600, WORKERS):
+        if fault.kind in (FaultKind.COORDINATOR_KILL, FaultKind.NATS_RESTART):
+            assert fault.target == CONTROL
+        else:
+            assert fault.target in WORKERS
+        assert bool(fault.latency_s) == (fault.kind is FaultKind.ENGINE_LATENCY)
+        assert (fault.fail_loads > 0) == (fault.kind is FaultKind.ENGINE_ERROR)
+
+
+def test_a_schedule_can_be_limited_to_some_kinds() -> None:
+    kinds = [FaultKind.AGENT_KILL, FaultKind.ENGINE_HANG]
+    assert {f.kind for f in build_schedule(2, 300, WORKERS, kinds=kinds)} == set(kinds)
