@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -25,6 +25,7 @@ from lorabus.chaos.timeline import (
     AGENT_DOWN,
     AGENT_STOPPED,
     COORDINATOR_DOWN,
+    COORDINATOR_STOPPED,
     ENGINE_ERROR,
     ENGINE_HANG,
     ENGINE_LATENCY,
@@ -41,6 +42,8 @@ from simfleet import SimFleet
 log = logging.getLogger(__name__)
 
 _NATS_START_ATTEMPTS = 5
+_MAX_RESTARTS = 3
+"""Restarts of one crashed process; past them a crash loop is left down."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,15 @@ class FleetSettings:
 
 
 class ChaosFleet:
-    def __init__(self, settings: FleetSettings, run_dir: Path, timeline: Timeline) -> None:
+    def __init__(
+        self,
+        settings: FleetSettings,
+        run_dir: Path,
+        timeline: Timeline,
+        out: Callable[[str], None] = print,
+    ) -> None:
         self.settings = settings
+        self.out = out
         self.run_dir = run_dir
         self.timeline = timeline
         self.sim = SimFleet.of_size(len(settings.world_sizes), settings.world_sizes)
@@ -73,6 +83,9 @@ class ChaosFleet:
         self.coordinators: dict[str, Child] = {}
         self._holders = 0
         self._open: dict[tuple[str, str], Window] = {}
+        self._supervisors: set[asyncio.Task[None]] = set()
+        self._restarts: dict[str, int] = {}
+        self._closing = False
 
     @property
     def nats_url(self) -> str:
@@ -116,10 +129,14 @@ class ChaosFleet:
             await self.start_agent(worker_id)
 
     async def aclose(self) -> None:
+        self._closing = True
         # Coordinators first, so an update they interrupt ends with a resume
         # that the agents are still there to carry out.
         await asyncio.gather(*(self.processes.terminate(c) for c in self.coordinators.values()))
         await self.processes.aclose()
+        for task in self._supervisors:
+            task.cancel()
+        await asyncio.gather(*self._supervisors, return_exceptions=True)
         for server in self._servers:
             await asyncio.to_thread(server.stop)
         await self.sim.stop()
@@ -139,13 +156,36 @@ class ChaosFleet:
             await asyncio.sleep(0.1)
         return False
 
-    def record_crashes(self) -> None:
-        """Write every child that exited on its own into the timeline."""
-        for child in self.processes.crashed():
-            self.timeline.crashes.append(
-                f"{child.name} (pid {child.pid}) exited {child.process.returncode}; "
-                f"log {child.log_path}:\n{child.log_tail()}"
-            )
+    # -- crashes ------------------------------------------------------------------
+
+    def _supervise(self, child: Child, worker_id: str = "") -> None:
+        """Watch ``child``: an exit that no fault caused is a crash, recorded and,
+        as a supervisor would, answered with a restart (a few times at most)."""
+        task = asyncio.create_task(self._on_exit(child, worker_id), name=f"watch-{child.name}")
+        self._supervisors.add(task)
+        task.add_done_callback(self._supervisors.discard)
+
+    async def _on_exit(self, child: Child, worker_id: str) -> None:
+        code = await child.process.wait()
+        if child.ended_on_purpose or self._closing:
+            return
+        self.timeline.crashes.append(
+            f"{child.name} (pid {child.pid}) exited {code}; log {child.log_path}:\n"
+            f"{child.log_tail()}"
+        )
+        restarts = self._restarts[child.name] = self._restarts.get(child.name, 0) + 1
+        if restarts > _MAX_RESTARTS:
+            self.out(f"crash  {child.name} exited {code}; not restarted again")
+            return
+        self.out(f"crash  {child.name} exited {code}; restarting it")
+        if worker_id:
+            self._begin(AGENT_DOWN, worker_id)
+            await self.restart_agent(worker_id)
+        else:
+            holder = next((h for h, c in self.coordinators.items() if c is child), None)
+            if holder is not None:
+                del self.coordinators[holder]
+            await self.start_coordinator()
 
     # -- agents ------------------------------------------------------------------
 
@@ -175,6 +215,7 @@ class ChaosFleet:
         )
         self.agents[worker_id] = child
         self.timeline.agent_started(worker_id, child.started_at)
+        self._supervise(child, worker_id)
         return child
 
     async def kill_agent(self, worker_id: str) -> None:
@@ -229,6 +270,7 @@ class ChaosFleet:
             log_level=s.log_level,
         )
         self.coordinators[holder] = child
+        self._supervise(child)
         return child
 
     def leader(self) -> str | None:
@@ -242,6 +284,16 @@ class ChaosFleet:
     async def kill_coordinator(self, holder: str) -> None:
         await self.processes.kill(self.coordinators.pop(holder))
         self._begin(COORDINATOR_DOWN, "")
+
+    def stop_coordinator(self, holder: str) -> None:
+        self.processes.suspend(self.coordinators[holder])
+        self._begin(COORDINATOR_STOPPED, holder)
+
+    def continue_coordinator(self, holder: str) -> None:
+        child = self.coordinators.get(holder)
+        if child is not None:
+            self.processes.resume(child)
+        self._end(COORDINATOR_STOPPED, holder)
 
     async def replace_coordinator(self) -> None:
         await self.start_coordinator()
@@ -336,6 +388,8 @@ class ChaosFleet:
                 await self.start_nats()
             elif kind == COORDINATOR_DOWN:
                 await self.replace_coordinator()
+            elif kind == COORDINATOR_STOPPED:
+                self.continue_coordinator(worker_id)
             elif kind == ENGINE_LATENCY:
                 self.unslow_engine(worker_id)
             elif kind == ENGINE_ERROR:

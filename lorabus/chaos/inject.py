@@ -123,6 +123,13 @@ class FaultInjector:
                     return None
                 await fleet.kill_coordinator(holder)
                 return fleet.replace_coordinator
+            case FaultKind.COORDINATOR_STOP:
+                holder = await self._find_leader()
+                if holder is None:
+                    self._skip(fault, "no running leader found")
+                    return None
+                fleet.stop_coordinator(holder)
+                return _sync(lambda: fleet.continue_coordinator(holder))
             case FaultKind.NATS_RESTART:
                 await fleet.stop_nats()
                 return fleet.start_nats
@@ -145,7 +152,7 @@ class FaultInjector:
         faults), for at most a few seconds: then the fault lands anyway."""
         workers = self.fleet.sim.workers
         watched = [workers[fault.target]] if fault.target in workers else list(workers.values())
-        waits = [asyncio.ensure_future(_wait_paused(w)) for w in watched]
+        waits = [asyncio.ensure_future(_until_paused(w)) for w in watched]
         try:
             await asyncio.wait(waits, timeout=_IN_PAUSE_WAIT_S, return_when=FIRST_COMPLETED)
         finally:
@@ -169,7 +176,7 @@ class FaultInjector:
         return None
 
 
-async def _wait_paused(worker: SimWorker) -> bool:
+async def _until_paused(worker: SimWorker) -> bool:
     return await worker.wait_until(lambda: worker.paused)
 
 

@@ -147,10 +147,6 @@ class ProcessGroup:
                     child.process.kill()
         return await child.process.wait()
 
-    def crashed(self) -> list[Child]:
-        """Children that exited although nobody killed or stopped them."""
-        return [c for c in self.children if not c.running and not c.ended_on_purpose]
-
     async def aclose(self) -> None:
         """Stop every child still running, concurrently; each one is waited for."""
         running = [c for c in self.children if c.running]

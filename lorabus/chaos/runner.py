@@ -93,7 +93,7 @@ async def run_chaos(config: ChaosConfig, out: Callable[[str], None] = print) -> 
         f"(world sizes {', '.join(map(str, config.world_sizes))}), {len(schedule)} faults "
         f"scheduled; run dir {run_dir}"
     )
-    async with ChaosFleet(settings, run_dir, timeline) as fleet:
+    async with ChaosFleet(settings, run_dir, timeline, out) as fleet:
         injector = await _run(config, fleet, timeline, schedule, run_dir, out)
     violations = check_all(timeline, config.bounds())
     (run_dir / "timeline.json").write_bytes(
@@ -141,9 +141,9 @@ async def _run(
         await observer.start(nc)
         await fleet.start_services()
         if not await fleet.wait_ready(client):
-            fleet.record_crashes()
+            crashes = "\n".join(timeline.crashes)
             raise RuntimeError(
-                "the fleet did not become ready within 30s; logs in " + str(run_dir / "logs")
+                f"the fleet did not become ready within 30s; logs in {run_dir / 'logs'}\n{crashes}"
             )
         loop = UpdateLoop(
             client,
@@ -180,7 +180,6 @@ async def _run(
             await loop.ask_again(record)
         await _wait_settled(fleet, timeline, bounds.pause_lease_s + bounds.grace_s)
         timeline.ended_at = now()
-        fleet.record_crashes()
     finally:
         await injector.aclose()
         watcher.cancel()

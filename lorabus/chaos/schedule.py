@@ -28,6 +28,9 @@ class FaultKind(enum.StrEnum):
     """SIGSTOP of an agent process; SIGCONT after ``hold_s``."""
     COORDINATOR_KILL = "coordinator_kill"
     """SIGKILL of the leading coordinator; a replacement standby after ``hold_s``."""
+    COORDINATOR_STOP = "coordinator_stop"
+    """SIGSTOP of the leading coordinator, SIGCONT after ``hold_s``: a standby takes
+    over meanwhile, and the old leader wakes up still believing it leads."""
     NATS_RESTART = "nats_restart"
     """The nats-server stops; a new one on the same port and store after ``hold_s``."""
     ENGINE_LATENCY = "engine_latency"
@@ -43,12 +46,16 @@ class FaultKind(enum.StrEnum):
 ALL_KINDS: tuple[FaultKind, ...] = tuple(FaultKind)
 
 CONTROL = "control"
-"""The target of coordinator kills and nats-server restarts."""
+"""The target of coordinator kills and stops and nats-server restarts."""
+CONTROL_KINDS = frozenset(
+    {FaultKind.COORDINATOR_KILL, FaultKind.COORDINATOR_STOP, FaultKind.NATS_RESTART}
+)
 
 _HOLD_S: dict[FaultKind, tuple[float, float]] = {
     FaultKind.AGENT_KILL: (1.0, 4.0),
     FaultKind.AGENT_STOP: (0.5, 6.0),
     FaultKind.COORDINATOR_KILL: (1.0, 4.0),
+    FaultKind.COORDINATOR_STOP: (1.5, 4.0),
     FaultKind.NATS_RESTART: (0.5, 3.0),
     FaultKind.ENGINE_LATENCY: (2.0, 8.0),
     FaultKind.ENGINE_ERROR: (2.0, 8.0),
@@ -62,6 +69,7 @@ _IN_PAUSE_KINDS = frozenset(
         FaultKind.AGENT_KILL,
         FaultKind.AGENT_STOP,
         FaultKind.COORDINATOR_KILL,
+        FaultKind.COORDINATOR_STOP,
         FaultKind.NATS_RESTART,
         FaultKind.ENGINE_HANG,
         FaultKind.ENGINE_RESTART,
@@ -89,7 +97,7 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def occupies(self) -> str:
-        if self.kind in (FaultKind.COORDINATOR_KILL, FaultKind.NATS_RESTART):
+        if self.kind in CONTROL_KINDS:
             return CONTROL
         side = "agent" if self.kind in (FaultKind.AGENT_KILL, FaultKind.AGENT_STOP) else "engine"
         return f"{side}:{self.target}"
@@ -173,7 +181,7 @@ def _draw(rng: random.Random, kind: FaultKind, at: float, workers: list[str]) ->
         latency = {op: round(rng.uniform(*_LATENCY_S), 2) for op in sorted(ops)}
     elif kind is FaultKind.ENGINE_ERROR:
         fail_loads = rng.randint(*_FAIL_LOADS)
-    target = CONTROL if kind in (FaultKind.COORDINATOR_KILL, FaultKind.NATS_RESTART) else ""
+    target = CONTROL if kind in CONTROL_KINDS else ""
     in_pause = kind in _IN_PAUSE_KINDS and rng.random() < _IN_PAUSE_CHANCE
     return Fault(
         at_s=at,

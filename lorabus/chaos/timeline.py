@@ -30,6 +30,8 @@ ENGINE_ERROR = "engine_error"
 ENGINE_RESTART = "engine_restart"
 """An instant: the engine lost its adapters and its pause."""
 COORDINATOR_DOWN = "coordinator_down"
+COORDINATOR_STOPPED = "coordinator_stopped"
+"""Its ``worker_id`` holds the coordinator's holder name."""
 NATS_DOWN = "nats_down"
 
 #: Windows during which a worker's agent cannot act on its engine at all.

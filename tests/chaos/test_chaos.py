@@ -2,7 +2,7 @@
 
 Agents and coordinators run as real processes on a real nats-server, which
 the run itself stops and starts again; the simulated engines run in this
-process. Seed 20 schedules every kind of fault within the first 19 seconds.
+process. Seed 20 schedules every kind of fault within the first 18 seconds.
 The run's logs stay under the test's tmp dir, and a failure prints every
 violation with its details.
 """
@@ -18,7 +18,7 @@ from lorabus.natsserver import NatsServerMissing, find_nats_server
 
 SEED = 20
 DURATION_S = 24.0
-MEAN_GAP_S = 3.0
+MEAN_GAP_S = 2.5
 WORLD_SIZES = (2, 1, 4, 1)
 
 

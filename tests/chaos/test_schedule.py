@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lorabus.chaos import ALL_KINDS, FaultKind, build_schedule
-from lorabus.chaos.schedule import CONTROL
+from lorabus.chaos.schedule import CONTROL, CONTROL_KINDS
 
 WORKERS = ["w000", "w001", "w002", "w003"]
 
@@ -43,7 +43,7 @@ def test_a_target_holds_one_fault_at_a_time() -> None:
 
 def test_targets_and_parameters_fit_their_kind() -> None:
     for fault in build_schedule(5, 600, WORKERS):
-        if fault.kind in (FaultKind.COORDINATOR_KILL, FaultKind.NATS_RESTART):
+        if fault.kind in CONTROL_KINDS:
             assert fault.target == CONTROL
         else:
             assert fault.target in WORKERS
