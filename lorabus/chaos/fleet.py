@@ -6,7 +6,8 @@ this process (its engines are watched exactly and faulted directly); the
 nats-server is a :class:`NatsServer` process that can be stopped and started
 again on the same port with the same JetStream store. Every fault applied here
 is written to the timeline as a window, so the invariants know what excused
-what. Everything started is stopped on exit.
+what. A process that exits without a fault is recorded as a crash and
+restarted, as a supervisor would. Everything started is stopped on exit.
 """
 
 from __future__ import annotations

@@ -3,12 +3,14 @@
 Each check is a pure function of the :class:`Timeline` and the run's bounds
 and returns the violations it found, each with the details a bug report needs.
 
-1. ``pause_lease``: no engine stays paused longer than the pause lease plus a
-   grace after the last thing that legitimately kept it paused: the pause
-   itself, the last pause or lease renewal sent to it, or the end of a fault
-   that kept its agent from acting (SIGSTOP until SIGCONT, SIGKILL until the
-   replacement started, an engine hang until it cleared). A latency injected
-   into resumes is added to the bound.
+1. ``pause_lease``: no engine stays paused, unattended, longer than the pause
+   lease plus a grace. A pause is attended from when it happens, and again
+   from every pause or lease renewal sent to that worker and from the end of
+   every fault that kept its agent from acting (SIGSTOP until SIGCONT, SIGKILL
+   until the replacement started, an engine hang until it cleared); time
+   inside such a fault does not count. A later update that pauses and resumes
+   the engine does not excuse an unattended stretch before it. A latency
+   injected into resumes is added to the bound.
 2. ``committed_served``: when a committed result arrives, every member it
    counts as ok lists the adapter on its engine (read from the engine, not the
    agent). An engine that restarted during the update may lack it; it must
