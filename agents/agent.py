@@ -35,7 +35,7 @@ from nats.aio.msg import Msg
 
 from agents.cancellation import raise_if_cancelled
 from agents.executor import CommandExecutor
-from agents.lease import PauseLease
+from agents.lease import LeaseState, PauseLease
 from schemas import (
     Ack,
     BadMessage,
@@ -228,6 +228,8 @@ class Agent:
             raise_if_cancelled()
             work = await self._queue.get()
             command = work.command
+            if work.internal == "lease" and self.lease.state is LeaseState.HELD:
+                continue  # a newer pause re-armed the lease meanwhile: it holds the engine
             budget = command.budget_s - (time.monotonic() - work.received)
             ack = await self.executor.execute(command, budget)
             if work.internal:
@@ -239,10 +241,12 @@ class Agent:
             while len(self._acks) > _REMEMBERED_ACKS:
                 self._acks.popitem(last=False)
             match command:
-                case PauseCommand(lease_s=lease_s) if ack.ok:
+                case PauseCommand(lease_s=lease_s) if ack.ok or self.executor.maybe_paused:
                     self.lease.arm(command.update_id, self._lease_length(lease_s))
-                case ResumeCommand() if ack.ok:
+                case ResumeCommand() if ack.ok and not self.executor.maybe_paused:
                     self.lease.release()
+                # After an unanswered pause the lease runs on past the resume:
+                # when it runs out, one more resume undoes a pause that landed late.
             await self._publish_ack(ack)
             await self._emit(
                 CommandHandled(
@@ -282,6 +286,7 @@ class Agent:
         elif work.internal == "lease":
             if ack.ok:
                 self.lease.release()
+                self.executor.maybe_paused = False
             await self._emit(
                 LeaseExpired(
                     ts=time.time(),
@@ -370,6 +375,16 @@ class Agent:
     # -- heartbeats ----------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
+        # Liveness must not depend on how fast the engine answers: the engine
+        # check runs in its own loop, and this one only ever publishes.
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._engine_check_loop())
+            while True:
+                raise_if_cancelled()
+                await asyncio.sleep(self.heartbeat_s)
+                await self._beat()
+
+    async def _engine_check_loop(self) -> None:
         last_state_read = time.monotonic()
         while True:
             raise_if_cancelled()

@@ -37,6 +37,8 @@ class CommandExecutor:
         self.world_size = world_size
         self.driver = driver
         self.paused = False
+        self.maybe_paused = False
+        """A pause went unanswered: the engine may pause late, after a resume."""
         self.adapters: list[str] = []
 
     async def refresh(self) -> None:
@@ -81,7 +83,14 @@ class CommandExecutor:
     async def _run(self, command: PhasedCommand, budget_s: float) -> None:
         match command:
             case PauseCommand():
-                await self.driver.pause()
+                try:
+                    await self.driver.pause()
+                except BaseException as exc:
+                    # No answer (a timeout, a transport error, the budget ran
+                    # out): the engine may still carry the pause out later.
+                    if not (isinstance(exc, EngineError) and exc.status is not None):
+                        self.maybe_paused = True
+                    raise
                 self.paused = True
             case ResumeCommand():
                 await self.driver.resume()

@@ -139,12 +139,20 @@ class Coordinator:
             while True:
                 raise_if_cancelled()
                 self.epoch = await election.campaign()
+                task = asyncio.current_task()
+                assert task is not None
+                cancelling = task.cancelling()
                 try:
                     async with asyncio.TaskGroup() as term:
                         term.create_task(election.hold())
                         term.create_task(self._lead(nc, store, runner, bus))
                 except* LeadershipLost as lost:
                     log.warning("epoch=%d stepped down: %s", self.epoch, lost.exceptions[0])
+                    # Python 3.11's TaskGroup cancels this task to abort the term
+                    # and never uncancels it (fixed in 3.12): undo that, or the
+                    # next turn's raise_if_cancelled() takes the step-down for a stop.
+                    while task.cancelling() > cancelling:
+                        task.uncancel()
         finally:
             await _unsubscribe(subs)
             await frontend.aclose()
