@@ -690,6 +690,173 @@ def up(steps: int, world_sizes: list[int]) -> None:
     sys.exit(_run(demo))
 
 
+def _sizes(_ctx: object, _param: object, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        sizes = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter("give positive integers separated by commas, e.g. 8,64,256")
+    return sizes
+
+
+def _window_case(_ctx: object, _param: object, value: str | None) -> str | None:
+    if value is None or value == "off":
+        return value
+    try:
+        n, latency, jitter = value.split(":")
+        int(n), float(latency), float(jitter)
+    except ValueError:
+        raise click.BadParameter("use N:LATENCY:JITTER, e.g. 256:0.2:0.05, or 'off'") from None
+    return value
+
+
+@main.command()
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="Sizes up to 256, fewer updates, own connections only, no window case.",
+)
+@click.option(
+    "--sizes", callback=_sizes, help="Fleet sizes [default: 8,64,256,1024; quick 8,64,256]."
+)
+@click.option(
+    "--updates",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Timed updates per size and mode [default: 20; quick 5].",
+)
+@click.option(
+    "--world-sizes",
+    default="2,4,1,1",
+    show_default=True,
+    callback=_world_sizes,
+    help="World sizes, cycled over the workers.",
+)
+@click.option(
+    "--load-latency",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds each simulated load takes.",
+)
+@click.option(
+    "--load-jitter",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Each load takes latency +- up to this, drawn per worker and update.",
+)
+@click.option(
+    "--window-case",
+    callback=_window_case,
+    help="Also run N with realistic loads, N:LATENCY:JITTER, or 'off' "
+    "[default: 256:0.2:0.05; quick: off].",
+)
+@click.option(
+    "--modes",
+    default="floor,null,http,baseline",
+    show_default=True,
+    help="Which of floor, null, http, baseline to run.",
+)
+@click.option(
+    "--connections",
+    default=None,
+    help="Agents' NATS connections for floor and null: own, shared or both "
+    "[default: own,shared; quick: own].",
+)
+@click.option(
+    "--agent-procs",
+    type=click.IntRange(min=1, max=64),
+    default=4,
+    show_default=True,
+    help="Processes the agents are spread over.",
+)
+@click.option(
+    "--heartbeat-s",
+    type=click.FloatRange(min=0.05),
+    default=None,
+    help="Agents' heartbeat interval [default: max(1, N/128)].",
+)
+@click.option(
+    "--out", "out_path", type=click.Path(dir_okay=False), help="Write the figures as JSON."
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False),
+    help="Keep every process's log here (default: a temporary dir, kept on failure).",
+)
+def bench(
+    quick: bool,
+    sizes: list[int] | None,
+    updates: int | None,
+    world_sizes: list[int],
+    load_latency: float,
+    load_jitter: float,
+    window_case: str | None,
+    modes: str,
+    connections: str | None,
+    agent_procs: int,
+    heartbeat_s: float | None,
+    out_path: str | None,
+    run_dir: str | None,
+) -> None:
+    """Measure updates: lorabus (null and HTTP engines), direct HTTP, and the bare bus."""
+    from pathlib import Path
+
+    from lorabus.bench import BenchConfig, BenchReport, WindowCase, report_json, run_bench, table
+    from lorabus.bench.config import FULL_SIZES, QUICK_SIZES
+
+    window: WindowCase | None = None if quick else WindowCase()
+    if window_case == "off":
+        window = None
+    elif window_case is not None:
+        n, latency, jitter = window_case.split(":")
+        window = WindowCase(int(n), float(latency), float(jitter))
+    try:
+        config = BenchConfig(
+            sizes=tuple(sizes or (QUICK_SIZES if quick else FULL_SIZES)),
+            updates=updates or (5 if quick else 20),
+            warmup=1 if quick else 2,
+            world_sizes=tuple(world_sizes),
+            load_latency_s=load_latency,
+            load_jitter_s=load_jitter,
+            window_case=window,
+            modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+            connections=tuple(
+                c.strip()
+                for c in (connections or ("own" if quick else "own,shared")).split(",")
+                if c.strip()
+            ),
+            agent_procs=agent_procs,
+            heartbeat_s=heartbeat_s,
+            idle_s=0.5 if quick else 2.0,
+            run_dir=Path(run_dir) if run_dir else None,
+            label="quick" if quick else "full",
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+    reports: list[BenchReport] = []
+
+    async def go() -> int:
+        reports.append(await run_bench(config, out=lambda line: click.echo(line, err=True)))
+        return 0
+
+    code = _run(go)
+    if not reports:
+        sys.exit(code)
+    report = reports[0]
+    for line in table(report):
+        click.echo(line)
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_bytes(report_json(report) + b"\n")
+    sys.exit(1 if report.unmeasured else 0)
+
+
 @main.command()
 @click.option(
     "--duration",

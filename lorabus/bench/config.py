@@ -1,0 +1,87 @@
+"""What a benchmark run measures, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MODES = ("floor", "null", "http", "baseline")
+CONNECTIONS = ("own", "shared")
+FULL_SIZES = (8, 64, 256, 1024)
+QUICK_SIZES = (8, 64, 256)
+
+
+@dataclass(frozen=True)
+class WindowCase:
+    """A fleet size with realistic load latency, to see the pause window."""
+
+    n: int = 256
+    load_latency_s: float = 0.2
+    load_jitter_s: float = 0.05
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    sizes: tuple[int, ...] = FULL_SIZES
+    updates: int = 20
+    """Timed updates per size and mode."""
+    warmup: int = 2
+    """Untimed updates first (connections, caches, KV records)."""
+    world_sizes: tuple[int, ...] = (2, 4, 1, 1)
+    """Cycled over the workers."""
+    load_latency_s: float = 0.0
+    load_jitter_s: float = 0.0
+    window_case: WindowCase | None = WindowCase()
+    window_updates: int | None = None
+    """Timed updates of the window case; default half of ``updates`` (at least 5)."""
+    modes: tuple[str, ...] = MODES
+    connections: tuple[str, ...] = CONNECTIONS
+    """Layouts of the agents' NATS connections for the floor and null modes."""
+    http_connections: tuple[str, ...] = ("own",)
+    agent_procs: int = 4
+    """Agent host processes the fleet's agents are spread over."""
+    heartbeat_s: float | None = None
+    """Agents' heartbeat interval; default max(1, N/128) (see the README)."""
+    idle_s: float = 2.0
+    """How long the coordinator's idle CPU is watched before the updates."""
+    run_dir: Path | None = None
+    """Logs of every process; default a temporary directory, kept on failure."""
+    label: str = "custom"
+
+    def __post_init__(self) -> None:
+        if not self.sizes or min(self.sizes) < 1:
+            raise ValueError("sizes must be positive")
+        if self.updates < 1 or self.warmup < 0:
+            raise ValueError("updates must be >= 1 and warmup >= 0")
+        if not self.world_sizes or min(self.world_sizes) < 1:
+            raise ValueError("world sizes must be positive")
+        if self.load_latency_s < 0 or self.load_jitter_s < 0:
+            raise ValueError("load latency and jitter must be >= 0")
+        if self.load_jitter_s > self.load_latency_s:
+            raise ValueError("load jitter must not exceed the load latency")
+        unknown = set(self.modes) - set(MODES)
+        if unknown or not self.modes:
+            raise ValueError(f"modes must be among {', '.join(MODES)}")
+        for layouts in (self.connections, self.http_connections):
+            if not layouts or set(layouts) - set(CONNECTIONS):
+                raise ValueError(f"connections must be among {', '.join(CONNECTIONS)}")
+        if self.window_updates is not None and self.window_updates < 1:
+            raise ValueError("window updates must be >= 1")
+        if self.agent_procs < 1:
+            raise ValueError("agent processes must be >= 1")
+        if self.heartbeat_s is not None and self.heartbeat_s <= 0:
+            raise ValueError("heartbeat interval must be > 0")
+
+    def updates_for(self, case: str) -> int:
+        if case != "window":
+            return self.updates
+        return self.window_updates or max(5, self.updates // 2)
+
+    def heartbeat_for(self, n: int) -> float:
+        """Every agent of the bench shares 2 cores, where in production each has a
+        node: a fleet-wide beat rate of about 128/s keeps that background load
+        from swamping the machine (the coordinator's cost per beat is reported)."""
+        return self.heartbeat_s if self.heartbeat_s is not None else max(1.0, n / 128)
+
+    def world_sizes_for(self, n: int) -> list[int]:
+        return [self.world_sizes[i % len(self.world_sizes)] for i in range(n)]

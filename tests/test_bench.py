@@ -1,0 +1,196 @@
+"""``lorabus bench`` runs every mode, writes well-formed figures, and leaves nothing behind.
+
+A benchmark is not a test: nothing here judges a timing. The run is small
+(two fleet sizes, three updates, a tiny window case) so that it stays well
+under a minute; what is checked is that every mode was measured and that each
+figure it should have is there and positive (CPU figures may read zero for so
+few updates on a quiet machine, so those are only checked to be there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import msgspec
+import pytest
+from processes import LORABUS, child_env
+
+from lorabus.bench import BenchReport, ModeResult
+
+MARK_VAR = "LORABUS_TEST_MARK"
+RUN_DEADLINE_S = 150.0
+SIZES = (8, 16)
+UPDATES = 3
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(200),
+    pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc"),
+]
+
+
+def _marked_pids(marker: str) -> list[int]:
+    needle = f"{MARK_VAR}={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path, list[int]]:
+    """One small benchmark run: exit code, stdout, the JSON file, and leftover pids."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "bench.json"
+    marker = uuid.uuid4().hex
+    argv = [
+        str(LORABUS),
+        "bench",
+        "--quick",
+        "--sizes",
+        ",".join(map(str, SIZES)),
+        "--updates",
+        str(UPDATES),
+        "--connections",
+        "own,shared",
+        "--window-case",
+        "8:0.05:0.02",
+        "--agent-procs",
+        "2",
+        "--out",
+        str(out),
+    ]
+
+    async def run() -> tuple[int, str]:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=child_env({MARK_VAR: marker}),
+        )
+        try:
+            stdout, _ = await asyncio.wait_for(process.communicate(), RUN_DEADLINE_S)
+        except TimeoutError:
+            process.send_signal(signal.SIGINT)
+            stdout, _ = await asyncio.wait_for(process.communicate(), 30)
+        assert process.returncode is not None
+        return process.returncode, stdout.decode(errors="replace")
+
+    code, text = asyncio.run(run())
+    left = _marked_pids(marker)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return code, text, out, left
+
+
+def _report(bench_run: tuple[int, str, Path, list[int]]) -> BenchReport:
+    code, text, out, _ = bench_run
+    assert code == 0, text
+    return msgspec.json.decode(out.read_bytes(), type=BenchReport)
+
+
+def _result(report: BenchReport, mode: str, n: int, connections: str, case: str) -> ModeResult:
+    for r in report.results:
+        if (r.mode, r.n, r.connections, r.case) == (mode, n, connections, case):
+            return r
+    raise AssertionError(f"{mode}/{connections} at N={n} ({case}) was not measured")
+
+
+def _positive_stats(result: ModeResult) -> None:
+    wall = result.wall_s
+    assert result.updates == (UPDATES if result.case == "main" else 5)
+    assert wall.count == result.updates - result.failed
+    assert 0 < wall.min <= wall.p50 <= wall.p95 <= wall.max
+    assert len(result.wall_samples_s) == wall.count
+    assert result.phases_s, result.label
+    for name, stats in result.phases_s.items():
+        if name in ("quorum", "other"):
+            assert stats.p50 >= 0, name
+        else:
+            assert stats.p50 > 0, f"{result.label}: {name}"
+
+
+def test_the_run_exits_0_and_prints_one_table(bench_run: tuple[int, str, Path, list[int]]) -> None:
+    code, text, _, _ = bench_run
+    assert code == 0, text
+    assert "lorabus-null/own" in text and "baseline" in text and "floor/shared" in text
+
+
+def test_no_process_outlives_the_run(bench_run: tuple[int, str, Path, list[int]]) -> None:
+    assert bench_run[3] == []
+
+
+def test_every_mode_is_measured_with_every_figure(
+    bench_run: tuple[int, str, Path, list[int]],
+) -> None:
+    report = _report(bench_run)
+    assert report.unmeasured == []
+    for n in SIZES:
+        for connections in ("own", "shared"):
+            floor = _result(report, "floor", n, connections, "main")
+            _positive_stats(floor)
+            assert floor.agents_cpu_s_per_update is not None
+            assert floor.agents_cpu_s_per_update >= 0
+            null = _result(report, "lorabus-null", n, connections, "main")
+            _positive_stats(null)
+        http = _result(report, "lorabus-http", n, "own", "main")
+        _positive_stats(http)
+        baseline = _result(report, "baseline", n, "-", "main")
+        _positive_stats(baseline)
+        for lorabus in (null, http):
+            assert lorabus.failed == 0, lorabus.errors
+            assert lorabus.central_cpu_s_per_update and lorabus.central_cpu_s_per_update > 0
+            assert lorabus.central_peak_rss_mb and lorabus.central_peak_rss_mb > 0
+            assert lorabus.agent_host_peak_rss_mb and lorabus.agent_host_peak_rss_mb > 0
+            assert lorabus.agents_cpu_s_per_update and lorabus.agents_cpu_s_per_update > 0
+            assert lorabus.nats_cpu_s_per_update is not None
+            assert lorabus.central_idle_cpu_s_per_s is not None
+            assert lorabus.central_rss_growth_mb_per_update is not None
+            assert lorabus.pause_window_s and lorabus.pause_window_s.p50 > 0
+            assert {"pause", "load", "verify", "resume"} <= set(lorabus.phases_s)
+        assert http.single_agent_peak_rss_mb and http.single_agent_peak_rss_mb > 0
+        assert http.sim_cpu_s_per_update and http.sim_cpu_s_per_update > 0
+        assert baseline.central_cpu_s_per_update and baseline.central_cpu_s_per_update > 0
+        assert baseline.central_peak_rss_mb and baseline.central_peak_rss_mb > 0
+        assert baseline.pause_window_s and baseline.pause_window_s.p50 > 0
+        assert baseline.setup_cpu_s and baseline.setup_cpu_s > 0
+
+
+def test_the_window_case_sees_slow_loads(bench_run: tuple[int, str, Path, list[int]]) -> None:
+    report = _report(bench_run)
+    for mode, connections in (("lorabus-null", "own"), ("lorabus-http", "own"), ("baseline", "-")):
+        result = _result(report, mode, 8, connections, "window")
+        _positive_stats(result)
+        assert result.slowest_load_s and result.slowest_load_s.min >= 0.03 - 1e-3
+        ratio = result.window_over_slowest_load
+        assert ratio is not None and ratio.p50 > 0
+
+
+def test_ratios_and_targets_are_reported(bench_run: tuple[int, str, Path, list[int]]) -> None:
+    report = _report(bench_run)
+    assert [r.n for r in report.ratios] == list(SIZES)
+    for ratio in report.ratios:
+        for name in (
+            "lorabus_over_baseline_wall_p50",
+            "lorabus_over_baseline_central_cpu",
+            "baseline_over_lorabus_central_cpu",
+            "null_over_floor_p50",
+            "null_over_floor_p50_shared",
+        ):
+            value = getattr(ratio, name)
+            assert value is not None and value > 0, name
+    assert len(report.targets) == 7
+    assert all(target.measured != "not measured" for target in report.targets)
