@@ -9,9 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from agents.engine import EngineDriver
 
@@ -35,16 +34,6 @@ class AgentMetrics:
             ["operation"],
             registry=self.registry,
         )
-        self._server: WSGIServer | None = None
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 class InstrumentedDriver:

@@ -1,15 +1,14 @@
 """Prometheus metrics of the coordinator, in a registry of its own.
 
-Served over HTTP only when ``--metrics-port`` is given; recorded always (a
-counter increment costs less than the check whether anyone listens).
+Recorded always (a counter increment costs less than the check whether
+anyone listens); served over HTTP by the CLI only with ``--metrics-port``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -59,16 +58,6 @@ class CoordinatorMetrics:
             registry=self.registry,
         )
         self.registry.register(_MembershipCollector(membership))
-        self._server: WSGIServer | None = None
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 class _MembershipCollector(Collector):

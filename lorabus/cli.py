@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from lorabus.bus import BusUnreachable
+from lorabus.metrics_http import serving
 from lorabus.natsserver import NatsServerMissing
 from lorabus.options import auth_headers
 
@@ -308,23 +309,24 @@ def agent(
             DynamoDriver(system_url, headers=header_map, timeout_s=engine_timeout), metrics
         )
         executor = CommandExecutor(worker_id, world_size, driver)
-        if metrics_port is not None:
-            metrics.serve(metrics_port)
         try:
-            try:
-                await executor.refresh()
-            except EngineError as exc:
-                log.warning("worker=%s engine not answering at start: %s", worker_id, exc)
-            nc = await connect(nats_url, name=f"lorabus-agent-{worker_id}")
-            try:
-                await Agent(
-                    subjects, executor, heartbeat_s=heartbeat_s, max_pause_lease_s=max_pause_lease
-                ).run(nc)
-            finally:
-                await close(nc)
+            with serving(metrics.registry, metrics_port):
+                try:
+                    await executor.refresh()
+                except EngineError as exc:
+                    log.warning("worker=%s engine not answering at start: %s", worker_id, exc)
+                nc = await connect(nats_url, name=f"lorabus-agent-{worker_id}")
+                try:
+                    await Agent(
+                        subjects,
+                        executor,
+                        heartbeat_s=heartbeat_s,
+                        max_pause_lease_s=max_pause_lease,
+                    ).run(nc)
+                finally:
+                    await close(nc)
         finally:
             await driver.aclose()
-            metrics.close()
         return 0
 
     sys.exit(_run(serve))
@@ -482,13 +484,11 @@ def coordinator(
 
         nc = await connect(nats_url, name=f"lorabus-coordinator-{fleet}")
         service = Coordinator(config)
-        if metrics_port is not None:
-            service.metrics.serve(metrics_port)
         try:
-            await service.run(nc)
+            with serving(service.metrics.registry, metrics_port):
+                await service.run(nc)
         finally:
             await close(nc)
-            service.metrics.close()
         return 0
 
     sys.exit(_run(serve))

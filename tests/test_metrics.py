@@ -9,6 +9,7 @@ import pytest
 
 from agents import DynamoDriver
 from agents.metrics import AgentMetrics, InstrumentedDriver
+from lorabus.metrics_http import serving
 from lorabus.natsserver import free_port
 from lorabus.stack import EmbeddedStack
 from schemas import EngineError
@@ -29,11 +30,8 @@ async def test_the_coordinator_exports_updates_phases_acks_and_membership(
         assert stack.client is not None and stack.coordinator is not None
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
         port = free_port()
-        stack.coordinator.metrics.serve(port, host="127.0.0.1")
-        try:
+        with serving(stack.coordinator.metrics.registry, port, host="127.0.0.1"):
             text = await _scrape(port)
-        finally:
-            stack.coordinator.metrics.close()
 
     assert 'lorabus_updates_total{outcome="committed"} 1.0' in text
     assert "lorabus_update_duration_seconds_count 1.0" in text
@@ -60,11 +58,8 @@ async def test_an_agent_exports_engine_call_latency_and_errors_by_operation(
         finally:
             await driver.aclose()
     port = free_port()
-    metrics.serve(port, host="127.0.0.1")
-    try:
+    with serving(metrics.registry, port, host="127.0.0.1"):
         text = await _scrape(port)
-    finally:
-        metrics.close()
 
     assert 'lorabus_engine_call_seconds_count{operation="pause"} 1.0' in text
     assert 'lorabus_engine_call_seconds_count{operation="load"} 2.0' in text
