@@ -6,6 +6,10 @@ callback only decodes, fences and enqueues: engine calls take seconds and
 would stall every later message of that subscription. One worker task drains
 the queue, so commands for the engine run one at a time, in arrival order.
 
+Addressing: a pause names its targets; the later commands of that update
+address the agents that took its pause (its cohort), so the member list
+crosses the bus once per update. Committed notices reach every agent.
+
 Core NATS is at-most-once, so the coordinator re-sends commands to agents that
 have not acked. A re-sent command is recognised by (epoch, update id, type):
 if it already ran, its ack is published again; if it is queued, it is dropped.
@@ -16,7 +20,9 @@ the highest it has seen and refuses anything older, with a ``fenced`` ack and a
 
 Readiness: the agent announces ``ready`` only while its engine holds what the
 fleet has committed. At start, after a reconnect, and whenever its engine turns
-out to have lost the adapter, it loads the committed adapter first.
+out to have lost the adapter, it loads the committed adapter first. A
+committed notice also names the older versions to retire: the agent unloads
+those its engine holds, on its own, once the update has been answered.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections import OrderedDict
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import nats.js.errors
@@ -43,7 +50,6 @@ from schemas import (
     CommandHandled,
     CommandRefused,
     CommittedNotice,
-    CommittedRecord,
     EngineResumed,
     ErrorCode,
     ErrorInfo,
@@ -58,8 +64,10 @@ from schemas import (
     RenewLeaseCommand,
     ResumeCommand,
     Subjects,
+    UnloadCommand,
     command_decoder,
     encode,
+    is_addressed_to,
     phase_of,
     tag_of,
 )
@@ -67,8 +75,11 @@ from schemas import (
 log = logging.getLogger(__name__)
 
 _REMEMBERED_ACKS = 256
+_REMEMBERED_COHORTS = 64
 _RESUME_ON_EXIT_S = 5.0
-_STATE_READ_EVERY_S = 5.0
+_STATE_READ_EVERY_S = 60.0
+"""Reconnects trigger a read at once; this only bounds how long a committed
+notice dropped on a live connection can go unnoticed."""
 _RECONCILE_BUDGET_S = 60.0
 
 _CommandKey = tuple[int, str, str]
@@ -79,7 +90,17 @@ class _Work(msgspec.Struct):
     command: PhasedCommand
     received: float
     internal: str = ""
-    """Why the agent queued this itself: ``reconcile`` or ``lease``; empty for bus commands."""
+    """Why the agent queued this itself: ``reconcile``, ``lease`` or ``retire``;
+    empty for bus commands."""
+
+
+class _CommittedView(msgspec.Struct):
+    """The part of the committed record an agent needs (the rank map is skipped
+    unbuilt: at 1024 workers it is most of the record's 57 KB)."""
+
+    served_name: str
+    path: str
+    version: int
 
 
 class Agent:
@@ -108,6 +129,8 @@ class Agent:
         self._reconciled = asyncio.Event()
         self._reconciled.set()
         self._acks: OrderedDict[_CommandKey, Ack] = OrderedDict()
+        self._cohorts: OrderedDict[str, None] = OrderedDict()
+        """Updates whose pause this agent took, newest last."""
         self._nc: NatsClient | None = None
 
     @property
@@ -162,7 +185,7 @@ class Agent:
                 )
             )
             return
-        if self.worker_id not in command.targets:
+        if not is_addressed_to(command, self.worker_id, self._cohorts):
             return
         if command.epoch < self.epoch_seen:
             await self._refuse(command)
@@ -173,9 +196,19 @@ class Agent:
                 self.lease.renew(update_id, self._lease_length(lease_s))
             case CommittedNotice():
                 self._learn_committed(command)
+                self._retire(command)
                 await self._reconcile_if_needed()
+            case PauseCommand():
+                self._join_cohort(command.update_id)
+                await self._accept(command)
             case _:
                 await self._accept(command)
+
+    def _join_cohort(self, update_id: str) -> None:
+        self._cohorts[update_id] = None
+        self._cohorts.move_to_end(update_id)
+        while len(self._cohorts) > _REMEMBERED_COHORTS:
+            self._cohorts.popitem(last=False)
 
     async def _accept(self, command: PhasedCommand) -> None:
         key = (command.epoch, command.update_id, tag_of(command))
@@ -247,20 +280,10 @@ class Agent:
                     self.lease.release()
                 # After an unanswered pause the lease runs on past the resume:
                 # when it runs out, one more resume undoes a pause that landed late.
+            # The ack is the record: the audit stream keeps it, and the
+            # coordinator learns the engine's state from it, so neither an
+            # event nor a heartbeat repeats it.
             await self._publish_ack(ack)
-            await self._emit(
-                CommandHandled(
-                    ts=time.time(),
-                    source=self._source,
-                    update_id=command.update_id,
-                    phase=phase_of(command),
-                    worker_id=self.worker_id,
-                    ok=ack.ok,
-                    error=ack.error,
-                    epoch=command.epoch,
-                )
-            )
-            await self._beat()
 
     def _lease_length(self, asked_s: float) -> float:
         """The coordinator's lease, capped by this agent's own limit if it has one."""
@@ -283,6 +306,20 @@ class Agent:
                     epoch=work.command.epoch,
                 )
             )
+        elif work.internal == "retire":
+            await self._emit(
+                CommandHandled(
+                    ts=time.time(),
+                    source=self._source,
+                    update_id=work.command.update_id,
+                    phase=phase_of(work.command),
+                    worker_id=self.worker_id,
+                    ok=ack.ok,
+                    error=ack.error,
+                    epoch=work.command.epoch,
+                )
+            )
+            return  # housekeeping: the next regular beat reports the shorter list
         elif work.internal == "lease":
             if ack.ok:
                 self.lease.release()
@@ -320,13 +357,28 @@ class Agent:
         if self.committed is None or notice.version >= self.committed.version:
             self.committed = notice
 
+    def _retire(self, notice: CommittedNotice) -> None:
+        """Unload the versions the fleet no longer keeps, behind whatever is queued."""
+        keep = self.committed.served_name if self.committed is not None else ""
+        names = [n for n in notice.retire if n in self.executor.adapters and n != keep]
+        if not names:
+            return
+        unload = UnloadCommand(
+            update_id=notice.update_id,
+            targets=[self.worker_id],
+            budget_s=_RECONCILE_BUDGET_S,
+            epoch=notice.epoch,
+            names=names,
+        )
+        self._queue.put_nowait(_Work(command=unload, received=time.monotonic(), internal="retire"))
+
     async def _read_fleet_state(self) -> None:
         """Learn the committed adapter and the current epoch from the fleet's KV."""
         assert self._nc is not None
         try:
             async with asyncio.timeout(5):
                 kv = await self._nc.jetstream().key_value(self.subjects.state_bucket())
-                committed = await _get_record(kv, "committed", CommittedRecord)
+                committed = await _get_record(kv, "committed", _CommittedView)
                 leader = await _get_record(kv, "leader", LeaderRecord)
         except (TimeoutError, nats.js.errors.BucketNotFoundError, nats.errors.Error) as exc:
             log.debug("worker=%s no fleet state to read: %r", self.worker_id, exc)
@@ -385,14 +437,18 @@ class Agent:
                 await self._beat()
 
     async def _engine_check_loop(self) -> None:
-        last_state_read = time.monotonic()
+        assert self._nc is not None
+        # Spread the fleet's periodic reads instead of all agents reading at once.
+        next_state_read = time.monotonic() + random.uniform(0.5, 1.0) * _STATE_READ_EVERY_S
+        reconnects = self._nc.stats["reconnects"]
         while True:
             raise_if_cancelled()
             await asyncio.sleep(self.heartbeat_s)
-            if time.monotonic() - last_state_read >= _STATE_READ_EVERY_S:
+            if self._nc.stats["reconnects"] != reconnects or time.monotonic() >= next_state_read:
                 # Catches up on notices missed while disconnected from NATS.
+                reconnects = self._nc.stats["reconnects"]
                 await self._read_fleet_state()
-                last_state_read = time.monotonic()
+                next_state_read = time.monotonic() + _STATE_READ_EVERY_S
             if self._queue.empty() and not self.executor.paused:
                 # An engine restart loses adapters: noticing it is what lets
                 # the agent reload the committed one.
@@ -505,7 +561,17 @@ async def _get_record(kv: object, key: str, kind: type[_T]) -> _T | None:
     if entry.value is None:  # an expired key can come back without a value
         return None
     try:
-        return msgspec.json.decode(entry.value, type=kind)
+        return _decoder_of(kind).decode(entry.value)
     except msgspec.DecodeError as exc:
         log.warning("unreadable %s record in the fleet state: %s", key, exc)
         return None
+
+
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+def _decoder_of(kind: type[_T]) -> msgspec.json.Decoder[_T]:
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    return decoder

@@ -14,7 +14,9 @@ from collections import OrderedDict
 
 from schemas import FAILED, CommittedRecord, ErrorCode, ErrorInfo, UpdateRequest, UpdateResult
 
-_REMEMBERED_RESULTS = 4096
+_REMEMBERED_RESULTS = 16
+"""Results carry an entry per worker (about 0.5 MB at 1024 workers); older ones
+are answered from the fleet's results bucket, which keeps them for a day."""
 
 
 def failed_result(request: UpdateRequest, error: ErrorInfo) -> UpdateResult:

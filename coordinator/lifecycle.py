@@ -3,10 +3,12 @@
 Each phase is one broadcast; acks are gathered against the membership snapshot
 with a deadline, and members that have not acked get the command again on
 their own subject with a doubling interval (core NATS may have dropped it).
+Only the pause lists its members; later commands address the pause's cohort
+(less the members left out), so a broadcast stays small at any fleet size.
 Members that stop heartbeating are given up on at once rather than at the
 deadline. Resume runs in a ``finally``: whatever failed, every member that may
-have paused is told to resume. After a commit, versions beyond ``keep`` are
-unloaded; that clean-up is reported but never fails a committed update.
+have paused is told to resume. Retiring versions beyond ``keep`` is not a
+phase: the committed notice names them and each agent unloads them itself.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from coordinator.frontend import FrontendClient, FrontendUnverified
 from coordinator.gather import AckRouter
 from coordinator.membership import Membership, QuorumNotReached
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.plan import UpdatePlan, retired_names
+from coordinator.plan import UpdatePlan
 from schemas import (
     COMMITTED,
     FAILED,
@@ -54,7 +56,9 @@ from schemas import (
 log = logging.getLogger(__name__)
 
 _C = TypeVar("_C", PauseCommand, LoadCommand, ResumeCommand, UnloadCommand)
-_FIRST_RESEND_S = 0.25
+_FIRST_RESEND_S = 1.0
+"""A re-send only helps a member whose command was lost, and each costs a
+publish per member still busy: engines answer a load in seconds, not in this."""
 _LIVENESS_TICK_S = 0.25
 
 
@@ -169,6 +173,7 @@ class UpdateRunner:
         )
 
         targets = sorted(members)
+        """The pause's targets: every later command of this update addresses them."""
         errors: dict[str, ErrorInfo] = {}
         error: ErrorInfo | None = None
         load: PhaseOutcome | None = None
@@ -181,13 +186,15 @@ class UpdateRunner:
             version=plan.version,
             members=members,
         )
-        renewing = asyncio.create_task(self._renew_pause_leases(plan.update_id, targets))
+        renewing = asyncio.create_task(self._renew_pause_leases(plan.update_id))
         paused_at = time.monotonic()
         try:
             error, errors, load, serving = await self._pause_load_verify(plan, members, phases)
         finally:
             try:
-                resume = await self._phase(self._command(ResumeCommand, plan, targets), phases)
+                resume = await self._phase(
+                    self._cohort_command(ResumeCommand, plan, targets, targets), targets, phases
+                )
             finally:
                 renewing.cancel()
                 await asyncio.gather(renewing, return_exceptions=True)
@@ -200,7 +207,6 @@ class UpdateRunner:
             await self._withdraw_uncommitted(plan, load, phases)
             return self._result(plan, FAILED, phases, members, load, error, errors)
         rank_map = build_rank_map({wid: members[wid] for wid in serving})
-        await self._retire_old_versions(plan, load, serving, phases)
         return self._result(plan, COMMITTED, phases, members, load, None, errors, rank_map)
 
     async def _pause_load_verify(
@@ -215,24 +221,27 @@ class UpdateRunner:
         left_out: dict[str, ErrorInfo] = {}
         targets = sorted(members)
         pause = await self._phase(
-            self._command(PauseCommand, plan, targets, lease_s=self.config.pause_lease_s), phases
+            self._command(PauseCommand, plan, targets, lease_s=self.config.pause_lease_s),
+            targets,
+            phases,
         )
         paused = self._survivors(pause, targets, members, left_out)
         if paused is None:
             return pause.summary(), pause.worker_errors(), None, []
-        targets = paused
         load = await self._phase(
-            self._command(
+            self._cohort_command(
                 LoadCommand,
                 plan,
+                paused,
                 targets,
                 served_name=plan.served_name,
                 path=plan.path,
                 replace=plan.replace,
             ),
+            paused,
             phases,
         )
-        serving = self._survivors(load, targets, members, left_out)
+        serving = self._survivors(load, paused, members, left_out)
         if serving is None:
             return load.summary(), left_out | load.worker_errors(), load, []
         return await self._verify(plan, load, serving, phases), left_out, load, serving
@@ -283,20 +292,6 @@ class UpdateRunner:
             phases[Phase.VERIFY] = time.monotonic() - started
             self.metrics.phase_seconds.labels(Phase.VERIFY).observe(phases[Phase.VERIFY])
 
-    async def _retire_old_versions(
-        self,
-        plan: UpdatePlan,
-        load: PhaseOutcome | None,
-        targets: list[str],
-        phases: dict[str, float],
-    ) -> None:
-        if plan.replace or load is None:
-            return
-        loaded = {name for ack in load.acks.values() for name in ack.adapters}
-        await self._unload(
-            plan, retired_names(plan.adapter, loaded, self.config.keep), targets, phases
-        )
-
     async def _withdraw_uncommitted(
         self, plan: UpdatePlan, load: PhaseOutcome | None, phases: dict[str, float]
     ) -> None:
@@ -314,16 +309,19 @@ class UpdateRunner:
         if not names or not targets:
             return
         outcome = await self._phase(
-            self._command(UnloadCommand, plan, targets, names=names), phases
+            self._command(UnloadCommand, plan, targets, names=names), targets, phases
         )
         if not outcome.ok:
             log.warning(
                 "update=%s unloading %s: %s", plan.update_id, names, outcome.summary().message
             )
 
-    async def _phase(self, command: PhasedCommand, phases: dict[str, float]) -> PhaseOutcome:
+    async def _phase(
+        self, command: PhasedCommand, expected: list[str], phases: dict[str, float]
+    ) -> PhaseOutcome:
+        """Send ``command`` and gather the acks of ``expected`` (its addressees)."""
         await self._record_phase(phase_of(command))
-        outcome = await self._gather(command)
+        outcome = await self._gather(command, expected)
         phases[outcome.phase] = outcome.duration_s
         self._measure(outcome)
         await self.bus.emit(
@@ -357,9 +355,30 @@ class UpdateRunner:
     def _command(
         self, kind: type[_C], plan: UpdatePlan | InflightRecord, targets: list[str], **fields: Any
     ) -> _C:
+        """A command addressed to ``targets`` by name."""
         return kind(
             update_id=plan.update_id,
             targets=targets,
+            budget_s=self.config.phase_timeout_s,
+            epoch=self.epoch,
+            **fields,
+        )
+
+    def _cohort_command(
+        self,
+        kind: type[_C],
+        plan: UpdatePlan,
+        targets: list[str],
+        paused: list[str],
+        **fields: Any,
+    ) -> _C:
+        """A command addressed to ``targets``, a subset of the pause's targets
+        ``paused``, as the pause's cohort less the others."""
+        kept = set(targets)
+        return kind(
+            update_id=plan.update_id,
+            cohort=True,
+            excluded=[wid for wid in paused if wid not in kept],
             budget_s=self.config.phase_timeout_s,
             epoch=self.epoch,
             **fields,
@@ -377,7 +396,7 @@ class UpdateRunner:
                 "update=%s could not record phase %s: %s", self._in_flight.update_id, phase, exc
             )
 
-    async def _renew_pause_leases(self, update_id: str, targets: list[str]) -> None:
+    async def _renew_pause_leases(self, update_id: str) -> None:
         """While the pause window lasts, keep the agents' pause leases from running out."""
         lease = self.config.pause_lease_s
         while True:
@@ -386,7 +405,7 @@ class UpdateRunner:
             await self.bus.broadcast(
                 RenewLeaseCommand(
                     update_id=update_id,
-                    targets=targets,
+                    cohort=True,
                     budget_s=0.0,
                     epoch=self.epoch,
                     lease_s=lease,
@@ -398,10 +417,14 @@ class UpdateRunner:
         version it may have loaded, and describe the outcome."""
         targets = sorted(in_flight.members)
         phases: dict[str, float] = {}
-        resume = await self._phase(self._command(ResumeCommand, in_flight, targets), phases)
+        # By name: the agents' cohort memory may not have outlived the predecessor.
+        resume = await self._phase(
+            self._command(ResumeCommand, in_flight, targets), targets, phases
+        )
         if in_flight.phase is not Phase.PAUSE and in_flight.served_name != in_flight.adapter:
             await self._phase(
                 self._command(UnloadCommand, in_flight, targets, names=[in_flight.served_name]),
+                targets,
                 phases,
             )
         resumed = "every member resumed" if resume.ok else resume.summary().message
@@ -411,10 +434,10 @@ class UpdateRunner:
             f"{in_flight.phase}; epoch {self.epoch} rolled the update back ({resumed})",
         )
 
-    async def _gather(self, command: PhasedCommand) -> PhaseOutcome:
+    async def _gather(self, command: PhasedCommand, expected: list[str]) -> PhaseOutcome:
         phase = phase_of(command)
         timeout_s = command.budget_s
-        gather = self.bus.acks.expect(command.update_id, phase, command.targets)
+        gather = self.bus.acks.expect(command.update_id, phase, expected)
         started = time.monotonic()
         deadline = started + timeout_s
         next_resend = started + _FIRST_RESEND_S
@@ -431,8 +454,15 @@ class UpdateRunner:
                 gather.give_up_on([w for w in gather.waiting if not self.membership.is_live(w)])
                 now = time.monotonic()
                 if now >= next_resend and gather.waiting and now < deadline:
-                    again = msgspec.structs.replace(command, budget_s=deadline - now)
+                    # By name: a restarted agent has forgotten which pauses it took.
                     for worker_id in sorted(gather.waiting):
+                        again = msgspec.structs.replace(
+                            command,
+                            targets=[worker_id],
+                            cohort=False,
+                            excluded=[],
+                            budget_s=deadline - now,
+                        )
                         await self.bus.send_to(worker_id, again)
                     resend_gap *= 2
                     next_resend = now + resend_gap

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import msgspec
 
 from coordinator.cancellation import raise_if_cancelled
-from schemas import Heartbeat
+from schemas import Ack, Heartbeat
 
 MISSED_BEATS = 3
 
@@ -42,6 +42,17 @@ class Membership:
         ):
             self._changed.set()
         self._members[heartbeat.worker_id] = Member(heartbeat=heartbeat, seen_at=self._clock())
+
+    def observe_ack(self, ack: Ack) -> None:
+        """An ack carries the engine's state as of the command: agents do not
+        beat after each command, so the status learns it from here."""
+        known = self._members.get(ack.worker_id)
+        if known is None:
+            return
+        known.heartbeat = msgspec.structs.replace(
+            known.heartbeat, paused=ack.paused, adapters=ack.adapters
+        )
+        known.seen_at = self._clock()
 
     def is_live(self, worker_id: str) -> bool:
         member = self._members.get(worker_id)

@@ -37,7 +37,7 @@ from coordinator.leader import LeaderElection, LeadershipLost
 from coordinator.lifecycle import UpdateRunner
 from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.plan import is_already_committed, plan_update
+from coordinator.plan import UpdatePlan, is_already_committed, plan_update, retired_names
 from coordinator.store import FleetStore, StoreUnavailable
 from schemas import (
     BadMessage,
@@ -330,12 +330,12 @@ class Coordinator:
                 await bus.broadcast(
                     CommittedNotice(
                         update_id=plan.update_id,
-                        targets=sorted(self.membership.live()),
                         budget_s=0.0,
                         epoch=self.epoch,
                         served_name=plan.served_name,
                         path=plan.path,
                         version=plan.version,
+                        retire=self._retired(plan, result),
                     )
                 )
             return result
@@ -347,6 +347,13 @@ class Coordinator:
                 request, ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
             )
 
+    def _retired(self, plan: UpdatePlan, result: UpdateResult) -> list[str]:
+        """Versions of the adapter beyond ``keep``, among those the engines hold."""
+        if plan.replace:
+            return []
+        loaded = {name for worker in result.workers.values() for name in worker.adapters}
+        return sorted(retired_names(plan.adapter, loaded, self.config.keep))
+
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
             self.membership.observe(heartbeat_decoder.decode(msg.data))
@@ -356,7 +363,9 @@ class Coordinator:
     def _make_ack_cb(self, bus: _NatsCommandBus):
         async def on_ack(msg: Msg) -> None:
             try:
-                bus.acks.route(ack_decoder.decode(msg.data))
+                ack = ack_decoder.decode(msg.data)
+                bus.acks.route(ack)
+                self.membership.observe_ack(ack)
             except msgspec.DecodeError as exc:
                 log.warning("dropped a malformed ack on %s: %s", msg.subject, exc)
 

@@ -53,6 +53,7 @@ from schemas.messages import (
     UpdateResult,
     UpdateStarted,
     WorkerOutcome,
+    is_addressed_to,
     phase_of,
     tag_of,
 )
@@ -111,6 +112,7 @@ __all__ = [
     "event_decoder",
     "fleet_status_decoder",
     "heartbeat_decoder",
+    "is_addressed_to",
     "json_schema",
     "phase_of",
     "status_request_decoder",

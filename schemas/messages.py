@@ -9,6 +9,7 @@ an older peer ignores what it does not know (msgspec drops unknown fields).
 from __future__ import annotations
 
 import enum
+from collections.abc import Container
 
 import msgspec
 
@@ -45,8 +46,14 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 
 class _Command(_Message, frozen=True, kw_only=True):
     update_id: str
-    targets: list[str]
+    targets: list[str] = []
     """Worker ids that must act; every other agent ignores the command."""
+    cohort: bool = False
+    """Also addressed: every agent that took this update's pause, less ``excluded``.
+    The member list then crosses the bus once per update (in the pause), not
+    once per command: each agent reads every broadcast, so a list in each
+    would cost the fleet N x N per phase."""
+    excluded: list[str] = []
     budget_s: float
     """How long the agent has, counted from when it receives the command."""
     epoch: int = 0
@@ -83,11 +90,16 @@ class RenewLeaseCommand(_Command, frozen=True, kw_only=True, tag="renew_lease"):
 
 class CommittedNotice(_Command, frozen=True, kw_only=True, tag="committed"):
     """What the fleet now serves: an agent that lacks it (a restarted engine,
-    a member left out of a partial commit) loads it before counting as ready."""
+    a member left out of a partial commit) loads it before counting as ready.
+    Addressed to every agent of the fleet, whatever its ``targets``."""
 
     served_name: str
     path: str
     version: int
+    retire: list[str] = []
+    """Older versions beyond the coordinator's ``keep``: an agent unloads those
+    its engine holds, after the update has been answered (not acked; a
+    ``command_handled`` event of phase ``unload`` reports it)."""
 
 
 Command = (
@@ -101,6 +113,16 @@ def tag_of(message: msgspec.Struct) -> str:
     tag = type(message).__struct_config__.tag
     assert isinstance(tag, str), "every wire message has a string tag"
     return tag
+
+
+def is_addressed_to(command: Command, worker_id: str, cohort_of: Container[str]) -> bool:
+    """Whether ``worker_id`` must act on ``command``; ``cohort_of`` is the set
+    of updates whose pause that worker took."""
+    if isinstance(command, CommittedNotice):
+        return True
+    if command.cohort and command.update_id in cohort_of and worker_id not in command.excluded:
+        return True
+    return worker_id in command.targets
 
 
 def phase_of(command: PhasedCommand) -> Phase:

@@ -10,54 +10,20 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
+from hand_coordinator import DEADLINE_S, HandCoordinator
 
 from lorabus.bus import close, connect
 from lorabus.stack import EmbeddedStack
 from schemas import (
-    Ack,
     CommandRefused,
-    Event,
     LeaseExpired,
     PauseCommand,
     RenewLeaseCommand,
     Subjects,
-    ack_decoder,
-    encode,
-    event_decoder,
 )
 
 #: Above the epoch of the stack's own coordinator, so the agent accepts us.
 EPOCH = 100
-DEADLINE_S = 10.0
-
-
-class HandCoordinator:
-    def __init__(self, nc: NatsClient, subjects: Subjects) -> None:
-        self.nc, self.subjects = nc, subjects
-        self.acks: asyncio.Queue[Ack] = asyncio.Queue()
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
-
-    async def start(self) -> None:
-        async def on_ack(msg: Msg) -> None:
-            self.acks.put_nowait(ack_decoder.decode(msg.data))
-
-        async def on_event(msg: Msg) -> None:
-            self.events.put_nowait(event_decoder.decode(msg.data))
-
-        await self.nc.subscribe(self.subjects.ack_any(), cb=on_ack)
-        await self.nc.subscribe(self.subjects.event_any(), cb=on_event)
-        await self.nc.flush()
-
-    async def send(self, command: object) -> None:
-        await self.nc.publish(self.subjects.cmd(), encode(command))  # type: ignore[arg-type]
-
-    async def next_event(self, kind: type) -> Event:
-        while True:
-            event = await asyncio.wait_for(self.events.get(), DEADLINE_S)
-            if isinstance(event, kind):
-                return event
 
 
 @pytest.fixture

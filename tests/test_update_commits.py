@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import httpx
@@ -52,8 +53,12 @@ async def test_versions_beyond_keep_are_unloaded(
         for step in (1, 2, 3):
             result = await stack.client.update("policy", make_adapter(step), version=step)
             assert result.committed, result.error
+        # Each agent retires the old version itself, after the update is answered.
+        kept = ["policy-v2", "policy-v3"]
         for worker in stack.sim.workers.values():
-            assert sorted(worker.adapters) == ["policy-v2", "policy-v3"]
+            retired = worker.wait_until(lambda w=worker: sorted(w.adapters) == kept)
+            await asyncio.wait_for(retired, 10)
+            assert sorted(worker.adapters) == kept
 
 
 async def test_repeated_update_id_returns_the_first_result_without_engine_work(

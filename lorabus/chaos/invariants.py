@@ -26,7 +26,7 @@ and returns the violations it found, each with the details a bug report needs.
    ``no_coordinator`` / ``not_leader``) within the retry bound, never an
    ``internal`` error, and asking again for the same id gives the same status.
 5. ``fencing``: every ``command_refused`` refused an older epoch than the one
-   the agent had seen, and no ``command_handled`` acted on a command that was
+   the agent had seen, and no command an agent acted on (its ack) was
    already stale when it was sent (its epoch below what that agent process had
    reported seeing before the command was seen on the bus). A handled command
    is judged by the commands it can have been (same update, type, worker and

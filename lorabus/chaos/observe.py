@@ -3,14 +3,17 @@
 The engines are watched in this process, on their own change notifications
 (no polling), so a pause is timed where it happens, not where an agent says
 it did. On the bus the observer listens as any tap would: events, commands
-(for the pause renewals and the epochs they carry) and heartbeats (for the
-epoch each agent reports having seen). It only listens; it never publishes.
+(for the pause renewals and the epochs they carry; a command addressed to a
+pause's cohort is resolved through the pauses seen), acks (what each agent
+acted on) and heartbeats (for the epoch each agent reports having seen). It
+only listens; it never publishes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 from nats.aio.client import Client as NatsClient
@@ -19,12 +22,16 @@ from nats.aio.subscription import Subscription
 
 from lorabus.chaos.timeline import LeaseCommand, SeenCommand, Timeline, now
 from schemas import (
+    Ack,
+    Command,
     CommandHandled,
     CommandRefused,
+    ErrorCode,
     LeaderElected,
     PauseCommand,
     RenewLeaseCommand,
     Subjects,
+    ack_decoder,
     command_decoder,
     event_decoder,
     heartbeat_decoder,
@@ -72,6 +79,8 @@ class BusObserver:
         self.subjects = subjects
         self.timeline = timeline
         self._subs: list[Subscription] = []
+        self._cohorts: dict[str, set[str]] = {}
+        """update id -> every worker a pause of it named."""
 
     async def start(self, nc: NatsClient) -> None:
         s = self.subjects
@@ -80,6 +89,7 @@ class BusObserver:
             await nc.subscribe(s.cmd(), cb=self._on_command),
             await nc.subscribe(s.cmd_worker("*"), cb=self._on_command),
             await nc.subscribe(s.heartbeat_any(), cb=self._on_heartbeat),
+            await nc.subscribe(s.ack_any(), cb=self._on_ack),
         ]
         await nc.flush(timeout=5)
 
@@ -115,17 +125,18 @@ class BusObserver:
             self.timeline.undecodable += 1
             return
         at = now()
+        targets = self._addressees(command)
         self.timeline.command_seen(
             SeenCommand(
                 at=at,
                 epoch=command.epoch,
                 command=tag_of(command),
                 update_id=command.update_id,
-                targets=frozenset(command.targets),
+                targets=targets,
             )
         )
         if isinstance(command, PauseCommand | RenewLeaseCommand):
-            for worker_id in command.targets:
+            for worker_id in targets:
                 self.timeline.lease_command(
                     LeaseCommand(
                         worker_id=worker_id,
@@ -134,6 +145,24 @@ class BusObserver:
                         update_id=command.update_id,
                     )
                 )
+
+    def _addressees(self, command: Command) -> frozenset[str]:
+        if isinstance(command, PauseCommand):
+            self._cohorts.setdefault(command.update_id, set()).update(command.targets)
+        named = set(command.targets)
+        if command.cohort:
+            named |= self._cohorts.get(command.update_id, set()) - set(command.excluded)
+        return frozenset(named)
+
+    async def _on_ack(self, msg: Msg) -> None:
+        try:
+            ack = ack_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            self.timeline.undecodable += 1
+            return
+        if ack.error is not None and ack.error.code == ErrorCode.FENCED:
+            return  # a refusal, recorded from its command_refused event
+        self.timeline.handled.append((now(), _handled(ack)))
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -144,3 +173,17 @@ class BusObserver:
         at = now()
         self.timeline.epoch_seen(beat.worker_id, beat.epoch_seen, at)
         self.timeline.heartbeat(beat.worker_id, beat.paused, at)
+
+
+def _handled(ack: Ack) -> CommandHandled:
+    """An ack as the record of a command an agent acted on."""
+    return CommandHandled(
+        ts=time.time(),
+        source=f"agent:{ack.worker_id}",
+        update_id=ack.update_id,
+        phase=ack.phase,
+        worker_id=ack.worker_id,
+        ok=ack.ok,
+        error=ack.error,
+        epoch=ack.epoch,
+    )

@@ -1,0 +1,124 @@
+"""Who acts on a command: the pause names its members, later commands address
+the agents that took that pause (less those excluded), and the member list
+crosses the bus once per update."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from hand_coordinator import HandCoordinator
+from nats.aio.msg import Msg
+
+from lorabus.bus import close, connect
+from lorabus.stack import EmbeddedStack
+from schemas import (
+    Command,
+    CommittedNotice,
+    LoadCommand,
+    PauseCommand,
+    ResumeCommand,
+    Subjects,
+    command_decoder,
+    is_addressed_to,
+)
+
+#: Above the epoch of the stack's own coordinator, so the agents accept us.
+EPOCH = 100
+
+
+@pytest.fixture
+async def hand(nats_url: str, fleet_name: str) -> AsyncIterator[HandCoordinator]:
+    nc = await connect(nats_url, name="test-hand-coordinator")
+    coordinator = HandCoordinator(nc, Subjects(fleet=fleet_name))
+    await coordinator.start()
+    yield coordinator
+    await close(nc)
+
+
+def _pause(update_id: str, targets: list[str]) -> PauseCommand:
+    return PauseCommand(update_id=update_id, targets=targets, budget_s=5, epoch=EPOCH)
+
+
+def _cohort_resume(update_id: str, excluded: list[str] | None = None) -> ResumeCommand:
+    return ResumeCommand(
+        update_id=update_id, cohort=True, excluded=excluded or [], budget_s=5, epoch=EPOCH
+    )
+
+
+def test_addressing_rules() -> None:
+    pause = _pause("u1", ["w000"])
+    resume = _cohort_resume("u1", excluded=["w001"])
+    notice = CommittedNotice(
+        update_id="u1", budget_s=0, epoch=EPOCH, served_name="p-v1", path="/a", version=1
+    )
+
+    assert is_addressed_to(pause, "w000", set()) and not is_addressed_to(pause, "w001", set())
+    assert is_addressed_to(resume, "w000", {"u1"})
+    assert not is_addressed_to(resume, "w000", {"u0"}), "not in the cohort of u1"
+    assert not is_addressed_to(resume, "w001", {"u1"}), "excluded"
+    assert is_addressed_to(notice, "w007", set()), "a committed notice reaches everyone"
+
+
+async def test_only_agents_that_took_the_pause_act_on_its_cohort_commands(
+    nats_url: str, fleet_name: str, hand: HandCoordinator
+) -> None:
+    async with EmbeddedStack([1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2):
+        # Nobody paused for "stray": its cohort resume must be ignored by both.
+        # Commands run in arrival order, so the next ack shows what ran first.
+        await hand.send(_cohort_resume("stray"))
+        await hand.send(_pause("marker", ["w000"]))
+        first = await hand.next_ack()
+        assert (first.update_id, first.phase) == ("marker", "pause"), first
+
+        await hand.send(_pause("u1", ["w000", "w001"]))
+        paused = {(await hand.next_ack()).worker_id for _ in range(2)}
+        assert paused == {"w000", "w001"}
+
+        await hand.send(_cohort_resume("u1", excluded=["w001"]))
+        resumed = await hand.next_ack()
+        assert (resumed.update_id, resumed.phase, resumed.worker_id) == ("u1", "resume", "w000")
+        assert resumed.ok and not resumed.paused
+
+        # w001 was excluded: its next ack is for the command after the resume.
+        await hand.send(_pause("marker-2", ["w001"]))
+        after = await hand.next_ack()
+        assert (after.update_id, after.worker_id) == ("marker-2", "w001"), after
+
+
+async def test_the_member_list_crosses_the_bus_once_per_update(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    subjects = Subjects(fleet=fleet_name)
+    broadcasts: list[Command] = []
+    noticed = asyncio.Event()
+
+    async def on_command(msg: Msg) -> None:
+        command = command_decoder.decode(msg.data)
+        broadcasts.append(command)
+        if isinstance(command, CommittedNotice):
+            noticed.set()
+
+    async with EmbeddedStack(
+        [2, 1, 1, 4], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2
+    ) as stack:
+        assert stack.client is not None
+        nc = await connect(nats_url, name="test-listener")
+        try:
+            await nc.subscribe(subjects.cmd(), cb=on_command)
+            await nc.flush()
+            result = await stack.client.update("policy", make_adapter(1), version=1)
+            await asyncio.wait_for(noticed.wait(), 10)
+        finally:
+            await close(nc)
+
+    assert result.committed, result.error
+    members = sorted(result.workers)
+    by_type = {type(command): command for command in broadcasts}
+    assert by_type[PauseCommand].targets == members
+    for later in (LoadCommand, ResumeCommand):
+        command = by_type[later]
+        assert command.cohort and command.targets == [] and command.excluded == [], command
+    notice = by_type[CommittedNotice]
+    assert notice.targets == [] and notice.served_name == "policy-v1"
