@@ -264,7 +264,7 @@ class Agent:
             if work.internal == "lease" and self.lease.state is LeaseState.HELD:
                 continue  # a newer pause re-armed the lease meanwhile: it holds the engine
             budget = command.budget_s - (time.monotonic() - work.received)
-            ack = await self.executor.execute(command, budget)
+            ack = await self.executor.execute(command, budget, retire=work.internal == "retire")
             if work.internal:
                 await self._after_internal(work, ack)
                 continue
@@ -449,9 +449,11 @@ class Agent:
                 reconnects = self._nc.stats["reconnects"]
                 await self._read_fleet_state()
                 next_state_read = time.monotonic() + _STATE_READ_EVERY_S
-            if self._queue.empty() and not self.executor.paused:
+            quiet_s = time.monotonic() - self.executor.last_contact
+            if self._queue.empty() and not self.executor.paused and quiet_s >= self.heartbeat_s:
                 # An engine restart loses adapters: noticing it is what lets
-                # the agent reload the committed one.
+                # the agent reload the committed one. While commands keep the
+                # engine busy, the check waits for a quiet interval.
                 with contextlib.suppress(Exception):
                     await self.executor.refresh()
                 await self._reconcile_if_needed()

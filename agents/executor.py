@@ -40,18 +40,27 @@ class CommandExecutor:
         self.maybe_paused = False
         """A pause went unanswered: the engine may pause late, after a resume."""
         self.adapters: list[str] = []
+        self.last_contact = 0.0
+        """When a command last talked to the engine (monotonic seconds)."""
 
     async def refresh(self) -> None:
         """Read the engine's adapter list (at start, so heartbeats tell the truth)."""
         self.adapters = await self.driver.list_adapters()
 
-    async def execute(self, command: PhasedCommand, budget_s: float) -> Ack:
-        """Run ``command`` within ``budget_s`` seconds and return its ack."""
+    async def execute(
+        self, command: PhasedCommand, budget_s: float, *, retire: bool = False
+    ) -> Ack:
+        """Run ``command`` within ``budget_s`` seconds and return its ack.
+
+        ``retire``: an unload of versions the last read-back listed, done with
+        one call per name and no read-back (the engine's list is refreshed
+        only if a call fails).
+        """
         started = time.monotonic()
         error: ErrorInfo | None = None
         try:
             async with asyncio.timeout(max(budget_s, 0.0)):
-                await self._run(command, budget_s)
+                await self._run(command, budget_s, retire=retire)
         except TimeoutError:
             error = ErrorInfo(
                 code=ErrorCode.PHASE_TIMEOUT,
@@ -65,6 +74,7 @@ class CommandExecutor:
             # paused, and only a live agent can still resume it.
             log.exception("worker=%s update=%s command crashed", self.worker_id, command.update_id)
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+        self.last_contact = time.monotonic()
         if error is not None:
             log.warning("worker=%s update=%s %s", self.worker_id, command.update_id, error.message)
         return Ack(
@@ -80,7 +90,7 @@ class CommandExecutor:
             epoch=command.epoch,
         )
 
-    async def _run(self, command: PhasedCommand, budget_s: float) -> None:
+    async def _run(self, command: PhasedCommand, budget_s: float, *, retire: bool) -> None:
         match command:
             case PauseCommand():
                 try:
@@ -97,6 +107,8 @@ class CommandExecutor:
                 self.paused = False
             case LoadCommand(served_name=name, path=path, replace=replace):
                 await self._load(name, path, replace=replace, budget_s=budget_s)
+            case UnloadCommand(names=names) if retire:
+                await self._retire(names)
             case UnloadCommand(names=names):
                 await self._unload(names)
 
@@ -127,6 +139,17 @@ class CommandExecutor:
             await self._read_back_quietly()
             raise
         self.adapters = await self.driver.list_adapters()
+
+    async def _retire(self, names: list[str]) -> None:
+        try:
+            for name in names:
+                if name in self.adapters:
+                    await self.driver.unload_adapter(name)
+                    self.adapters = [a for a in self.adapters if a != name]
+        except EngineError:
+            await self._read_back_quietly()
+            if any(name in self.adapters for name in names):
+                raise  # gone some other way (an engine restart) is as good as unloaded
 
     async def _read_back_quietly(self) -> None:
         """Refresh what the engine holds after a failure, keeping that failure's error."""

@@ -37,6 +37,8 @@ class WorkerFaults:
     latency_s: dict[str, float] = field(default_factory=dict)
     #: The next N loads that would succeed answer an injected error instead.
     fail_next_loads: int = 0
+    #: The next N unloads of a name the worker has answer an injected error instead.
+    fail_next_unloads: int = 0
     #: Every request to the worker waits until this is cleared.
     hang: bool = False
     #: Failed loads answer HTTP 200 with ``{"status": "error"}`` (older Dynamo).
@@ -52,8 +54,9 @@ class WorkerFaults:
         negative = sorted(op for op, seconds in self.latency_s.items() if seconds < 0)
         if negative:
             raise ValueError(f"negative latency for: {negative}")
-        if self.fail_next_loads < 0:
-            raise ValueError(f"fail_next_loads must be >= 0, got {self.fail_next_loads}")
+        for name in ("fail_next_loads", "fail_next_unloads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,13 @@ class SimWorker:
         if self.faults.fail_next_loads <= 0:
             return False
         self.set_faults(fail_next_loads=self.faults.fail_next_loads - 1)
+        return True
+
+    def take_injected_unload_failure(self) -> bool:
+        """Consume one injected unload failure; False when none is pending."""
+        if self.faults.fail_next_unloads <= 0:
+            return False
+        self.set_faults(fail_next_unloads=self.faults.fail_next_unloads - 1)
         return True
 
     def add_adapter(self, lora_name: str) -> int:

@@ -194,6 +194,9 @@ async def _list(request: web.Request, worker: SimWorker, raw: bytes) -> web.Resp
 
 async def _unload(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
     name = request.match_info["lora_name"]
+    if name in worker.adapters and worker.take_injected_unload_failure():
+        message = f"Failed to remove LoRA '{name}': injected unload failure"
+        return web.json_response({"status": "error", "message": message}, status=500)
     lora_id = worker.remove_adapter(name)
     if lora_id is None:
         # Dynamo's Python handler formats the list: a Python repr, in load order.

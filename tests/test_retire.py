@@ -1,0 +1,62 @@
+"""Versions beyond ``--keep`` are retired by each agent after the update is
+answered: reported per worker, and a failed unload is retried by the next
+commit instead of failing anything."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from nats.aio.msg import Msg
+
+from lorabus.bus import close, connect
+from lorabus.stack import EmbeddedStack
+from schemas import CommandHandled, Phase, Subjects, event_decoder
+
+DEADLINE_S = 10.0
+
+
+async def test_a_failed_retire_is_reported_and_the_next_commit_retires_it_again(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    reports: asyncio.Queue[CommandHandled] = asyncio.Queue()
+
+    async def on_event(msg: Msg) -> None:
+        event = event_decoder.decode(msg.data)
+        if isinstance(event, CommandHandled) and event.phase is Phase.UNLOAD:
+            reports.put_nowait(event)
+
+    async with EmbeddedStack(
+        [1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, keep=1
+    ) as stack:
+        assert stack.client is not None and stack.sim is not None
+        w000, w001 = stack.sim.workers["w000"], stack.sim.workers["w001"]
+        nc = await connect(nats_url, name="test-listener")
+        try:
+            await nc.subscribe(Subjects(fleet=fleet_name).event("command_handled"), cb=on_event)
+            await nc.flush()
+            assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
+
+            w001.set_faults(fail_next_unloads=1)
+            second = await stack.client.update("policy", make_adapter(2), version=2)
+            assert second.committed, second.error
+            retired = {}
+            for _ in range(2):
+                report = await asyncio.wait_for(reports.get(), DEADLINE_S)
+                retired[report.worker_id] = report
+
+            assert retired["w000"].ok and retired["w000"].update_id == second.update_id
+            assert not retired["w001"].ok and retired["w001"].error is not None
+            assert "injected unload failure" in retired["w001"].error.message
+            assert sorted(w000.adapters) == ["policy-v2"]
+            assert sorted(w001.adapters) == ["policy-v1", "policy-v2"]
+
+            third = await stack.client.update("policy", make_adapter(3), version=3)
+            assert third.committed, third.error
+            for _ in range(2):
+                report = await asyncio.wait_for(reports.get(), DEADLINE_S)
+                assert report.ok and report.update_id == third.update_id, report
+        finally:
+            await close(nc)
+        assert sorted(w000.adapters) == ["policy-v3"]
+        assert sorted(w001.adapters) == ["policy-v3"]
