@@ -1,10 +1,12 @@
 """The lifecycle of one update: quorum -> pause -> load -> verify -> resume.
 
-Each phase is one broadcast; acks are gathered against the membership snapshot
-with a deadline, and members that have not acked get the command again on
-their own subject with a doubling interval (core NATS may have dropped it).
-Only the pause lists its members; later commands address the pause's cohort
-(less the members left out), so a broadcast stays small at any fleet size.
+The pause goes to each member on its own subject, naming that member; every
+later phase is one small broadcast to the pause's cohort (the agents that took
+it, less the members left out). Acks are gathered against the membership
+snapshot with a deadline, and members that have not acked get the command
+again on their own subject with a doubling interval (core NATS may have
+dropped it). No message names more than one member, so what each agent reads
+stays the same at any fleet size.
 Members that stop heartbeating are given up on at once rather than at the
 deadline. Resume runs in a ``finally``: whatever failed, every member that may
 have paused is told to resume. Retiring versions beyond ``keep`` is not a
@@ -385,8 +387,13 @@ class UpdateRunner:
         )
 
     async def _record_phase(self, phase: Phase) -> None:
-        """Write the update in flight before the phase starts, for a successor."""
-        if self._in_flight is None:
+        """Write the update in flight before the phase starts, for a successor.
+
+        Only the pause and the load change what a successor must undo (resume
+        everyone; withdraw the new version too): later phases are not written,
+        as each write carries the whole membership.
+        """
+        if self._in_flight is None or phase not in (Phase.PAUSE, Phase.LOAD):
             return
         self._in_flight = msgspec.structs.replace(self._in_flight, phase=phase)
         try:
@@ -430,8 +437,8 @@ class UpdateRunner:
         resumed = "every member resumed" if resume.ok else resume.summary().message
         return ErrorInfo(
             code=ErrorCode.FAILOVER,
-            message=f"the coordinator of epoch {in_flight.epoch} stopped during "
-            f"{in_flight.phase}; epoch {self.epoch} rolled the update back ({resumed})",
+            message=f"the coordinator of epoch {in_flight.epoch} stopped mid-update (at or "
+            f"after {in_flight.phase}); epoch {self.epoch} rolled the update back ({resumed})",
         )
 
     async def _gather(self, command: PhasedCommand, expected: list[str]) -> PhaseOutcome:
@@ -443,7 +450,10 @@ class UpdateRunner:
         next_resend = started + _FIRST_RESEND_S
         resend_gap = _FIRST_RESEND_S
         try:
-            await self.bus.broadcast(command)
+            if command.cohort:
+                await self.bus.broadcast(command)
+            else:
+                await self._send_to_each(command, expected)
             while not gather.complete:
                 raise_if_cancelled()
                 now = time.monotonic()
@@ -455,15 +465,10 @@ class UpdateRunner:
                 now = time.monotonic()
                 if now >= next_resend and gather.waiting and now < deadline:
                     # By name: a restarted agent has forgotten which pauses it took.
-                    for worker_id in sorted(gather.waiting):
-                        again = msgspec.structs.replace(
-                            command,
-                            targets=[worker_id],
-                            cohort=False,
-                            excluded=[],
-                            budget_s=deadline - now,
-                        )
-                        await self.bus.send_to(worker_id, again)
+                    again = msgspec.structs.replace(
+                        command, cohort=False, excluded=[], budget_s=deadline - now
+                    )
+                    await self._send_to_each(again, sorted(gather.waiting))
                     resend_gap *= 2
                     next_resend = now + resend_gap
         finally:
@@ -476,6 +481,12 @@ class UpdateRunner:
             duration_s=time.monotonic() - started,
             timeout_s=timeout_s,
         )
+
+    async def _send_to_each(self, command: PhasedCommand, worker_ids: list[str]) -> None:
+        """Each member on its own subject, named alone: a broadcast naming N
+        members would have each of N agents read all N names."""
+        for worker_id in worker_ids:
+            await self.bus.send_to(worker_id, msgspec.structs.replace(command, targets=[worker_id]))
 
     def _result(
         self,

@@ -1,6 +1,6 @@
-"""Who acts on a command: the pause names its members, later commands address
-the agents that took that pause (less those excluded), and the member list
-crosses the bus once per update."""
+"""Who acts on a command: the pause names each member on its own subject, later
+commands address the agents that took that pause (less those excluded), and
+no message names more than one member."""
 
 from __future__ import annotations
 
@@ -87,18 +87,24 @@ async def test_only_agents_that_took_the_pause_act_on_its_cohort_commands(
         assert (after.update_id, after.worker_id) == ("marker-2", "w001"), after
 
 
-async def test_the_member_list_crosses_the_bus_once_per_update(
+async def test_no_message_names_more_than_one_member(
     nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
 ) -> None:
     subjects = Subjects(fleet=fleet_name)
     broadcasts: list[Command] = []
+    to_one: dict[str, list[Command]] = {}
     noticed = asyncio.Event()
 
-    async def on_command(msg: Msg) -> None:
+    async def on_broadcast(msg: Msg) -> None:
         command = command_decoder.decode(msg.data)
         broadcasts.append(command)
         if isinstance(command, CommittedNotice):
             noticed.set()
+
+    async def on_own_subject(msg: Msg) -> None:
+        to_one.setdefault(msg.subject.rsplit(".", 1)[-1], []).append(
+            command_decoder.decode(msg.data)
+        )
 
     async with EmbeddedStack(
         [2, 1, 1, 4], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2
@@ -106,7 +112,8 @@ async def test_the_member_list_crosses_the_bus_once_per_update(
         assert stack.client is not None
         nc = await connect(nats_url, name="test-listener")
         try:
-            await nc.subscribe(subjects.cmd(), cb=on_command)
+            await nc.subscribe(subjects.cmd(), cb=on_broadcast)
+            await nc.subscribe(subjects.cmd_worker("*"), cb=on_own_subject)
             await nc.flush()
             result = await stack.client.update("policy", make_adapter(1), version=1)
             await asyncio.wait_for(noticed.wait(), 10)
@@ -115,8 +122,12 @@ async def test_the_member_list_crosses_the_bus_once_per_update(
 
     assert result.committed, result.error
     members = sorted(result.workers)
+    assert sorted(to_one) == members
+    for worker_id, commands in to_one.items():
+        pauses = [c for c in commands if isinstance(c, PauseCommand)]
+        assert pauses and all(p.targets == [worker_id] for p in pauses), commands
+    assert not any(isinstance(c, PauseCommand) for c in broadcasts), "the pause is not broadcast"
     by_type = {type(command): command for command in broadcasts}
-    assert by_type[PauseCommand].targets == members
     for later in (LoadCommand, ResumeCommand):
         command = by_type[later]
         assert command.cohort and command.targets == [] and command.excluded == [], command
