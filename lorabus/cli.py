@@ -781,6 +781,13 @@ def _window_case(_ctx: object, _param: object, value: str | None) -> str | None:
     help="Agents' heartbeat interval [default: max(1, N/128)].",
 )
 @click.option(
+    "--keep",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The coordinator's --keep [default: every version of the run, as the "
+    "baseline unloads nothing; 2 measures retiring too].",
+)
+@click.option(
     "--out", "out_path", type=click.Path(dir_okay=False), help="Write the figures as JSON."
 )
 @click.option(
@@ -800,6 +807,7 @@ def bench(
     connections: str | None,
     agent_procs: int,
     heartbeat_s: float | None,
+    keep: int | None,
     out_path: str | None,
     run_dir: str | None,
 ) -> None:
@@ -832,6 +840,7 @@ def bench(
             ),
             agent_procs=agent_procs,
             heartbeat_s=heartbeat_s,
+            keep=keep,
             idle_s=0.5 if quick else 2.0,
             run_dir=Path(run_dir) if run_dir else None,
             label="quick" if quick else "full",

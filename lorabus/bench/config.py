@@ -42,6 +42,9 @@ class BenchConfig:
     """Agent host processes the fleet's agents are spread over."""
     heartbeat_s: float | None = None
     """Agents' heartbeat interval; default max(1, N/128) (see the README)."""
+    keep: int | None = None
+    """The coordinator's ``--keep``; default every version of the run, so that
+    lorabus does the same engine work as the baseline, which unloads nothing."""
     idle_s: float = 2.0
     """How long the coordinator's idle CPU is watched before the updates."""
     run_dir: Path | None = None
@@ -71,11 +74,19 @@ class BenchConfig:
             raise ValueError("agent processes must be >= 1")
         if self.heartbeat_s is not None and self.heartbeat_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
+        if self.keep is not None and self.keep < 1:
+            raise ValueError("keep must be >= 1")
 
     def updates_for(self, case: str) -> int:
         if case != "window":
             return self.updates
         return self.window_updates or max(5, self.updates // 2)
+
+    def keep_versions(self) -> int:
+        """More versions than a series commits, unless ``keep`` says otherwise."""
+        if self.keep is not None:
+            return self.keep
+        return self.warmup + max(self.updates, self.updates_for("window")) + 1
 
     def heartbeat_for(self, n: int) -> float:
         """Every agent of the bench shares 2 cores, where in production each has a

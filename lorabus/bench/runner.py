@@ -353,6 +353,8 @@ class _SizeRun:
                 "60",
                 "--verify-timeout",
                 "30",
+                "--keep",
+                str(self.config.keep_versions()),
             ],
         )
         hosted = dict(self.workers)
