@@ -4,7 +4,8 @@
 ``lorabus`` subcommand) as children of the test, each with its stderr in a file
 under the test's tmp dir, and stops every one of them on exit, also when the
 test fails: SIGTERM, then SIGKILL after a deadline, and always a wait, so no
-child outlives its test. Use it as a fixture::
+child outlives its test (see :mod:`lorabus.child_processes`). Use it as a
+fixture::
 
     @pytest.fixture
     async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
@@ -24,136 +25,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import sys
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 
+from lorabus.child_processes import LORABUS, ChildGroup, ChildProcess, child_env
 from lorabus.client import CoordinatorUnavailable, UpdateClient
 from schemas import FleetStatus
 
-LORABUS = Path(sys.executable).parent / "lorabus"
 
-#: Seconds a child gets to exit after SIGTERM before it is killed.
-STOP_DEADLINE_S = 5.0
-
-
-def child_env(overrides: Mapping[str, str | None] | None = None) -> dict[str, str]:
-    """The test's environment with ``overrides`` applied; a None value removes a name."""
-    env = dict(os.environ)
-    for name, value in (overrides or {}).items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
-    return env
-
-
-@dataclass
-class RunningProcess:
-    """One child started by :class:`Processes`."""
-
-    name: str
-    argv: list[str]
-    process: asyncio.subprocess.Process
-    stderr_path: Path
-    #: Set once the test stopped or killed it on purpose.
-    stopped: bool = False
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.returncode
-
-    def stderr_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.stderr_path.read_text(errors="replace")
-        except OSError as exc:
-            return f"(no stderr: {exc})"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def describe(self) -> str:
-        state = "running" if self.returncode is None else f"exited {self.returncode}"
-        return (
-            f"{self.name} (pid {self.pid}, {state}); stderr {self.stderr_path}:\n"
-            f"{self.stderr_tail()}"
-        )
-
-
-async def stop_process(running: RunningProcess, deadline_s: float = STOP_DEADLINE_S) -> int:
-    """SIGTERM, SIGKILL if it is still there after ``deadline_s``; always waited."""
-    running.stopped = True
-    process = running.process
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), deadline_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-    return await process.wait()
-
-
-async def kill_process(running: RunningProcess) -> int:
-    """SIGKILL (no chance to clean up, like a crashed host) and wait."""
-    running.stopped = True
-    with contextlib.suppress(ProcessLookupError):
-        running.process.kill()
-    return await running.process.wait()
-
-
-class Processes:
+class Processes(ChildGroup[ChildProcess]):
     """Starts lorabus children and guarantees every one is stopped on exit."""
 
     def __init__(self, log_dir: Path) -> None:
+        super().__init__()
         self.log_dir = log_dir
-        self.started: list[RunningProcess] = []
-
-    async def __aenter__(self) -> Processes:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Stop every child still running, concurrently; each one is waited for."""
-        results = await asyncio.gather(
-            *(stop_process(p) for p in self.started), return_exceptions=True
-        )
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
 
     async def start(
         self, name: str, args: Sequence[str], *, env: Mapping[str, str | None] | None = None
-    ) -> RunningProcess:
+    ) -> ChildProcess:
         """Start ``lorabus --log-level INFO <args>``; stderr goes to ``<log_dir>/<name>.log``."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        stderr_path = self.log_dir / f"{name}.log"
-        argv = [str(LORABUS), "--log-level", "INFO", *args]
-        with stderr_path.open("wb") as stderr:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=stderr,
-                env=child_env(env),
-            )
-        running = RunningProcess(name, argv, process, stderr_path)
-        self.started.append(running)
-        return running
+        argv = [LORABUS, "--log-level", "INFO", *args]
+        child = await ChildProcess.spawn(
+            name, argv, self.log_dir / f"{name}.log", env=child_env(env)
+        )
+        return self.adopt(child)
 
     async def start_agent(
         self,
@@ -165,7 +61,7 @@ class Processes:
         world_size: int = 1,
         extra: Sequence[str] = (),
         env: Mapping[str, str | None] | None = None,
-    ) -> RunningProcess:
+    ) -> ChildProcess:
         args = [
             "agent",
             "--nats",
@@ -191,7 +87,7 @@ class Processes:
         expected_world_size: int,
         extra: Sequence[str] = (),
         env: Mapping[str, str | None] | None = None,
-    ) -> RunningProcess:
+    ) -> ChildProcess:
         args = [
             "coordinator",
             "--nats",
@@ -208,7 +104,7 @@ class Processes:
 
     def check_alive(self) -> None:
         """Fail with its stderr if a child died that the test did not stop."""
-        dead = [p for p in self.started if p.returncode is not None and not p.stopped]
+        dead = [p for p in self.children if not p.running and not p.ended_on_purpose]
         if dead:
             raise AssertionError("child process died:\n" + "\n".join(p.describe() for p in dead))
 
@@ -236,7 +132,7 @@ async def run_lorabus(
 
     Past ``deadline_s`` the command is killed and the test fails with its output.
     """
-    argv = [str(LORABUS), *args]
+    argv = [LORABUS, *args]
     process = await asyncio.create_subprocess_exec(
         *argv,
         stdin=asyncio.subprocess.DEVNULL,
@@ -290,7 +186,7 @@ async def wait_live_workers(
         remaining = deadline - loop.time()
         if remaining <= 0:
             children = (
-                "\n" + "\n".join(p.describe() for p in processes.started)
+                "\n" + "\n".join(p.describe() for p in processes.children)
                 if processes is not None
                 else ""
             )

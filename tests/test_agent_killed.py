@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from processes import Processes, kill_process, wait_live_workers
+from processes import Processes, wait_live_workers
 
 from coordinator import Coordinator, CoordinatorConfig
 from lorabus.bus import close, connect
@@ -107,7 +107,7 @@ async def test_killed_agent_fails_the_update_by_name_and_the_others_resume(
             lambda: any(r.method == "POST" and r.path == "/v1/loras" for r in victim.requests)
         )
         assert await asyncio.wait_for(load_arrived, RESULT_DEADLINE_S), "the sim stopped"
-        await kill_process(agents[VICTIM])
+        await agents[VICTIM].kill()
         result = await asyncio.wait_for(asyncio.shield(update), RESULT_DEADLINE_S)
     finally:
         update.cancel()

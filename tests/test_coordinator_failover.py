@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from processes import Processes, kill_process, wait_live_workers
+from processes import Processes, wait_live_workers
 
 from lorabus.bus import close, connect
+from lorabus.child_processes import ChildProcess
 from lorabus.client import UpdateClient
 from simfleet import SimFleet, SimWorker
 
@@ -43,7 +44,7 @@ def _loads(worker: SimWorker) -> int:
 
 async def _start_fleet(
     processes: Processes, sim: SimFleet, nats_url: str, fleet_name: str
-) -> dict[str, object]:
+) -> dict[str, ChildProcess]:
     coordinators = {}
     for holder in ("c1", "c2"):
         coordinators[holder] = await processes.start(
@@ -107,7 +108,7 @@ async def test_a_standby_rolls_back_the_update_of_a_killed_leader_and_answers_it
             DEADLINE_S,
         )
         assert all(worker.paused for worker in sim.workers.values())
-        await kill_process(coordinators[leader])  # type: ignore[arg-type]
+        await coordinators[leader].kill()
         unanswered = await first_try
         retried = await client.update(
             "policy", path, version=1, update_id="step-1", timeout_s=DEADLINE_S
@@ -138,7 +139,7 @@ async def test_after_a_failover_the_new_leader_commits_updates(
         client = UpdateClient(nc, fleet_name)
         before = await wait_live_workers(client, WORLD_SIZES, processes=processes)
         first = await client.update("policy", make_adapter(1), version=1, timeout_s=DEADLINE_S)
-        await kill_process(coordinators[before.leader])  # type: ignore[arg-type]
+        await coordinators[before.leader].kill()
         second = await client.update("policy", make_adapter(2), timeout_s=DEADLINE_S)
     finally:
         await close(nc)

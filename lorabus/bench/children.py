@@ -5,31 +5,27 @@ RSS are its own: the coordinator (the real ``lorabus coordinator``), the
 agent hosts, the simulated fleet and the direct-HTTP baseline. Bench children
 (``python -m lorabus.bench.<module> <spec>``) are asked JSON questions over
 their stdin and answer on stdout (see ``control.py``); ``lorabus`` children
-are only watched. :class:`Children` stops every child it started: ``stop``
-on stdin or SIGTERM, SIGKILL after a deadline, and always a wait; on Linux
-the kernel also kills them should the benchmark itself die first.
+are only watched. :class:`Children` stops every child it started (with
+:mod:`lorabus.child_processes`): ``stop`` on stdin or SIGTERM, SIGKILL after a
+deadline, and always a wait; on Linux the kernel also kills them should the
+benchmark itself die first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
-import logging
-import os
-import signal
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
-log = logging.getLogger(__name__)
+from lorabus.child_processes import LORABUS, ChildGroup, ChildProcess, child_env
 
-LORABUS = str(Path(sys.executable).parent / "lorabus")
+# An agent host winds down many agents, each resuming its engine, before it exits.
 _STOP_DEADLINE_S = 10.0
-_PR_SET_PDEATHSIG = 1
+# One answer (an agent host's engine times) is one line, however long.
 _LINE_LIMIT = 1 << 24
 
 
@@ -37,44 +33,12 @@ class ChildFailed(Exception):
     """Raised when a child dies, answers an error, or does not answer in time."""
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def set_pdeathsig() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-    return set_pdeathsig
-
-
-_PREEXEC = _die_with_parent()
-
-
-class Child:
-    def __init__(self, name: str, process: asyncio.subprocess.Process, log_path: Path) -> None:
-        self.name = name
-        self.process = process
-        self.log_path = log_path
-        self.asks = process.stdin is not None
+class Child(ChildProcess):
+    """A bench child (stdin and stdout are its protocol) or a watched ``lorabus`` one."""
 
     @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def running(self) -> bool:
-        return self.process.returncode is None
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError as exc:
-            return f"(no log: {exc})"
-        return "\n".join(text.splitlines()[-lines:])
+    def asks(self) -> bool:
+        return self.process.stdin is not None
 
     async def read(self, timeout_s: float) -> dict[str, Any]:
         """The child's next JSON line."""
@@ -101,25 +65,23 @@ class Child:
         await self.process.stdin.drain()
         return await self.read(timeout_s)
 
+    def request_stop(self) -> None:
+        if self.process.stdin is None:
+            super().request_stop()
+            return
+        # A closed pipe means it is already going.
+        with contextlib.suppress(Exception):
+            self.process.stdin.write(b'{"op": "stop"}\n')
+            self.process.stdin.close()
 
-class Children:
+
+class Children(ChildGroup[Child]):
     """Starts children with their stderr in ``log_dir``; stops them all on exit."""
 
     def __init__(self, log_dir: Path, env: Mapping[str, str] | None = None) -> None:
+        super().__init__(stop_deadline_s=_STOP_DEADLINE_S)
         self.log_dir = log_dir
-        self.env = dict(env) if env is not None else None
-        self.children: list[Child] = []
-
-    async def __aenter__(self) -> Children:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+        self.env = dict(env or {})
 
     async def bench_child(
         self,
@@ -147,58 +109,12 @@ class Children:
     async def _spawn(
         self, name: str, argv: list[str], *, asks: bool, env: Mapping[str, str] | None = None
     ) -> Child:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{name}.log"
-        child_env = None
-        if env is not None or self.env is not None:
-            child_env = {**os.environ, **(self.env or {}), **(env or {})}
-        with log_path.open("ab") as stderr:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE if asks else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE if asks else asyncio.subprocess.DEVNULL,
-                stderr=stderr,
-                env=child_env,
-                preexec_fn=_PREEXEC,
-                limit=_LINE_LIMIT,
-            )
-        child = Child(name, process, log_path)
-        self.children.append(child)
-        log.info("started %s (pid %d)", name, child.pid)
-        return child
-
-    async def stop(self, child: Child, deadline_s: float = _STOP_DEADLINE_S) -> None:
-        """Ask it to stop (stdin) or SIGTERM it; SIGKILL after ``deadline_s``; wait."""
-        if child.running:
-            if child.asks and child.process.stdin is not None:
-                with contextlib.suppress(Exception):
-                    child.process.stdin.write(b'{"op": "stop"}\n')
-                    child.process.stdin.close()
-            else:
-                with contextlib.suppress(ProcessLookupError):
-                    child.process.terminate()
-            try:
-                await asyncio.wait_for(asyncio.shield(child.process.wait()), deadline_s)
-            except TimeoutError:
-                log.warning("%s (pid %d) did not stop: killing it", child.name, child.pid)
-                with contextlib.suppress(ProcessLookupError):
-                    child.process.kill()
-        await child.process.wait()
-        with contextlib.suppress(ValueError):
-            self.children.remove(child)
-
-    async def stop_all(self, children: list[Child]) -> None:
-        """Stop ``children`` together (each within its own deadline)."""
-        await asyncio.gather(*(self.stop(child) for child in children))
-
-    async def aclose(self) -> None:
-        # On Ctrl-C the children must still be reaped before the cancellation goes on.
-        left = list(self.children)
-        if not left:
-            return
-        stopping = asyncio.ensure_future(self.stop_all(left))
-        try:
-            await asyncio.shield(stopping)
-        except asyncio.CancelledError:
-            await stopping
-            raise
+        child = await Child.spawn(
+            name,
+            argv,
+            self.log_dir / f"{name}.log",
+            env=child_env({**self.env, **(env or {})}),
+            pipes=asks,
+            line_limit=_LINE_LIMIT,
+        )
+        return self.adopt(child)

@@ -133,8 +133,10 @@ class ChaosFleet:
         self._closing = True
         # Coordinators first, so an update they interrupt ends with a resume
         # that the agents are still there to carry out.
-        await asyncio.gather(*(self.processes.terminate(c) for c in self.coordinators.values()))
-        await self.processes.aclose()
+        try:
+            await self.processes.stop_all(self.coordinators.values())
+        finally:
+            await self.processes.aclose()
         for task in self._supervisors:
             task.cancel()
         await asyncio.gather(*self._supervisors, return_exceptions=True)
@@ -220,7 +222,7 @@ class ChaosFleet:
         return child
 
     async def kill_agent(self, worker_id: str) -> None:
-        await self.processes.kill(self.agents[worker_id])
+        await self.agents[worker_id].kill()
         self._begin(AGENT_DOWN, worker_id)
 
     async def restart_agent(self, worker_id: str) -> None:
@@ -228,11 +230,11 @@ class ChaosFleet:
         self._end(AGENT_DOWN, worker_id, at=child.started_at)
 
     def stop_agent(self, worker_id: str) -> None:
-        self.processes.suspend(self.agents[worker_id])
+        self.agents[worker_id].suspend()
         self._begin(AGENT_STOPPED, worker_id)
 
     def continue_agent(self, worker_id: str) -> None:
-        self.processes.resume(self.agents[worker_id])
+        self.agents[worker_id].resume()
         self._end(AGENT_STOPPED, worker_id)
 
     # -- coordinators ------------------------------------------------------------------
@@ -283,17 +285,17 @@ class ChaosFleet:
         return holder if child is not None and child.running else None
 
     async def kill_coordinator(self, holder: str) -> None:
-        await self.processes.kill(self.coordinators.pop(holder))
+        await self.coordinators.pop(holder).kill()
         self._begin(COORDINATOR_DOWN, "")
 
     def stop_coordinator(self, holder: str) -> None:
-        self.processes.suspend(self.coordinators[holder])
+        self.coordinators[holder].suspend()
         self._begin(COORDINATOR_STOPPED, holder)
 
     def continue_coordinator(self, holder: str) -> None:
         child = self.coordinators.get(holder)
         if child is not None:
-            self.processes.resume(child)
+            child.resume()
         self._end(COORDINATOR_STOPPED, holder)
 
     async def replace_coordinator(self) -> None:

@@ -21,7 +21,7 @@ def _gone(pid: int) -> bool:
 async def test_closing_the_group_stops_a_stopped_child(tmp_path: Path) -> None:
     async with ProcessGroup(tmp_path) as group:
         child = await group.start("sim", SIM)
-        group.suspend(child)
+        child.suspend()
 
     assert child.process.returncode is not None
     assert child.ended_on_purpose
@@ -31,7 +31,7 @@ async def test_closing_the_group_stops_a_stopped_child(tmp_path: Path) -> None:
 async def test_a_killed_child_is_waited_for(tmp_path: Path) -> None:
     async with ProcessGroup(tmp_path) as group:
         child = await group.start("sim", SIM)
-        await group.kill(child)
+        await child.kill()
 
         assert child.process.returncode == -9
         assert _gone(child.pid)
