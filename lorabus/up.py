@@ -10,6 +10,9 @@ ends, also on Ctrl-C.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -21,8 +24,12 @@ from lorabus.stack import EmbeddedStack
 from lorabus.tap import Tap
 from lorabus.trainer import write_adapter
 from schemas import UpdateResult
+from simfleet import SimWorker
 
 ADAPTER = "policy"
+KEEP = 2
+"""Versions each engine keeps; older ones are retired after each commit."""
+RETIRE_DEADLINE_S = 10.0
 
 
 async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], None]) -> bool:
@@ -33,7 +40,7 @@ async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], No
             f"starting nats-server, {len(world_sizes)} simulated Dynamo workers "
             f"(world sizes {', '.join(map(str, world_sizes))}), their agents and the coordinator"
         )
-        async with EmbeddedStack(world_sizes, fleet="demo") as stack:
+        async with EmbeddedStack(world_sizes, fleet="demo", keep=KEEP) as stack:
             assert stack.client is not None and stack.sim is not None
             out(f"  nats {stack.nats_url}   frontend {stack.sim.url}")
             results: list[UpdateResult] = []
@@ -50,6 +57,7 @@ async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], No
             last = next((r for r in reversed(results) if r.rank_map is not None), None)
             if last is not None and last.rank_map is not None:
                 out(rank_map_text(last.rank_map))
+            await _retired(stack)
             serving = sorted({a for w in stack.sim.workers.values() for a in w.adapters})
             paused = sorted(w.worker_id for w in stack.sim.workers.values() if w.paused)
             trail = await _record_trail(stack)
@@ -64,6 +72,20 @@ async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], No
             out(f"  {violation.rule}: {violation.message} (records {violation.seqs})")
         out(f"audit: {len(trail)} records, {len(violations)} violation(s)")
     return committed == steps and not violations
+
+
+async def _retired(stack: EmbeddedStack) -> None:
+    """Agents retire old versions after the update is answered: give them the
+    moment that takes, so the summary shows what the fleet settles on."""
+    assert stack.sim is not None
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(RETIRE_DEADLINE_S):
+            for worker in stack.sim.workers.values():
+                await worker.wait_until(functools.partial(_settled, worker))
+
+
+def _settled(worker: SimWorker) -> bool:
+    return sum(name.startswith(f"{ADAPTER}-v") for name in worker.adapters) <= KEEP
 
 
 async def _record_trail(stack: EmbeddedStack) -> list[TrailRecord]:

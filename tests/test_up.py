@@ -155,6 +155,11 @@ async def test_up_commits_three_steps_prints_a_rank_map_and_leaves_nothing_runni
     steps = [line for line in run.lines if re.match(r"step \d+: committed\b", line)]
     assert len(steps) == 3, run.output()
     assert any(line.startswith("rank map:") for line in run.lines), run.output()
+    # Versions beyond --keep 2 are retired by the agents before the summary.
+    assert any(
+        line.startswith("summary: 3/3 updates committed; engines now serve policy-v2, policy-v3;")
+        for line in run.lines
+    ), run.output()
     assert re.fullmatch(r"audit: \d+ records, 0 violation\(s\)", run.lines[-1]), run.output()
     leftovers = _marked_pids(marker)
     assert not leftovers, f"still running after lorabus up exited:\n{_describe(leftovers)}"
