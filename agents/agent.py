@@ -6,9 +6,10 @@ callback only decodes, fences and enqueues: engine calls take seconds and
 would stall every later message of that subscription. One worker task drains
 the queue, so commands for the engine run one at a time, in arrival order.
 
-Addressing: a pause names its targets; the later commands of that update
-address the agents that took its pause (its cohort), so the member list
-crosses the bus once per update. Committed notices reach every agent.
+Addressing: a pause comes on this agent's own subject, naming it; the later
+commands of that update are broadcast to the agents that took its pause (its
+cohort), so no message grows with the fleet. Committed notices reach every
+agent.
 
 Core NATS is at-most-once, so the coordinator re-sends commands to agents that
 have not acked. A re-sent command is recognised by (epoch, update id, type):

@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hand_coordinator import HandCoordinator
 
+from lorabus.bus import close, connect
 from lorabus.natsserver import NatsServer, NatsServerMissing
 from lorabus.trainer import write_adapter
+from schemas import Subjects
 
 
 def _docker_nats() -> Iterator[str]:
@@ -62,3 +65,13 @@ def make_adapter(tmp_path: Path) -> Callable[[int], str]:
         return str(write_adapter(root, step))
 
     return make
+
+
+@pytest.fixture
+async def hand(nats_url: str, fleet_name: str) -> AsyncIterator[HandCoordinator]:
+    """A coordinator played by hand on the test's fleet."""
+    nc = await connect(nats_url, name="test-hand-coordinator")
+    coordinator = HandCoordinator(nc, Subjects(fleet=fleet_name))
+    await coordinator.start()
+    yield coordinator
+    await close(nc)

@@ -11,6 +11,8 @@ from nats.aio.msg import Msg
 from schemas import Ack, Event, Subjects, ack_decoder, encode, event_decoder
 
 DEADLINE_S = 10.0
+#: Above the epoch of an embedded stack's own coordinator, so its agents accept us.
+EPOCH = 100
 
 
 class HandCoordinator:

@@ -5,10 +5,9 @@ no message names more than one member."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
-import pytest
-from hand_coordinator import HandCoordinator
+from hand_coordinator import EPOCH, HandCoordinator
 from nats.aio.msg import Msg
 
 from lorabus.bus import close, connect
@@ -23,18 +22,6 @@ from schemas import (
     command_decoder,
     is_addressed_to,
 )
-
-#: Above the epoch of the stack's own coordinator, so the agents accept us.
-EPOCH = 100
-
-
-@pytest.fixture
-async def hand(nats_url: str, fleet_name: str) -> AsyncIterator[HandCoordinator]:
-    nc = await connect(nats_url, name="test-hand-coordinator")
-    coordinator = HandCoordinator(nc, Subjects(fleet=fleet_name))
-    await coordinator.start()
-    yield coordinator
-    await close(nc)
 
 
 def _pause(update_id: str, targets: list[str]) -> PauseCommand:

@@ -7,38 +7,24 @@ so each rule is tested on its own against a real agent and a real bus.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
-from hand_coordinator import DEADLINE_S, HandCoordinator
+from hand_coordinator import DEADLINE_S, EPOCH, HandCoordinator
 
-from lorabus.bus import close, connect
 from lorabus.stack import EmbeddedStack
 from schemas import (
     CommandRefused,
     LeaseExpired,
     PauseCommand,
     RenewLeaseCommand,
-    Subjects,
 )
-
-#: Above the epoch of the stack's own coordinator, so the agent accepts us.
-EPOCH = 100
 
 
 @pytest.fixture
 async def stack(nats_url: str, fleet_name: str) -> AsyncIterator[EmbeddedStack]:
     async with EmbeddedStack([1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as s:
         yield s
-
-
-@pytest.fixture
-async def hand(nats_url: str, fleet_name: str) -> AsyncIterator[HandCoordinator]:
-    nc = await connect(nats_url, name="test-hand-coordinator")
-    coordinator = HandCoordinator(nc, Subjects(fleet=fleet_name))
-    await coordinator.start()
-    yield coordinator
-    await close(nc)
 
 
 def _pause(update_id: str, epoch: int = EPOCH, lease_s: float = 0.0) -> PauseCommand:
@@ -97,3 +83,25 @@ async def test_renewals_keep_the_engine_paused_until_they_stop(
 
     assert isinstance(expired, LeaseExpired) and expired.resumed
     assert not worker.paused
+
+
+async def test_the_coordinators_renewals_hold_a_pause_longer_than_its_lease(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    # Loads take five leases: only the renewals the coordinator broadcasts to
+    # the pause's cohort keep each engine paused until the update's resume.
+    async with EmbeddedStack(
+        [1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, pause_lease_s=0.4
+    ) as stack:
+        assert stack.client is not None and stack.sim is not None
+        for worker in stack.sim.workers.values():
+            worker.set_faults(latency_s={"load": 2.0})
+        result = await stack.client.update("policy", make_adapter(1), version=1)
+
+        assert result.committed, result.error
+        for worker in stack.sim.workers.values():
+            paths = [r.path for r in worker.requests]
+            after_pause = paths[paths.index("/engine/pause_generation") :]
+            resumes = [p for p in after_pause if p.endswith("resume_generation")]
+            assert len(resumes) == 1, (worker.worker_id, after_pause)
+            assert not worker.paused

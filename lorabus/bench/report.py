@@ -68,8 +68,8 @@ class ModeResult(msgspec.Struct, kw_only=True):
     updates: int
     failed: int
     wall_s: Stats
-    """Update as the requester sees it (lorabus: request to result, including
-    the clean-up unload of old versions; floor: three rounds)."""
+    """Update as the requester sees it (lorabus: request to result, the agents
+    retire old versions after it; floor: three rounds)."""
     phases_s: dict[str, Stats]
     wall_samples_s: list[float]
     """Every timed update's wall time, in order."""
@@ -327,7 +327,6 @@ _COLUMNS = (
     ("load", 6),
     ("verify", 6),
     ("resume", 6),
-    ("unload", 6),
     ("other", 6),
     ("window", 7),
     ("ctrCPU", 7),
@@ -364,7 +363,6 @@ def table(report: BenchReport) -> list[str]:
             _cell(phase.get("load")),
             _cell(phase.get("verify")),
             _cell(phase.get("resume")),
-            _cell(phase.get("unload")),
             _cell(phase.get("other")),
             _cell(r.pause_window_s.p50 if r.pause_window_s else None),
             _cell(r.central_cpu_s_per_update),
