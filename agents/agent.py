@@ -82,6 +82,8 @@ _STATE_READ_EVERY_S = 60.0
 """Reconnects trigger a read at once; this only bounds how long a committed
 notice dropped on a live connection can go unnoticed."""
 _RECONCILE_BUDGET_S = 60.0
+_RETIRE_BUDGET_S = 10.0
+"""Retiring is housekeeping: it must not hold the next pause up for long."""
 
 _CommandKey = tuple[int, str, str]
 _T = TypeVar("_T")
@@ -130,8 +132,12 @@ class Agent:
         self._reconciled = asyncio.Event()
         self._reconciled.set()
         self._acks: OrderedDict[_CommandKey, Ack] = OrderedDict()
-        self._cohorts: OrderedDict[str, None] = OrderedDict()
-        """Updates whose pause this agent took, newest last."""
+        self._cohorts: OrderedDict[tuple[int, str], None] = OrderedDict()
+        """(epoch, update id) of the pauses this agent took, newest last: a
+        successor that runs the same update again starts a cohort of its own."""
+        self._state_stale = False
+        """The fleet state in KV must be read again (a reconnect, a failed read)."""
+        self._pause_received_at = 0.0
         self._nc: NatsClient | None = None
 
     @property
@@ -147,7 +153,7 @@ class Agent:
         ]
         try:
             await nc.flush(timeout=5)
-            await self._read_fleet_state()
+            self._state_stale = not await self._read_fleet_state()
             await self._resume_at_start()
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._command_loop())
@@ -200,14 +206,15 @@ class Agent:
                 self._retire(command)
                 await self._reconcile_if_needed()
             case PauseCommand():
-                self._join_cohort(command.update_id)
+                self._pause_received_at = time.monotonic()
+                self._join_cohort((command.epoch, command.update_id))
                 await self._accept(command)
             case _:
                 await self._accept(command)
 
-    def _join_cohort(self, update_id: str) -> None:
-        self._cohorts[update_id] = None
-        self._cohorts.move_to_end(update_id)
+    def _join_cohort(self, key: tuple[int, str]) -> None:
+        self._cohorts[key] = None
+        self._cohorts.move_to_end(key)
         while len(self._cohorts) > _REMEMBERED_COHORTS:
             self._cohorts.popitem(last=False)
 
@@ -264,6 +271,13 @@ class Agent:
             command = work.command
             if work.internal == "lease" and self.lease.state is LeaseState.HELD:
                 continue  # a newer pause re-armed the lease meanwhile: it holds the engine
+            if work.internal == "retire" and (
+                self.executor.paused or self._pause_received_at > work.received
+            ):
+                # The next update goes first (an engine may refuse to unload while
+                # paused); the next commit names these versions again.
+                log.debug("worker=%s put off retiring for a pause", self.worker_id)
+                continue
             budget = command.budget_s - (time.monotonic() - work.received)
             ack = await self.executor.execute(command, budget, retire=work.internal == "retire")
             if work.internal:
@@ -367,23 +381,26 @@ class Agent:
         unload = UnloadCommand(
             update_id=notice.update_id,
             targets=[self.worker_id],
-            budget_s=_RECONCILE_BUDGET_S,
+            budget_s=_RETIRE_BUDGET_S,
             epoch=notice.epoch,
             names=names,
         )
         self._queue.put_nowait(_Work(command=unload, received=time.monotonic(), internal="retire"))
 
-    async def _read_fleet_state(self) -> None:
-        """Learn the committed adapter and the current epoch from the fleet's KV."""
+    async def _read_fleet_state(self) -> bool:
+        """Learn the committed adapter and the current epoch from the fleet's KV;
+        False when the read failed (a fleet without state yet is no failure)."""
         assert self._nc is not None
         try:
             async with asyncio.timeout(5):
                 kv = await self._nc.jetstream().key_value(self.subjects.state_bucket())
                 committed = await _get_record(kv, "committed", _CommittedView)
                 leader = await _get_record(kv, "leader", LeaderRecord)
-        except (TimeoutError, nats.js.errors.BucketNotFoundError, nats.errors.Error) as exc:
-            log.debug("worker=%s no fleet state to read: %r", self.worker_id, exc)
-            return
+        except nats.js.errors.BucketNotFoundError:
+            return True
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.debug("worker=%s could not read the fleet state: %r", self.worker_id, exc)
+            return False
         if leader is not None:
             self.epoch_seen = max(self.epoch_seen, leader.epoch)
         if committed is not None:
@@ -398,6 +415,7 @@ class Agent:
                     version=committed.version,
                 )
             )
+        return True
 
     async def _reconcile_if_needed(self) -> None:
         target = self.committed
@@ -445,10 +463,13 @@ class Agent:
         while True:
             raise_if_cancelled()
             await asyncio.sleep(self.heartbeat_s)
-            if self._nc.stats["reconnects"] != reconnects or time.monotonic() >= next_state_read:
-                # Catches up on notices missed while disconnected from NATS.
+            if self._nc.stats["reconnects"] != reconnects:
+                # Notices may have been missed while disconnected; JetStream may
+                # not answer yet, so the read is retried every beat until it does.
                 reconnects = self._nc.stats["reconnects"]
-                await self._read_fleet_state()
+                self._state_stale = True
+            if self._state_stale or time.monotonic() >= next_state_read:
+                self._state_stale = not await self._read_fleet_state()
                 next_state_read = time.monotonic() + _STATE_READ_EVERY_S
             quiet_s = time.monotonic() - self.executor.last_contact
             if self._queue.empty() and not self.executor.paused and quiet_s >= self.heartbeat_s:

@@ -16,7 +16,8 @@ from schemas import FAILED, CommittedRecord, ErrorCode, ErrorInfo, UpdateRequest
 
 _REMEMBERED_RESULTS = 16
 """Results carry an entry per worker (about 0.5 MB at 1024 workers); older ones
-are answered from the fleet's results bucket, which keeps them for a day."""
+are answered from the fleet's results bucket, which keeps them for a day. A
+result the bucket did not take is kept here for the whole term instead."""
 
 
 def failed_result(request: UpdateRequest, error: ErrorInfo) -> UpdateResult:
@@ -35,12 +36,17 @@ class UpdateBook:
         self.latest: CommittedRecord | None = None
         self.running: str | None = None
         self._results: OrderedDict[str, UpdateResult] = OrderedDict()
+        self._unpersisted: dict[str, UpdateResult] = {}
         self._pending: dict[str, tuple[UpdateRequest, asyncio.Future[UpdateResult]]] = {}
         self._queue: list[UpdateRequest] = []
         self._queued = asyncio.Event()
 
     def knows(self, update_id: str) -> bool:
-        return update_id in self._pending or update_id in self._results
+        return (
+            update_id in self._pending
+            or update_id in self._results
+            or update_id in self._unpersisted
+        )
 
     def submit(self, request: UpdateRequest) -> asyncio.Future[UpdateResult]:
         """The future result of ``request`` (the first one's, for a repeated id)."""
@@ -48,7 +54,7 @@ class UpdateBook:
         if known is not None:
             return known[1]
         future: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
-        done = self._results.get(request.update_id)
+        done = self._results.get(request.update_id) or self._unpersisted.get(request.update_id)
         if done is not None:
             future.set_result(done)
             return future
@@ -80,9 +86,14 @@ class UpdateBook:
         self.running = request.update_id
         return request
 
-    def finish(self, request: UpdateRequest, result: UpdateResult) -> None:
+    def finish(
+        self, request: UpdateRequest, result: UpdateResult, *, persisted: bool = True
+    ) -> None:
+        """Answer ``request``; ``persisted``: the results bucket holds ``result``."""
         if self.running == request.update_id:
             self.running = None
+        if not persisted:
+            self._unpersisted[request.update_id] = result
         self._results[request.update_id] = result
         while len(self._results) > _REMEMBERED_RESULTS:
             self._results.popitem(last=False)

@@ -179,6 +179,7 @@ class UpdateRunner:
         errors: dict[str, ErrorInfo] = {}
         error: ErrorInfo | None = None
         load: PhaseOutcome | None = None
+        serving: list[str] = []
         self._in_flight = InflightRecord(
             update_id=plan.update_id,
             epoch=self.epoch,
@@ -201,10 +202,15 @@ class UpdateRunner:
                 renewing.cancel()
                 await asyncio.gather(renewing, return_exceptions=True)
                 self.metrics.pause_window_seconds.observe(time.monotonic() - paused_at)
-            for wid, err in resume.worker_errors().items():
+            unresumed = resume.worker_errors()
+            for wid, err in unresumed.items():
                 errors.setdefault(wid, err)
-            if not resume.ok and error is None:
-                error = resume.summary()
+            if unresumed and error is None:
+                resumed = self._resumed(resume, serving, members)
+                if resumed is None:
+                    error = resume.summary()
+                else:
+                    serving = resumed
         if error is not None:
             await self._withdraw_uncommitted(plan, load, phases)
             return self._result(plan, FAILED, phases, members, load, error, errors)
@@ -270,6 +276,22 @@ class UpdateRunner:
         )
         left_out.update(errors)
         return survivors
+
+    def _resumed(
+        self, resume: PhaseOutcome, serving: list[str], members: dict[str, int]
+    ) -> list[str] | None:
+        """The serving members that confirmed their resume, or None when too few
+        did. A member left out earlier that cannot be reached (its agent died)
+        is named in the result but does not undo the commit of the others; its
+        engine resumes when its pause lease runs out or its agent restarts."""
+        unresumed = resume.worker_errors()
+        still = [wid for wid in serving if wid not in unresumed]
+        if len(still) == len(serving):
+            return serving
+        if sum(members[wid] for wid in still) < self._needed_world_size():
+            return None
+        log.warning("committing without %s: their resume was not confirmed", sorted(unresumed))
+        return still
 
     def _needed_world_size(self) -> int:
         return math.ceil(self.config.quorum * self.config.expected_world_size - 1e-9)

@@ -40,6 +40,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.plan import UpdatePlan, is_already_committed, plan_update, retired_names
 from coordinator.store import FleetStore, StoreUnavailable
 from schemas import (
+    COMMITTED,
     BadMessage,
     Command,
     CommittedNotice,
@@ -186,6 +187,7 @@ class Coordinator:
         subs: list[Subscription] = []
         try:
             recovered = await self._recover(store, runner)
+            await self._announce_term(bus)
             await bus.emit(
                 LeaderElected(
                     ts=time.time(),
@@ -225,6 +227,58 @@ class Coordinator:
             )
             await _settle(replies, timeout_s=2.0)
 
+    async def _record_committed(
+        self,
+        store: FleetStore,
+        runner: UpdateRunner,
+        in_flight: InflightRecord,
+        committed: CommittedRecord,
+    ) -> None:
+        log.warning(
+            "epoch=%d update=%s found in flight but committed: recording its result",
+            self.epoch,
+            in_flight.update_id,
+        )
+        result = UpdateResult(
+            update_id=in_flight.update_id,
+            status=COMMITTED,
+            adapter=committed.served_name,
+            version=committed.version,
+            rank_map=committed.rank_map,
+        )
+        await _quietly(store.write_result(result))
+        await runner.bus.emit(
+            UpdateFinished(
+                ts=time.time(),
+                source="coordinator",
+                update_id=result.update_id,
+                status=result.status,
+                epoch=self.epoch,
+                adapter=result.adapter,
+                rank_map=result.rank_map,
+            )
+        )
+
+    async def _announce_term(self, bus: _NatsCommandBus) -> None:
+        """Tell every agent the committed state under this term's epoch: those
+        outside any update learn the new epoch (and refuse the old leader) at
+        once, and one that missed a notice converges."""
+        committed = self.book.latest
+        if committed is None:
+            return
+        notice = CommittedNotice(
+            update_id=f"term-{self.epoch}",
+            budget_s=0.0,
+            epoch=self.epoch,
+            served_name=committed.served_name,
+            path=committed.path,
+            version=committed.version,
+        )
+        try:
+            await bus.broadcast(notice)
+        except Exception as exc:  # agents still learn the epoch from the first command
+            log.warning("epoch=%d could not announce the term: %s", self.epoch, exc)
+
     async def _recover(self, store: FleetStore, runner: UpdateRunner) -> str | None:
         """Load the committed state; roll back an update a predecessor left in flight."""
         committed = await _or_none(store.read_committed())
@@ -234,34 +288,45 @@ class Coordinator:
         if in_flight is None:
             return None
         if await _or_none(store.read_result(in_flight.update_id)) is None:
-            log.warning(
-                "epoch=%d update=%s found in flight (%s): rolling back",
-                self.epoch,
-                in_flight.update_id,
-                in_flight.phase,
-            )
-            error = await runner.roll_back(in_flight)
-            result = UpdateResult(
-                update_id=in_flight.update_id,
-                status="failed",
-                adapter=in_flight.served_name,
-                version=in_flight.version,
-                error=error,
-            )
-            await _quietly(store.write_result(result))
-            await runner.bus.emit(
-                UpdateFinished(
-                    ts=time.time(),
-                    source="coordinator",
-                    update_id=result.update_id,
-                    status=result.status,
-                    error=result.error,
-                    epoch=self.epoch,
-                    adapter=result.adapter,
-                )
-            )
+            committed_it = await _or_none(store.read_committed(in_flight.adapter))
+            if committed_it is not None and _records_commit_of(committed_it, in_flight):
+                # It stopped after committing (every member had resumed) and before
+                # writing the result: rolling back would withdraw a committed version.
+                await self._record_committed(store, runner, in_flight, committed_it)
+            else:
+                await self._roll_back(store, runner, in_flight)
         await _quietly(store.clear_inflight())
         return in_flight.update_id
+
+    async def _roll_back(
+        self, store: FleetStore, runner: UpdateRunner, in_flight: InflightRecord
+    ) -> None:
+        log.warning(
+            "epoch=%d update=%s found in flight (%s): rolling back",
+            self.epoch,
+            in_flight.update_id,
+            in_flight.phase,
+        )
+        error = await runner.roll_back(in_flight)
+        result = UpdateResult(
+            update_id=in_flight.update_id,
+            status="failed",
+            adapter=in_flight.served_name,
+            version=in_flight.version,
+            error=error,
+        )
+        await _quietly(store.write_result(result))
+        await runner.bus.emit(
+            UpdateFinished(
+                ts=time.time(),
+                source="coordinator",
+                update_id=result.update_id,
+                status=result.status,
+                error=result.error,
+                epoch=self.epoch,
+                adapter=result.adapter,
+            )
+        )
 
     async def _run_updates(
         self, runner: UpdateRunner, bus: _NatsCommandBus, store: FleetStore
@@ -273,9 +338,9 @@ class Coordinator:
             result = await self._execute(request, runner, bus, store)
             self.metrics.update_seconds.observe(time.monotonic() - started)
             self.metrics.updates.labels(result.status).inc()
-            await _quietly(store.write_result(result))
+            persisted = await _quietly(store.write_result(result))
             await _quietly(store.clear_inflight())
-            self.book.finish(request, result)
+            self.book.finish(request, result, persisted=persisted)
             await bus.emit(
                 UpdateFinished(
                     ts=time.time(),
@@ -317,6 +382,15 @@ class Coordinator:
                     rank_map=committed.rank_map,
                 )
             result = await runner.run(plan)
+            if result.committed and not await self._still_leading(store):
+                return failed_result(
+                    request,
+                    ErrorInfo(
+                        code=ErrorCode.NOT_LEADER,
+                        message=f"epoch {self.epoch} was deposed before committing "
+                        f"{plan.served_name}; the new leader rolls the update back",
+                    ),
+                )
             if result.committed and result.rank_map is not None:
                 record = CommittedRecord(
                     adapter=plan.adapter,
@@ -346,6 +420,17 @@ class Coordinator:
             return failed_result(
                 request, ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
             )
+
+    async def _still_leading(self, store: FleetStore) -> bool:
+        """Whether the leader record still names this term: a coordinator that
+        was stopped (SIGSTOP) may run on before it notices it was replaced,
+        and must not commit over its successor's roll-back. An unreadable
+        record is no evidence either way (the agents still fence by epoch)."""
+        try:
+            record, _ = await store.read_leader()
+        except StoreUnavailable:
+            return True
+        return record is not None and (record.holder, record.epoch) == (self.holder, self.epoch)
 
     def _retired(self, plan: UpdatePlan, result: UpdateResult) -> list[str]:
         """Versions of the adapter beyond ``keep``, among those the engines hold."""
@@ -467,6 +552,10 @@ async def _or_none(awaitable: Awaitable[_T]) -> _T | None:
         return None
 
 
+def _records_commit_of(committed: CommittedRecord, in_flight: InflightRecord) -> bool:
+    return (committed.served_name, committed.version) == (in_flight.served_name, in_flight.version)
+
+
 async def _reply(msg: Msg, message: msgspec.Struct) -> None:
     if not msg.reply:
         return
@@ -482,12 +571,15 @@ async def _unsubscribe(subs: list[Subscription]) -> None:
             await sub.unsubscribe()
 
 
-async def _quietly(awaitable: object) -> None:
-    """Await a store write whose failure must not stop the fleet (it is logged)."""
+async def _quietly(awaitable: object) -> bool:
+    """Await a store write whose failure must not stop the fleet (it is logged);
+    False when it failed."""
     try:
         await awaitable  # type: ignore[misc]
     except StoreUnavailable as exc:
         log.warning("store: %s", exc)
+        return False
+    return True
 
 
 async def _settle(tasks: set[asyncio.Task[None]], timeout_s: float) -> None:

@@ -49,7 +49,8 @@ class _Command(_Message, frozen=True, kw_only=True):
     targets: list[str] = []
     """Worker ids that must act; every other agent ignores the command."""
     cohort: bool = False
-    """Also addressed: every agent that took this update's pause, less ``excluded``.
+    """Also addressed: every agent that took this update's pause of the same
+    epoch, less ``excluded``.
     The member list then crosses the bus once per update (in the pause), not
     once per command: each agent reads every broadcast, so a list in each
     would cost the fleet N x N per phase."""
@@ -115,12 +116,18 @@ def tag_of(message: msgspec.Struct) -> str:
     return tag
 
 
-def is_addressed_to(command: Command, worker_id: str, cohort_of: Container[str]) -> bool:
-    """Whether ``worker_id`` must act on ``command``; ``cohort_of`` is the set
-    of updates whose pause that worker took."""
+def is_addressed_to(
+    command: Command, worker_id: str, cohort_of: Container[tuple[int, str]]
+) -> bool:
+    """Whether ``worker_id`` must act on ``command``; ``cohort_of`` holds the
+    (epoch, update id) of every pause that worker took."""
     if isinstance(command, CommittedNotice):
         return True
-    if command.cohort and command.update_id in cohort_of and worker_id not in command.excluded:
+    if (
+        command.cohort
+        and (command.epoch, command.update_id) in cohort_of
+        and worker_id not in command.excluded
+    ):
         return True
     return worker_id in command.targets
 

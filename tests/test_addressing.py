@@ -42,9 +42,10 @@ def test_addressing_rules() -> None:
     )
 
     assert is_addressed_to(pause, "w000", set()) and not is_addressed_to(pause, "w001", set())
-    assert is_addressed_to(resume, "w000", {"u1"})
-    assert not is_addressed_to(resume, "w000", {"u0"}), "not in the cohort of u1"
-    assert not is_addressed_to(resume, "w001", {"u1"}), "excluded"
+    assert is_addressed_to(resume, "w000", {(EPOCH, "u1")})
+    assert not is_addressed_to(resume, "w000", {(EPOCH, "u0")}), "not in the cohort of u1"
+    assert not is_addressed_to(resume, "w000", {(EPOCH - 1, "u1")}), "an older run of u1"
+    assert not is_addressed_to(resume, "w001", {(EPOCH, "u1")}), "excluded"
     assert is_addressed_to(notice, "w007", set()), "a committed notice reaches everyone"
 
 
@@ -55,9 +56,12 @@ async def test_only_agents_that_took_the_pause_act_on_its_cohort_commands(
         # Nobody paused for "stray": its cohort resume must be ignored by both.
         # Commands run in arrival order, so the next ack shows what ran first.
         await hand.send(_cohort_resume("stray"))
-        await hand.send(_pause("marker", ["w000"]))
-        first = await hand.next_ack()
-        assert (first.update_id, first.phase) == ("marker", "pause"), first
+        await hand.send(_pause("marker", ["w000", "w001"]))
+        first = [await hand.next_ack() for _ in range(2)]
+        assert {(a.update_id, a.phase, a.worker_id) for a in first} == {
+            ("marker", "pause", "w000"),
+            ("marker", "pause", "w001"),
+        }, first
 
         await hand.send(_pause("u1", ["w000", "w001"]))
         paused = {(await hand.next_ack()).worker_id for _ in range(2)}

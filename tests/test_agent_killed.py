@@ -1,10 +1,12 @@
-"""An agent killed in the middle of a load fails the update fast, and the rest resume.
+"""An agent killed in the middle of a load fails the update fast, and the rest resume;
+under a partial quorum the others commit without it.
 
 Three agents run as processes (mixed world sizes) and beat every 0.2 s; the
 coordinator runs in this process with an 8 s phase timeout. One worker's engine
 takes a minute to load; once its load request has arrived, its agent gets
 SIGKILL. The coordinator must notice the silence from the missing heartbeats,
-fail the update naming that worker, and resume everyone else.
+fail the update naming that worker (or, with ``quorum`` 0.75, commit without
+it), and resume everyone else.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from processes import Processes, wait_live_workers
 from coordinator import Coordinator, CoordinatorConfig
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
+from schemas import UpdateResult
 from simfleet import SimFleet
 
 WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}
@@ -41,8 +44,10 @@ async def sim() -> AsyncIterator[SimFleet]:
         yield fleet
 
 
-@pytest.fixture
-async def coordinator(nats_url: str, fleet_name: str, sim: SimFleet) -> AsyncIterator[None]:
+@pytest.fixture(params=[1.0], ids=lambda q: f"quorum-{q}")
+async def coordinator(
+    request: pytest.FixtureRequest, nats_url: str, fleet_name: str, sim: SimFleet
+) -> AsyncIterator[None]:
     config = CoordinatorConfig(
         fleet=fleet_name,
         frontend_url=sim.url,
@@ -50,6 +55,7 @@ async def coordinator(nats_url: str, fleet_name: str, sim: SimFleet) -> AsyncIte
         phase_timeout_s=PHASE_TIMEOUT_S,
         verify_timeout_s=PHASE_TIMEOUT_S,
         quorum_timeout_s=PHASE_TIMEOUT_S,
+        quorum=request.param,
     )
     nc = await connect(nats_url, name="test-coordinator")
     ready = asyncio.Event()
@@ -84,6 +90,55 @@ async def test_killed_agent_fails_the_update_by_name_and_the_others_resume(
     fleet_name: str,
     make_adapter: Callable[[int], str],
 ) -> None:
+    result = await _update_killing_the_victim_mid_load(
+        processes, sim, client, nats_url, fleet_name, make_adapter
+    )
+
+    assert result.status == "failed"
+    assert result.error is not None and VICTIM in result.error.message, result.error
+    victim_error = result.workers[VICTIM].error
+    assert victim_error is not None and "heartbeat" in victim_error.message, victim_error
+    for worker_id, worker in sim.workers.items():
+        if worker_id != VICTIM:
+            assert not worker.paused, worker_id
+            assert result.workers[worker_id].ok, result.workers[worker_id]
+
+
+@pytest.mark.parametrize("coordinator", [0.75], indirect=True, ids=["quorum-0.75"])
+@pytest.mark.usefixtures("coordinator")
+async def test_under_a_partial_quorum_the_others_commit_without_a_killed_agent(
+    processes: Processes,
+    sim: SimFleet,
+    client: UpdateClient,
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+) -> None:
+    result = await _update_killing_the_victim_mid_load(
+        processes, sim, client, nats_url, fleet_name, make_adapter
+    )
+
+    # Its engine cannot be told to resume (its agent is dead): that names it,
+    # and does not undo the commit of the others.
+    assert result.committed, result.error
+    assert result.rank_map is not None
+    assert [e.worker_id for e in result.rank_map.entries] == ["w000", "w002"]
+    victim_error = result.workers[VICTIM].error
+    assert victim_error is not None and "heartbeat" in victim_error.message, victim_error
+    for worker_id, worker in sim.workers.items():
+        if worker_id != VICTIM:
+            assert not worker.paused, worker_id
+            assert "policy-v1" in worker.adapters, worker_id
+
+
+async def _update_killing_the_victim_mid_load(
+    processes: Processes,
+    sim: SimFleet,
+    client: UpdateClient,
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+) -> UpdateResult:
     agents = {
         worker_id: await processes.start_agent(
             nats_url=nats_url,
@@ -108,15 +163,6 @@ async def test_killed_agent_fails_the_update_by_name_and_the_others_resume(
         )
         assert await asyncio.wait_for(load_arrived, RESULT_DEADLINE_S), "the sim stopped"
         await agents[VICTIM].kill()
-        result = await asyncio.wait_for(asyncio.shield(update), RESULT_DEADLINE_S)
+        return await asyncio.wait_for(asyncio.shield(update), RESULT_DEADLINE_S)
     finally:
         update.cancel()
-
-    assert result.status == "failed"
-    assert result.error is not None and VICTIM in result.error.message, result.error
-    victim_error = result.workers[VICTIM].error
-    assert victim_error is not None and "heartbeat" in victim_error.message, victim_error
-    for worker_id, worker in sim.workers.items():
-        if worker_id != VICTIM:
-            assert not worker.paused, worker_id
-            assert result.workers[worker_id].ok, result.workers[worker_id]

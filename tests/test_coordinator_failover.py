@@ -13,17 +13,21 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from nats.aio.msg import Msg
 from processes import Processes, wait_live_workers
 
 from lorabus.bus import close, connect
 from lorabus.child_processes import ChildProcess
 from lorabus.client import UpdateClient
+from schemas import Subjects, heartbeat_decoder
 from simfleet import SimFleet, SimWorker
 
 WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}
 LEADER_LEASE_S = 1.0
 #: Deadlines only, so that a stuck fleet fails the test instead of hanging it.
 DEADLINE_S = 30.0
+#: Well under the agents' first periodic read of the fleet state (30-60 s).
+ANNOUNCE_DEADLINE_S = 15.0
 
 
 @pytest.fixture
@@ -149,3 +153,41 @@ async def test_after_a_failover_the_new_leader_commits_updates(
     assert second.version == 2, "the successor read the committed version from the store"
     for worker in sim.workers.values():
         assert {"policy-v1", "policy-v2"} <= set(worker.adapters)
+
+
+async def test_a_new_leader_announces_its_epoch_to_every_agent_at_once(
+    processes: Processes,
+    sim: SimFleet,
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+) -> None:
+    coordinators = await _start_fleet(processes, sim, nats_url, fleet_name)
+    nc = await connect(nats_url, name="test-orchestrator")
+    epochs_seen: dict[str, int] = {}
+    changed = asyncio.Event()
+
+    async def on_heartbeat(msg: Msg) -> None:
+        beat = heartbeat_decoder.decode(msg.data)
+        epochs_seen[beat.worker_id] = beat.epoch_seen
+        changed.set()
+
+    try:
+        client = UpdateClient(nc, fleet_name)
+        before = await wait_live_workers(client, WORLD_SIZES, processes=processes)
+        first = await client.update("policy", make_adapter(1), version=1, timeout_s=DEADLINE_S)
+        await nc.subscribe(Subjects(fleet=fleet_name).heartbeat_any(), cb=on_heartbeat)
+        await coordinators[before.leader].kill()
+
+        # No update runs: only the new term's announcement can carry its epoch
+        # to the agents before their once-a-minute read of the fleet state.
+        new_epoch = before.epoch + 1
+        async with asyncio.timeout(ANNOUNCE_DEADLINE_S):
+            while not all(epochs_seen.get(w) == new_epoch for w in WORLD_SIZES):
+                changed.clear()
+                await changed.wait()
+    finally:
+        await close(nc)
+
+    assert first.committed, first.error
+    assert {w: epochs_seen[w] for w in WORLD_SIZES} == dict.fromkeys(WORLD_SIZES, new_epoch)

@@ -79,8 +79,8 @@ class BusObserver:
         self.subjects = subjects
         self.timeline = timeline
         self._subs: list[Subscription] = []
-        self._cohorts: dict[str, set[str]] = {}
-        """update id -> every worker a pause of it named."""
+        self._cohorts: dict[tuple[int, str], set[str]] = {}
+        """(epoch, update id) -> every worker a pause of it named."""
 
     async def start(self, nc: NatsClient) -> None:
         s = self.subjects
@@ -148,10 +148,12 @@ class BusObserver:
 
     def _addressees(self, command: Command) -> frozenset[str]:
         if isinstance(command, PauseCommand):
-            self._cohorts.setdefault(command.update_id, set()).update(command.targets)
+            key = (command.epoch, command.update_id)
+            self._cohorts.setdefault(key, set()).update(command.targets)
         named = set(command.targets)
         if command.cohort:
-            named |= self._cohorts.get(command.update_id, set()) - set(command.excluded)
+            cohort = self._cohorts.get((command.epoch, command.update_id), set())
+            named |= cohort - set(command.excluded)
         return frozenset(named)
 
     async def _on_ack(self, msg: Msg) -> None:
@@ -162,7 +164,10 @@ class BusObserver:
             return
         if ack.error is not None and ack.error.code == ErrorCode.FENCED:
             return  # a refusal, recorded from its command_refused event
-        self.timeline.handled.append((now(), _handled(ack)))
+        at = now()
+        self.timeline.handled.append((at, _handled(ack)))
+        # Agents no longer beat after each command: an ack shows the epoch it acted in.
+        self.timeline.epoch_seen(ack.worker_id, ack.epoch, at)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
