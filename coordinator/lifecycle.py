@@ -5,8 +5,8 @@ later phase is one small broadcast to the pause's cohort (the agents that took
 it, less the members left out). Acks are gathered against the membership
 snapshot with a deadline, and members that have not acked get the command
 again on their own subject with a doubling interval (core NATS may have
-dropped it). No message names more than one member, so what each agent reads
-stays the same at any fleet size.
+dropped it). No message lists the membership (only the few members left out),
+so what each agent reads stays the same at any fleet size.
 Members that stop heartbeating are given up on at once rather than at the
 deadline. Resume runs in a ``finally``: whatever failed, every member that may
 have paused is told to resume. Retiring versions beyond ``keep`` is not a

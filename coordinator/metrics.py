@@ -35,7 +35,7 @@ class CoordinatorMetrics:
         )
         self.pause_window_seconds = Histogram(
             "lorabus_pause_window_seconds",
-            "From the pause broadcast to the last resume ack.",
+            "From the first pause sent to the last resume ack.",
             buckets=_SECONDS,
             registry=self.registry,
         )
@@ -69,7 +69,7 @@ class _MembershipCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         live = self.membership.live()
         paused = GaugeMetricFamily(
-            "lorabus_engines_paused", "Live engines whose last heartbeat said paused."
+            "lorabus_engines_paused", "Live engines whose last heartbeat or ack said paused."
         )
         paused.add_metric([], sum(m.heartbeat.paused for m in live.values()))
         yield paused

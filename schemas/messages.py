@@ -16,7 +16,10 @@ import msgspec
 from schemas.errors import ErrorInfo
 from schemas.rankmap import RankMap
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+"""2: commands address a pause's cohort and committed notices reach every
+agent; a version-1 agent acts only on commands that name it, so in an
+upgrade the agents go first and the coordinators last."""
 
 
 class Phase(enum.StrEnum):

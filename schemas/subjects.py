@@ -44,7 +44,7 @@ class Subjects(msgspec.Struct, frozen=True):
         return f"{self._base}.cmd"
 
     def cmd_worker(self, worker_id: str) -> str:
-        """Coordinator -> one agent: the targeted re-send to a straggler."""
+        """Coordinator -> one agent: commands that name it (a pause), and re-sends."""
         return f"{self._base}.cmd.{worker_id}"
 
     def ack(self, worker_id: str) -> str:
