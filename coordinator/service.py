@@ -247,17 +247,7 @@ class Coordinator:
             rank_map=committed.rank_map,
         )
         await _quietly(store.write_result(result))
-        await runner.bus.emit(
-            UpdateFinished(
-                ts=time.time(),
-                source="coordinator",
-                update_id=result.update_id,
-                status=result.status,
-                epoch=self.epoch,
-                adapter=result.adapter,
-                rank_map=result.rank_map,
-            )
-        )
+        await runner.bus.emit(self._finished(result))
 
     async def _announce_term(self, bus: _NatsCommandBus) -> None:
         """Tell every agent the committed state under this term's epoch: those
@@ -316,16 +306,18 @@ class Coordinator:
             error=error,
         )
         await _quietly(store.write_result(result))
-        await runner.bus.emit(
-            UpdateFinished(
-                ts=time.time(),
-                source="coordinator",
-                update_id=result.update_id,
-                status=result.status,
-                error=result.error,
-                epoch=self.epoch,
-                adapter=result.adapter,
-            )
+        await runner.bus.emit(self._finished(result))
+
+    def _finished(self, result: UpdateResult) -> UpdateFinished:
+        return UpdateFinished(
+            ts=time.time(),
+            source="coordinator",
+            update_id=result.update_id,
+            status=result.status,
+            error=result.error,
+            epoch=self.epoch,
+            adapter=result.adapter,
+            rank_map=result.rank_map,
         )
 
     async def _run_updates(
@@ -341,18 +333,7 @@ class Coordinator:
             persisted = await _quietly(store.write_result(result))
             await _quietly(store.clear_inflight())
             self.book.finish(request, result, persisted=persisted)
-            await bus.emit(
-                UpdateFinished(
-                    ts=time.time(),
-                    source="coordinator",
-                    update_id=request.update_id,
-                    status=result.status,
-                    error=result.error,
-                    epoch=self.epoch,
-                    adapter=result.adapter,
-                    rank_map=result.rank_map,
-                )
-            )
+            await bus.emit(self._finished(result))
             log.info(
                 "epoch=%d update=%s %s %s",
                 self.epoch,
