@@ -35,8 +35,12 @@ class HandCoordinator:
     async def send(self, command: object) -> None:
         await self.nc.publish(self.subjects.cmd(), encode(command))  # type: ignore[arg-type]
 
-    async def next_ack(self) -> Ack:
-        return await asyncio.wait_for(self.acks.get(), DEADLINE_S)
+    async def next_ack(self, update_id: str | None = None) -> Ack:
+        """The next ack (of ``update_id``, when given: others are skipped)."""
+        while True:
+            ack = await asyncio.wait_for(self.acks.get(), DEADLINE_S)
+            if update_id is None or ack.update_id == update_id:
+                return ack
 
     async def next_event(self, kind: type) -> Event:
         while True:

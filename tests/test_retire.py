@@ -1,17 +1,26 @@
 """Versions beyond ``--keep`` are retired by each agent after the update is
-answered: reported per worker, and a failed unload is retried by the next
-commit instead of failing anything."""
+answered: reported per worker, never while its engine is paused, and a
+failed unload is retried by the next commit instead of failing anything."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 
+from hand_coordinator import EPOCH, HandCoordinator
 from nats.aio.msg import Msg
 
 from lorabus.bus import close, connect
 from lorabus.stack import EmbeddedStack
-from schemas import CommandHandled, Phase, Subjects, event_decoder
+from schemas import (
+    CommandHandled,
+    CommittedNotice,
+    PauseCommand,
+    Phase,
+    ResumeCommand,
+    Subjects,
+    event_decoder,
+)
 
 DEADLINE_S = 10.0
 
@@ -60,3 +69,39 @@ async def test_a_failed_retire_is_reported_and_the_next_commit_retires_it_again(
             await close(nc)
         assert sorted(w000.adapters) == ["policy-v3"]
         assert sorted(w001.adapters) == ["policy-v3"]
+
+
+async def test_an_engine_paused_for_an_update_is_not_asked_to_unload(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str], hand: HandCoordinator
+) -> None:
+    # An engine may refuse to unload while paused, and retiring must never hold
+    # an update up: a retire that finds the engine paused is left to the next
+    # commit.
+    async with EmbeddedStack([1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+        assert stack.client is not None and stack.sim is not None
+        engine = stack.sim.workers["w000"]
+        paths = {version: make_adapter(version) for version in (1, 2)}
+        for version, path in paths.items():
+            result = await stack.client.update("policy", path, version=version)
+            assert result.committed, result.error
+
+        targets = ["w000"]
+        await hand.send(PauseCommand(update_id="u9", targets=targets, budget_s=5, epoch=EPOCH))
+        assert (await hand.next_ack("u9")).ok and engine.paused
+        await hand.send(
+            CommittedNotice(
+                update_id="u8",
+                budget_s=0,
+                epoch=EPOCH,
+                served_name="policy-v2",
+                path=paths[2],
+                version=2,
+                retire=["policy-v1"],
+            )
+        )
+        await hand.send(ResumeCommand(update_id="u9", targets=targets, budget_s=5, epoch=EPOCH))
+        resumed = await hand.next_ack("u9")
+
+    assert (resumed.phase, resumed.ok) == ("resume", True)
+    assert not [r for r in engine.requests if r.method == "DELETE"]
+    assert sorted(engine.adapters) == ["policy-v1", "policy-v2"]
