@@ -34,7 +34,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 import nats.js.errors
@@ -104,6 +104,10 @@ class _CommittedView(msgspec.Struct):
     served_name: str
     path: str
     version: int
+
+
+_COMMITTED_VIEW = msgspec.json.Decoder(_CommittedView)
+_LEADER_RECORD = msgspec.json.Decoder(LeaderRecord)
 
 
 class Agent:
@@ -394,8 +398,8 @@ class Agent:
         try:
             async with asyncio.timeout(5):
                 kv = await self._nc.jetstream().key_value(self.subjects.state_bucket())
-                committed = await _get_record(kv, "committed", _CommittedView)
-                leader = await _get_record(kv, "leader", LeaderRecord)
+                committed = await _get_record(kv, "committed", _COMMITTED_VIEW)
+                leader = await _get_record(kv, "leader", _LEADER_RECORD)
         except nats.js.errors.BucketNotFoundError:
             return True
         except (TimeoutError, nats.errors.Error) as exc:
@@ -577,7 +581,7 @@ class Agent:
         return f"agent:{self.worker_id}"
 
 
-async def _get_record(kv: object, key: str, kind: type[_T]) -> _T | None:
+async def _get_record(kv: object, key: str, decoder: msgspec.json.Decoder[_T]) -> _T | None:
     try:
         entry = await kv.get(key)  # type: ignore[attr-defined]
     except nats.js.errors.KeyNotFoundError:
@@ -585,17 +589,7 @@ async def _get_record(kv: object, key: str, kind: type[_T]) -> _T | None:
     if entry.value is None:  # an expired key can come back without a value
         return None
     try:
-        return _decoder_of(kind).decode(entry.value)
+        return decoder.decode(entry.value)
     except msgspec.DecodeError as exc:
         log.warning("unreadable %s record in the fleet state: %s", key, exc)
         return None
-
-
-_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
-
-
-def _decoder_of(kind: type[_T]) -> msgspec.json.Decoder[_T]:
-    decoder = _decoders.get(kind)
-    if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
-    return decoder

@@ -206,7 +206,7 @@ class UpdateRunner:
             for wid, err in unresumed.items():
                 errors.setdefault(wid, err)
             if unresumed and error is None:
-                resumed = self._resumed(resume, serving, members)
+                resumed = self._resumed(unresumed, serving, members)
                 if resumed is None:
                     error = resume.summary()
                 else:
@@ -278,13 +278,12 @@ class UpdateRunner:
         return survivors
 
     def _resumed(
-        self, resume: PhaseOutcome, serving: list[str], members: dict[str, int]
+        self, unresumed: dict[str, ErrorInfo], serving: list[str], members: dict[str, int]
     ) -> list[str] | None:
         """The serving members that confirmed their resume, or None when too few
         did. A member left out earlier that cannot be reached (its agent died)
         is named in the result but does not undo the commit of the others; its
         engine resumes when its pause lease runs out or its agent restarts."""
-        unresumed = resume.worker_errors()
         still = [wid for wid in serving if wid not in unresumed]
         if len(still) == len(serving):
             return serving

@@ -52,7 +52,6 @@ class Membership:
         known.heartbeat = msgspec.structs.replace(
             known.heartbeat, paused=ack.paused, adapters=ack.adapters
         )
-        known.seen_at = self._clock()
 
     def is_live(self, worker_id: str) -> bool:
         member = self._members.get(worker_id)

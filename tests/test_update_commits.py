@@ -113,3 +113,18 @@ async def test_fixed_naming_unloads_then_loads_inside_the_pause(
             ("POST", "/engine/resume_generation"),
         ]
         assert worker.adapters == {"policy": worker.adapters["policy"]}
+
+
+async def test_the_status_shows_the_engines_state_from_the_acks_at_once(
+    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    # Beats far apart: agents do not beat after a command, so what the status
+    # shows right after the update can only come from the update's acks.
+    async with EmbeddedStack([1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=30) as stack:
+        assert stack.client is not None
+        result = await stack.client.update("policy", make_adapter(1), version=1)
+        status = await stack.client.status()
+
+    assert result.committed, result.error
+    for member in status.members:
+        assert "policy-v1" in member.adapters and not member.paused, member
