@@ -3,9 +3,19 @@
 Never imports ``coordinator``: the two meet only on the bus.
 """
 
-from agents.agent import Agent
-from agents.dynamo import DynamoDriver
-from agents.engine import EngineDriver
-from agents.executor import CommandExecutor
+from lorabus.agents.agent import Agent
+from lorabus.agents.config import AgentConfig
+from lorabus.agents.dynamo import DynamoDriver
+from lorabus.agents.engine import EngineDriver
+from lorabus.agents.engines import ENGINE_KINDS, driver_for
+from lorabus.agents.executor import CommandExecutor
 
-__all__ = ["Agent", "CommandExecutor", "DynamoDriver", "EngineDriver"]
+__all__ = [
+    "ENGINE_KINDS",
+    "Agent",
+    "AgentConfig",
+    "CommandExecutor",
+    "DynamoDriver",
+    "EngineDriver",
+    "driver_for",
+]

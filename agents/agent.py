@@ -38,13 +38,11 @@ from typing import TypeVar
 
 import msgspec
 import nats.js.errors
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-
-from agents.cancellation import raise_if_cancelled
-from agents.executor import CommandExecutor
-from agents.lease import LeaseState, PauseLease
-from schemas import (
+from lorabus.agents.config import AgentConfig
+from lorabus.agents.engine import EngineDriver
+from lorabus.agents.executor import CommandExecutor
+from lorabus.agents.lease import LeaseState, PauseLease
+from lorabus.schemas import (
     Ack,
     BadMessage,
     Command,
@@ -72,6 +70,10 @@ from schemas import (
     phase_of,
     tag_of,
 )
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from lorabus.cancellation import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +120,7 @@ class Agent:
         subjects: Subjects,
         executor: CommandExecutor,
         *,
-        heartbeat_s: float = 1.0,
+        heartbeat_s: float,
         max_pause_lease_s: float | None = None,
     ) -> None:
         if heartbeat_s <= 0:
@@ -143,6 +145,16 @@ class Agent:
         """The fleet state in KV must be read again (a reconnect, a failed read)."""
         self._pause_received_at = 0.0
         self._nc: NatsClient | None = None
+
+    @classmethod
+    def from_config(cls, config: AgentConfig, driver: EngineDriver) -> Agent:
+        """The agent ``config`` describes, driving its engine through ``driver``."""
+        return cls(
+            Subjects(fleet=config.fleet, prefix=config.subject_prefix),
+            CommandExecutor(config.worker_id, config.world_size, driver),
+            heartbeat_s=config.heartbeat_s,
+            max_pause_lease_s=config.max_pause_lease_s,
+        )
 
     @property
     def ready(self) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+from lorabus.agents.config import ENGINE_TIMEOUT_S
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -34,7 +35,7 @@ from tenacity import (
     wait_random,
 )
 
-from schemas import EngineError
+from lorabus.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class DynamoDriver:
         system_url: str,
         *,
         headers: Mapping[str, str] | None = None,
-        timeout_s: float = 30.0,
+        timeout_s: float = ENGINE_TIMEOUT_S,
         attempts: int = 5,
     ) -> None:
         self.system_url = system_url.rstrip("/")

@@ -12,10 +12,9 @@ import asyncio
 import logging
 import time
 
-from agents.engine import EngineDriver
-from schemas import (
+from lorabus.agents.engine import EngineDriver
+from lorabus.schemas import (
     Ack,
-    EngineError,
     ErrorCode,
     ErrorInfo,
     LoadCommand,
@@ -25,6 +24,8 @@ from schemas import (
     UnloadCommand,
     phase_of,
 )
+
+from lorabus.errors import EngineError, NotListed
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class CommandExecutor:
             raise
         self.adapters = await self.driver.list_adapters()
         if name not in self.adapters:
-            raise _NotListed(
+            raise NotListed(
                 f"the engine of {self.worker_id} accepted adapter {name!r} but its "
                 f"adapter list does not show it: {self.adapters}"
             )
@@ -157,7 +158,3 @@ class CommandExecutor:
             self.adapters = await self.driver.list_adapters()
         except EngineError as exc:
             log.debug("worker=%s read-back after a failure failed too: %s", self.worker_id, exc)
-
-
-class _NotListed(EngineError):
-    code = ErrorCode.NOT_LISTED

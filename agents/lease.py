@@ -15,7 +15,7 @@ import enum
 import time
 from collections.abc import Awaitable, Callable
 
-from agents.cancellation import raise_if_cancelled
+from lorabus.cancellation import raise_if_cancelled
 
 
 class LeaseState(enum.Enum):

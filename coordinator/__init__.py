@@ -3,7 +3,7 @@
 Never imports ``agents``: the two meet only on the bus.
 """
 
-from coordinator.config import CoordinatorConfig
-from coordinator.service import Coordinator
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.service import Coordinator
 
 __all__ = ["Coordinator", "CoordinatorConfig"]

@@ -12,7 +12,14 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from schemas import FAILED, CommittedRecord, ErrorCode, ErrorInfo, UpdateRequest, UpdateResult
+from lorabus.schemas import (
+    FAILED,
+    CommittedRecord,
+    ErrorCode,
+    ErrorInfo,
+    UpdateRequest,
+    UpdateResult,
+)
 
 _REMEMBERED_RESULTS = 16
 """Results carry an entry per worker (about 0.5 MB at 1024 workers); older ones

@@ -1,10 +1,13 @@
-"""The coordinator's settings, validated in one place."""
+"""The coordinator's settings, validated in one place.
+
+The CLI's options, the process command lines the testbed builds and the
+embedded stack all take their defaults from here.
+"""
 
 from __future__ import annotations
 
 import msgspec
-
-from schemas import Naming
+from lorabus.schemas import Naming, check_token
 
 
 class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,6 +48,7 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Replicas of the fleet's KV buckets (3 on a three-node cluster)."""
 
     def __post_init__(self) -> None:
+        check_token("fleet", self.fleet)
         if self.expected_world_size < 1:
             raise ValueError("expected world size must be >= 1")
         for name in (
@@ -59,6 +63,10 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0")
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum must be 'all' or a fraction in (0, 1], got {self.quorum}")
+        if self.audit_max_age_s < 60:
+            raise ValueError(f"audit max age must be >= 60s, got {self.audit_max_age_s}")
+        if self.audit_max_bytes < 1 << 20:
+            raise ValueError(f"audit max bytes must be >= 1 MiB, got {self.audit_max_bytes}")
         if not 1 <= self.kv_replicas <= 5:
             raise ValueError("kv replicas must be 1 to 5")
         if self.keep < 1:

@@ -15,11 +15,9 @@ from collections.abc import Mapping
 import httpx
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
 
+from lorabus.errors import FrontendUnverified
+
 log = logging.getLogger(__name__)
-
-
-class FrontendUnverified(Exception):
-    """Raised when the frontend did not list a model before the deadline."""
 
 
 class FrontendClient:

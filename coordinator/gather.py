@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from schemas import Ack, Phase
+from lorabus.schemas import Ack, Phase
 
 
 class PhaseGather:

@@ -19,17 +19,15 @@ import logging
 import time
 from collections.abc import Callable
 
-from coordinator.cancellation import raise_if_cancelled
-from coordinator.store import FleetStore, LostRace, StoreUnavailable
-from schemas import LeaderRecord
+from lorabus.coordinator.store import FleetStore
+from lorabus.schemas import LeaderRecord
+
+from lorabus.cancellation import raise_if_cancelled
+from lorabus.errors import LeadershipLost, LostRace, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 _STEP_DOWN_FRACTION = 0.6
-
-
-class LeadershipLost(Exception):
-    """Raised by :meth:`LeaderElection.hold` when this coordinator is no longer leader."""
 
 
 class LeaderElection:

@@ -22,15 +22,13 @@ import time
 from typing import Any, Protocol, TypeVar
 
 import msgspec
-
-from coordinator.cancellation import raise_if_cancelled
-from coordinator.config import CoordinatorConfig
-from coordinator.frontend import FrontendClient, FrontendUnverified
-from coordinator.gather import AckRouter
-from coordinator.membership import Membership, QuorumNotReached
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.plan import UpdatePlan
-from schemas import (
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.frontend import FrontendClient
+from lorabus.coordinator.gather import AckRouter
+from lorabus.coordinator.membership import Membership
+from lorabus.coordinator.metrics import CoordinatorMetrics
+from lorabus.coordinator.plan import UpdatePlan
+from lorabus.schemas import (
     COMMITTED,
     FAILED,
     Ack,
@@ -54,6 +52,9 @@ from schemas import (
     build_rank_map,
     phase_of,
 )
+
+from lorabus.cancellation import raise_if_cancelled
+from lorabus.errors import FrontendUnverified, QuorumNotReached
 
 log = logging.getLogger(__name__)
 

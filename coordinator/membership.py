@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable
 
 import msgspec
+from lorabus.schemas import Ack, Heartbeat
 
-from coordinator.cancellation import raise_if_cancelled
-from schemas import Ack, Heartbeat
+from lorabus.cancellation import raise_if_cancelled
+from lorabus.errors import QuorumNotReached
 
 MISSED_BEATS = 3
 
@@ -22,10 +23,6 @@ MISSED_BEATS = 3
 class Member(msgspec.Struct, kw_only=True):
     heartbeat: Heartbeat
     seen_at: float
-
-
-class QuorumNotReached(Exception):
-    """Raised when live world sizes do not sum to the expected size in time."""
 
 
 class Membership:

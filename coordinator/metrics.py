@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from lorabus.coordinator.membership import Membership
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from coordinator.membership import Membership
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

@@ -11,17 +11,12 @@ import posixpath
 import re
 
 import msgspec
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.schemas import CommittedRecord, Naming, UpdateRequest
 
-from coordinator.config import CoordinatorConfig
-from schemas import BadRequest, CommittedRecord, ErrorCode, LorabusError, Naming, UpdateRequest
+from lorabus.errors import BadRequest, StaleVersion
 
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
-
-
-class StaleVersion(LorabusError):
-    """Raised when a request asks for a version older than the committed one."""
-
-    code = ErrorCode.STALE_VERSION
 
 
 class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):

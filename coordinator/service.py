@@ -24,22 +24,17 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import msgspec
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-
-from coordinator.book import UpdateBook, failed_result
-from coordinator.cancellation import raise_if_cancelled
-from coordinator.config import CoordinatorConfig
-from coordinator.frontend import FrontendClient
-from coordinator.gather import AckRouter
-from coordinator.leader import LeaderElection, LeadershipLost
-from coordinator.lifecycle import UpdateRunner
-from coordinator.membership import Membership
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.plan import UpdatePlan, is_already_committed, plan_update, retired_names
-from coordinator.store import FleetStore, StoreUnavailable
-from schemas import (
+from lorabus.coordinator.book import UpdateBook, failed_result
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.frontend import FrontendClient
+from lorabus.coordinator.gather import AckRouter
+from lorabus.coordinator.leader import LeaderElection
+from lorabus.coordinator.lifecycle import UpdateRunner
+from lorabus.coordinator.membership import Membership
+from lorabus.coordinator.metrics import CoordinatorMetrics
+from lorabus.coordinator.plan import UpdatePlan, is_already_committed, plan_update, retired_names
+from lorabus.coordinator.store import FleetStore
+from lorabus.schemas import (
     COMMITTED,
     BadMessage,
     Command,
@@ -51,7 +46,6 @@ from schemas import (
     FleetStatus,
     InflightRecord,
     LeaderElected,
-    LorabusError,
     MemberStatus,
     Subjects,
     UpdateFinished,
@@ -64,6 +58,12 @@ from schemas import (
     tag_of,
     update_request_decoder,
 )
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from lorabus.cancellation import raise_if_cancelled
+from lorabus.errors import LeadershipLost, LorabusError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,7 @@ from typing import TypeVar
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client as NatsClient
-from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.client import JetStreamContext
-from nats.js.kv import KeyValue
-
-from schemas import (
+from lorabus.schemas import (
     CommittedRecord,
     InflightRecord,
     LeaderRecord,
@@ -33,6 +28,12 @@ from schemas import (
     UpdateResult,
     update_result_decoder,
 )
+from nats.aio.client import Client as NatsClient
+from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+from nats.js.kv import KeyValue
+
+from lorabus.errors import LostRace, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +44,6 @@ RESULTS_KEPT_S = 24 * 3600.0
 LEADER = "leader"
 COMMITTED = "committed"
 INFLIGHT = "inflight"
-
-
-class StoreUnavailable(Exception):
-    """Raised when the KV store cannot be read or written in time."""
-
-
-class LostRace(Exception):
-    """Raised when a compare-and-set finds that someone else wrote first."""
 
 
 class FleetStore:

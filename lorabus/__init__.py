@@ -1,0 +1,59 @@
+"""lorabus: roll LoRA adapters out across a fleet of inference workers over NATS.
+
+The orchestrator's side, in full::
+
+    from lorabus import UpdateClient
+
+    async with await UpdateClient.connect("nats://127.0.0.1:4222", fleet="prod") as bus:
+        result = await bus.update("policy", "/ckpt/step_42", version=42)
+        if result.committed:
+            rebuild_broadcast_group(result.rank_map)
+
+Everything else (``lorabus.agents``, ``lorabus.coordinator``, the wire
+contract in ``lorabus.schemas``, the development tools in
+``lorabus.testbed``) is for running the fleet, not for calling it.
+"""
+
+from lorabus._version import __version__
+from lorabus.client import UpdateClient
+from lorabus.errors import (
+    BadRequest,
+    BusError,
+    BusUnreachable,
+    EngineError,
+    LorabusError,
+    NoCoordinator,
+    PermissionDenied,
+    StaleVersion,
+)
+from lorabus.schemas import (
+    ErrorCode,
+    ErrorInfo,
+    FleetStatus,
+    MemberStatus,
+    RankEntry,
+    RankMap,
+    UpdateResult,
+    WorkerOutcome,
+)
+
+__all__ = [
+    "BadRequest",
+    "BusError",
+    "BusUnreachable",
+    "EngineError",
+    "ErrorCode",
+    "ErrorInfo",
+    "FleetStatus",
+    "LorabusError",
+    "MemberStatus",
+    "NoCoordinator",
+    "PermissionDenied",
+    "RankEntry",
+    "RankMap",
+    "StaleVersion",
+    "UpdateClient",
+    "UpdateResult",
+    "WorkerOutcome",
+    "__version__",
+]

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from schemas import (
+from lorabus.schemas import (
     COMMITTED,
     Ack,
     Command,

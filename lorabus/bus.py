@@ -13,11 +13,9 @@ import logging
 import nats
 from nats.aio.client import Client as NatsClient
 
+from lorabus.errors import BusUnreachable
+
 log = logging.getLogger(__name__)
-
-
-class BusUnreachable(Exception):
-    """Raised when the first connection to NATS cannot be made in time."""
 
 
 async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> NatsClient:

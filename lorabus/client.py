@@ -25,7 +25,8 @@ from tenacity import (
 )
 
 from lorabus.bus import close, connect
-from schemas import (
+from lorabus.errors import NoCoordinator
+from lorabus.schemas import (
     FAILED,
     ErrorCode,
     ErrorInfo,
@@ -39,12 +40,14 @@ from schemas import (
     update_result_decoder,
 )
 
-
-class CoordinatorUnavailable(Exception):
-    """Raised when no coordinator answers on the fleet's subjects."""
+UPDATE_TIMEOUT_S = 300.0
+"""How long ``update()`` waits for a result unless told otherwise."""
+STATUS_TIMEOUT_S = 5.0
 
 
 class UpdateClient:
+    """Asks one fleet's coordinator for updates and its status, over NATS."""
+
     def __init__(
         self,
         nc: NatsClient,
@@ -79,7 +82,7 @@ class UpdateClient:
         *,
         version: int | None = None,
         update_id: str | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float = UPDATE_TIMEOUT_S,
     ) -> UpdateResult:
         """Request an update and wait for its result (committed or failed).
 
@@ -108,11 +111,11 @@ class UpdateClient:
             )
         return update_result_decoder.decode(reply.data)
 
-    async def status(self, *, timeout_s: float = 5.0) -> FleetStatus:
+    async def status(self, *, timeout_s: float = STATUS_TIMEOUT_S) -> FleetStatus:
         try:
             reply = await self._request(self.subjects.status_request(), StatusRequest(), timeout_s)
         except (nats.errors.NoRespondersError, TimeoutError) as exc:
-            raise CoordinatorUnavailable(
+            raise NoCoordinator(
                 f"no coordinator answered on fleet {self.subjects.fleet!r}"
             ) from exc
         return fleet_status_decoder.decode(reply.data)

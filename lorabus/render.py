@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from schemas import FleetStatus, Phase, RankMap, UpdateResult
+from lorabus.schemas import FleetStatus, Phase, RankMap, UpdateResult
 
 _PHASE_ORDER = [p.value for p in Phase]
 

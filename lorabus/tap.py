@@ -25,7 +25,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lorabus.audit import TrailRecord, decode_message
 from lorabus.cancellation import raise_if_cancelled
-from schemas import Subjects
+from lorabus.errors import AuditStreamMissing
+from lorabus.schemas import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +34,6 @@ _BATCH = 256
 _FETCH_WAIT_S = 1.0
 
 Sink = Callable[[TrailRecord], Awaitable[None]]
-
-
-class AuditStreamMissing(Exception):
-    """Raised when the fleet has no audit stream (no coordinator has run yet)."""
 
 
 def to_record(msg: Msg, subjects: Subjects) -> TrailRecord:

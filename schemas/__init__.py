@@ -3,7 +3,7 @@
 Depends on msgspec only; every other part imports it, it imports no other part.
 """
 
-from schemas.codec import (
+from lorabus.schemas.codec import (
     ack_decoder,
     command_decoder,
     encode,
@@ -16,8 +16,8 @@ from schemas.codec import (
     update_request_decoder,
     update_result_decoder,
 )
-from schemas.errors import BadRequest, EngineError, ErrorCode, ErrorInfo, LorabusError
-from schemas.messages import (
+from lorabus.schemas.errors import ErrorCode, ErrorInfo
+from lorabus.schemas.messages import (
     COMMITTED,
     FAILED,
     WIRE_VERSION,
@@ -57,8 +57,8 @@ from schemas.messages import (
     phase_of,
     tag_of,
 )
-from schemas.rankmap import RankEntry, RankMap, build_rank_map
-from schemas.subjects import Subjects, check_token
+from lorabus.schemas.rankmap import RankEntry, RankMap, build_rank_map
+from lorabus.schemas.subjects import Subjects, check_token
 
 __all__ = [
     "COMMITTED",
@@ -66,13 +66,11 @@ __all__ = [
     "WIRE_VERSION",
     "Ack",
     "BadMessage",
-    "BadRequest",
     "Command",
     "CommandHandled",
     "CommandRefused",
     "CommittedNotice",
     "CommittedRecord",
-    "EngineError",
     "EngineResumed",
     "ErrorCode",
     "ErrorInfo",
@@ -84,7 +82,6 @@ __all__ = [
     "LeaderRecord",
     "LeaseExpired",
     "LoadCommand",
-    "LorabusError",
     "MemberStatus",
     "Naming",
     "PauseCommand",

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-
-from schemas.messages import (
+from lorabus.schemas.messages import (
     Ack,
     Command,
     Event,

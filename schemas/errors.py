@@ -1,11 +1,8 @@
-"""Error codes that cross the bus, and the exception tree of lorabus.
+"""Error codes, and errors as they cross the bus.
 
 Errors travel as data (:class:`ErrorInfo`: a stable ``code`` and a readable
-``message``), never as tracebacks. Inside a process they are raised as:
-
-    LorabusError                 root of every lorabus exception
-    ├── BadRequest               an update request or a flag that cannot be used
-    └── EngineError              an engine answered with a failure (or not at all)
+``message``), never as tracebacks. Inside a process they are raised as the
+exceptions of :mod:`lorabus.errors`, each of which carries one of these codes.
 """
 
 from __future__ import annotations
@@ -48,34 +45,13 @@ class ErrorCode(enum.StrEnum):
     """This coordinator lost its lease while running the update."""
     INTERNAL = "internal"
     """A bug: an unexpected exception, reported instead of crashing."""
+    BUS_UNREACHABLE = "bus_unreachable"
+    """The requester could not connect to NATS (raised in its own process)."""
+    PERMISSION_DENIED = "permission_denied"
+    """NATS refused the credentials, a publish or a subscribe (raised in the
+    process whose connection was refused)."""
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
     code: ErrorCode
     message: str
-
-
-class LorabusError(Exception):
-    """Root of every lorabus exception."""
-
-    code: ErrorCode = ErrorCode.INTERNAL
-
-    def info(self) -> ErrorInfo:
-        return ErrorInfo(code=self.code, message=str(self))
-
-
-class BadRequest(LorabusError):
-    """Raised when an update request or an option cannot be used as given."""
-
-    code = ErrorCode.BAD_REQUEST
-
-
-class EngineError(LorabusError):
-    """Raised when an engine call fails; ``retryable`` says whether to try again."""
-
-    code = ErrorCode.ENGINE_ERROR
-
-    def __init__(self, message: str, *, retryable: bool = False, status: int | None = None):
-        super().__init__(message)
-        self.retryable = retryable
-        self.status = status

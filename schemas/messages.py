@@ -12,9 +12,8 @@ import enum
 from collections.abc import Container
 
 import msgspec
-
-from schemas.errors import ErrorInfo
-from schemas.rankmap import RankMap
+from lorabus.schemas.errors import ErrorInfo
+from lorabus.schemas.rankmap import RankMap
 
 WIRE_VERSION = 2
 """2: commands address a pause's cohort and committed notices reach every

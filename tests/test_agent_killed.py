@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+from lorabus.agents import AgentConfig
+from lorabus.coordinator import Coordinator, CoordinatorConfig
+from lorabus.schemas import UpdateResult
+from lorabus.simfleet import SimFleet
 from processes import Processes, wait_live_workers
 
-from coordinator import Coordinator, CoordinatorConfig
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
-from schemas import UpdateResult
-from simfleet import SimFleet
 
 WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}
 VICTIM = "w001"
@@ -33,15 +33,8 @@ RESULT_DEADLINE_S = PHASE_TIMEOUT_S + 4.0
 
 
 @pytest.fixture
-async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
-    async with Processes(tmp_path / "logs") as started:
-        yield started
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[SimFleet]:
-    async with SimFleet(list(WORLD_SIZES), list(WORLD_SIZES.values())) as fleet:
-        yield fleet
+async def sim(start_sim: Callable[..., Awaitable[SimFleet]]) -> SimFleet:
+    return await start_sim(WORLD_SIZES)
 
 
 @pytest.fixture(params=[1.0], ids=lambda q: f"quorum-{q}")
@@ -73,12 +66,6 @@ async def coordinator(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await close(nc)
-
-
-@pytest.fixture
-async def client(nats_url: str, fleet_name: str) -> AsyncIterator[UpdateClient]:
-    async with await UpdateClient.connect(nats_url, fleet_name) as connected:
-        yield connected
 
 
 @pytest.mark.usefixtures("coordinator")
@@ -141,12 +128,14 @@ async def _update_killing_the_victim_mid_load(
 ) -> UpdateResult:
     agents = {
         worker_id: await processes.start_agent(
+            AgentConfig(
+                fleet=fleet_name,
+                worker_id=worker_id,
+                system_url=sim.system_url(worker_id),
+                world_size=world_size,
+                heartbeat_s=0.2,
+            ),
             nats_url=nats_url,
-            fleet=fleet_name,
-            worker_id=worker_id,
-            system_url=sim.system_url(worker_id),
-            world_size=world_size,
-            extra=["--heartbeat-s", "0.2"],
         )
         for worker_id, world_size in WORLD_SIZES.items()
     }

@@ -11,22 +11,25 @@ from pathlib import Path
 
 import httpx
 import pytest
+from lorabus.agents import AgentConfig
+from lorabus.coordinator import CoordinatorConfig
+from lorabus.schemas import Phase, to_builtins
+from lorabus.simfleet import SimFleet
 from processes import LORABUS, Processes, child_env, run_lorabus
 
 from lorabus.audit import TrailRecord
-from lorabus.natsserver import free_port
-from lorabus.stack import EmbeddedStack
-from schemas import Phase, to_builtins
-from simfleet import SimFleet
+from lorabus.testbed.natsserver import free_port
+from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 20.0
 
 
 @pytest.fixture
 async def stack_with_updates(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> AsyncIterator[EmbeddedStack]:
-    async with EmbeddedStack([2, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([2, 1]) as stack:
         assert stack.client is not None
         for step in (1, 2):
             assert (await stack.client.update("policy", make_adapter(step), version=step)).committed
@@ -55,7 +58,7 @@ async def test_tap_writes_a_trail_that_audit_verify_passes(
 
 
 async def test_audit_verify_exits_1_and_names_a_planted_violation(tmp_path: Path) -> None:
-    from schemas import Ack
+    from lorabus.schemas import Ack
 
     pause = Ack(
         update_id="u1",
@@ -97,18 +100,19 @@ async def test_coordinator_and_agent_serve_metrics_on_their_ports(
     coordinator_port, agent_port = free_port(), free_port()
     async with SimFleet(["w000"], [1]) as sim, Processes(tmp_path / "logs") as processes:
         await processes.start_coordinator(
+            CoordinatorConfig(fleet=fleet_name, frontend_url=sim.url, expected_world_size=1),
             nats_url=nats_url,
-            fleet=fleet_name,
-            frontend_url=sim.url,
-            expected_world_size=1,
             extra=["--metrics-port", str(coordinator_port)],
         )
         await processes.start_agent(
+            AgentConfig(
+                fleet=fleet_name,
+                worker_id="w000",
+                system_url=sim.system_url("w000"),
+                heartbeat_s=0.2,
+            ),
             nats_url=nats_url,
-            fleet=fleet_name,
-            worker_id="w000",
-            system_url=sim.system_url("w000"),
-            extra=["--metrics-port", str(agent_port), "--heartbeat-s", "0.2"],
+            extra=["--metrics-port", str(agent_port)],
         )
         coordinator_text = await asyncio.wait_for(
             _scrape(coordinator_port, 'lorabus_heartbeat_age_seconds{worker="w000"}'), DEADLINE_S

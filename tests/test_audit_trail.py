@@ -8,13 +8,13 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from lorabus.schemas import Ack, Subjects, UpdateFinished, UpdateStarted
 
 from lorabus.audit import TrailRecord, decode_message, verify
 from lorabus.bus import close, connect
-from lorabus.natsserver import NatsServer
-from lorabus.stack import EmbeddedStack
 from lorabus.tap import Tap
-from schemas import Ack, Subjects, UpdateFinished, UpdateStarted
+from lorabus.testbed.natsserver import NatsServer
+from lorabus.testbed.stack import EmbeddedStack
 
 
 async def _replay(url: str, fleet: str, durable: str | None = None) -> list[TrailRecord]:
@@ -34,9 +34,12 @@ async def _replay(url: str, fleet: str, durable: str | None = None) -> list[Trai
 
 
 async def test_the_trail_of_committed_updates_holds_every_step_and_verifies_clean(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack([2, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([2, 1]) as stack:
         assert stack.client is not None
         for step in (1, 2):
             assert (await stack.client.update("policy", make_adapter(step), version=step)).committed

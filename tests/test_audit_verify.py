@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
-from lorabus.audit import TrailRecord, verify
-from schemas import (
+from lorabus.schemas import (
     Ack,
     CommandRefused,
     EngineResumed,
@@ -19,6 +17,8 @@ from schemas import (
     build_rank_map,
     to_builtins,
 )
+
+from lorabus.audit import TrailRecord, verify
 
 MEMBERS = {"a": 2, "b": 1}
 

@@ -8,15 +8,16 @@ variable and ``--header NAME=VALUE``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import pytest
+from lorabus.agents import AgentConfig
+from lorabus.coordinator import CoordinatorConfig
+from lorabus.schemas import ErrorCode
+from lorabus.simfleet import SimFleet
 from processes import Processes, wait_live_workers
 
 from lorabus.client import UpdateClient
-from schemas import ErrorCode
-from simfleet import SimFleet
 
 API_KEY = "s3cret"
 KEY_VAR = "SIM_KEY"
@@ -29,21 +30,8 @@ ENGINE_CALLS = [
 
 
 @pytest.fixture
-async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
-    async with Processes(tmp_path / "logs") as started:
-        yield started
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[SimFleet]:
-    async with SimFleet(list(WORLD_SIZES), list(WORLD_SIZES.values()), api_key=API_KEY) as fleet:
-        yield fleet
-
-
-@pytest.fixture
-async def client(nats_url: str, fleet_name: str) -> AsyncIterator[UpdateClient]:
-    async with await UpdateClient.connect(nats_url, fleet_name) as connected:
-        yield connected
+async def sim(start_sim: Callable[..., Awaitable[SimFleet]]) -> SimFleet:
+    return await start_sim(WORLD_SIZES, api_key=API_KEY)
 
 
 async def _start_fleet(
@@ -56,24 +44,26 @@ async def _start_fleet(
     agent_key: str | None,
 ) -> None:
     auth = ["--api-key-env", KEY_VAR, "--header", "X-Team=rl"]
-    await processes.start_coordinator(
-        nats_url=nats_url,
+    coordinator = CoordinatorConfig(
         fleet=fleet,
         frontend_url=sim.url,
         expected_world_size=sum(WORLD_SIZES.values()),
-        extra=["--phase-timeout", "10", "--verify-timeout", "10", "--quorum-timeout", "10", *auth],
-        env={KEY_VAR: API_KEY},
+        phase_timeout_s=10,
+        verify_timeout_s=10,
+        quorum_timeout_s=10,
+    )
+    await processes.start_coordinator(
+        coordinator, nats_url=nats_url, extra=auth, env={KEY_VAR: API_KEY}
     )
     for worker_id, world_size in WORLD_SIZES.items():
-        await processes.start_agent(
-            nats_url=nats_url,
+        agent = AgentConfig(
             fleet=fleet,
             worker_id=worker_id,
             system_url=sim.system_url(worker_id),
             world_size=world_size,
-            extra=["--heartbeat-s", "0.2", *auth],
-            env={KEY_VAR: agent_key},
+            heartbeat_s=0.2,
         )
+        await processes.start_agent(agent, nats_url=nats_url, extra=auth, env={KEY_VAR: agent_key})
     await wait_live_workers(client, WORLD_SIZES, processes=processes)
 
 

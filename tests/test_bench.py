@@ -20,7 +20,7 @@ import msgspec
 import pytest
 from processes import LORABUS, child_env
 
-from lorabus.bench import BenchReport, ModeResult
+from lorabus.testbed.bench import BenchReport, ModeResult
 
 MARK_VAR = "LORABUS_TEST_MARK"
 RUN_DEADLINE_S = 150.0

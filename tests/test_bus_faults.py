@@ -10,10 +10,10 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from lorabus.simfleet import SimWorker
 
-from lorabus.natsserver import NatsServer, free_port
-from lorabus.stack import EmbeddedStack
-from simfleet import SimWorker
+from lorabus.testbed.natsserver import NatsServer, free_port
+from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 60.0
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lorabus.schemas import ErrorCode
 from processes import run_lorabus
 
-from lorabus.stack import EmbeddedStack
-from schemas import ErrorCode
+from lorabus.testbed.stack import EmbeddedStack
 
 WORLD_SIZES = [2, 1]
 MESSAGE_TAGS = {
@@ -32,12 +32,9 @@ MESSAGE_TAGS = {
 
 
 @pytest.fixture
-async def stack(nats_url: str, fleet_name: str) -> AsyncIterator[EmbeddedStack]:
-    async with EmbeddedStack(
+async def stack(make_stack: Callable[..., EmbeddedStack]) -> AsyncIterator[EmbeddedStack]:
+    async with make_stack(
         WORLD_SIZES,
-        fleet=fleet_name,
-        nats_url=nats_url,
-        heartbeat_s=0.2,
         phase_timeout_s=10,
         verify_timeout_s=10,
         quorum_timeout_s=10,

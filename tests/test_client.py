@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lorabus.bus import close, connect
-from lorabus.client import CoordinatorUnavailable, UpdateClient
+from lorabus.client import UpdateClient
+from lorabus.errors import NoCoordinator
 
 
 async def test_no_coordinator_is_a_failed_result_with_its_own_code(
@@ -15,7 +16,7 @@ async def test_no_coordinator_is_a_failed_result_with_its_own_code(
     try:
         client = UpdateClient(nc, fleet_name, no_coordinator_wait_s=0.3)
         result = await client.update("policy", "/a/step_1", version=1, update_id="lonely")
-        with pytest.raises(CoordinatorUnavailable, match=fleet_name):
+        with pytest.raises(NoCoordinator, match=fleet_name):
             await client.status()
     finally:
         await close(nc)

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Callable
 
 from lorabus.bus import close, connect
-from lorabus.natsserver import NatsServer
+from lorabus.testbed.natsserver import NatsServer
 
 DEADLINE_S = 10.0
 POLL_S = 0.01

@@ -9,18 +9,19 @@ every engine is paused and loading.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import pytest
+from lorabus.agents import AgentConfig
+from lorabus.coordinator import CoordinatorConfig
+from lorabus.schemas import Subjects, heartbeat_decoder
+from lorabus.simfleet import SimFleet, SimWorker
 from nats.aio.msg import Msg
 from processes import Processes, wait_live_workers
 
 from lorabus.bus import close, connect
-from lorabus.child_processes import ChildProcess
 from lorabus.client import UpdateClient
-from schemas import Subjects, heartbeat_decoder
-from simfleet import SimFleet, SimWorker
+from lorabus.testbed.child_processes import ChildProcess
 
 WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}
 LEADER_LEASE_S = 1.0
@@ -31,15 +32,8 @@ ANNOUNCE_DEADLINE_S = 15.0
 
 
 @pytest.fixture
-async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
-    async with Processes(tmp_path / "logs") as started:
-        yield started
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[SimFleet]:
-    async with SimFleet(list(WORLD_SIZES), list(WORLD_SIZES.values())) as fleet:
-        yield fleet
+async def sim(start_sim: Callable[..., Awaitable[SimFleet]]) -> SimFleet:
+    return await start_sim(WORLD_SIZES)
 
 
 def _loads(worker: SimWorker) -> int:
@@ -51,37 +45,25 @@ async def _start_fleet(
 ) -> dict[str, ChildProcess]:
     coordinators = {}
     for holder in ("c1", "c2"):
-        coordinators[holder] = await processes.start(
-            f"coordinator-{holder}",
-            [
-                "coordinator",
-                "--nats",
-                nats_url,
-                "--fleet",
-                fleet_name,
-                "--frontend-url",
-                sim.url,
-                "--expected-world-size",
-                str(sum(WORLD_SIZES.values())),
-                "--holder",
-                holder,
-                "--leader-lease",
-                str(LEADER_LEASE_S),
-                "--phase-timeout",
-                "20",
-                "--pause-lease",
-                "10",
-            ],
+        config = CoordinatorConfig(
+            fleet=fleet_name,
+            frontend_url=sim.url,
+            expected_world_size=sum(WORLD_SIZES.values()),
+            holder=holder,
+            leader_lease_s=LEADER_LEASE_S,
+            phase_timeout_s=20,
+            pause_lease_s=10,
         )
+        coordinators[holder] = await processes.start_coordinator(config, nats_url=nats_url)
     for worker_id, size in WORLD_SIZES.items():
-        await processes.start_agent(
-            nats_url=nats_url,
+        agent = AgentConfig(
             fleet=fleet_name,
             worker_id=worker_id,
             system_url=sim.system_url(worker_id),
             world_size=size,
-            extra=["--heartbeat-s", "0.2"],
+            heartbeat_s=0.2,
         )
+        await processes.start_agent(agent, nats_url=nats_url)
     return coordinators
 
 

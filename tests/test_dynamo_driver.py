@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from lorabus.agents import DynamoDriver
+from lorabus.simfleet import SimFleet
 
-from agents import DynamoDriver
-from schemas import EngineError
-from simfleet import SimFleet
+from lorabus.errors import EngineError
 
 
 @pytest.fixture

@@ -11,19 +11,21 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 from hand_coordinator import DEADLINE_S, EPOCH, HandCoordinator
-
-from lorabus.stack import EmbeddedStack
-from schemas import (
+from lorabus.schemas import (
     CommandRefused,
     LeaseExpired,
     PauseCommand,
     RenewLeaseCommand,
 )
 
+from lorabus.testbed.stack import EmbeddedStack
+
 
 @pytest.fixture
-async def stack(nats_url: str, fleet_name: str) -> AsyncIterator[EmbeddedStack]:
-    async with EmbeddedStack([1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as s:
+async def stack(
+    make_stack: Callable[..., EmbeddedStack],
+) -> AsyncIterator[EmbeddedStack]:
+    async with make_stack([1]) as s:
         yield s
 
 
@@ -86,13 +88,12 @@ async def test_renewals_keep_the_engine_paused_until_they_stop(
 
 
 async def test_the_coordinators_renewals_hold_a_pause_longer_than_its_lease(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     # Loads take five leases: only the renewals the coordinator broadcasts to
     # the pause's cohort keep each engine paused until the update's resume.
-    async with EmbeddedStack(
-        [1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, pause_lease_s=0.4
-    ) as stack:
+    async with make_stack([1, 2], pause_lease_s=0.4) as stack:
         assert stack.client is not None and stack.sim is not None
         for worker in stack.sim.workers.values():
             worker.set_faults(latency_s={"load": 2.0})

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator import Coordinator, CoordinatorConfig
+from lorabus.coordinator import Coordinator, CoordinatorConfig
+
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
 

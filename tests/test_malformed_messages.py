@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from lorabus.schemas import BadMessage, Subjects, event_decoder
+
 from lorabus.bus import close, connect
-from lorabus.stack import EmbeddedStack
-from schemas import BadMessage, Subjects, event_decoder
+from lorabus.testbed.stack import EmbeddedStack
 
 
 async def test_garbage_on_the_command_subjects_is_reported_and_agents_keep_working(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     subjects = Subjects(fleet=fleet_name)
-    async with EmbeddedStack([1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([1, 2]) as stack:
         assert stack.client is not None
         nc = await connect(nats_url, name="test-saboteur")
         reports: asyncio.Queue[BadMessage] = asyncio.Queue()
@@ -40,9 +44,10 @@ async def test_garbage_on_the_command_subjects_is_reported_and_agents_keep_worki
 
 
 async def test_a_malformed_update_request_gets_a_bad_request_answer(
-    nats_url: str, fleet_name: str
+    fleet_name: str,
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack([1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([1]) as stack:
         assert stack.client is not None
         reply = await stack.client.nc.request(
             Subjects(fleet=fleet_name).update_request(), b"[1, 2", timeout=10

@@ -6,14 +6,14 @@ from collections.abc import Callable
 
 import httpx
 import pytest
+from lorabus.agents import DynamoDriver
+from lorabus.agents.metrics import AgentMetrics, InstrumentedDriver
+from lorabus.simfleet import SimFleet
 
-from agents import DynamoDriver
-from agents.metrics import AgentMetrics, InstrumentedDriver
+from lorabus.errors import EngineError
 from lorabus.metrics_http import serving
-from lorabus.natsserver import free_port
-from lorabus.stack import EmbeddedStack
-from schemas import EngineError
-from simfleet import SimFleet
+from lorabus.testbed.natsserver import free_port
+from lorabus.testbed.stack import EmbeddedStack
 
 
 async def _scrape(port: int) -> str:
@@ -24,9 +24,10 @@ async def _scrape(port: int) -> str:
 
 
 async def test_the_coordinator_exports_updates_phases_acks_and_membership(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack([2, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([2, 1]) as stack:
         assert stack.client is not None and stack.coordinator is not None
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
         port = free_port()

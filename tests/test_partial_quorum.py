@@ -6,17 +6,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from lorabus.stack import EmbeddedStack
+from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 15.0
 
 
 async def test_a_partial_quorum_commits_without_the_failed_worker_until_it_catches_up(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack(
-        [1, 1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, quorum=0.75
-    ) as stack:
+    async with make_stack([1, 1, 2], quorum=0.75) as stack:
         assert stack.client is not None and stack.sim is not None
         straggler = stack.sim.workers["w000"]
         straggler.set_faults(fail_next_loads=1000)
@@ -41,11 +40,10 @@ async def test_a_partial_quorum_commits_without_the_failed_worker_until_it_catch
 
 
 async def test_a_partial_quorum_still_fails_when_too_few_workers_succeed(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack(
-        [1, 1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, quorum=0.75
-    ) as stack:
+    async with make_stack([1, 1, 2], quorum=0.75) as stack:
         assert stack.client is not None and stack.sim is not None
         stack.sim.workers["w002"].set_faults(fail_next_loads=1000)  # half the world size
         result = await stack.client.update("policy", make_adapter(1), version=1)

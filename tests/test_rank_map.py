@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from schemas import build_rank_map
+from lorabus.schemas import build_rank_map
 
 
 def test_heterogeneous_world_sizes_get_offsets_after_the_trainer() -> None:

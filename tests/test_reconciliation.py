@@ -5,19 +5,23 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from agents import Agent, CommandExecutor, DynamoDriver
+from lorabus.agents import Agent, CommandExecutor, DynamoDriver
+from lorabus.schemas import Subjects
+from lorabus.simfleet import SimFleet
+
 from lorabus.bus import close, connect
-from lorabus.stack import EmbeddedStack
-from schemas import Subjects
-from simfleet import SimFleet
+from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 15.0
 
 
 async def test_a_new_agent_loads_the_committed_adapter_before_it_is_ready(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack([1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([1, 1]) as stack:
         assert stack.client is not None
         committed = await stack.client.update("policy", make_adapter(1), version=1)
         assert committed.committed, committed.error
@@ -44,9 +48,10 @@ async def test_a_new_agent_loads_the_committed_adapter_before_it_is_ready(
 
 
 async def test_an_engine_that_lost_its_adapters_gets_the_committed_one_back(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack([1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([1, 1]) as stack:
         assert stack.client is not None and stack.sim is not None
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
         worker = stack.sim.workers["w001"]
@@ -60,11 +65,10 @@ async def test_an_engine_that_lost_its_adapters_gets_the_committed_one_back(
 
 
 async def test_an_update_does_not_count_an_agent_that_is_not_ready(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack(
-        [1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, quorum_timeout_s=1.0
-    ) as stack:
+    async with make_stack([1, 1], quorum_timeout_s=1.0) as stack:
         assert stack.client is not None and stack.sim is not None
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
         broken = stack.sim.workers["w001"]

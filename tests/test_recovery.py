@@ -3,16 +3,19 @@ from a real JetStream KV written as the predecessor left it."""
 
 from __future__ import annotations
 
-from coordinator.store import FleetStore
-from lorabus.bus import close, connect
-from lorabus.stack import EmbeddedStack
-from schemas import (
+from collections.abc import Callable
+
+from lorabus.coordinator.store import FleetStore
+from lorabus.schemas import (
     CommittedRecord,
     InflightRecord,
     Phase,
     Subjects,
     build_rank_map,
 )
+
+from lorabus.bus import close, connect
+from lorabus.testbed.stack import EmbeddedStack
 
 MEMBERS = {"w000": 1, "w001": 2}
 
@@ -49,12 +52,12 @@ async def _leave_in_flight(nats_url: str, fleet_name: str, *, committed: bool) -
 
 
 async def test_an_update_that_committed_before_its_leader_died_stays_committed(
-    nats_url: str, fleet_name: str
+    nats_url: str,
+    fleet_name: str,
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     await _leave_in_flight(nats_url, fleet_name, committed=True)
-    async with EmbeddedStack(
-        list(MEMBERS.values()), fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2
-    ) as stack:
+    async with make_stack(list(MEMBERS.values())) as stack:
         assert stack.client is not None and stack.sim is not None
         answer = await stack.client.update(
             "policy", "/adapters/policy-7", version=7, update_id="step-7"
@@ -68,12 +71,12 @@ async def test_an_update_that_committed_before_its_leader_died_stays_committed(
 
 
 async def test_an_update_that_had_not_committed_is_rolled_back(
-    nats_url: str, fleet_name: str
+    nats_url: str,
+    fleet_name: str,
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     await _leave_in_flight(nats_url, fleet_name, committed=False)
-    async with EmbeddedStack(
-        list(MEMBERS.values()), fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2
-    ) as stack:
+    async with make_stack(list(MEMBERS.values())) as stack:
         assert stack.client is not None
         answer = await stack.client.update(
             "policy", "/adapters/policy-7", version=7, update_id="step-7"

@@ -10,11 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from nats.aio.msg import Msg
-
-from lorabus.bus import close, connect
-from lorabus.stack import EmbeddedStack
-from schemas import (
+from lorabus.schemas import (
     Ack,
     CommittedNotice,
     Heartbeat,
@@ -27,15 +23,20 @@ from schemas import (
     encode,
     phase_of,
 )
+from nats.aio.msg import Msg
+
+from lorabus.bus import close, connect
+from lorabus.testbed.stack import EmbeddedStack
 
 
 async def test_a_member_that_missed_the_broadcast_gets_the_command_on_its_own_subject(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     subjects = Subjects(fleet=fleet_name)
-    async with EmbeddedStack(
-        [1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, expected_world_size=2
-    ) as stack:
+    async with make_stack([1], expected_world_size=2) as stack:
         assert stack.client is not None
         nc = await connect(nats_url, name="test-deaf-agent")
         heard: list[tuple[str, Phase]] = []
@@ -100,10 +101,12 @@ async def test_a_member_that_missed_the_broadcast_gets_the_command_on_its_own_su
 
 
 async def test_an_agent_runs_a_repeated_command_once_and_acks_it_again(
-    nats_url: str, fleet_name: str
+    nats_url: str,
+    fleet_name: str,
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     subjects = Subjects(fleet=fleet_name)
-    async with EmbeddedStack([1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([1]) as stack:
         assert stack.sim is not None
         nc = await connect(nats_url, name="test-hand-coordinator")
         acks: asyncio.Queue[Ack] = asyncio.Queue()

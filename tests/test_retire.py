@@ -8,11 +8,7 @@ import asyncio
 from collections.abc import Callable
 
 from hand_coordinator import EPOCH, HandCoordinator
-from nats.aio.msg import Msg
-
-from lorabus.bus import close, connect
-from lorabus.stack import EmbeddedStack
-from schemas import (
+from lorabus.schemas import (
     CommandHandled,
     CommittedNotice,
     PauseCommand,
@@ -21,12 +17,19 @@ from schemas import (
     Subjects,
     event_decoder,
 )
+from nats.aio.msg import Msg
+
+from lorabus.bus import close, connect
+from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 10.0
 
 
 async def test_a_failed_retire_is_reported_and_the_next_commit_retires_it_again(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     reports: asyncio.Queue[CommandHandled] = asyncio.Queue()
 
@@ -35,9 +38,7 @@ async def test_a_failed_retire_is_reported_and_the_next_commit_retires_it_again(
         if isinstance(event, CommandHandled) and event.phase is Phase.UNLOAD:
             reports.put_nowait(event)
 
-    async with EmbeddedStack(
-        [1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, keep=1
-    ) as stack:
+    async with make_stack([1, 1], keep=1) as stack:
         assert stack.client is not None and stack.sim is not None
         w000, w001 = stack.sim.workers["w000"], stack.sim.workers["w001"]
         nc = await connect(nats_url, name="test-listener")
@@ -72,12 +73,14 @@ async def test_a_failed_retire_is_reported_and_the_next_commit_retires_it_again(
 
 
 async def test_an_engine_paused_for_an_update_is_not_asked_to_unload(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str], hand: HandCoordinator
+    make_adapter: Callable[[int], str],
+    hand: HandCoordinator,
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     # An engine may refuse to unload while paused, and retiring must never hold
     # an update up: a retire that finds the engine paused is left to the next
     # commit.
-    async with EmbeddedStack([1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([1]) as stack:
         assert stack.client is not None and stack.sim is not None
         engine = stack.sim.workers["w000"]
         paths = {version: make_adapter(version) for version in (1, 2)}

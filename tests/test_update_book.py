@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coordinator.book import UpdateBook
-from schemas import COMMITTED, UpdateRequest, UpdateResult
+from lorabus.coordinator.book import UpdateBook
+from lorabus.schemas import COMMITTED, UpdateRequest, UpdateResult
 
 
 def _request(update_id: str) -> UpdateRequest:

@@ -6,21 +6,16 @@ import asyncio
 from collections.abc import Callable
 
 import httpx
+from lorabus.schemas import Naming
 
-from lorabus.stack import EmbeddedStack
-from schemas import Naming
-
-
-def _stack(nats_url: str, fleet_name: str, sizes: list[int], **kw: object) -> EmbeddedStack:
-    return EmbeddedStack(
-        sizes, fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, phase_timeout_s=10, **kw
-    )  # type: ignore[arg-type]
+from lorabus.testbed.stack import EmbeddedStack
 
 
 async def test_update_commits_on_every_worker_with_heterogeneous_ranks(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(nats_url, fleet_name, [2, 4, 1]) as stack:
+    async with make_stack([2, 4, 1], phase_timeout_s=10) as stack:
         assert stack.client is not None and stack.sim is not None
         result = await stack.client.update("policy", make_adapter(1), version=1, timeout_s=30)
 
@@ -46,9 +41,10 @@ async def test_update_commits_on_every_worker_with_heterogeneous_ranks(
 
 
 async def test_versions_beyond_keep_are_unloaded(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(nats_url, fleet_name, [1, 2], keep=2) as stack:
+    async with make_stack([1, 2], phase_timeout_s=10, keep=2) as stack:
         assert stack.client is not None and stack.sim is not None
         for step in (1, 2, 3):
             result = await stack.client.update("policy", make_adapter(step), version=step)
@@ -62,9 +58,10 @@ async def test_versions_beyond_keep_are_unloaded(
 
 
 async def test_repeated_update_id_returns_the_first_result_without_engine_work(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(nats_url, fleet_name, [1, 1]) as stack:
+    async with make_stack([1, 1], phase_timeout_s=10) as stack:
         assert stack.client is not None and stack.sim is not None
         first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
         requests_after_first = sum(len(w.requests) for w in stack.sim.workers.values())
@@ -75,9 +72,10 @@ async def test_repeated_update_id_returns_the_first_result_without_engine_work(
 
 
 async def test_asking_again_for_the_committed_version_touches_no_engine(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(nats_url, fleet_name, [1, 1]) as stack:
+    async with make_stack([1, 1], phase_timeout_s=10) as stack:
         assert stack.client is not None and stack.sim is not None
         path = make_adapter(4)
         first = await stack.client.update("policy", path, version=4)
@@ -91,9 +89,10 @@ async def test_asking_again_for_the_committed_version_touches_no_engine(
 
 
 async def test_fixed_naming_unloads_then_loads_inside_the_pause(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(nats_url, fleet_name, [1], naming=Naming.FIXED) as stack:
+    async with make_stack([1], phase_timeout_s=10, naming=Naming.FIXED) as stack:
         assert stack.client is not None and stack.sim is not None
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
         worker = stack.sim.workers["w000"]
@@ -116,11 +115,12 @@ async def test_fixed_naming_unloads_then_loads_inside_the_pause(
 
 
 async def test_the_status_shows_the_engines_state_from_the_acks_at_once(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     # Beats far apart: agents do not beat after a command, so what the status
     # shows right after the update can only come from the update's acks.
-    async with EmbeddedStack([1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=30) as stack:
+    async with make_stack([1, 2], heartbeat_s=30) as stack:
         assert stack.client is not None
         result = await stack.client.update("policy", make_adapter(1), version=1)
         status = await stack.client.status()

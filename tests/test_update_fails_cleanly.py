@@ -5,19 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from lorabus.stack import EmbeddedStack
-
-
-def _stack(nats_url: str, fleet_name: str, sizes: list[int], **kw: object) -> EmbeddedStack:
-    return EmbeddedStack(
-        sizes, fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, phase_timeout_s=10, **kw
-    )  # type: ignore[arg-type]
+from lorabus.testbed.stack import EmbeddedStack
 
 
 async def test_one_worker_failing_its_load_fails_the_update_and_everyone_resumes(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(nats_url, fleet_name, [2, 1, 1]) as stack:
+    async with make_stack([2, 1, 1], phase_timeout_s=10) as stack:
         assert stack.client is not None and stack.sim is not None
         stack.sim.workers["w001"].set_faults(fail_next_loads=100)
         result = await stack.client.update("policy", make_adapter(1), version=1)
@@ -36,9 +31,10 @@ async def test_one_worker_failing_its_load_fails_the_update_and_everyone_resumes
 
 
 async def test_a_failed_update_is_not_committed(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(nats_url, fleet_name, [1, 1]) as stack:
+    async with make_stack([1, 1], phase_timeout_s=10) as stack:
         assert stack.client is not None and stack.coordinator is not None
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
         stack.sim.workers["w000"].set_faults(fail_next_loads=100)  # type: ignore[union-attr]
@@ -49,9 +45,10 @@ async def test_a_failed_update_is_not_committed(
 
 
 async def test_a_transient_load_failure_is_retried(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(nats_url, fleet_name, [1, 1]) as stack:
+    async with make_stack([1, 1], phase_timeout_s=10) as stack:
         assert stack.client is not None and stack.sim is not None
         stack.sim.workers["w000"].set_faults(fail_next_loads=2)
         result = await stack.client.update("policy", make_adapter(1), version=1)
@@ -66,11 +63,12 @@ async def test_a_transient_load_failure_is_retried(
 
 
 async def test_a_directory_that_is_not_an_adapter_fails_with_the_engines_reason(
-    nats_url: str, fleet_name: str, tmp_path: Path
+    tmp_path: Path,
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
     empty = tmp_path / "not-an-adapter"
     empty.mkdir()
-    async with _stack(nats_url, fleet_name, [1, 2]) as stack:
+    async with make_stack([1, 2], phase_timeout_s=10) as stack:
         assert stack.client is not None and stack.sim is not None
         result = await stack.client.update("policy", str(empty), version=1)
 
@@ -82,9 +80,9 @@ async def test_a_directory_that_is_not_an_adapter_fails_with_the_engines_reason(
 
 
 async def test_a_relative_path_is_refused_before_any_engine_is_touched(
-    nats_url: str, fleet_name: str
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(nats_url, fleet_name, [1]) as stack:
+    async with make_stack([1], phase_timeout_s=10) as stack:
         assert stack.client is not None and stack.sim is not None
         before = len(stack.sim.workers["w000"].requests)  # the agent's own start-up calls
         result = await stack.client.update("policy", "adapters/step_1", version=1)
@@ -96,9 +94,10 @@ async def test_a_relative_path_is_refused_before_any_engine_is_touched(
 
 
 async def test_an_older_version_than_the_committed_one_is_refused(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(nats_url, fleet_name, [1]) as stack:
+    async with make_stack([1], phase_timeout_s=10) as stack:
         assert stack.client is not None
         assert (await stack.client.update("policy", make_adapter(5), version=5)).committed
         result = await stack.client.update("policy", make_adapter(4), version=4)
@@ -108,10 +107,11 @@ async def test_an_older_version_than_the_committed_one_is_refused(
 
 
 async def test_quorum_not_reached_is_a_clear_error_and_pauses_nothing(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with _stack(
-        nats_url, fleet_name, [2, 1], expected_world_size=8, quorum_timeout_s=1.0
+    async with make_stack(
+        [2, 1], phase_timeout_s=10, expected_world_size=8, quorum_timeout_s=1.0
     ) as stack:
         assert stack.client is not None and stack.sim is not None
         before = {w.worker_id: len(w.requests) for w in stack.sim.workers.values()}

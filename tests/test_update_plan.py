@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.plan import plan_update, retired_names
+from lorabus.schemas import CommittedRecord, Naming, UpdateRequest, build_rank_map
 
-from coordinator.config import CoordinatorConfig
-from coordinator.plan import StaleVersion, plan_update, retired_names
-from schemas import BadRequest, CommittedRecord, Naming, UpdateRequest, build_rank_map
+from lorabus.errors import BadRequest, StaleVersion
 
 CONFIG = CoordinatorConfig(fleet="f", frontend_url="http://127.0.0.1:1", expected_world_size=1)
 

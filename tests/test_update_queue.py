@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from lorabus.stack import EmbeddedStack
-from simfleet import SimWorker
+from lorabus.simfleet import SimWorker
+
+from lorabus.testbed.stack import EmbeddedStack
 
 
 def _loads_seen(worker: SimWorker) -> int:
@@ -14,9 +15,10 @@ def _loads_seen(worker: SimWorker) -> int:
 
 
 async def test_queued_older_versions_are_superseded_and_updates_never_overlap(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack([1, 2], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([1, 2]) as stack:
         assert stack.client is not None and stack.sim is not None
         slow = stack.sim.workers["w000"]
         slow.set_faults(latency_s={"load": 0.5})
@@ -35,9 +37,10 @@ async def test_queued_older_versions_are_superseded_and_updates_never_overlap(
 
 
 async def test_the_same_update_id_sent_twice_at_once_runs_once(
-    nats_url: str, fleet_name: str, make_adapter: Callable[[int], str]
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    async with EmbeddedStack([1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2) as stack:
+    async with make_stack([1]) as stack:
         assert stack.client is not None and stack.sim is not None
         path = make_adapter(1)
         results = await asyncio.gather(

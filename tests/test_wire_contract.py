@@ -6,8 +6,7 @@ import json
 
 import msgspec
 import pytest
-
-from schemas import (
+from lorabus.schemas import (
     WIRE_VERSION,
     Ack,
     LoadCommand,

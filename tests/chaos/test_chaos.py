@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from lorabus.chaos import ALL_KINDS, ChaosConfig, build_schedule, run_chaos
-from lorabus.natsserver import NatsServerMissing, find_nats_server
+from lorabus.errors import NatsServerMissing
+from lorabus.testbed.chaos import ALL_KINDS, ChaosConfig, build_schedule, run_chaos
+from lorabus.testbed.natsserver import find_nats_server
 
 SEED = 20
 DURATION_S = 24.0

@@ -8,28 +8,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
-from lorabus.chaos import Bounds, Timeline, check_all
-from lorabus.chaos.invariants import (
-    check_committed_served,
-    check_fencing,
-    check_final_state,
-    check_pause_leases,
-    check_rank_maps,
-    check_recovery,
-    check_terminal_results,
-)
-from lorabus.chaos.timeline import (
-    AGENT_DOWN,
-    AGENT_STOPPED,
-    ENGINE_HANG,
-    ENGINE_RESTART,
-    LeaseCommand,
-    SeenCommand,
-    UpdateRecord,
-    Window,
-)
-from schemas import (
+from lorabus.schemas import (
     CommandHandled,
     CommandRefused,
     ErrorCode,
@@ -38,6 +17,27 @@ from schemas import (
     UpdateResult,
     WorkerOutcome,
     build_rank_map,
+)
+
+from lorabus.testbed.chaos import Bounds, Timeline, check_all
+from lorabus.testbed.chaos.invariants import (
+    check_committed_served,
+    check_fencing,
+    check_final_state,
+    check_pause_leases,
+    check_rank_maps,
+    check_recovery,
+    check_terminal_results,
+)
+from lorabus.testbed.chaos.timeline import (
+    AGENT_DOWN,
+    AGENT_STOPPED,
+    ENGINE_HANG,
+    ENGINE_RESTART,
+    LeaseCommand,
+    SeenCommand,
+    UpdateRecord,
+    Window,
 )
 
 SIZES = {"a": 2, "b": 1}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lorabus.chaos.procs import ProcessGroup
+from lorabus.testbed.chaos.procs import ProcessGroup
 
 SIM = ["sim", "--workers", "1", "--port", "0"]
 

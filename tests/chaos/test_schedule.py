@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lorabus.chaos import ALL_KINDS, FaultKind, build_schedule
-from lorabus.chaos.schedule import CONTROL, CONTROL_KINDS
+from lorabus.testbed.chaos import ALL_KINDS, FaultKind, build_schedule
+from lorabus.testbed.chaos.schedule import CONTROL, CONTROL_KINDS
 
 WORKERS = ["w000", "w001", "w002", "w003"]
 

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from lorabus.agents import AgentConfig
+from lorabus.coordinator import CoordinatorConfig
 from processes import Processes, wait_live_workers
 from real_fleet import DynamoFleet, Install, find_install
 
@@ -24,7 +27,7 @@ from lorabus.client import UpdateClient
 #: Worker ids and the world sizes their agents are given by flag (mixed on purpose).
 WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}
 #: Timeouts handed to the coordinator: generous, only there so nothing hangs.
-COORDINATOR_TIMEOUTS = ["--phase-timeout", "20", "--verify-timeout", "20", "--quorum-timeout", "20"]
+COORDINATOR_TIMEOUTS = {"phase_timeout_s": 20, "verify_timeout_s": 20, "quorum_timeout_s": 20}
 
 
 @pytest.fixture(scope="session")
@@ -69,18 +72,6 @@ def make_dynamo_fleet(
 
 
 @pytest.fixture
-async def processes(tmp_path: Path) -> AsyncIterator[Processes]:
-    async with Processes(tmp_path / "logs") as started:
-        yield started
-
-
-@pytest.fixture
-async def client(nats_url: str, fleet_name: str) -> AsyncIterator[UpdateClient]:
-    async with await UpdateClient.connect(nats_url, fleet_name) as connected:
-        yield connected
-
-
-@pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=10.0) as session:
         yield session
@@ -91,27 +82,26 @@ async def start_lorabus(
     dynamo: DynamoFleet,
     client: UpdateClient,
     nats_url: str,
-    *,
-    coordinator_args: tuple[str, ...] = (),
+    **coordinator: Any,
 ) -> None:
     """A coordinator and one agent per worker (world size by flag); wait until all are live."""
     fleet = client.subjects.fleet
-    await processes.start_coordinator(
-        nats_url=nats_url,
+    config = CoordinatorConfig(
         fleet=fleet,
         frontend_url=dynamo.frontend_url,
         expected_world_size=sum(WORLD_SIZES.values()),
-        extra=[*COORDINATOR_TIMEOUTS, *coordinator_args],
+        **(COORDINATOR_TIMEOUTS | coordinator),
     )
+    await processes.start_coordinator(config, nats_url=nats_url)
     for worker_id, world_size in WORLD_SIZES.items():
-        await processes.start_agent(
-            nats_url=nats_url,
+        agent = AgentConfig(
             fleet=fleet,
             worker_id=worker_id,
             system_url=dynamo.system_url(worker_id),
             world_size=world_size,
-            extra=["--heartbeat-s", "0.2"],
+            heartbeat_s=0.2,
         )
+        await processes.start_agent(agent, nats_url=nats_url)
     await wait_live_workers(client, WORLD_SIZES, processes=processes, deadline_s=30)
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import WORLD_SIZES, frontend_models, start_lorabus, worker_loras, worker_state
+from lorabus.schemas import ErrorCode
 from processes import Processes
 from real_fleet import DynamoFleet
 
 from lorabus.client import UpdateClient
-from schemas import ErrorCode
 
 pytestmark = pytest.mark.real_dynamo
 
@@ -68,7 +68,7 @@ async def test_versions_beyond_keep_are_unloaded_from_every_real_worker(
     nats_url: str,
     make_adapter: Callable[[int], str],
 ) -> None:
-    await start_lorabus(processes, dynamo, client, nats_url, coordinator_args=("--keep", "1"))
+    await start_lorabus(processes, dynamo, client, nats_url, keep=1)
 
     for version in (1, 2):
         result = await client.update(

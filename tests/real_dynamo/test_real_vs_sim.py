@@ -18,9 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
+from lorabus.simfleet import SimFleet
 from real_fleet import DynamoFleet
-
-from simfleet import SimFleet
 
 pytestmark = pytest.mark.real_dynamo
 

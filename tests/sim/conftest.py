@@ -7,8 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from simfleet import SimFleet
+from lorabus.simfleet import SimFleet
 
 API_KEY = "sim-secret"
 

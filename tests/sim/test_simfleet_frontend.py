@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-
-from simfleet import SimFleet
+from lorabus.simfleet import SimFleet
 
 
 def load_body(name: str, uri: str) -> dict:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import httpx
-
-from simfleet import SimFleet
+from lorabus.simfleet import SimFleet
 
 
 async def test_thousand_workers_answer_on_one_port(tmp_path):

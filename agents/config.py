@@ -1,0 +1,48 @@
+"""The agent's settings, validated in one place.
+
+The CLI's options, the process command lines the testbed builds and the
+embedded stack all take their defaults from here.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from lorabus.schemas import check_token
+
+ENGINE_TIMEOUT_S = 30.0
+"""Seconds one engine HTTP call may take (a driver built without a config uses it too)."""
+
+
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
+    fleet: str
+    worker_id: str
+    """Stable identity: a subject token, and the key that orders the rank map."""
+    system_url: str
+    """Base URL of the engine's control API (a Dynamo worker's system server)."""
+    engine: str = "dynamo"
+    """Which engine driver talks to ``system_url``."""
+    world_size: int = 1
+    """The engine's world size (tensor x pipeline parallel)."""
+    heartbeat_s: float = 1.0
+    """Seconds between heartbeats; the coordinator counts a member live for three."""
+    engine_timeout_s: float = ENGINE_TIMEOUT_S
+    max_pause_lease_s: float | None = None
+    """Resume on its own after this long paused without a renewal, whatever lease
+    the coordinator asked for (None: the coordinator's lease)."""
+    headers: dict[str, str] = {}
+    """Sent with every engine call (auth)."""
+    subject_prefix: str = "lorabus"
+
+    def __post_init__(self) -> None:
+        check_token("worker id", self.worker_id)
+        check_token("fleet", self.fleet)
+        if self.world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {self.world_size}")
+        if self.heartbeat_s < 0.05:
+            raise ValueError(f"heartbeat interval must be >= 0.05s, got {self.heartbeat_s}")
+        if self.engine_timeout_s < 0.1:
+            raise ValueError(f"engine timeout must be >= 0.1s, got {self.engine_timeout_s}")
+        if self.max_pause_lease_s is not None and self.max_pause_lease_s < 0.5:
+            raise ValueError(f"max pause lease must be >= 0.5s, got {self.max_pause_lease_s}")
+        if not self.system_url.startswith(("http://", "https://")):
+            raise ValueError(f"system URL {self.system_url!r} must start with http:// or https://")

@@ -1,0 +1,3 @@
+"""The package version, read by the build (pyproject.toml) and by ``lorabus --version``."""
+
+__version__ = "0.2.0"

@@ -1,0 +1,139 @@
+"""The audit trail: ``lorabus tap`` follows or replays it, ``lorabus audit verify`` checks it."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import click
+
+from lorabus.cli.common import EXIT_FAILED, fleet_option, nats_option, run, subjects_of
+from lorabus.schemas import Subjects
+
+
+@click.command()
+@nats_option
+@fleet_option
+@click.option(
+    "--follow/--no-follow",
+    default=True,
+    show_default=True,
+    help="Keep printing new records, or stop once caught up.",
+)
+@click.option(
+    "--from-seq", type=click.IntRange(min=1), default=None, help="Start at this stream sequence."
+)
+@click.option(
+    "--since",
+    type=click.DateTime(),
+    default=None,
+    help="Start at this local time, e.g. 2026-11-30T14:05:00.",
+)
+@click.option(
+    "--durable",
+    default=None,
+    help="Consumer name that remembers the position across runs and restarts.",
+)
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Append JSON lines to this file instead of printing a timeline.",
+)
+def tap(
+    nats_url: str,
+    fleet: str,
+    follow: bool,
+    from_seq: int | None,
+    since: datetime.datetime | None,
+    durable: str | None,
+    out_path: str | None,
+) -> None:
+    """Follow or replay the fleet's audit trail (commands, acks, events)."""
+    from lorabus.bus import close, connect
+    from lorabus.tap import Tap
+    from lorabus.trail_file import TrailWriter, last_seq_in
+
+    subjects = subjects_of(fleet)
+
+    async def follow_trail() -> int:
+        nc = await connect(nats_url, name=f"lorabus-tap-{fleet}")
+        reader = Tap(
+            nc,
+            subjects,
+            durable=durable,
+            start_seq=from_seq,
+            start_time=since,
+            after_seq=last_seq_in(out_path) if out_path else 0,
+        )
+        try:
+            with TrailWriter(out_path, echo=click.echo) as writer:
+                await reader.run(writer.write, follow=follow)
+        finally:
+            await close(nc)
+        return 0
+
+    sys.exit(run(follow_trail))
+
+
+@click.group()
+def audit() -> None:
+    """Check an audit trail against lorabus's promises."""
+
+
+@audit.command("verify")
+@click.argument("trail", type=click.Path(exists=True, dir_okay=False), required=False)
+@click.option("--live", is_flag=True, help="Check the fleet's audit stream as it is now.")
+@click.option(
+    "--nats",
+    "nats_url",
+    envvar="LORABUS_NATS_URL",
+    default=None,
+    help="NATS server URL (with --live).",
+)
+@fleet_option
+def audit_verify(trail: str | None, live: bool, nats_url: str | None, fleet: str) -> None:
+    """Verify a trail written by 'lorabus tap --out' (or, with --live, the stream).
+
+    Lists each violation with the stream sequences of the records that show it;
+    exits 1 when there is any.
+    """
+    from lorabus.audit import TrailRecord, verify
+    from lorabus.trail_file import read_trail
+
+    if live == (trail is not None):
+        raise click.UsageError("give either a TRAIL file or --live")
+    if live and not nats_url:
+        raise click.UsageError("--live needs --nats (or $LORABUS_NATS_URL)")
+    subjects = subjects_of(fleet)
+
+    async def check() -> int:
+        if trail is not None:
+            records = read_trail(trail)
+        else:
+            assert nats_url is not None
+            records = await _live_records(nats_url, subjects)
+        violations = verify(records)
+        for violation in violations:
+            click.echo(f"{violation.rule}: {violation.message} (records {violation.seqs})")
+        click.echo(f"audit: {len(records)} records, {len(violations)} violation(s)")
+        return EXIT_FAILED if violations else 0
+
+    async def _live_records(url: str, subjects: Subjects) -> list[TrailRecord]:
+        from lorabus.bus import close, connect
+        from lorabus.tap import Tap
+
+        records: list[TrailRecord] = []
+
+        async def keep(record: TrailRecord) -> None:
+            records.append(record)
+
+        nc = await connect(url, name=f"lorabus-audit-{subjects.fleet}")
+        try:
+            await Tap(nc, subjects).run(keep, follow=False)
+        finally:
+            await close(nc)
+        return records
+
+    sys.exit(run(check))

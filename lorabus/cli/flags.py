@@ -1,0 +1,247 @@
+"""The serving processes' flags, each mapped to its config field, in one table.
+
+``lorabus agent`` and ``lorabus coordinator`` take their options from these
+tables, with the defaults of :class:`~lorabus.agents.AgentConfig` and
+:class:`~lorabus.coordinator.CoordinatorConfig`; the testbed and the tests
+build those processes' command lines from a config through the same tables
+(:func:`agent_args`, :func:`coordinator_args`). A flag's name, its field and
+its default are each written once, and a config that a command line cannot
+express (a field without a flag, headers) is refused instead of dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import click
+import msgspec
+
+from lorabus.agents.config import AgentConfig
+from lorabus.agents.engines import ENGINE_KINDS
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.schemas import Naming
+
+_Config = TypeVar("_Config", AgentConfig, CoordinatorConfig)
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class QuorumType(click.ParamType):
+    """``all`` or a fraction in (0, 1] of the expected world size."""
+
+    name = "all|FRACTION"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        if isinstance(value, float):
+            return value
+        if value == "all":
+            return 1.0
+        try:
+            fraction = float(value)
+        except ValueError:
+            fraction = -1.0
+        if not 0 < fraction <= 1:
+            self.fail("use 'all' or a fraction in (0, 1], e.g. 0.75", param, ctx)
+        return fraction
+
+
+@dataclass(frozen=True)
+class Flag:
+    field: str
+    """The config field it sets."""
+    name: str
+    help: str
+    type: Any = None
+    """A click type; None for text."""
+    multiple: bool = False
+
+    def option(self, default: Any) -> Callable[[_F], _F]:
+        required = default is msgspec.NODEFAULT
+        shown: bool | str = not required and default not in (None, [], "")
+        if shown and isinstance(self.type, QuorumType) and default == 1.0:
+            shown = "all"
+        return click.option(
+            self.name,
+            self.field,
+            type=self.type,
+            multiple=self.multiple,
+            required=required,
+            default=None if required else _as_option_value(default),
+            show_default=shown,
+            help=self.help,
+        )
+
+    def render(self, value: Any) -> list[str]:
+        if self.multiple:
+            return [part for item in value for part in (self.name, str(item))]
+        if isinstance(self.type, QuorumType) and value == 1.0:
+            return [self.name, "all"]
+        return [self.name, str(value.value if isinstance(value, enum.Enum) else value)]
+
+
+AGENT_FLAGS = (
+    Flag("worker_id", "--worker-id", "Stable identity; orders the rank map."),
+    Flag("engine", "--engine", "The engine kind at --system-url.", click.Choice(ENGINE_KINDS)),
+    Flag("system_url", "--system-url", "The worker's system server base URL."),
+    Flag("world_size", "--world-size", "The engine's world size (tensor x pipeline).", int),
+    Flag("heartbeat_s", "--heartbeat-s", "Seconds between heartbeats.", float),
+    Flag("engine_timeout_s", "--engine-timeout", "Seconds for one engine HTTP call.", float),
+    Flag(
+        "max_pause_lease_s",
+        "--max-pause-lease",
+        "Resume the engine on its own after this long paused without a renewal, "
+        "whatever lease the coordinator asked for (default: the coordinator's lease).",
+        float,
+    ),
+)
+
+COORDINATOR_FLAGS = (
+    Flag("frontend_url", "--frontend-url", "Dynamo frontend base URL."),
+    Flag(
+        "expected_world_size",
+        "--expected-world-size",
+        "Sum of the workers' world sizes an update waits for.",
+        int,
+    ),
+    Flag("phase_timeout_s", "--phase-timeout", "Seconds for every member to ack a phase.", float),
+    Flag(
+        "verify_timeout_s",
+        "--verify-timeout",
+        "Seconds for the frontend to list the new adapter.",
+        float,
+    ),
+    Flag(
+        "quorum_timeout_s",
+        "--quorum-timeout",
+        "Seconds for live world sizes to reach the expected sum.",
+        float,
+    ),
+    Flag(
+        "quorum",
+        "--quorum",
+        "'all', or the fraction of the expected world size an update needs; below "
+        "all, workers that fail are left out of the commit and its rank map.",
+        QuorumType(),
+    ),
+    Flag("keep", "--keep", "Versions of an adapter kept loaded after a commit.", int),
+    Flag("naming", "--naming", "Served names.", click.Choice([n.value for n in Naming])),
+    Flag(
+        "adapter_roots",
+        "--adapter-root",
+        "Accept adapter paths only under this directory (repeatable).",
+        multiple=True,
+    ),
+    Flag(
+        "pause_lease_s",
+        "--pause-lease",
+        "Seconds an agent stays paused without a renewal before resuming on its own.",
+        float,
+    ),
+    Flag(
+        "leader_lease_s",
+        "--leader-lease",
+        "Seconds of silence after which a standby coordinator takes over.",
+        float,
+    ),
+    Flag("holder", "--holder", "This coordinator's name (default: host-pid-random)."),
+    Flag(
+        "kv_replicas",
+        "--kv-replicas",
+        "Replicas of the fleet's KV buckets (3 on a three-node NATS cluster).",
+        int,
+    ),
+    Flag("audit_max_age_s", "--audit-max-age", "Seconds the audit stream keeps records.", float),
+    Flag(
+        "audit_max_bytes",
+        "--audit-max-bytes",
+        "Bytes the audit stream may hold before dropping its oldest records.",
+        int,
+    ),
+)
+
+
+def config_options(config_type: type[_Config], flags: Sequence[Flag]) -> Callable[[_F], _F]:
+    """Click options for ``flags``, with the defaults of ``config_type``."""
+    defaults = _defaults(config_type)
+
+    def decorate(command: _F) -> _F:
+        for flag in reversed(flags):
+            command = flag.option(defaults[flag.field])(command)
+        return command
+
+    return decorate
+
+
+def build_config(
+    config_type: type[_Config], flags: Sequence[Flag], values: Mapping[str, Any], **fixed: Any
+) -> _Config:
+    """The config from a command's option values (plus ``fixed`` fields); a
+    value the config refuses is a usage error."""
+    fields: dict[str, Any] = {f.field: values[f.field] for f in flags}
+    for flag in flags:
+        if flag.multiple:
+            fields[flag.field] = list(fields[flag.field])
+    if "naming" in fields:
+        fields["naming"] = Naming(fields["naming"])
+    try:
+        return config_type(**fields, **fixed)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def agent_args(config: AgentConfig, *, nats_url: str, extra: Sequence[str] = ()) -> list[str]:
+    """``agent --nats ... --fleet ...`` and a flag for every setting of ``config``
+    that differs from the default; ``extra`` (auth, metrics) goes last."""
+    return ["agent", *_args(config, AGENT_FLAGS, nats_url), *extra]
+
+
+def coordinator_args(
+    config: CoordinatorConfig, *, nats_url: str, extra: Sequence[str] = ()
+) -> list[str]:
+    """The same for ``coordinator``."""
+    return ["coordinator", *_args(config, COORDINATOR_FLAGS, nats_url), *extra]
+
+
+def _args(config: AgentConfig | CoordinatorConfig, flags: Sequence[Flag], url: str) -> list[str]:
+    if config.headers:
+        raise ValueError(
+            "headers carry secrets and stay off command lines: "
+            "pass --api-key-env VAR or --header NAME=VALUE in extra"
+        )
+    by_field = {flag.field: flag for flag in flags}
+    args = ["--nats", url, "--fleet", config.fleet]
+    for name, default in _defaults(type(config)).items():
+        value = getattr(config, name)
+        flag = by_field.get(name)
+        if name in ("fleet", "headers"):
+            continue
+        if flag is None:
+            if value != default:
+                raise ValueError(f"{name}={value!r} has no command-line flag")
+            continue
+        if default is msgspec.NODEFAULT or value != default:
+            args += flag.render(value)
+    return args
+
+
+def _defaults(config_type: type[msgspec.Struct]) -> dict[str, Any]:
+    """Each field's default (``msgspec.NODEFAULT`` for a required one)."""
+    defaults: dict[str, Any] = {}
+    for info in msgspec.structs.fields(config_type):
+        if info.default_factory is not msgspec.NODEFAULT:
+            defaults[info.name] = info.default_factory()
+        else:
+            defaults[info.name] = info.default
+    return defaults
+
+
+def _as_option_value(default: Any) -> Any:
+    if isinstance(default, enum.Enum):
+        return default.value
+    if isinstance(default, list):
+        return tuple(default)
+    return default

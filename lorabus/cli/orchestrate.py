@@ -1,0 +1,114 @@
+"""What an orchestrator or an operator asks a fleet: ``update``, ``status``, ``schema``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import click
+
+from lorabus.cli.common import EXIT_FAILED, fleet_option, nats_option, run, subjects_of
+from lorabus.client import UPDATE_TIMEOUT_S
+
+
+@click.command()
+@nats_option
+@fleet_option
+@click.option("--adapter", required=True, help="Adapter name (served as <name>-v<version>).")
+@click.option("--path", required=True, help="Absolute adapter directory, as workers see it.")
+@click.option(
+    "--version",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Policy version; default: one past the committed version.",
+)
+@click.option("--update-id", default=None, help="Reuse to fetch the result of an earlier request.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0.1),
+    default=UPDATE_TIMEOUT_S,
+    show_default=True,
+    help="Seconds to wait for the result.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def update(
+    nats_url: str,
+    fleet: str,
+    adapter: str,
+    path: str,
+    version: int | None,
+    update_id: str | None,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Request an update and wait for its result (exit 0 committed, 1 failed)."""
+    from lorabus.client import UpdateClient
+    from lorabus.render import result_text
+    from lorabus.schemas import to_builtins
+
+    subjects_of(fleet)
+
+    async def request() -> int:
+        async with await UpdateClient.connect(nats_url, fleet) as client:
+            result = await client.update(
+                adapter, path, version=version, update_id=update_id, timeout_s=timeout
+            )
+        click.echo(json.dumps(to_builtins(result)) if as_json else result_text(result))
+        return 0 if result.committed else EXIT_FAILED
+
+    sys.exit(run(request))
+
+
+@click.command()
+@nats_option
+@fleet_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object.")
+@click.option("--watch", is_flag=True, help="Redraw the status until Ctrl-C.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between redraws with --watch.",
+)
+def status(nats_url: str, fleet: str, as_json: bool, watch: bool, interval: float) -> None:
+    """Show members, world sizes, rank offsets, paused state, adapters, the update in flight."""
+    from lorabus.client import UpdateClient
+    from lorabus.errors import NoCoordinator
+    from lorabus.render import status_text
+    from lorabus.schemas import to_builtins
+
+    subjects_of(fleet)
+
+    async def ask() -> int:
+        async with await UpdateClient.connect(nats_url, fleet) as client:
+            while True:
+                try:
+                    fleet_status = await client.status()
+                    text = (
+                        json.dumps(to_builtins(fleet_status))
+                        if as_json
+                        else status_text(fleet_status)
+                    )
+                except NoCoordinator as exc:
+                    if not watch:
+                        raise
+                    text = f"waiting for a coordinator: {exc}"
+                if not watch:
+                    click.echo(text)
+                    return 0
+                if not as_json:
+                    click.clear()
+                click.echo(text)
+                await asyncio.sleep(interval)
+
+    sys.exit(run(ask))
+
+
+@click.command()
+def schema() -> None:
+    """Print the JSON Schema of every wire message."""
+    from lorabus.schemas import json_schema
+
+    click.echo(json.dumps(json_schema(), indent=2))

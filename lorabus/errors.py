@@ -1,0 +1,185 @@
+"""Every exception lorabus raises, in one tree rooted at :class:`LorabusError`.
+
+Errors cross the bus as data (:class:`~lorabus.schemas.ErrorInfo`: a stable
+``code`` and a readable ``message``), never as tracebacks. Inside a process
+they are raised as one of these, each carrying its :class:`ErrorCode`::
+
+    LorabusError                  root; ``code`` and ``info()`` on every one
+    ├── BadRequest                a request or an option that cannot be used as given
+    │   └── StaleVersion          a version older than the committed one
+    ├── EngineError               an engine call failed, or the engine did not answer
+    │   └── NotListed             the engine accepted a load its own list does not show
+    ├── BusError                  NATS could not be used
+    │   ├── BusUnreachable        the first connection could not be made in time
+    │   └── PermissionDenied      NATS refused the credentials, a publish or a subscribe
+    ├── NoCoordinator             nobody answered on the fleet's request subjects
+    ├── AuditStreamMissing        the fleet has no audit stream yet
+    ├── QuorumNotReached          live world sizes did not reach the expected sum in time
+    ├── FrontendUnverified        the frontend did not list an adapter in time
+    ├── StoreUnavailable          the fleet's KV store could not be read or written in time
+    ├── LeadershipLost            this coordinator no longer holds the fleet's lease
+    │   └── LostRace              another coordinator wrote the leader record first
+    └── NatsServerMissing         no nats-server binary for the embedded stack
+
+An orchestrator using :class:`~lorabus.UpdateClient` meets ``BusUnreachable``
+and ``PermissionDenied`` when connecting and ``NoCoordinator`` from
+``status()``; ``update()`` returns a failed result instead of raising, and
+:meth:`LorabusError.from_info` turns that result's error into the matching
+exception for code that prefers raising.
+"""
+
+from __future__ import annotations
+
+from lorabus.schemas.errors import ErrorCode, ErrorInfo
+
+__all__ = [
+    "AuditStreamMissing",
+    "BadRequest",
+    "BusError",
+    "BusUnreachable",
+    "EngineError",
+    "ErrorCode",
+    "ErrorInfo",
+    "FrontendUnverified",
+    "LeadershipLost",
+    "LorabusError",
+    "LostRace",
+    "NatsServerMissing",
+    "NoCoordinator",
+    "NotListed",
+    "PermissionDenied",
+    "QuorumNotReached",
+    "StaleVersion",
+    "StoreUnavailable",
+]
+
+
+class LorabusError(Exception):
+    """Root of every lorabus exception; ``code`` says which kind it is."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def info(self) -> ErrorInfo:
+        """The error as it crosses the bus."""
+        return ErrorInfo(code=self.code, message=str(self))
+
+    @classmethod
+    def from_info(cls, info: ErrorInfo) -> LorabusError:
+        """The exception for an error received as data (``result.error``, say):
+        the class of the tree for its code, else the root carrying the code."""
+        kind = _CLASS_OF_CODE.get(info.code)
+        if kind is not None:
+            return kind(info.message)
+        error = LorabusError(info.message)
+        error.code = info.code
+        return error
+
+
+class BadRequest(LorabusError):
+    """Raised when an update request or an option cannot be used as given."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class StaleVersion(BadRequest):
+    """Raised when a request asks for a version older than the committed one."""
+
+    code = ErrorCode.STALE_VERSION
+
+
+class EngineError(LorabusError):
+    """Raised when an engine call fails; ``retryable`` says whether to try again."""
+
+    code = ErrorCode.ENGINE_ERROR
+
+    def __init__(self, message: str, *, retryable: bool = False, status: int | None = None):
+        super().__init__(message)
+        self.retryable = retryable
+        self.status = status
+
+
+class NotListed(EngineError):
+    """Raised when an engine accepted a load but its adapter list does not show it."""
+
+    code = ErrorCode.NOT_LISTED
+
+
+class BusError(LorabusError):
+    """Raised when NATS cannot be used."""
+
+    code = ErrorCode.BUS_UNREACHABLE
+
+
+class BusUnreachable(BusError):
+    """Raised when the first connection to NATS cannot be made in time."""
+
+    code = ErrorCode.BUS_UNREACHABLE
+
+
+class PermissionDenied(BusError):
+    """Raised when NATS refuses the credentials, or a publish or subscribe."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
+class NoCoordinator(LorabusError):
+    """Raised when no coordinator answers on the fleet's request subjects."""
+
+    code = ErrorCode.NO_COORDINATOR
+
+
+class AuditStreamMissing(LorabusError):
+    """Raised when the fleet has no audit stream (no coordinator has run yet)."""
+
+    code = ErrorCode.NO_COORDINATOR
+
+
+class QuorumNotReached(LorabusError):
+    """Raised when live, ready world sizes do not sum to the expected size in time."""
+
+    code = ErrorCode.QUORUM_TIMEOUT
+
+
+class FrontendUnverified(LorabusError):
+    """Raised when the frontend did not list a model before the deadline."""
+
+    code = ErrorCode.VERIFY_TIMEOUT
+
+
+class StoreUnavailable(LorabusError):
+    """Raised when the fleet's KV store cannot be read or written in time."""
+
+    code = ErrorCode.INTERNAL
+
+
+class LeadershipLost(LorabusError):
+    """Raised when this coordinator no longer holds the fleet's lease."""
+
+    code = ErrorCode.NOT_LEADER
+
+
+class LostRace(LeadershipLost):
+    """Raised when a compare-and-set finds that another coordinator wrote first."""
+
+
+class NatsServerMissing(LorabusError):
+    """Raised when the embedded stack finds no nats-server binary."""
+
+    code = ErrorCode.INTERNAL
+
+
+_CLASS_OF_CODE: dict[ErrorCode, type[LorabusError]] = {
+    kind.code: kind
+    for kind in (
+        BadRequest,
+        StaleVersion,
+        EngineError,
+        NotListed,
+        BusUnreachable,
+        PermissionDenied,
+        NoCoordinator,
+        QuorumNotReached,
+        FrontendUnverified,
+        LeadershipLost,
+    )
+}

@@ -1,0 +1,31 @@
+"""``lorabus bench``: lorabus against the direct-HTTP way and the bare bus.
+
+For fleets of N simulated workers it measures, on one machine and one
+simulated fleet: lorabus updates through real NATS with null engines and with
+the Dynamo driver over HTTP; the same update done the seed's (prime-rl's)
+way, one HTTP client per worker from one process; and the bus floor, a bare
+nats-py fan-out and gather. Every measured part runs in a process of its own.
+
+Modules: ``config`` (what to run), ``procinfo`` (CPU and memory from /proc),
+``children`` and ``control`` (bench processes and their JSON-line protocol),
+``engines`` (null engine, timing wrapper), ``agenthost`` (many agents in one
+process), ``simhost`` (the simulated fleet), ``baseline`` (direct HTTP),
+``floor`` (the bare bus), ``frontend`` (a model list for null engines),
+``runner`` (the run) and ``report`` (figures, table, targets).
+"""
+
+from lorabus.testbed.bench.config import BenchConfig, WindowCase
+from lorabus.testbed.bench.report import BenchReport, ModeResult, Stats, report_json, table
+from lorabus.testbed.bench.runner import BenchFailed, run_bench
+
+__all__ = [
+    "BenchConfig",
+    "BenchFailed",
+    "BenchReport",
+    "ModeResult",
+    "Stats",
+    "WindowCase",
+    "report_json",
+    "run_bench",
+    "table",
+]

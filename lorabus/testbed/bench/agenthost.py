@@ -1,0 +1,150 @@
+"""An agent host: many agents (or bare floor subscribers) in one process.
+
+A thousand agents cannot each have a process on a 2-core machine, so a host
+runs a share of the fleet: real :class:`agents.Agent` objects over
+:class:`~lorabus.testbed.bench.engines.NullEngine` or the Dynamo driver against the
+simulated fleet, each with its own NATS connection (as separate processes
+would have) or all on one shared connection; null engines take the spec's load
+latency, drawn per load. In ``floor`` role it instead holds one bare nats-py
+subscription per worker that echoes each command as an ack: the bus floor's
+fan-out side, laid out like the agents.
+
+Run as ``python -m lorabus.testbed.bench.agenthost <spec>`` (see ``control.py``);
+answers ``times`` with what its engines went through since the last ask.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from lorabus.agents import Agent, CommandExecutor, DynamoDriver, EngineDriver
+from lorabus.bus import close, connect
+from lorabus.schemas import Subjects
+from lorabus.testbed.bench.control import child_main, say, serve_requests
+from lorabus.testbed.bench.engines import EngineTimes, NullEngine, TimedEngine
+
+log = logging.getLogger(__name__)
+
+_CONNECT_BATCH = 32
+
+
+async def host(spec: dict[str, Any]) -> None:
+    workers: dict[str, int] = spec["workers"]
+    subjects = Subjects(fleet=spec["fleet"])
+    connections: list[NatsClient] = []
+    tasks: list[asyncio.Task[None]] = []
+    drivers: list[EngineDriver] = []
+    times = EngineTimes()
+    try:
+        links = await _connections(spec, list(workers), connections)
+        if spec["role"] == "floor":
+            for worker_id, nc in zip(workers, links, strict=True):
+                await _echo(nc, subjects, worker_id)
+            for nc in connections:
+                await nc.flush(timeout=10)
+        else:
+            await _start_agents(spec, workers, links, subjects, times, tasks, drivers)
+        times.take()
+        say({"ready": True, "workers": len(workers), "connections": len(connections)})
+
+        async def handle(request: dict[str, Any]) -> dict[str, Any]:
+            if request["op"] == "times":
+                return times.take()
+            raise ValueError(f"unknown request {request['op']!r}")
+
+        await serve_requests(handle)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for result in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(result, Exception):
+                log.error("an agent had died: %r", result)
+        await asyncio.gather(*(close(nc) for nc in connections), return_exceptions=True)
+        for driver in drivers:
+            with contextlib.suppress(Exception):
+                await driver.aclose()
+
+
+async def _connections(
+    spec: dict[str, Any], worker_ids: list[str], opened: list[NatsClient]
+) -> list[NatsClient]:
+    """One connection per worker, or one shared by all of them."""
+    url = spec["nats_url"]
+    if spec["shared_connection"]:
+        opened.append(await connect(url, name=f"bench-host-{worker_ids[0]}"))
+        return [opened[0]] * len(worker_ids)
+    for start in range(0, len(worker_ids), _CONNECT_BATCH):
+        batch = worker_ids[start : start + _CONNECT_BATCH]
+        results = await asyncio.gather(
+            *(connect(url, name=f"bench-{wid}") for wid in batch), return_exceptions=True
+        )
+        opened.extend(nc for nc in results if isinstance(nc, NatsClient))
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+    return list(opened)
+
+
+async def _echo(nc: NatsClient, subjects: Subjects, worker_id: str) -> None:
+    ack_subject = subjects.ack(worker_id)
+
+    async def on_command(msg: Msg) -> None:
+        await nc.publish(ack_subject, msg.data)
+
+    await nc.subscribe(subjects.cmd(), cb=on_command)
+
+
+async def _start_agents(
+    spec: dict[str, Any],
+    workers: dict[str, int],
+    links: list[NatsClient],
+    subjects: Subjects,
+    times: EngineTimes,
+    tasks: list[asyncio.Task[None]],
+    drivers: list[EngineDriver],
+) -> None:
+    readies: list[asyncio.Event] = []
+    rng = random.Random(spec["seed"])
+    for (worker_id, world_size), nc in zip(workers.items(), links, strict=True):
+        engine: EngineDriver
+        if spec["engine"] == "null":
+            engine = NullEngine(
+                load_latency_s=spec["load_latency_s"], load_jitter_s=spec["load_jitter_s"], rng=rng
+            )
+        else:
+            engine = DynamoDriver(f"{spec['sim_url']}/workers/{worker_id}")
+        driver = TimedEngine(engine, times)
+        drivers.append(driver)
+        executor = CommandExecutor(worker_id, world_size, driver)
+        await executor.refresh()
+        agent = Agent(subjects, executor, heartbeat_s=spec["heartbeat_s"])
+        ready = asyncio.Event()
+        readies.append(ready)
+        tasks.append(asyncio.create_task(agent.run(nc, ready), name=f"agent-{worker_id}"))
+    deadline = time.monotonic() + spec.get("ready_timeout_s", 60.0)
+    waiting = asyncio.ensure_future(asyncio.gather(*(ready.wait() for ready in readies)))
+    try:
+        while not waiting.done():
+            dead = [task for task in tasks if task.done()]
+            if dead:
+                dead[0].result()  # raises what killed it
+                raise RuntimeError(f"{dead[0].get_name()} stopped at start")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{sum(not r.is_set() for r in readies)} agents not ready in time"
+                )
+            await asyncio.wait({waiting}, timeout=0.1)
+    finally:
+        waiting.cancel()
+
+
+if __name__ == "__main__":
+    child_main(host)

@@ -1,0 +1,134 @@
+"""Engines for the benchmark's agents: a null engine, and a timing wrapper.
+
+:class:`NullEngine` does nothing but remember its adapter list (the agent
+checks its read-back), so an update through it costs only the control plane.
+:class:`TimedEngine` wraps any driver and notes, in a :class:`EngineTimes`
+shared by every agent of a process, when the first engine started to pause,
+when the last one finished resuming and how long the slowest load took: the
+pause window as the engines see it, on the wall clock that every process of
+the machine shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from lorabus.agents import EngineDriver
+
+
+class NullEngine:
+    """An engine driver that answers at once and holds no weights; a load may be
+    given a latency (``load_latency_s +- load_jitter_s``, drawn per load) to see
+    the pause window without any HTTP."""
+
+    kind = "null"
+
+    def __init__(
+        self,
+        *,
+        load_latency_s: float = 0.0,
+        load_jitter_s: float = 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._adapters: dict[str, None] = {}
+        self._latency = load_latency_s
+        self._jitter = load_jitter_s
+        self._rng = rng or random.Random(0)
+
+    async def pause(self) -> None:
+        pass
+
+    async def resume(self) -> None:
+        pass
+
+    async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        if self._latency > 0:
+            jitter = self._rng.uniform(-self._jitter, self._jitter)
+            await asyncio.sleep(max(0.0, self._latency + jitter))
+        self._adapters[name] = None
+
+    async def unload_adapter(self, name: str) -> None:
+        self._adapters.pop(name, None)
+
+    async def list_adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    async def aclose(self) -> None:
+        pass
+
+
+class EngineTimes:
+    """What the engines of one process went through since the last :meth:`take`."""
+
+    def __init__(self) -> None:
+        self.first_pause: float | None = None
+        self.last_resume: float | None = None
+        self.slowest_load_s = 0.0
+        self.pauses = 0
+        self.resumes = 0
+
+    def _clear(self) -> None:
+        self.first_pause = self.last_resume = None
+        self.slowest_load_s = 0.0
+        self.pauses = self.resumes = 0
+
+    def paused(self, started: float) -> None:
+        self.pauses += 1
+        if self.first_pause is None or started < self.first_pause:
+            self.first_pause = started
+
+    def resumed(self, ended: float) -> None:
+        self.resumes += 1
+        if self.last_resume is None or ended > self.last_resume:
+            self.last_resume = ended
+
+    def loaded(self, took_s: float) -> None:
+        self.slowest_load_s = max(self.slowest_load_s, took_s)
+
+    def take(self) -> dict[str, Any]:
+        """The figures so far, as JSON; starts counting afresh."""
+        figures = {
+            "first_pause": self.first_pause,
+            "last_resume": self.last_resume,
+            "slowest_load_s": self.slowest_load_s,
+            "pauses": self.pauses,
+            "resumes": self.resumes,
+        }
+        self._clear()
+        return figures
+
+
+class TimedEngine:
+    """Delegates to ``driver`` and notes pause, resume and load times in ``times``."""
+
+    def __init__(self, driver: EngineDriver, times: EngineTimes) -> None:
+        self.driver = driver
+        self.times = times
+        self.kind = driver.kind
+
+    async def pause(self) -> None:
+        self.times.paused(time.time())
+        await self.driver.pause()
+
+    async def resume(self) -> None:
+        await self.driver.resume()
+        self.times.resumed(time.time())
+
+    async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        started = time.monotonic()
+        try:
+            await self.driver.load_adapter(name, path, budget_s=budget_s)
+        finally:
+            self.times.loaded(time.monotonic() - started)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.driver.unload_adapter(name)
+
+    async def list_adapters(self) -> list[str]:
+        return await self.driver.list_adapters()
+
+    async def aclose(self) -> None:
+        await self.driver.aclose()

@@ -1,0 +1,596 @@
+"""``lorabus bench``: the whole run, size by size and mode by mode.
+
+For each fleet size N a fresh nats-server and a simulated fleet of N workers
+(its own process) serve, in turn:
+
+- ``floor``: agent hosts in floor role and a gather in this process;
+- ``lorabus-null`` / ``lorabus-http``: the real ``lorabus coordinator``
+  process, agent hosts with null or Dynamo-driver engines (one worker of an
+  HTTP fleet gets a real ``lorabus agent`` process of its own, whose memory is
+  "one agent process"), and the requester here, through ``UpdateClient``;
+- ``baseline``: the direct-HTTP orchestrator process.
+
+Each mode gets fresh processes and a fleet name of its own, a warm-up, then
+the timed updates; CPU and memory come from ``/proc`` of each process. The
+processes of a mode are stopped before the next starts, and every process is
+stopped when the run ends, also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lorabus.agents.config import AgentConfig
+from lorabus.bus import close, connect
+from lorabus.cli.flags import agent_args, coordinator_args
+from lorabus.client import UpdateClient
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.errors import NoCoordinator
+from lorabus.schemas import Subjects
+from lorabus.simfleet.identity import numbered_worker_ids
+from lorabus.testbed.bench.children import Child, ChildFailed, Children
+from lorabus.testbed.bench.config import BenchConfig
+from lorabus.testbed.bench.floor import FloorGather
+from lorabus.testbed.bench.frontend import ListingFrontend
+from lorabus.testbed.bench.procinfo import (
+    ForeignLoad,
+    ProcessGone,
+    cpu_seconds,
+    memory_mb,
+    peak_rss_mb,
+)
+from lorabus.testbed.bench.report import (
+    BASELINE,
+    FLOOR,
+    HTTP,
+    NULL,
+    BenchReport,
+    ModeResult,
+    judge,
+    size_ratios,
+    stats_of,
+)
+from lorabus.testbed.natsserver import NatsServer
+from lorabus.testbed.trainer import write_adapter
+
+log = logging.getLogger(__name__)
+
+Out = Callable[[str], None]
+
+_UPDATE_TIMEOUT_S = 120.0
+_MAX_ERRORS_KEPT = 5
+
+
+class BenchFailed(Exception):
+    """Raised when a mode cannot be measured (a process died, a fleet never got ready)."""
+
+
+async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
+    """Run every size and mode of ``config``; print progress with ``out``."""
+    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    load_at_start = os.getloadavg()
+    started = time.monotonic()
+    own_dir = config.run_dir is None
+    run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="lorabus-bench-"))
+    notes: list[str] = []
+    unmeasured: list[str] = []
+    results: list[ModeResult] = []
+    adapter = write_adapter(run_dir / "adapters", 1, base_model="sim-base")
+    # The agent hosts hold hundreds of httpx clients, each of which would load
+    # the CA bundle (~24 ms CPU, ~0.85 MB); a deployed agent holds one. Plain
+    # HTTP on loopback never uses it, so the hosts get an empty CA directory.
+    no_ca = run_dir / "no-ca"
+    no_ca.mkdir(exist_ok=True)
+    cases: list[tuple[str, int, float, float, Sequence[str]]] = [
+        ("main", n, config.load_latency_s, config.load_jitter_s, config.modes) for n in config.sizes
+    ]
+    window = config.window_case
+    if window is not None:
+        window_modes = [m for m in ("null", "http", "baseline") if m in config.modes]
+        cases.append(
+            ("window", window.n, window.load_latency_s, window.load_jitter_s, window_modes)
+        )
+    try:
+        for case, n, latency, jitter, modes in cases:
+            size = _SizeRun(config, case, n, latency, jitter, str(adapter), run_dir, no_ca, out)
+            results.extend(await size.run(modes, unmeasured))
+    finally:
+        failed = bool(unmeasured) or any(r.errors for r in results)
+        if own_dir and not failed:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        elif failed:
+            notes.append(f"logs kept in {run_dir}")
+    ratios = size_ratios(results)
+    return BenchReport(
+        started_at=started_at,
+        elapsed_s=round(time.monotonic() - started, 1),
+        machine={
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "loadavg_at_start": [round(x, 2) for x in load_at_start],
+        },
+        settings=_settings(config),
+        results=results,
+        ratios=ratios,
+        targets=judge(results, ratios),
+        unmeasured=unmeasured,
+        notes=notes,
+    )
+
+
+def _settings(config: BenchConfig) -> dict[str, Any]:
+    settings = asdict(config)
+    settings["run_dir"] = None
+    settings["heartbeat_s"] = {n: config.heartbeat_for(n) for n in config.sizes}
+    return settings
+
+
+class _SizeRun:
+    """Every mode at one fleet size, on a nats-server and a simulated fleet of its own."""
+
+    def __init__(
+        self,
+        config: BenchConfig,
+        case: str,
+        n: int,
+        latency: float,
+        jitter: float,
+        adapter_path: str,
+        run_dir: Path,
+        no_ca: Path,
+        out: Out,
+    ) -> None:
+        self.config = config
+        self.case = case
+        self.n = n
+        self.latency = latency
+        self.jitter = jitter
+        self.adapter_path = adapter_path
+        self.log_dir = run_dir / f"{case}-n{n}"
+        self.host_env = {"SSL_CERT_FILE": "", "SSL_CERT_DIR": str(no_ca)}
+        self.out = out
+        self.workers = dict(zip(numbered_worker_ids(n), config.world_sizes_for(n), strict=True))
+        self.world_size = sum(self.workers.values())
+        self.heartbeat_s = config.heartbeat_for(n)
+        self.updates = config.updates_for(case)
+        self.hosts = min(config.agent_procs, n)
+        self.children = Children(self.log_dir)
+        self.nats: NatsServer | None = None
+        self.sim: Child | None = None
+        self.sim_url = ""
+        self.listing: ListingFrontend | None = None
+
+    async def run(self, modes: Sequence[str], unmeasured: list[str]) -> list[ModeResult]:
+        plan: list[tuple[str, str]] = []
+        for mode in ("floor", "null", "http", "baseline"):
+            if mode not in modes:
+                continue
+            layouts = {"floor": self.config.connections, "null": self.config.connections}.get(
+                mode, self.config.http_connections if mode == "http" else ("-",)
+            )
+            if self.case == "window" and layouts != ("-",):
+                layouts = ("own",)
+            plan.extend((mode, layout) for layout in layouts)
+        results: list[ModeResult] = []
+        async with NatsServer() as nats, self.children, ListingFrontend() as listing:
+            self.nats, self.listing = nats, listing
+            if {"http", "baseline"} & set(modes):
+                await self._start_sim()
+            for mode, layout in plan:
+                label = mode if layout == "-" else f"{mode}/{layout}"
+                started = time.monotonic()
+                try:
+                    result = await self._measure(mode, layout)
+                except (BenchFailed, ChildFailed, ProcessGone) as exc:
+                    unmeasured.append(f"N={self.n} {self.case} {label}: {exc}")
+                    self.out(f"N={self.n} {self.case} {label}: failed: {exc}")
+                    continue
+                results.append(result)
+                self.out(
+                    f"N={self.n} {self.case} {label}: p50 {result.wall_s.p50 * 1000:.1f} ms, "
+                    f"p95 {result.wall_s.p95 * 1000:.1f} ms over {result.updates} updates"
+                    + (f", {result.failed} failed" if result.failed else "")
+                    + f" ({time.monotonic() - started:.0f}s)"
+                )
+        return results
+
+    async def _measure(self, mode: str, layout: str) -> ModeResult:
+        if mode == "floor":
+            return await self._floor(layout)
+        if mode == "baseline":
+            return await self._baseline()
+        return await self._lorabus("null" if mode == "null" else "http", layout)
+
+    def _result(self, mode: str, layout: str, **figures: Any) -> ModeResult:
+        return ModeResult(
+            mode=mode,
+            connections=layout,
+            case=self.case,
+            n=self.n,
+            world_size=self.world_size,
+            load_latency_s=self.latency,
+            load_jitter_s=self.jitter,
+            **figures,
+        )
+
+    async def _start_sim(self) -> None:
+        spec = {
+            "workers": self.n,
+            "world_sizes": list(self.config.world_sizes),
+            "load_latency_s": self.latency,
+            "load_jitter_s": self.jitter,
+            "seed": self.n,
+        }
+        self.sim, ready = await self.children.bench_child("sim", "simhost", spec)
+        self.sim_url = ready["url"]
+
+    def _ready_timeout_s(self) -> float:
+        return 60.0 + self.n * 0.1
+
+    async def _hosts(
+        self, role: str, fleet: str, workers: dict[str, int], layout: str, engine: str = "null"
+    ) -> list[Child]:
+        assert self.nats is not None
+        ids = list(workers)
+        count = min(self.hosts, len(ids))
+        chunks = [ids[i::count] for i in range(count)]
+        specs = [
+            {
+                "role": role,
+                "nats_url": self.nats.url,
+                "fleet": fleet,
+                "workers": {wid: workers[wid] for wid in chunk},
+                "engine": engine,
+                "sim_url": self.sim_url,
+                "shared_connection": layout == "shared",
+                "heartbeat_s": self.heartbeat_s,
+                "ready_timeout_s": self._ready_timeout_s(),
+                "load_latency_s": self.latency,
+                "load_jitter_s": self.jitter,
+                "seed": self.n * 100 + i,
+            }
+            for i, chunk in enumerate(chunks)
+        ]
+        started = await asyncio.gather(
+            *(
+                self.children.bench_child(
+                    f"{fleet}-host{i}",
+                    "agenthost",
+                    spec,
+                    ready_timeout_s=self._ready_timeout_s() + 30,
+                    env=self.host_env,
+                )
+                for i, spec in enumerate(specs)
+            ),
+            return_exceptions=True,
+        )
+        hosts = [s[0] for s in started if not isinstance(s, BaseException)]
+        failure = next((s for s in started if isinstance(s, BaseException)), None)
+        if failure is not None:
+            await self.children.stop_all(hosts)
+            raise failure
+        return hosts
+
+    def _foreign_load(self, children: Sequence[Child]) -> ForeignLoad:
+        """Watches the machine for load that is not this run's."""
+        pids = [child.pid for child in children]
+        for server in (self.nats.process if self.nats else None, self.sim):
+            if server is not None:
+                pids.append(server.pid)
+        return ForeignLoad(pids)
+
+    # -- the bus floor -------------------------------------------------------------
+
+    async def _floor(self, layout: str) -> ModeResult:
+        assert self.nats is not None
+        fleet = f"floor-{layout}-n{self.n}"
+        setup_started = time.monotonic()
+        hosts = await self._hosts("floor", fleet, self.workers, layout)
+        nc = await connect(self.nats.url, name="bench-floor")
+        try:
+            gather = FloorGather(nc, Subjects(fleet=fleet), self.n)
+            await gather.start()
+            setup_s = time.monotonic() - setup_started
+            for _ in range(self.config.warmup):
+                await gather.update()
+            nats_cpu = cpu_seconds(self.nats.process.pid)  # type: ignore[union-attr]
+            hosts_cpu = _cpu(hosts)
+            foreign = self._foreign_load(hosts)
+            walls, rounds = [], []
+            for _ in range(self.updates):
+                times = await gather.update()
+                walls.append(sum(times))
+                rounds.extend(times)
+            count = self.updates
+            return self._result(
+                FLOOR,
+                layout,
+                updates=count,
+                failed=0,
+                wall_s=stats_of(walls),
+                wall_samples_s=[round(w, 6) for w in walls],
+                phases_s={"round": stats_of(rounds)},
+                setup_s=round(setup_s, 3),
+                agents_cpu_s_per_update=(_cpu(hosts) - hosts_cpu) / count,
+                agent_hosts=len(hosts),
+                agents_per_host=-(-self.n // len(hosts)),
+                agent_host_peak_rss_mb=max(peak_rss_mb(h.pid) for h in hosts),
+                nats_cpu_s_per_update=(
+                    cpu_seconds(self.nats.process.pid) - nats_cpu  # type: ignore[union-attr]
+                )
+                / count,
+                foreign_load=foreign.share(),
+            )
+        finally:
+            await close(nc)
+            await self.children.stop_all(hosts)
+
+    # -- lorabus ------------------------------------------------------------------
+
+    async def _lorabus(self, engine: str, layout: str) -> ModeResult:
+        assert self.nats is not None and self.listing is not None
+        fleet = f"bench-{engine}-{layout}-n{self.n}"
+        adapter = f"bench-{engine}-{layout}"
+        frontend_url = self.sim_url if engine == "http" else self.listing.url
+        setup_started = time.monotonic()
+        coordinator_config = CoordinatorConfig(
+            fleet=fleet,
+            frontend_url=frontend_url,
+            expected_world_size=self.world_size,
+            quorum_timeout_s=120,
+            phase_timeout_s=60,
+            verify_timeout_s=30,
+            keep=self.config.keep_versions(),
+        )
+        coordinator = await self.children.lorabus(
+            f"{fleet}-coordinator", coordinator_args(coordinator_config, nats_url=self.nats.url)
+        )
+        hosted = dict(self.workers)
+        single: Child | None = None
+        agents: list[Child] = []
+        nc = None
+        try:
+            if engine == "http" and self.n > 1:
+                # One worker gets a deployed agent: a `lorabus agent` process of its own.
+                wid, size = hosted.popitem()
+                agent_config = AgentConfig(
+                    fleet=fleet,
+                    worker_id=wid,
+                    system_url=f"{self.sim_url}/workers/{wid}",
+                    world_size=size,
+                    heartbeat_s=self.heartbeat_s,
+                )
+                single = await self.children.lorabus(
+                    f"{fleet}-agent-{wid}", agent_args(agent_config, nats_url=self.nats.url)
+                )
+            agents = await self._hosts("agents", fleet, hosted, layout, engine)
+            nc = await connect(self.nats.url, name="bench-requester")
+            client = UpdateClient(nc, fleet)
+            await self._wait_fleet_ready(
+                client, [coordinator, *agents, *([single] if single else [])]
+            )
+            setup_s = time.monotonic() - setup_started
+            idle_from = cpu_seconds(coordinator.pid)
+            await asyncio.sleep(self.config.idle_s)
+            idle_rate = (cpu_seconds(coordinator.pid) - idle_from) / self.config.idle_s
+            version = 0
+            for _ in range(self.config.warmup):
+                version += 1
+                await self._update(client, adapter, version, engine)
+            await asyncio.gather(*(h.ask("times") for h in agents))
+            rss_before = memory_mb(coordinator.pid)[0]
+            measured = [coordinator, *agents, *([single] if single else [])]
+            foreign = self._foreign_load(measured)
+            counters = {
+                "coordinator": cpu_seconds(coordinator.pid),
+                "agents": _cpu([c for c in measured if c is not coordinator]),
+                "nats": cpu_seconds(self.nats.process.pid),  # type: ignore[union-attr]
+                "sim": cpu_seconds(self.sim.pid) if self.sim else 0.0,
+            }
+            walls: list[float] = []
+            phases: dict[str, list[float]] = {}
+            windows: list[float] = []
+            slowest: list[float] = []
+            over: list[float] = []
+            errors: list[str] = []
+            for _ in range(self.updates):
+                version += 1
+                drawn = 0.0
+                if engine == "http" and self.sim is not None:
+                    drawn = (await self.sim.ask("jitter"))["slowest_load_s"]
+                wall, result = await self._update(client, adapter, version, engine)
+                engines = await asyncio.gather(*(h.ask("times") for h in agents))
+                if engine == "null":
+                    drawn = max(e["slowest_load_s"] for e in engines) if self.latency > 0 else 0.0
+                if not result.committed:
+                    message = result.error.message if result.error else result.status
+                    errors.append(f"v{version}: {message}")
+                    continue
+                walls.append(wall)
+                for name, seconds in result.phases.items():
+                    phases.setdefault(name, []).append(seconds)
+                phases.setdefault("other", []).append(wall - sum(result.phases.values()))
+                window = _window(engines)
+                if window is not None:
+                    windows.append(window)
+                    if drawn > 0:
+                        slowest.append(drawn)
+                        over.append(window / drawn)
+            count = self.updates
+            if not walls:
+                raise BenchFailed(f"no update committed: {errors[:1]}")
+            per_update = {
+                "coordinator": cpu_seconds(coordinator.pid) - counters["coordinator"],
+                "agents": _cpu([c for c in measured if c is not coordinator]) - counters["agents"],
+                "nats": cpu_seconds(self.nats.process.pid)  # type: ignore[union-attr]
+                - counters["nats"],
+                "sim": (cpu_seconds(self.sim.pid) if self.sim else 0.0) - counters["sim"],
+            }
+            return self._result(
+                NULL if engine == "null" else HTTP,
+                layout,
+                updates=count,
+                failed=len(errors),
+                wall_s=stats_of(walls),
+                wall_samples_s=[round(w, 6) for w in walls],
+                phases_s={name: stats_of(values) for name, values in phases.items()},
+                setup_s=round(setup_s, 3),
+                pause_window_s=stats_of(windows) if windows else None,
+                slowest_load_s=stats_of(slowest) if slowest else None,
+                window_over_slowest_load=stats_of(over) if over else None,
+                central_cpu_s_per_update=per_update["coordinator"] / count,
+                central_peak_rss_mb=peak_rss_mb(coordinator.pid),
+                central_rss_growth_mb_per_update=round(
+                    (memory_mb(coordinator.pid)[0] - rss_before) / count, 4
+                ),
+                central_idle_cpu_s_per_s=round(idle_rate, 6),
+                agents_cpu_s_per_update=per_update["agents"] / count,
+                agent_hosts=len(agents),
+                agents_per_host=-(-len(hosted) // len(agents)),
+                agent_host_peak_rss_mb=max(peak_rss_mb(h.pid) for h in agents),
+                single_agent_peak_rss_mb=peak_rss_mb(single.pid) if single else None,
+                nats_cpu_s_per_update=per_update["nats"] / count,
+                sim_cpu_s_per_update=per_update["sim"] / count if engine == "http" else None,
+                heartbeat_s=self.heartbeat_s,
+                foreign_load=foreign.share(),
+                errors=errors[:_MAX_ERRORS_KEPT],
+            )
+        finally:
+            if nc is not None:
+                await close(nc)
+            # The coordinator first, so that no update is left half done.
+            await self.children.stop(coordinator)
+            await self.children.stop_all([*agents, *([single] if single else [])])
+
+    async def _update(
+        self, client: UpdateClient, adapter: str, version: int, engine: str
+    ) -> tuple[float, Any]:
+        if engine == "null":
+            assert self.listing is not None
+            self.listing.announce(f"{adapter}-v{version}")
+        started = time.perf_counter()
+        result = await client.update(
+            adapter, self.adapter_path, version=version, timeout_s=_UPDATE_TIMEOUT_S
+        )
+        return time.perf_counter() - started, result
+
+    async def _wait_fleet_ready(self, client: UpdateClient, processes: list[Child]) -> None:
+        """Until the coordinator leads and every agent is live and ready."""
+        deadline = time.monotonic() + self._ready_timeout_s()
+        seen = "no coordinator answered"
+        while time.monotonic() < deadline:
+            dead = [p for p in processes if not p.running]
+            if dead:
+                raise BenchFailed(f"{dead[0].name} exited; its log:\n{dead[0].log_tail()}")
+            try:
+                status = await client.status(timeout_s=5)
+            except NoCoordinator:
+                await asyncio.sleep(0.25)
+                continue
+            ready = sum(m.world_size for m in status.members if m.ready)
+            if ready == self.world_size:
+                return
+            seen = f"{ready} of {self.world_size} world size ready"
+            await asyncio.sleep(0.25)
+        raise BenchFailed(f"the fleet was not ready in time: {seen}")
+
+    # -- the direct-HTTP baseline ---------------------------------------------------
+
+    async def _baseline(self) -> ModeResult:
+        assert self.sim is not None and self.nats is not None
+        setup_started = time.monotonic()
+        spec = {
+            "workers": {wid: f"{self.sim_url}/workers/{wid}" for wid in self.workers},
+            "frontend_url": self.sim_url,
+            "timeout_s": 60.0,
+        }
+        child, ready = await self.children.bench_child(
+            f"baseline-n{self.n}", "baseline", spec, ready_timeout_s=self._ready_timeout_s()
+        )
+        try:
+            timeout = _UPDATE_TIMEOUT_S
+            version = 0
+            for _ in range(self.config.warmup):
+                version += 1
+                await child.ask(
+                    "update", timeout, name=f"baseline-v{version}", path=self.adapter_path
+                )
+            setup_s = time.monotonic() - setup_started
+            central = cpu_seconds(child.pid)
+            foreign = self._foreign_load([child])
+            sim = cpu_seconds(self.sim.pid)
+            walls: list[float] = []
+            phases: dict[str, list[float]] = {}
+            windows: list[float] = []
+            slowest: list[float] = []
+            over: list[float] = []
+            errors: list[str] = []
+            for _ in range(self.updates):
+                version += 1
+                drawn = (await self.sim.ask("jitter"))["slowest_load_s"]
+                figures = await child.ask(
+                    "update", timeout, name=f"baseline-v{version}", path=self.adapter_path
+                )
+                if not figures["ok"]:
+                    errors.append(f"v{version}: {figures['message']}")
+                    continue
+                walls.append(figures["wall_s"])
+                for name, seconds in figures["phases"].items():
+                    phases.setdefault(name, []).append(seconds)
+                phases.setdefault("other", []).append(
+                    figures["wall_s"] - sum(figures["phases"].values())
+                )
+                window = figures["last_resume"] - figures["first_pause"]
+                windows.append(window)
+                if drawn > 0:
+                    slowest.append(drawn)
+                    over.append(window / drawn)
+            count = self.updates
+            if not walls:
+                raise BenchFailed(f"no update succeeded: {errors[:1]}")
+            return self._result(
+                BASELINE,
+                "-",
+                updates=count,
+                failed=len(errors),
+                wall_s=stats_of(walls),
+                wall_samples_s=[round(w, 6) for w in walls],
+                phases_s={name: stats_of(values) for name, values in phases.items()},
+                setup_s=round(setup_s, 3),
+                pause_window_s=stats_of(windows),
+                slowest_load_s=stats_of(slowest) if slowest else None,
+                window_over_slowest_load=stats_of(over) if over else None,
+                central_cpu_s_per_update=(cpu_seconds(child.pid) - central) / count,
+                central_peak_rss_mb=peak_rss_mb(child.pid),
+                sim_cpu_s_per_update=(cpu_seconds(self.sim.pid) - sim) / count,
+                setup_cpu_s=round(ready["setup_cpu_s"], 3),
+                foreign_load=foreign.share(),
+                errors=errors[:_MAX_ERRORS_KEPT],
+            )
+        finally:
+            await self.children.stop(child)
+
+
+def _cpu(children: Sequence[Child]) -> float:
+    return sum(cpu_seconds(child.pid) for child in children)
+
+
+def _window(engines: Sequence[dict[str, Any]]) -> float | None:
+    """First engine pausing to last engine resumed, over every agent host."""
+    firsts = [e["first_pause"] for e in engines if e["first_pause"] is not None]
+    lasts = [e["last_resume"] for e in engines if e["last_resume"] is not None]
+    if not firsts or not lasts:
+        return None
+    return max(lasts) - min(firsts)

@@ -1,0 +1,34 @@
+"""The chaos suite: updates in a loop while real faults hit a real fleet.
+
+Modules, one job each: ``schedule`` (the seeded, reproducible fault
+schedule), ``procs`` (child processes, always reaped), ``fleet`` (NATS, the
+simulated engines, agent and coordinator processes, and the faults on them),
+``inject`` (applying and healing the schedule), ``observe`` (watching the
+engines and the bus), ``timeline`` (what was seen, on one clock),
+``updates`` (the update loop with same-id retries), ``invariants`` (the
+checks), ``report`` (the figures) and ``runner`` (the whole run).
+"""
+
+from lorabus.testbed.chaos.fleet import FleetSettings
+from lorabus.testbed.chaos.invariants import INVARIANTS, Bounds, Violation, check_all
+from lorabus.testbed.chaos.report import ChaosReport, report_json
+from lorabus.testbed.chaos.runner import ChaosConfig, run_chaos
+from lorabus.testbed.chaos.schedule import ALL_KINDS, Fault, FaultKind, build_schedule
+from lorabus.testbed.chaos.timeline import Timeline
+
+__all__ = [
+    "ALL_KINDS",
+    "INVARIANTS",
+    "Bounds",
+    "ChaosConfig",
+    "ChaosReport",
+    "Fault",
+    "FaultKind",
+    "FleetSettings",
+    "Timeline",
+    "Violation",
+    "build_schedule",
+    "check_all",
+    "report_json",
+    "run_chaos",
+]

@@ -1,0 +1,383 @@
+"""The fleet a chaos run breaks: nats-server, simulated engines, agents, coordinators.
+
+Agents and coordinators are ``lorabus agent`` / ``lorabus coordinator`` OS
+processes, so a kill is a real kill; the simulated Dynamo fleet is served from
+this process (its engines are watched exactly and faulted directly); the
+nats-server is a :class:`NatsServer` process that can be stopped and started
+again on the same port with the same JetStream store. Every fault applied here
+is written to the timeline as a window, so the invariants know what excused
+what. A process that exits without a fault is recorded as a crash and
+restarted, as a supervisor would. Everything started is stopped on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import nats.errors
+
+from lorabus.agents.config import AgentConfig
+from lorabus.cli.flags import agent_args, coordinator_args
+from lorabus.client import UpdateClient
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.errors import NoCoordinator
+from lorabus.simfleet import SimFleet
+from lorabus.testbed.chaos.procs import Child, ProcessGroup
+from lorabus.testbed.chaos.timeline import (
+    AGENT_DOWN,
+    AGENT_STOPPED,
+    COORDINATOR_DOWN,
+    COORDINATOR_STOPPED,
+    ENGINE_ERROR,
+    ENGINE_HANG,
+    ENGINE_LATENCY,
+    ENGINE_RESTART,
+    NATS_DOWN,
+    Timeline,
+    Window,
+    now,
+)
+from lorabus.testbed.natsserver import NatsServer, free_port
+
+log = logging.getLogger(__name__)
+
+_NATS_START_ATTEMPTS = 5
+_MAX_RESTARTS = 3
+"""Restarts of one crashed process; past them a crash loop is left down."""
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    world_sizes: Sequence[int]
+    fleet: str = "chaos"
+    heartbeat_s: float = 0.2
+    engine_timeout_s: float = 5.0
+    leader_lease_s: float = 1.0
+    pause_lease_s: float = 4.0
+    phase_timeout_s: float = 6.0
+    quorum_timeout_s: float = 5.0
+    verify_timeout_s: float = 6.0
+    quorum: float = 1.0
+    coordinators: int = 2
+    log_level: str = "INFO"
+
+
+class ChaosFleet:
+    def __init__(
+        self,
+        settings: FleetSettings,
+        run_dir: Path,
+        timeline: Timeline,
+        out: Callable[[str], None] = print,
+    ) -> None:
+        self.settings = settings
+        self.out = out
+        self.run_dir = run_dir
+        self.timeline = timeline
+        self.sim = SimFleet.of_size(len(settings.world_sizes), settings.world_sizes)
+        self.processes = ProcessGroup(run_dir / "logs")
+        self.nats = NatsServer(port=free_port(), store_dir=str(run_dir / "nats"))
+        self._servers = [self.nats]
+        """Every nats-server started, all stopped on exit (stopping twice is harmless)."""
+        self.agents: dict[str, Child] = {}
+        self.coordinators: dict[str, Child] = {}
+        self._holders = 0
+        self._open: dict[tuple[str, str], Window] = {}
+        self._supervisors: set[asyncio.Task[None]] = set()
+        self._restarts: dict[str, int] = {}
+        self._closing = False
+
+    @property
+    def nats_url(self) -> str:
+        return self.nats.url
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return sorted(self.sim.workers)
+
+    @property
+    def expected_world_size(self) -> int:
+        return sum(w.world_size for w in self.sim.workers.values())
+
+    async def __aenter__(self) -> ChaosFleet:
+        try:
+            await self._start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _start(self) -> None:
+        (self.run_dir / "nats").mkdir(parents=True, exist_ok=True)
+        await self.nats.start()
+        await self.sim.start()
+        self.timeline.world_sizes = {w.worker_id: w.world_size for w in self.sim.workers.values()}
+
+    async def start_services(self) -> None:
+        """The coordinators and one agent per worker (after the observers listen)."""
+        for _ in range(self.settings.coordinators):
+            await self.start_coordinator()
+        for worker_id in self.worker_ids:
+            await self.start_agent(worker_id)
+
+    async def aclose(self) -> None:
+        self._closing = True
+        # Coordinators first, so an update they interrupt ends with a resume
+        # that the agents are still there to carry out.
+        try:
+            await self.processes.stop_all(self.coordinators.values())
+        finally:
+            await self.processes.aclose()
+        for task in self._supervisors:
+            task.cancel()
+        await asyncio.gather(*self._supervisors, return_exceptions=True)
+        for server in self._servers:
+            await asyncio.to_thread(server.stop)
+        await self.sim.stop()
+
+    async def wait_ready(self, client: UpdateClient, deadline_s: float = 30.0) -> bool:
+        """Poll until a leader answers and every worker is live and ready; False at the deadline."""
+        want = set(self.worker_ids)
+        deadline = now() + deadline_s
+        while now() < deadline:
+            try:
+                status = await client.status(timeout_s=1.0)
+            except (NoCoordinator, nats.errors.Error) as exc:
+                log.debug("fleet not ready yet: %s", exc)
+            else:
+                if {m.worker_id for m in status.members if m.ready} == want:
+                    return True
+            await asyncio.sleep(0.1)
+        return False
+
+    # -- crashes ------------------------------------------------------------------
+
+    def _supervise(self, child: Child, worker_id: str = "") -> None:
+        """Watch ``child``: an exit that no fault caused is a crash, recorded and,
+        as a supervisor would, answered with a restart (a few times at most)."""
+        task = asyncio.create_task(self._on_exit(child, worker_id), name=f"watch-{child.name}")
+        self._supervisors.add(task)
+        task.add_done_callback(self._supervisors.discard)
+
+    async def _on_exit(self, child: Child, worker_id: str) -> None:
+        code = await child.process.wait()
+        if child.ended_on_purpose or self._closing:
+            return
+        self.timeline.crashes.append(
+            f"{child.name} (pid {child.pid}) exited {code}; log {child.log_path}:\n"
+            f"{child.log_tail()}"
+        )
+        restarts = self._restarts[child.name] = self._restarts.get(child.name, 0) + 1
+        if restarts > _MAX_RESTARTS:
+            self.out(f"crash  {child.name} exited {code}; not restarted again")
+            return
+        self.out(f"crash  {child.name} exited {code}; restarting it")
+        if worker_id:
+            self._begin(AGENT_DOWN, worker_id)
+            await self.restart_agent(worker_id)
+        else:
+            holder = next((h for h, c in self.coordinators.items() if c is child), None)
+            if holder is not None:
+                del self.coordinators[holder]
+            await self.start_coordinator()
+
+    # -- agents ------------------------------------------------------------------
+
+    async def start_agent(self, worker_id: str) -> Child:
+        s = self.settings
+        worker = self.sim.workers[worker_id]
+        config = AgentConfig(
+            fleet=s.fleet,
+            worker_id=worker_id,
+            system_url=self.sim.system_url(worker_id),
+            world_size=worker.world_size,
+            heartbeat_s=s.heartbeat_s,
+            engine_timeout_s=s.engine_timeout_s,
+        )
+        child = await self.processes.start(
+            f"agent-{worker_id}", agent_args(config, nats_url=self.nats_url), log_level=s.log_level
+        )
+        self.agents[worker_id] = child
+        self.timeline.agent_started(worker_id, child.started_at)
+        self._supervise(child, worker_id)
+        return child
+
+    async def kill_agent(self, worker_id: str) -> None:
+        await self.agents[worker_id].kill()
+        self._begin(AGENT_DOWN, worker_id)
+
+    async def restart_agent(self, worker_id: str) -> None:
+        child = await self.start_agent(worker_id)
+        self._end(AGENT_DOWN, worker_id, at=child.started_at)
+
+    def stop_agent(self, worker_id: str) -> None:
+        self.agents[worker_id].suspend()
+        self._begin(AGENT_STOPPED, worker_id)
+
+    def continue_agent(self, worker_id: str) -> None:
+        self.agents[worker_id].resume()
+        self._end(AGENT_STOPPED, worker_id)
+
+    # -- coordinators ------------------------------------------------------------------
+
+    async def start_coordinator(self) -> Child:
+        s = self.settings
+        self._holders += 1
+        holder = f"c{self._holders}"
+        config = CoordinatorConfig(
+            fleet=s.fleet,
+            frontend_url=self.sim.url,
+            expected_world_size=self.expected_world_size,
+            holder=holder,
+            leader_lease_s=s.leader_lease_s,
+            pause_lease_s=s.pause_lease_s,
+            phase_timeout_s=s.phase_timeout_s,
+            quorum_timeout_s=s.quorum_timeout_s,
+            verify_timeout_s=s.verify_timeout_s,
+            quorum=s.quorum,
+        )
+        child = await self.processes.start(
+            f"coordinator-{holder}",
+            coordinator_args(config, nats_url=self.nats_url),
+            log_level=s.log_level,
+        )
+        self.coordinators[holder] = child
+        self._supervise(child)
+        return child
+
+    def leader(self) -> str | None:
+        """The holder of the latest leader_elected event, if its process still runs."""
+        if not self.timeline.leaders:
+            return None
+        holder = self.timeline.leaders[-1][1]
+        child = self.coordinators.get(holder)
+        return holder if child is not None and child.running else None
+
+    async def kill_coordinator(self, holder: str) -> None:
+        await self.coordinators.pop(holder).kill()
+        self._begin(COORDINATOR_DOWN, "")
+
+    def stop_coordinator(self, holder: str) -> None:
+        self.coordinators[holder].suspend()
+        self._begin(COORDINATOR_STOPPED, holder)
+
+    def continue_coordinator(self, holder: str) -> None:
+        child = self.coordinators.get(holder)
+        if child is not None:
+            child.resume()
+        self._end(COORDINATOR_STOPPED, holder)
+
+    async def replace_coordinator(self) -> None:
+        await self.start_coordinator()
+        self._end(COORDINATOR_DOWN, "")
+
+    # -- nats ----------------------------------------------------------------------
+
+    async def stop_nats(self) -> None:
+        if self.nats_down:
+            return
+        await asyncio.to_thread(self.nats.stop)
+        self._begin(NATS_DOWN, "")
+
+    async def start_nats(self) -> None:
+        """A new nats-server on the same port and JetStream store as the last one."""
+        for attempt in range(1, _NATS_START_ATTEMPTS + 1):
+            server = NatsServer(port=self.nats.port, store_dir=self.nats.store_dir)
+            self._servers.append(server)
+            try:
+                await server.start()
+            except RuntimeError as exc:  # e.g. the port is not free again yet
+                if attempt == _NATS_START_ATTEMPTS:
+                    raise
+                log.warning("nats-server did not start (%s); trying again", exc)
+                await asyncio.sleep(0.2 * attempt)
+            else:
+                self.nats = server
+                break
+        self._end(NATS_DOWN, "")
+
+    @property
+    def nats_down(self) -> bool:
+        return (NATS_DOWN, "") in self._open
+
+    # -- engines -------------------------------------------------------------------
+
+    def slow_engine(self, worker_id: str, latency_s: dict[str, float]) -> None:
+        self.sim.workers[worker_id].set_faults(latency_s=latency_s)
+        self._begin(ENGINE_LATENCY, worker_id, latency_s)
+
+    def unslow_engine(self, worker_id: str) -> None:
+        self.sim.workers[worker_id].set_faults(latency_s={})
+        self._end(ENGINE_LATENCY, worker_id)
+
+    def fail_loads(self, worker_id: str, count: int) -> None:
+        self.sim.workers[worker_id].set_faults(fail_next_loads=count)
+        self._begin(ENGINE_ERROR, worker_id)
+
+    def stop_failing_loads(self, worker_id: str) -> None:
+        self.sim.workers[worker_id].set_faults(fail_next_loads=0)
+        self._end(ENGINE_ERROR, worker_id)
+
+    def hang_engine(self, worker_id: str) -> None:
+        self.sim.workers[worker_id].set_faults(hang=True)
+        self._begin(ENGINE_HANG, worker_id)
+
+    def unhang_engine(self, worker_id: str) -> None:
+        self.sim.workers[worker_id].set_faults(hang=False)
+        self._end(ENGINE_HANG, worker_id)
+
+    def restart_engine(self, worker_id: str) -> None:
+        """As a restarted engine comes back: no adapters, not paused."""
+        worker = self.sim.workers[worker_id]
+        self.timeline.instant(ENGINE_RESTART, worker_id)
+        for name in list(worker.adapters):
+            worker.remove_adapter(name)
+        worker.paused = False
+
+    # -- windows -------------------------------------------------------------------
+
+    def _begin(self, kind: str, worker_id: str, latency_s: dict[str, float] | None = None) -> None:
+        window = self.timeline.open_window(kind, worker_id, **(latency_s or {}))
+        self._open[(kind, worker_id)] = window
+
+    def _end(self, kind: str, worker_id: str, at: float | None = None) -> None:
+        window = self._open.pop((kind, worker_id), None)
+        if window is not None:
+            window.end = now() if at is None else at
+
+    @property
+    def open_faults(self) -> list[tuple[str, str]]:
+        return sorted(self._open)
+
+    async def heal(self) -> None:
+        """End every fault still holding: the state a fault-free fleet would be in."""
+        for kind, worker_id in list(self._open):
+            if kind == AGENT_STOPPED:
+                self.continue_agent(worker_id)
+            elif kind == AGENT_DOWN:
+                await self.restart_agent(worker_id)
+            elif kind == NATS_DOWN:
+                await self.start_nats()
+            elif kind == COORDINATOR_DOWN:
+                await self.replace_coordinator()
+            elif kind == COORDINATOR_STOPPED:
+                self.continue_coordinator(worker_id)
+            elif kind == ENGINE_LATENCY:
+                self.unslow_engine(worker_id)
+            elif kind == ENGINE_ERROR:
+                self.stop_failing_loads(worker_id)
+            elif kind == ENGINE_HANG:
+                self.unhang_engine(worker_id)

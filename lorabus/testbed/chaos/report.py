@@ -1,0 +1,132 @@
+"""The figures of a chaos run: counts, latencies, what was injected and found.
+
+Built from the timeline after the run; printed as the summary line the CLI
+ends with, and written as JSON with ``--out``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Any
+
+import msgspec
+
+from lorabus.testbed.chaos.invariants import Violation, count_by_invariant
+from lorabus.testbed.chaos.schedule import Fault
+from lorabus.testbed.chaos.timeline import Timeline
+
+
+class ChaosReport(msgspec.Struct, kw_only=True):
+    seed: int
+    duration_s: float
+    elapsed_s: float
+    world_sizes: dict[str, int]
+    settings: dict[str, Any]
+    attempted: int
+    committed: int
+    failed_cleanly: int
+    failed_by_code: dict[str, int]
+    no_terminal_result: int
+    retried: int
+    """Updates that needed more than one attempt (same update id)."""
+    commit_latency_s: dict[str, float]
+    faults_injected: int
+    faults_by_kind: dict[str, int]
+    faults_skipped: list[str]
+    schedule: list[str]
+    violations_by_invariant: dict[str, int]
+    violations: list[Violation]
+    observed: dict[str, Any]
+    notes: list[str]
+    """Not violations, but worth a look: engine pauses their agents did not know of."""
+    run_dir: str
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def summary_line(self) -> str:
+        return (
+            f"chaos: updates attempted {self.attempted} / committed {self.committed} / "
+            f"failed cleanly {self.failed_cleanly}, faults injected {self.faults_injected}, "
+            f"invariant violations {len(self.violations)}"
+        )
+
+
+def build_report(
+    *,
+    seed: int,
+    duration_s: float,
+    elapsed_s: float,
+    settings: dict[str, Any],
+    timeline: Timeline,
+    schedule: list[Fault],
+    injected: list[Fault],
+    skipped: list[tuple[Fault, str]],
+    violations: list[Violation],
+    run_dir: str,
+) -> ChaosReport:
+    results = [u.result for u in timeline.updates]
+    committed = [r for r in results if r is not None and r.committed]
+    failed = [r for r in results if r is not None and not r.committed]
+    codes = Counter(str(r.error.code) if r.error else "unknown" for r in failed)
+    latencies = [sum(r.phases.values()) for r in committed]
+    return ChaosReport(
+        seed=seed,
+        duration_s=duration_s,
+        elapsed_s=round(elapsed_s, 1),
+        world_sizes=dict(timeline.world_sizes),
+        settings=settings,
+        attempted=len(timeline.updates),
+        committed=len(committed),
+        failed_cleanly=len(failed) - codes.get("internal", 0),
+        failed_by_code=dict(sorted(codes.items())),
+        no_terminal_result=sum(r is None for r in results),
+        retried=sum(len(u.attempts) > 1 for u in timeline.updates),
+        commit_latency_s=_spread(latencies),
+        faults_injected=len(injected),
+        faults_by_kind=dict(sorted(Counter(str(f.kind) for f in injected).items())),
+        faults_skipped=[f"{f.describe()}: {why}" for f, why in skipped],
+        schedule=[f.describe() for f in schedule],
+        violations_by_invariant=count_by_invariant(violations),
+        violations=violations,
+        observed=_observed(timeline),
+        notes=[f"pause unnoticed by its agent: {n}" for n in timeline.unnoticed_pauses()],
+        run_dir=run_dir,
+    )
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {
+        "p50": round(statistics.median(ordered), 4),
+        "p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 4),
+        "max": round(ordered[-1], 4),
+    }
+
+
+def _observed(timeline: Timeline) -> dict[str, Any]:
+    longest = {
+        worker_id: round(
+            max(((s.end or timeline.ended_at or s.start) - s.start for s in spans), default=0.0),
+            3,
+        )
+        for worker_id, spans in sorted(timeline.pauses.items())
+    }
+    return {
+        "events": dict(sorted(timeline.event_counts.items())),
+        "leader_epochs": [epoch for _, _, epoch in timeline.leaders],
+        "commands_refused": len(timeline.refused),
+        "commands_handled": len(timeline.handled),
+        "pauses": sum(len(spans) for spans in timeline.pauses.values()),
+        "longest_pause_s": longest,
+        "undecodable_messages": timeline.undecodable,
+        "crashes": list(timeline.crashes),
+    }
+
+
+def report_json(report: ChaosReport) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(report), indent=2)

@@ -1,0 +1,211 @@
+"""``lorabus chaos``: updates in a loop while a seeded schedule breaks the fleet.
+
+The run, in order: start NATS and the simulated engines, start listening
+(engines and bus), start the coordinators and agents, wait until the fleet is
+ready; then for ``duration_s`` run the update loop while the injector applies
+the schedule; then heal every fault, ask for a recovery update, let the
+engines converge, ask again for every update id, and judge the timeline.
+Every process is stopped on the way out, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import nats.errors
+
+from lorabus.bus import close, connect
+from lorabus.client import UpdateClient
+from lorabus.errors import NoCoordinator
+from lorabus.schemas import Subjects
+from lorabus.testbed.chaos.fleet import ChaosFleet, FleetSettings
+from lorabus.testbed.chaos.inject import FaultInjector
+from lorabus.testbed.chaos.invariants import Bounds, check_all
+from lorabus.testbed.chaos.observe import BusObserver, EngineWatcher
+from lorabus.testbed.chaos.report import ChaosReport, build_report
+from lorabus.testbed.chaos.schedule import ALL_KINDS, Fault, FaultKind, build_schedule
+from lorabus.testbed.chaos.timeline import Timeline, now
+from lorabus.testbed.chaos.updates import UpdateLoop
+
+log = logging.getLogger(__name__)
+
+_RECOVERY_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    duration_s: float
+    seed: int
+    world_sizes: Sequence[int] = (2, 1, 4, 1)
+    """One per worker."""
+    fleet: FleetSettings | None = None
+    """Process settings; default: the short ones, for these world sizes."""
+    mean_gap_s: float = 4.0
+    """Mean time between the starts of two faults."""
+    kinds: Sequence[FaultKind] = ALL_KINDS
+    grace_s: float | None = None
+    """Added to the pause lease; default: a phase timeout + 2 s."""
+    converge_s: float = 10.0
+    attempt_timeout_s: float = 8.0
+    retry_bound_s: float = 90.0
+    idle_chance: float = 0.1
+    """Share of gaps between updates that last longer than lease + grace."""
+    run_dir: Path | None = None
+    """Logs, NATS store and adapters; default: a temporary one, kept on violations."""
+
+    def fleet_settings(self) -> FleetSettings:
+        settings = self.fleet or FleetSettings(world_sizes=self.world_sizes)
+        return dataclasses.replace(settings, world_sizes=tuple(self.world_sizes))
+
+    def bounds(self) -> Bounds:
+        s = self.fleet_settings()
+        grace = s.phase_timeout_s + 2.0 if self.grace_s is None else self.grace_s
+        return Bounds(
+            pause_lease_s=s.pause_lease_s,
+            grace_s=grace,
+            converge_s=self.converge_s,
+            quorum_all=s.quorum == 1.0,
+        )
+
+
+async def run_chaos(config: ChaosConfig, out: Callable[[str], None] = print) -> ChaosReport:
+    """Run the chaos described by ``config``; return its report (violations included)."""
+    started = now()
+    run_dir = config.run_dir or Path(tempfile.mkdtemp(prefix="lorabus-chaos-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings = config.fleet_settings()
+    timeline = Timeline()
+    worker_ids = [f"w{i:03d}" for i in range(len(config.world_sizes))]
+    schedule = build_schedule(
+        config.seed, config.duration_s, worker_ids, mean_gap_s=config.mean_gap_s, kinds=config.kinds
+    )
+    out(
+        f"chaos: seed {config.seed}, {config.duration_s:.0f}s, {len(worker_ids)} workers "
+        f"(world sizes {', '.join(map(str, config.world_sizes))}), {len(schedule)} faults "
+        f"scheduled; run dir {run_dir}"
+    )
+    async with ChaosFleet(settings, run_dir, timeline, out) as fleet:
+        injector = await _run(config, fleet, timeline, schedule, run_dir, out)
+    violations = check_all(timeline, config.bounds())
+    (run_dir / "timeline.json").write_bytes(
+        msgspec.json.format(msgspec.json.encode(timeline.dump()), indent=1)
+    )
+    report = build_report(
+        seed=config.seed,
+        duration_s=config.duration_s,
+        elapsed_s=now() - started,
+        settings={
+            **dataclasses.asdict(settings),
+            "grace_s": config.bounds().grace_s,
+            "converge_s": config.converge_s,
+            "mean_gap_s": config.mean_gap_s,
+            "idle_chance": config.idle_chance,
+        },
+        timeline=timeline,
+        schedule=schedule,
+        injected=injector.injected,
+        skipped=injector.skipped,
+        violations=violations,
+        run_dir=str(run_dir),
+    )
+    if config.run_dir is None and report.ok:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return report
+
+
+async def _run(
+    config: ChaosConfig,
+    fleet: ChaosFleet,
+    timeline: Timeline,
+    schedule: list[Fault],
+    run_dir: Path,
+    out: Callable[[str], None],
+) -> FaultInjector:
+    settings = fleet.settings
+    bounds = config.bounds()
+    nc = await connect(fleet.nats_url, name="lorabus-chaos")
+    observer = BusObserver(Subjects(fleet=settings.fleet), timeline)
+    watcher = asyncio.create_task(EngineWatcher(fleet.sim, timeline).run(), name="engine-watcher")
+    client = UpdateClient(nc, settings.fleet)
+    injector = FaultInjector(fleet, schedule, client, out)
+    try:
+        await observer.start(nc)
+        await fleet.start_services()
+        if not await fleet.wait_ready(client):
+            crashes = "\n".join(timeline.crashes)
+            raise RuntimeError(
+                f"the fleet did not become ready within 30s; logs in {run_dir / 'logs'}\n{crashes}"
+            )
+        loop = UpdateLoop(
+            client,
+            timeline,
+            run_dir / "adapters",
+            seed=config.seed,
+            run_id=f"chaos{config.seed}-{uuid.uuid4().hex[:6]}",
+            attempt_timeout_s=config.attempt_timeout_s,
+            retry_bound_s=config.retry_bound_s,
+            idle_chance=config.idle_chance,
+            idle_s=bounds.pause_lease_s + bounds.grace_s + 2.0,
+            out=out,
+        )
+        began = timeline.origin = now()
+        injecting = asyncio.create_task(injector.run(began), name="injector")
+        try:
+            # Until the run's time is up and every scheduled fault has landed.
+            await loop.run_until(began + config.duration_s, also=injecting)
+            await injecting
+        finally:
+            injecting.cancel()
+            await asyncio.gather(injecting, return_exceptions=True)
+        out(f"heal   every fault ({len(fleet.open_faults)} still holding)")
+        await injector.heal()
+        timeline.healed_at = now()
+        await fleet.wait_ready(client, deadline_s=bounds.converge_s + 10.0)
+        for _ in range(_RECOVERY_ATTEMPTS):
+            record = await loop.run_step(recovery=True)
+            if record.result is not None and record.result.committed:
+                break
+        await _wait_settled(fleet, timeline, bounds.converge_s)
+        timeline.final_committed = await _committed_adapter(client)
+        for record in list(timeline.updates):
+            await loop.ask_again(record)
+        await _wait_settled(fleet, timeline, bounds.pause_lease_s + bounds.grace_s)
+        timeline.ended_at = now()
+    finally:
+        await injector.aclose()
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await observer.stop()
+        await close(nc)
+    return injector
+
+
+async def _wait_settled(fleet: ChaosFleet, timeline: Timeline, deadline_s: float) -> None:
+    """Poll until no engine is paused and every one lists the last commit (or the deadline)."""
+    committed = [u.result for u in timeline.updates if u.result is not None and u.result.committed]
+    name = committed[-1].adapter if committed else None
+    deadline = now() + deadline_s
+    while now() < deadline:
+        workers = fleet.sim.workers.values()
+        if not any(w.paused for w in workers) and all(
+            name is None or name in w.adapters for w in workers
+        ):
+            return
+        await asyncio.sleep(0.05)
+
+
+async def _committed_adapter(client: UpdateClient) -> str | None:
+    """What the leader reports as committed ("(none)"), or None if nobody answers."""
+    with contextlib.suppress(NoCoordinator, nats.errors.Error):
+        return (await client.status(timeout_s=5.0)).committed_adapter or "(none)"
+    return None

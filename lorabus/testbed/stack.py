@@ -1,0 +1,132 @@
+"""The embedded stack: NATS, a simulated fleet, its agents and a coordinator.
+
+``lorabus up`` runs it around a demo trainer, and tests use it when they need a
+whole fleet in one process. Each service gets its own NATS connection, as it
+would in its own process. Everything started here is stopped on exit, in
+reverse order, also when the body raises or is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+
+from lorabus.agents import Agent, AgentConfig, driver_for
+from lorabus.bus import close, connect
+from lorabus.client import UpdateClient
+from lorabus.coordinator import Coordinator, CoordinatorConfig
+from lorabus.simfleet import SimFleet
+from lorabus.testbed.natsserver import NatsServer
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedStack:
+    """NATS (private unless ``nats_url`` is given), a simulated fleet of one worker
+    per world size, its agents and a coordinator. ``coordinator`` settings go to
+    :class:`CoordinatorConfig` as they are: its defaults are the stack's."""
+
+    def __init__(
+        self,
+        world_sizes: Sequence[int] = (2, 4, 1, 1),
+        *,
+        fleet: str = "demo",
+        nats_url: str | None = None,
+        heartbeat_s: float = 0.5,
+        **coordinator: Any,
+    ) -> None:
+        self.world_sizes = list(world_sizes)
+        self.fleet_name = fleet
+        self._nats_url = nats_url
+        self._heartbeat_s = heartbeat_s
+        self._coordinator_settings = {"expected_world_size": sum(self.world_sizes), **coordinator}
+        self.server: NatsServer | None = None
+        self.sim: SimFleet | None = None
+        self.coordinator: Coordinator | None = None
+        self.client: UpdateClient | None = None
+        self._exit = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._connections: list[NatsClient] = []
+
+    @property
+    def nats_url(self) -> str:
+        if self._nats_url is not None:
+            return self._nats_url
+        assert self.server is not None, "the stack is started"
+        return self.server.url
+
+    async def __aenter__(self) -> EmbeddedStack:
+        try:
+            await self._start()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def _start(self) -> None:
+        if self._nats_url is None:
+            self.server = await self._exit.enter_async_context(NatsServer())
+        self.sim = SimFleet.of_size(len(self.world_sizes), self.world_sizes)
+        await self._exit.enter_async_context(self.sim)
+        config = CoordinatorConfig(
+            fleet=self.fleet_name, frontend_url=self.sim.url, **self._coordinator_settings
+        )
+        self.coordinator = Coordinator(config)
+        await self._serve("coordinator", self.coordinator.run)
+        for worker in self.sim.workers.values():
+            agent_config = AgentConfig(
+                fleet=self.fleet_name,
+                worker_id=worker.worker_id,
+                system_url=self.sim.system_url(worker.worker_id),
+                world_size=worker.world_size,
+                heartbeat_s=self._heartbeat_s,
+            )
+            driver = driver_for(agent_config)
+            self._exit.push_async_callback(driver.aclose)
+            agent = Agent.from_config(agent_config, driver)
+            await agent.executor.refresh()
+            await self._serve(f"agent-{worker.worker_id}", agent.run)
+        client_nc = await self._connect("client")
+        self.client = UpdateClient(client_nc, self.fleet_name)
+
+    async def _connect(self, name: str) -> NatsClient:
+        nc = await connect(self.nats_url, name=f"lorabus-{name}")
+        self._connections.append(nc)
+        return nc
+
+    async def _serve(self, name: str, run: object) -> None:
+        nc = await self._connect(name)
+        ready = asyncio.Event()
+        task = asyncio.create_task(run(nc, ready), name=name)  # type: ignore[operator]
+        self._tasks.append(task)
+        waiter = asyncio.ensure_future(ready.wait())
+        done, _ = await asyncio.wait(
+            {task, waiter}, timeout=10, return_when=asyncio.FIRST_COMPLETED
+        )
+        waiter.cancel()
+        if task in done:
+            task.result()  # raises what killed it
+        if not ready.is_set():
+            raise RuntimeError(f"{name} did not become ready within 10s")
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        # The coordinator stops first, while the agents still listen: an update
+        # it interrupts ends with a resume that every agent can still act on.
+        coordinator, agents = self._tasks[:1], self._tasks[1:]
+        for group in (coordinator, agents):
+            for task in group:
+                task.cancel()
+            results = await asyncio.gather(*group, return_exceptions=True)
+            for task, result in zip(group, results, strict=True):
+                if isinstance(result, Exception):
+                    log.error("%s had died: %r", task.get_name(), result)
+        self._tasks.clear()
+        for nc in reversed(self._connections):
+            await close(nc)
+        self._connections.clear()
+        await self._exit.aclose()

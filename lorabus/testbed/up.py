@@ -1,0 +1,100 @@
+"""``lorabus up``: the whole system on one machine, driven by a demo trainer.
+
+Starts a private nats-server, a simulated Dynamo fleet with mixed world sizes,
+one agent per worker and the coordinator; then a small trainer writes a real
+PEFT adapter per step and asks for each to be served, as an RL orchestrator
+would. It ends by reading back the run's audit trail and printing the verdict
+of ``audit verify`` as its last line. Everything it started is stopped when it
+ends, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from lorabus.audit import TrailRecord, verify
+from lorabus.render import phase_timeline, rank_map_text
+from lorabus.schemas import UpdateResult
+from lorabus.simfleet import SimWorker
+from lorabus.tap import Tap
+from lorabus.testbed.stack import EmbeddedStack
+from lorabus.testbed.trainer import write_adapter
+
+ADAPTER = "policy"
+KEEP = 2
+"""Versions each engine keeps; older ones are retired after each commit."""
+RETIRE_DEADLINE_S = 10.0
+
+
+async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], None]) -> bool:
+    """Run the demo; True when every step committed."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="lorabus-adapters-") as tmp:
+        out(
+            f"starting nats-server, {len(world_sizes)} simulated Dynamo workers "
+            f"(world sizes {', '.join(map(str, world_sizes))}), their agents and the coordinator"
+        )
+        async with EmbeddedStack(world_sizes, fleet="demo", keep=KEEP) as stack:
+            assert stack.client is not None and stack.sim is not None
+            out(f"  nats {stack.nats_url}   frontend {stack.sim.url}")
+            results: list[UpdateResult] = []
+            for step in range(1, steps + 1):
+                path = write_adapter(Path(tmp), step)
+                result = await stack.client.update(ADAPTER, str(path), version=step, timeout_s=120)
+                results.append(result)
+                out(
+                    f"step {step}: {result.status:<9} {result.adapter:<12} "
+                    f"{sum(result.phases.values()) * 1000:6.0f}ms  [{phase_timeline(result)}]"
+                )
+                if result.error is not None:
+                    out(f"  error [{result.error.code}]: {result.error.message}")
+            last = next((r for r in reversed(results) if r.rank_map is not None), None)
+            if last is not None and last.rank_map is not None:
+                out(rank_map_text(last.rank_map))
+            await _retired(stack)
+            serving = sorted({a for w in stack.sim.workers.values() for a in w.adapters})
+            paused = sorted(w.worker_id for w in stack.sim.workers.values() if w.paused)
+            trail = await _record_trail(stack)
+        committed = sum(r.committed for r in results)
+        out(
+            f"summary: {committed}/{steps} updates committed; engines now serve "
+            f"{', '.join(serving) or 'nothing'}; paused engines: {', '.join(paused) or 'none'}; "
+            f"{time.monotonic() - started:.1f}s in all"
+        )
+        violations = verify(trail)
+        for violation in violations:
+            out(f"  {violation.rule}: {violation.message} (records {violation.seqs})")
+        out(f"audit: {len(trail)} records, {len(violations)} violation(s)")
+    return committed == steps and not violations
+
+
+async def _retired(stack: EmbeddedStack) -> None:
+    """Agents retire old versions after the update is answered: give them the
+    moment that takes, so the summary shows what the fleet settles on."""
+    assert stack.sim is not None
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(RETIRE_DEADLINE_S):
+            for worker in stack.sim.workers.values():
+                await worker.wait_until(functools.partial(_settled, worker))
+
+
+def _settled(worker: SimWorker) -> bool:
+    return sum(name.startswith(f"{ADAPTER}-v") for name in worker.adapters) <= KEEP
+
+
+async def _record_trail(stack: EmbeddedStack) -> list[TrailRecord]:
+    """The run's audit trail, read back from the fleet's audit stream."""
+    assert stack.client is not None
+    records: list[TrailRecord] = []
+
+    async def keep(record: TrailRecord) -> None:
+        records.append(record)
+
+    await Tap(stack.client.nc, stack.client.subjects).run(keep, follow=False)
+    return records
