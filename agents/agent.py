@@ -38,10 +38,15 @@ from typing import TypeVar
 
 import msgspec
 import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
 from lorabus.agents.config import AgentConfig
 from lorabus.agents.engine import EngineDriver
 from lorabus.agents.executor import CommandExecutor
 from lorabus.agents.lease import LeaseState, PauseLease
+from lorabus.cancellation import raise_if_cancelled
+from lorabus.clock import now
 from lorabus.schemas import (
     Ack,
     BadMessage,
@@ -70,10 +75,6 @@ from lorabus.schemas import (
     phase_of,
     tag_of,
 )
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-
-from lorabus.cancellation import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class Agent:
                 self._retire(command)
                 await self._reconcile_if_needed()
             case PauseCommand():
-                self._pause_received_at = time.monotonic()
+                self._pause_received_at = now()
                 self._join_cohort((command.epoch, command.update_id))
                 await self._accept(command)
             case _:
@@ -243,7 +244,7 @@ class Agent:
             await self._publish_ack(done)
             return
         self._queued.add(key)
-        self._queue.put_nowait(_Work(command=command, received=time.monotonic()))
+        self._queue.put_nowait(_Work(command=command, received=now()))
 
     async def _refuse(self, command: Command) -> None:
         log.warning(
@@ -294,7 +295,7 @@ class Agent:
                 # paused); the next commit names these versions again.
                 log.debug("worker=%s put off retiring for a pause", self.worker_id)
                 continue
-            budget = command.budget_s - (time.monotonic() - work.received)
+            budget = command.budget_s - (now() - work.received)
             ack = await self.executor.execute(command, budget, retire=work.internal == "retire")
             if work.internal:
                 await self._after_internal(work, ack)
@@ -380,7 +381,7 @@ class Agent:
             budget_s=_RECONCILE_BUDGET_S,
             epoch=self.epoch_seen,
         )
-        self._queue.put_nowait(_Work(command=resume, received=time.monotonic(), internal="lease"))
+        self._queue.put_nowait(_Work(command=resume, received=now(), internal="lease"))
 
     # -- converging to the committed state -------------------------------------
 
@@ -401,7 +402,7 @@ class Agent:
             epoch=notice.epoch,
             names=names,
         )
-        self._queue.put_nowait(_Work(command=unload, received=time.monotonic(), internal="retire"))
+        self._queue.put_nowait(_Work(command=unload, received=now(), internal="retire"))
 
     async def _read_fleet_state(self) -> bool:
         """Learn the committed adapter and the current epoch from the fleet's KV;
@@ -449,7 +450,7 @@ class Agent:
             served_name=target.served_name,
             path=target.path,
         )
-        self._queue.put_nowait(_Work(command=load, received=time.monotonic(), internal="reconcile"))
+        self._queue.put_nowait(_Work(command=load, received=now(), internal="reconcile"))
 
     @property
     def _reconciling(self) -> bool:
@@ -474,7 +475,7 @@ class Agent:
     async def _engine_check_loop(self) -> None:
         assert self._nc is not None
         # Spread the fleet's periodic reads instead of all agents reading at once.
-        next_state_read = time.monotonic() + random.uniform(0.5, 1.0) * _STATE_READ_EVERY_S
+        next_state_read = now() + random.uniform(0.5, 1.0) * _STATE_READ_EVERY_S
         reconnects = self._nc.stats["reconnects"]
         while True:
             raise_if_cancelled()
@@ -484,18 +485,21 @@ class Agent:
                 # not answer yet, so the read is retried every beat until it does.
                 reconnects = self._nc.stats["reconnects"]
                 self._state_stale = True
-            if self._state_stale or time.monotonic() >= next_state_read:
+            if self._state_stale or now() >= next_state_read:
                 self._state_stale = not await self._read_fleet_state()
-                next_state_read = time.monotonic() + _STATE_READ_EVERY_S
-            quiet_s = time.monotonic() - self.executor.last_contact
+                next_state_read = now() + _STATE_READ_EVERY_S
+            quiet_s = now() - self.executor.last_contact
             if self._queue.empty() and not self.executor.paused and quiet_s >= self.heartbeat_s:
                 # An engine restart loses adapters: noticing it is what lets
                 # the agent reload the committed one. While commands keep the
                 # engine busy, the check waits for a quiet interval.
+                seen = list(self.executor.adapters)
                 with contextlib.suppress(Exception):
                     await self.executor.refresh()
                 await self._reconcile_if_needed()
-            await self._beat()
+                if self.executor.adapters != seen:
+                    # Tell the coordinator now; the heartbeat loop beats on its own.
+                    await self._beat()
 
     async def _beat(self) -> None:
         ex = self.executor

@@ -1,4 +1,4 @@
-"""Driver for an NVIDIA Dynamo worker's system server (see ENGINES.md).
+"""Driver for an NVIDIA Dynamo worker's system server (README: Running against NVIDIA Dynamo).
 
 Every path and payload of Dynamo's LoRA and engine-control API lives here and
 nowhere else: these APIs are experimental upstream and change between releases.
@@ -25,7 +25,6 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
-from lorabus.agents.config import ENGINE_TIMEOUT_S
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -35,6 +34,7 @@ from tenacity import (
     wait_random,
 )
 
+from lorabus.agents.config import ENGINE_TIMEOUT_S
 from lorabus.errors import EngineError
 
 log = logging.getLogger(__name__)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from lorabus.agents.engine import EngineDriver
+from lorabus.clock import now
+from lorabus.errors import EngineError, NotListed
 from lorabus.schemas import (
     Ack,
     ErrorCode,
@@ -24,8 +25,6 @@ from lorabus.schemas import (
     UnloadCommand,
     phase_of,
 )
-
-from lorabus.errors import EngineError, NotListed
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class CommandExecutor:
         one call per name and no read-back (the engine's list is refreshed
         only if a call fails).
         """
-        started = time.monotonic()
+        started = now()
         error: ErrorInfo | None = None
         try:
             async with asyncio.timeout(max(budget_s, 0.0)):
@@ -75,7 +74,7 @@ class CommandExecutor:
             # paused, and only a live agent can still resume it.
             log.exception("worker=%s update=%s command crashed", self.worker_id, command.update_id)
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
-        self.last_contact = time.monotonic()
+        self.last_contact = now()
         if error is not None:
             log.warning("worker=%s update=%s %s", self.worker_id, command.update_id, error.message)
         return Ack(
@@ -87,7 +86,7 @@ class CommandExecutor:
             adapters=list(self.adapters),
             paused=self.paused,
             error=error,
-            duration_s=time.monotonic() - started,
+            duration_s=now() - started,
             epoch=command.epoch,
         )
 

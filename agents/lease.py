@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import time
 from collections.abc import Awaitable, Callable
 
 from lorabus.cancellation import raise_if_cancelled
+from lorabus.clock import now
 
 
 class LeaseState(enum.Enum):
@@ -25,7 +25,7 @@ class LeaseState(enum.Enum):
 
 
 class PauseLease:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = now) -> None:
         self._clock = clock
         self.state = LeaseState.RELEASED
         self.update_id = ""

@@ -10,8 +10,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from lorabus.agents.engine import EngineDriver
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from lorabus.agents.engine import EngineDriver
 
 _T = TypeVar("_T")
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

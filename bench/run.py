@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from lorabus.cli import main
+from lorabus.cli.main import main
 
 if __name__ == "__main__":
     main(["bench", *sys.argv[1:]], prog_name="bench/run.py")

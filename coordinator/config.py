@@ -7,6 +7,7 @@ embedded stack all take their defaults from here.
 from __future__ import annotations
 
 import msgspec
+
 from lorabus.schemas import Naming, check_token
 
 

@@ -16,27 +16,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
-
-from lorabus.coordinator.store import FleetStore
-from lorabus.schemas import LeaderRecord
+from typing import Protocol
 
 from lorabus.cancellation import raise_if_cancelled
+from lorabus.clock import now
 from lorabus.errors import LeadershipLost, LostRace, StoreUnavailable
+from lorabus.schemas import LeaderRecord
 
 log = logging.getLogger(__name__)
 
 _STEP_DOWN_FRACTION = 0.6
 
 
+class LeaderStore(Protocol):
+    """The leader record with compare-and-set (the fleet's KV; in memory in tests)."""
+
+    async def read_leader(self) -> tuple[LeaderRecord | None, int]:
+        """The record and its revision (0 when there is none); StoreUnavailable."""
+        ...
+
+    async def write_leader(self, record: LeaderRecord, last_revision: int) -> int:
+        """Write if the revision is still ``last_revision``; the new revision, or
+        LostRace; StoreUnavailable."""
+        ...
+
+
 class LeaderElection:
     def __init__(
         self,
-        store: FleetStore,
+        store: LeaderStore,
         holder: str,
         lease_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = now,
     ) -> None:
         if lease_s <= 0:
             raise ValueError("leader lease must be > 0")

@@ -22,12 +22,15 @@ import time
 from typing import Any, Protocol, TypeVar
 
 import msgspec
+
+from lorabus.cancellation import raise_if_cancelled
+from lorabus.clock import now
 from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.coordinator.frontend import FrontendClient
 from lorabus.coordinator.gather import AckRouter
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.plan import UpdatePlan
+from lorabus.errors import FrontendUnverified, QuorumNotReached
 from lorabus.schemas import (
     COMMITTED,
     FAILED,
@@ -53,9 +56,6 @@ from lorabus.schemas import (
     phase_of,
 )
 
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.errors import FrontendUnverified, QuorumNotReached
-
 log = logging.getLogger(__name__)
 
 _C = TypeVar("_C", PauseCommand, LoadCommand, ResumeCommand, UnloadCommand)
@@ -66,10 +66,23 @@ _LIVENESS_TICK_S = 0.25
 
 
 class Journal(Protocol):
+    """Where the update in flight is written before its pause and its load, so
+    that a successor finds it (the fleet's KV; a list in tests)."""
+
     async def record(self, in_flight: InflightRecord) -> None: ...
 
 
+class Frontend(Protocol):
+    """What the verify phase asks of the frontend (an HTTP client; a fake in tests)."""
+
+    async def wait_listed(self, model: str, timeout_s: float) -> float:
+        """Seconds until ``model`` was listed; raises FrontendUnverified at the deadline."""
+        ...
+
+
 class CommandBus(Protocol):
+    """How commands go out and acks come back (core NATS; in memory in tests)."""
+
     acks: AckRouter
 
     async def broadcast(self, command: Command) -> None: ...
@@ -132,7 +145,7 @@ class UpdateRunner:
         self,
         config: CoordinatorConfig,
         membership: Membership,
-        frontend: FrontendClient,
+        frontend: Frontend,
         bus: CommandBus,
         journal: Journal,
         metrics: CoordinatorMetrics,
@@ -150,7 +163,7 @@ class UpdateRunner:
     async def run(self, plan: UpdatePlan) -> UpdateResult:
         """Run ``plan`` to a terminal result; never leaves a member told to pause unresumed."""
         phases: dict[str, float] = {}
-        started = time.monotonic()
+        started = now()
         try:
             members = await self.membership.wait_quorum(
                 self.config.expected_world_size,
@@ -159,10 +172,10 @@ class UpdateRunner:
                 grace_s=self.config.quorum_grace_s,
             )
         except QuorumNotReached as exc:
-            phases[Phase.QUORUM] = time.monotonic() - started
+            phases[Phase.QUORUM] = now() - started
             quorum_error = ErrorInfo(code=ErrorCode.QUORUM_TIMEOUT, message=str(exc))
             return self._result(plan, FAILED, phases, {}, None, quorum_error)
-        phases[Phase.QUORUM] = time.monotonic() - started
+        phases[Phase.QUORUM] = now() - started
         await self.bus.emit(
             UpdateStarted(
                 ts=time.time(),
@@ -191,7 +204,7 @@ class UpdateRunner:
             members=members,
         )
         renewing = asyncio.create_task(self._renew_pause_leases(plan.update_id))
-        paused_at = time.monotonic()
+        paused_at = now()
         try:
             error, errors, load, serving = await self._pause_load_verify(plan, members, phases)
         finally:
@@ -202,7 +215,7 @@ class UpdateRunner:
             finally:
                 renewing.cancel()
                 await asyncio.gather(renewing, return_exceptions=True)
-                self.metrics.pause_window_seconds.observe(time.monotonic() - paused_at)
+                self.metrics.pause_window_seconds.observe(now() - paused_at)
             unresumed = resume.worker_errors()
             for wid, err in unresumed.items():
                 errors.setdefault(wid, err)
@@ -299,7 +312,7 @@ class UpdateRunner:
     async def _verify(
         self, plan: UpdatePlan, load: PhaseOutcome, serving: list[str], phases: dict[str, float]
     ) -> ErrorInfo | None:
-        started = time.monotonic()
+        started = now()
         try:
             unlisted = [w for w in serving if plan.served_name not in load.acks[w].adapters]
             if unlisted:
@@ -313,7 +326,7 @@ class UpdateRunner:
                 return ErrorInfo(code=ErrorCode.VERIFY_TIMEOUT, message=str(exc))
             return None
         finally:
-            phases[Phase.VERIFY] = time.monotonic() - started
+            phases[Phase.VERIFY] = now() - started
             self.metrics.phase_seconds.labels(Phase.VERIFY).observe(phases[Phase.VERIFY])
 
     async def _withdraw_uncommitted(
@@ -467,7 +480,7 @@ class UpdateRunner:
         phase = phase_of(command)
         timeout_s = command.budget_s
         gather = self.bus.acks.expect(command.update_id, phase, expected)
-        started = time.monotonic()
+        started = now()
         deadline = started + timeout_s
         next_resend = started + _FIRST_RESEND_S
         resend_gap = _FIRST_RESEND_S
@@ -478,21 +491,21 @@ class UpdateRunner:
                 await self._send_to_each(command, expected)
             while not gather.complete:
                 raise_if_cancelled()
-                now = time.monotonic()
-                if now >= deadline:
+                at = now()
+                if at >= deadline:
                     break
-                if await gather.wait(min(deadline, next_resend, now + _LIVENESS_TICK_S) - now):
+                if await gather.wait(min(deadline, next_resend, at + _LIVENESS_TICK_S) - at):
                     break
                 gather.give_up_on([w for w in gather.waiting if not self.membership.is_live(w)])
-                now = time.monotonic()
-                if now >= next_resend and gather.waiting and now < deadline:
+                at = now()
+                if at >= next_resend and gather.waiting and at < deadline:
                     # By name: a restarted agent has forgotten which pauses it took.
                     again = msgspec.structs.replace(
-                        command, cohort=False, excluded=[], budget_s=deadline - now
+                        command, cohort=False, excluded=[], budget_s=deadline - at
                     )
                     await self._send_to_each(again, sorted(gather.waiting))
                     resend_gap *= 2
-                    next_resend = now + resend_gap
+                    next_resend = at + resend_gap
         finally:
             self.bus.acks.close(gather)
         return PhaseOutcome(
@@ -500,7 +513,7 @@ class UpdateRunner:
             acks=gather.acks,
             missing=sorted(gather.waiting),
             lost=sorted(gather.lost),
-            duration_s=time.monotonic() - started,
+            duration_s=now() - started,
             timeout_s=timeout_s,
         )
 

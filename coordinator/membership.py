@@ -1,23 +1,31 @@
 """Fleet membership, learnt from heartbeats.
 
 An agent is live while its last heartbeat is younger than three of its own
-beat intervals. ``wait_quorum`` blocks until live agents' world sizes sum to
-the expected world size and returns that membership as a snapshot.
+beat intervals; one silent for ``FORGET_AFTER_BEATS`` of them is forgotten,
+so workers that come and go do not grow the table for the coordinator's
+lifetime. ``wait_quorum`` blocks until live agents' world sizes sum to the
+expected world size and returns that membership as a snapshot.
+
+The metrics collector reads the table from its HTTP thread: every read
+starts from a copy of the table (one C-level call, so it cannot see the
+event loop's thread change it halfway).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import msgspec
-from lorabus.schemas import Ack, Heartbeat
 
 from lorabus.cancellation import raise_if_cancelled
+from lorabus.clock import now
 from lorabus.errors import QuorumNotReached
+from lorabus.schemas import Ack, Heartbeat
 
 MISSED_BEATS = 3
+FORGET_AFTER_BEATS = 100
+_FORGET_CHECK_S = 1.0
 
 
 class Member(msgspec.Struct, kw_only=True):
@@ -26,10 +34,11 @@ class Member(msgspec.Struct, kw_only=True):
 
 
 class Membership:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = now) -> None:
         self._clock = clock
         self._members: dict[str, Member] = {}
         self._changed = asyncio.Event()
+        self._forget_checked_at = 0.0
 
     def observe(self, heartbeat: Heartbeat) -> None:
         known = self._members.get(heartbeat.worker_id)
@@ -38,7 +47,20 @@ class Membership:
             heartbeat.ready,
         ):
             self._changed.set()
-        self._members[heartbeat.worker_id] = Member(heartbeat=heartbeat, seen_at=self._clock())
+        at = self._clock()
+        self._members[heartbeat.worker_id] = Member(heartbeat=heartbeat, seen_at=at)
+        if at - self._forget_checked_at >= _FORGET_CHECK_S:
+            self._forget_checked_at = at
+            self._forget_silent(at)
+
+    def _forget_silent(self, at: float) -> None:
+        silent = [
+            wid
+            for wid, member in self._members.items()
+            if at - member.seen_at >= FORGET_AFTER_BEATS * member.heartbeat.interval_s
+        ]
+        for worker_id in silent:
+            del self._members[worker_id]
 
     def observe_ack(self, ack: Ack) -> None:
         """An ack carries the engine's state as of the command: agents do not
@@ -55,7 +77,17 @@ class Membership:
         return member is not None and self._age(member) < MISSED_BEATS * member.heartbeat.interval_s
 
     def live(self) -> dict[str, Member]:
-        return {wid: m for wid, m in self._members.items() if self.is_live(wid)}
+        """The live members; safe to call from another thread."""
+        at = self._clock()
+        return {
+            wid: m
+            for wid, m in self._members.copy().items()
+            if at - m.seen_at < MISSED_BEATS * m.heartbeat.interval_s
+        }
+
+    def known(self) -> list[str]:
+        """Every worker still remembered, live or not."""
+        return sorted(self._members.copy())
 
     def age_of(self, member: Member) -> float:
         return self._age(member)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from lorabus.coordinator.membership import Membership
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from lorabus.coordinator.membership import Membership
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -50,10 +51,16 @@ class CoordinatorMetrics:
             ["phase", "outcome"],
             registry=self.registry,
         )
+        # One series each, whatever the number of terms: an epoch as a label
+        # would start a new series at every failover.
         self.leading = Gauge(
             "lorabus_coordinator_leading",
-            "1 while this coordinator leads, with its epoch.",
-            ["epoch"],
+            "1 while this coordinator leads, else 0.",
+            registry=self.registry,
+        )
+        self.epoch = Gauge(
+            "lorabus_coordinator_epoch",
+            "The epoch of this coordinator's latest term as leader (0: never led).",
             registry=self.registry,
         )
         self.registry.register(_MembershipCollector(membership))

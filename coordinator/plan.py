@@ -11,10 +11,10 @@ import posixpath
 import re
 
 import msgspec
-from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.schemas import CommittedRecord, Naming, UpdateRequest
 
+from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.errors import BadRequest, StaleVersion
+from lorabus.schemas import CommittedRecord, Naming, UpdateRequest
 
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
 

@@ -1,4 +1,7 @@
-"""The coordinator's side of the bus (with ``store.py``, its only NATS modules).
+"""The coordinator service: leadership, recovery, requests and the update loop.
+
+With ``bus.py`` (core subjects) and ``store.py`` (KV), the only modules of the
+coordinator that talk to NATS.
 
 Every coordinator of a fleet follows heartbeats and acks, so a standby knows
 the membership the moment it takes over. Only the leader answers update and
@@ -20,11 +23,18 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from lorabus.cancellation import raise_if_cancelled
+from lorabus.clock import now
 from lorabus.coordinator.book import UpdateBook, failed_result
+from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.frontend import FrontendClient
 from lorabus.coordinator.gather import AckRouter
@@ -34,15 +44,14 @@ from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.plan import UpdatePlan, is_already_committed, plan_update, retired_names
 from lorabus.coordinator.store import FleetStore
+from lorabus.errors import LeadershipLost, LorabusError, StoreUnavailable
 from lorabus.schemas import (
     COMMITTED,
     BadMessage,
-    Command,
     CommittedNotice,
     CommittedRecord,
     ErrorCode,
     ErrorInfo,
-    Event,
     FleetStatus,
     InflightRecord,
     LeaderElected,
@@ -51,50 +60,14 @@ from lorabus.schemas import (
     UpdateFinished,
     UpdateRequest,
     UpdateResult,
-    ack_decoder,
     build_rank_map,
     encode,
-    heartbeat_decoder,
-    tag_of,
     update_request_decoder,
 )
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.errors import LeadershipLost, LorabusError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-class _NatsCommandBus:
-    def __init__(self, nc: NatsClient, subjects: Subjects) -> None:
-        self.nc = nc
-        self.subjects = subjects
-        self.acks = AckRouter()
-
-    async def broadcast(self, command: Command) -> None:
-        await self.nc.publish(self.subjects.cmd(), encode(command))
-
-    async def send_to(self, worker_id: str, command: Command) -> None:
-        await self.nc.publish(self.subjects.cmd_worker(worker_id), encode(command))
-
-    async def emit(self, event: Event) -> None:
-        try:
-            await self.nc.publish(self.subjects.event(tag_of(event)), encode(event))
-        except Exception as exc:  # the audit trail must never stop an update
-            log.warning("could not emit %s: %s", tag_of(event), exc)
-
-
-class _StoreJournal:
-    def __init__(self, store: FleetStore) -> None:
-        self.store = store
-
-    async def record(self, in_flight: InflightRecord) -> None:
-        await self.store.write_inflight(in_flight)
 
 
 class Coordinator:
@@ -117,7 +90,7 @@ class Coordinator:
 
         ``ready`` means "up": leading, or standing by to take over.
         """
-        bus = _NatsCommandBus(nc, self.subjects)
+        bus = CoordinatorBus(nc, self.subjects, self.membership)
         store = await self._open_store(nc)
         election = LeaderElection(store, self.holder, self.config.leader_lease_s)
         frontend = FrontendClient(
@@ -125,14 +98,9 @@ class Coordinator:
             headers=self.config.headers,
             timeout_s=self.config.http_timeout_s,
         )
-        runner = UpdateRunner(
-            self.config, self.membership, frontend, bus, _StoreJournal(store), self.metrics
-        )
+        runner = UpdateRunner(self.config, self.membership, frontend, bus, store, self.metrics)
         self._acks = bus.acks
-        subs = [
-            await nc.subscribe(self.subjects.heartbeat_any(), cb=self._on_heartbeat),
-            await nc.subscribe(self.subjects.ack_any(), cb=self._make_ack_cb(bus)),
-        ]
+        subs = await bus.follow()
         try:
             await nc.flush(timeout=5)
             if ready is not None:
@@ -178,7 +146,7 @@ class Coordinator:
                 pause = min(pause * 2, 5.0)
 
     async def _lead(
-        self, nc: NatsClient, store: FleetStore, runner: UpdateRunner, bus: _NatsCommandBus
+        self, nc: NatsClient, store: FleetStore, runner: UpdateRunner, bus: CoordinatorBus
     ) -> None:
         """One term as leader: recover, then serve requests until cancelled."""
         runner.epoch = self.epoch
@@ -205,7 +173,8 @@ class Coordinator:
                 await nc.subscribe(self.subjects.status_request(), cb=self._on_status),
             ]
             self.leading.set()
-            self.metrics.leading.labels(str(self.epoch)).set(1)
+            self.metrics.leading.set(1)
+            self.metrics.epoch.set(self.epoch)
             log.info(
                 "coordinator %s leads fleet %s, epoch %d",
                 self.holder,
@@ -215,7 +184,7 @@ class Coordinator:
             await self._run_updates(runner, bus, store)
         finally:
             self.leading.clear()
-            self.metrics.leading.labels(str(self.epoch)).set(0)
+            self.metrics.leading.set(0)
             await _unsubscribe(subs)
             # Nobody is left waiting for an answer that will never come.
             self.book.fail_all_pending(
@@ -249,7 +218,7 @@ class Coordinator:
         await _quietly(store.write_result(result))
         await runner.bus.emit(self._finished(result))
 
-    async def _announce_term(self, bus: _NatsCommandBus) -> None:
+    async def _announce_term(self, bus: CoordinatorBus) -> None:
         """Tell every agent the committed state under this term's epoch: those
         outside any update learn the new epoch (and refuse the old leader) at
         once, and one that missed a notice converges."""
@@ -321,14 +290,14 @@ class Coordinator:
         )
 
     async def _run_updates(
-        self, runner: UpdateRunner, bus: _NatsCommandBus, store: FleetStore
+        self, runner: UpdateRunner, bus: CoordinatorBus, store: FleetStore
     ) -> None:
         while True:
             raise_if_cancelled()
             request = await self.book.next_request()
-            started = time.monotonic()
+            started = now()
             result = await self._execute(request, runner, bus, store)
-            self.metrics.update_seconds.observe(time.monotonic() - started)
+            self.metrics.update_seconds.observe(now() - started)
             self.metrics.updates.labels(result.status).inc()
             persisted = await _quietly(store.write_result(result))
             await _quietly(store.clear_inflight())
@@ -346,7 +315,7 @@ class Coordinator:
         self,
         request: UpdateRequest,
         runner: UpdateRunner,
-        bus: _NatsCommandBus,
+        bus: CoordinatorBus,
         store: FleetStore,
     ) -> UpdateResult:
         try:
@@ -420,26 +389,11 @@ class Coordinator:
         loaded = {name for worker in result.workers.values() for name in worker.adapters}
         return sorted(retired_names(plan.adapter, loaded, self.config.keep))
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        try:
-            self.membership.observe(heartbeat_decoder.decode(msg.data))
-        except msgspec.DecodeError as exc:
-            log.warning("dropped a malformed heartbeat on %s: %s", msg.subject, exc)
-
-    def _make_ack_cb(self, bus: _NatsCommandBus):
-        async def on_ack(msg: Msg) -> None:
-            try:
-                ack = ack_decoder.decode(msg.data)
-                bus.acks.route(ack)
-                self.membership.observe_ack(ack)
-            except msgspec.DecodeError as exc:
-                log.warning("dropped a malformed ack on %s: %s", msg.subject, exc)
-
-        return on_ack
-
     def _make_request_cb(
-        self, replies: set[asyncio.Task[None]], bus: _NatsCommandBus, store: FleetStore
-    ):
+        self, replies: set[asyncio.Task[None]], bus: CoordinatorBus, store: FleetStore
+    ) -> Callable[[Msg], Awaitable[None]]:
+        intake = asyncio.Lock()
+
         async def on_request(msg: Msg) -> None:
             try:
                 request = update_request_decoder.decode(msg.data)
@@ -459,20 +413,28 @@ class Coordinator:
                 )
                 await _reply(msg, failed_result(bad, error))
                 return
-            reply = asyncio.create_task(self._answer(msg, request, store))
+            reply = asyncio.create_task(self._answer(msg, request, store, intake))
             replies.add(reply)
             reply.add_done_callback(replies.discard)
 
         return on_request
 
-    async def _answer(self, msg: Msg, request: UpdateRequest, store: FleetStore) -> None:
-        if not self.book.knows(request.update_id):
-            # A predecessor may have finished (or rolled back) this update.
-            stored = await _or_none(store.read_result(request.update_id))
-            if stored is not None:
-                await _reply(msg, stored)
-                return
-        await _reply(msg, await asyncio.shield(self.book.submit(request)))
+    async def _answer(
+        self, msg: Msg, request: UpdateRequest, store: FleetStore, intake: asyncio.Lock
+    ) -> None:
+        # Requests join the queue in the order they arrived, however long each
+        # one's look-up takes: the lock is fair, and each task takes it first.
+        async with intake:
+            stored = None
+            if not self.book.knows(request.update_id):
+                # A predecessor may have finished (or rolled back) this update.
+                stored = await _or_none(store.read_result(request.update_id))
+            if stored is None:
+                future = self.book.submit(request)
+        if stored is not None:
+            await _reply(msg, stored)
+            return
+        await _reply(msg, await asyncio.shield(future))
 
     async def _on_status(self, msg: Msg) -> None:
         await _reply(msg, self.status())

@@ -20,6 +20,12 @@ from typing import TypeVar
 import msgspec
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+from nats.js.kv import KeyValue
+
+from lorabus.errors import LostRace, StoreUnavailable
 from lorabus.schemas import (
     CommittedRecord,
     InflightRecord,
@@ -28,12 +34,6 @@ from lorabus.schemas import (
     UpdateResult,
     update_result_decoder,
 )
-from nats.aio.client import Client as NatsClient
-from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.client import JetStreamContext
-from nats.js.kv import KeyValue
-
-from lorabus.errors import LostRace, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,10 @@ class FleetStore:
 
     async def write_inflight(self, record: InflightRecord) -> None:
         await self._put(self._state, INFLIGHT, msgspec.json.encode(record))
+
+    async def record(self, in_flight: InflightRecord) -> None:
+        """The lifecycle's journal: the update in flight, for a successor."""
+        await self.write_inflight(in_flight)
 
     async def clear_inflight(self) -> None:
         try:

@@ -9,20 +9,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NatsClient
 
-from lorabus.errors import BusUnreachable
+from lorabus.errors import BusUnreachable, PermissionDenied
 
 log = logging.getLogger(__name__)
 
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/@]*@")
+
 
 async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> NatsClient:
+    """A connection to ``url`` (a comma-separated list for a cluster's nodes).
+
+    Raises :class:`PermissionDenied` as soon as the server refuses the
+    credentials, and :class:`BusUnreachable` when no connection is made within
+    ``connect_timeout_s``; neither message shows a password from the URL.
+    """
     nc = NatsClient()
+    refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def on_error(exc: Exception) -> None:
-        # Before the first connection, failures are summed up by BusUnreachable.
+        if not refused.done() and not nc.is_connected and is_auth_refusal(exc):
+            # nats-py would retry the same credentials forever.
+            refused.set_result(str(exc))
+        # Before the first connection, failures are summed up by the errors raised below.
         log.log(
             logging.WARNING if nc.is_connected or nc.is_reconnecting else logging.DEBUG,
             "nats (%s): %s",
@@ -37,28 +51,55 @@ async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> Na
     async def on_reconnect() -> None:
         log.info("nats (%s): reconnected", name)
 
-    try:
-        await asyncio.wait_for(
-            nc.connect(
-                # A comma-separated list names the nodes of a cluster.
-                servers=[part.strip() for part in url.split(",") if part.strip()],
-                name=name,
-                connect_timeout=2,
-                # nats-py annotates this as int, but waits a float of seconds.
-                reconnect_time_wait=0.5,  # type: ignore[arg-type]
-                max_reconnect_attempts=-1,
-                ping_interval=5,
-                max_outstanding_pings=3,
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-            ),
-            timeout=connect_timeout_s,
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            servers=[part.strip() for part in url.split(",") if part.strip()],
+            name=name,
+            connect_timeout=2,
+            # nats-py annotates this as int, but waits a float of seconds.
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]
+            max_reconnect_attempts=-1,
+            ping_interval=5,
+            max_outstanding_pings=3,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
         )
-    except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
+    )
+    try:
+        either: set[asyncio.Future[Any]] = {connecting, refused}
+        await asyncio.wait(either, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if refused.done():
+            raise PermissionDenied(f"NATS at {redact(url)} refused to connect: {refused.result()}")
+        if not connecting.done():
+            raise BusUnreachable(
+                f"cannot reach NATS at {redact(url)} within {connect_timeout_s:.0f}s"
+            )
+        try:
+            connecting.result()
+        except (OSError, nats.errors.Error) as exc:
+            raise BusUnreachable(f"cannot reach NATS at {redact(url)}: {exc}") from exc
+    except BaseException:
+        connecting.cancel()
+        await asyncio.gather(connecting, return_exceptions=True)
         await nc.close()
-        raise BusUnreachable(f"cannot reach NATS at {url} within {connect_timeout_s:.0f}s") from exc
+        raise
     return nc
+
+
+def is_auth_refusal(exc: BaseException) -> bool:
+    """Whether NATS refused the credentials (a wrong password, an unknown user)."""
+    text = str(exc).lower()
+    return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text
+
+
+def redact(url: str) -> str:
+    """``url`` (or a comma-separated list of them) without user names and passwords."""
+    return ",".join(_redact_one(part.strip()) for part in url.split(","))
+
+
+def _redact_one(url: str) -> str:
+    return _USERINFO.sub(r"\1", url)
 
 
 async def close(nc: NatsClient) -> None:

@@ -1,6 +1,6 @@
 """Turning command-line auth options into HTTP headers, in one place.
 
-The seed's control clients forgot the API key on some calls; here the agent
+Control clients that set the API key per call forget it on some calls; here the agent
 (engine calls) and the coordinator (frontend calls) build their headers from
 the same two options, and every request of theirs carries them.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from lorabus.schemas.messages import (
     Ack,
     Command,

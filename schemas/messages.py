@@ -12,6 +12,7 @@ import enum
 from collections.abc import Container
 
 import msgspec
+
 from lorabus.schemas.errors import ErrorInfo
 from lorabus.schemas.rankmap import RankMap
 

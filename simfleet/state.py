@@ -23,7 +23,11 @@ from typing import Any
 
 from .identity import instance_id_for, lora_id_for
 
-__all__ = ["OPERATIONS", "RecordedRequest", "SimWorker", "WorkerFaults"]
+__all__ = ["OPERATIONS", "REQUEST_LOG_LIMIT", "RecordedRequest", "SimWorker", "WorkerFaults"]
+
+#: Requests a worker remembers: the most recent ones, so that a long run (the
+#: benchmark, the chaos suite) does not grow without bound.
+REQUEST_LOG_LIMIT = 4096
 
 #: Worker operations that a latency can be injected into.
 OPERATIONS = frozenset({"pause", "resume", "load", "unload", "list", "health"})
@@ -87,7 +91,10 @@ class SimWorker:
         #: Loaded adapters: name -> lora_id.
         self.adapters: dict[str, int] = {}
         self.faults = faults if faults is not None else WorkerFaults()
+        #: The most recent requests, oldest first (at most ``REQUEST_LOG_LIMIT``).
         self.requests: list[RecordedRequest] = []
+        #: Every request ever recorded, also those no longer in ``requests``.
+        self.requests_total = 0
         #: Generation requests currently held back by a pause.
         self.waiting_for_resume = 0
         self._paused = False
@@ -146,6 +153,10 @@ class SimWorker:
 
     def record(self, request: RecordedRequest) -> None:
         self.requests.append(request)
+        self.requests_total += 1
+        if len(self.requests) > REQUEST_LOG_LIMIT + REQUEST_LOG_LIMIT // 4:
+            # Trimmed in batches, so that each request costs O(1) on average.
+            del self.requests[: len(self.requests) - REQUEST_LOG_LIMIT]
         self._notify()
 
     async def wait_until(self, condition: Callable[[], bool]) -> bool:
@@ -162,8 +173,8 @@ class SimWorker:
         return True
 
     async def wait_requests(self, count: int) -> bool:
-        """Wait until at least ``count`` requests have been recorded."""
-        return await self.wait_until(lambda: len(self.requests) >= count)
+        """Wait until at least ``count`` requests have been recorded in all."""
+        return await self.wait_until(lambda: self.requests_total >= count)
 
     async def wait_resumed(self) -> bool:
         """Hold a generation request while paused; False if released first."""

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 from hand_coordinator import HandCoordinator
-from lorabus.schemas import Subjects
-from lorabus.simfleet import SimFleet
 from processes import Processes
 
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
 from lorabus.errors import NatsServerMissing
+from lorabus.schemas import Subjects
+from lorabus.simfleet import SimFleet
 from lorabus.testbed.natsserver import NatsServer
 from lorabus.testbed.stack import EmbeddedStack
 from lorabus.testbed.trainer import write_adapter

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from lorabus.schemas import Ack, Event, Subjects, ack_decoder, encode, event_decoder
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+
+from lorabus.schemas import Ack, Event, Subjects, ack_decoder, encode, event_decoder
 
 DEADLINE_S = 10.0
 #: Above the epoch of an embedded stack's own coordinator, so its agents accept us.

@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorabus.agents import AgentConfig
-from lorabus.coordinator import CoordinatorConfig
-from lorabus.schemas import FleetStatus
-
 from lorabus.cli.flags import agent_args, coordinator_args
 from lorabus.client import UpdateClient
+from lorabus.coordinator import CoordinatorConfig
 from lorabus.errors import NoCoordinator
+from lorabus.schemas import FleetStatus
 from lorabus.testbed.child_processes import LORABUS, ChildGroup, ChildProcess, child_env
 
 

@@ -8,6 +8,9 @@ import asyncio
 from collections.abc import Callable
 
 from hand_coordinator import EPOCH, HandCoordinator
+from nats.aio.msg import Msg
+
+from lorabus.bus import close, connect
 from lorabus.schemas import (
     Command,
     CommittedNotice,
@@ -18,9 +21,6 @@ from lorabus.schemas import (
     command_decoder,
     is_addressed_to,
 )
-from nats.aio.msg import Msg
-
-from lorabus.bus import close, connect
 from lorabus.testbed.stack import EmbeddedStack
 
 

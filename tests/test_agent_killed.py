@@ -16,14 +16,14 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+from processes import Processes, wait_live_workers
+
 from lorabus.agents import AgentConfig
+from lorabus.bus import close, connect
+from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
 from lorabus.schemas import UpdateResult
 from lorabus.simfleet import SimFleet
-from processes import Processes, wait_live_workers
-
-from lorabus.bus import close, connect
-from lorabus.client import UpdateClient
 
 WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}
 VICTIM = "w001"

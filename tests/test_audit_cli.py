@@ -11,13 +11,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from processes import LORABUS, Processes, child_env, run_lorabus
+
 from lorabus.agents import AgentConfig
+from lorabus.audit import TrailRecord
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.schemas import Phase, to_builtins
 from lorabus.simfleet import SimFleet
-from processes import LORABUS, Processes, child_env, run_lorabus
-
-from lorabus.audit import TrailRecord
 from lorabus.testbed.natsserver import free_port
 from lorabus.testbed.stack import EmbeddedStack
 

@@ -8,10 +8,10 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from lorabus.schemas import Ack, Subjects, UpdateFinished, UpdateStarted
 
 from lorabus.audit import TrailRecord, decode_message, verify
 from lorabus.bus import close, connect
+from lorabus.schemas import Ack, Subjects, UpdateFinished, UpdateStarted
 from lorabus.tap import Tap
 from lorabus.testbed.natsserver import NatsServer
 from lorabus.testbed.stack import EmbeddedStack

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
+from lorabus.audit import TrailRecord, verify
 from lorabus.schemas import (
     Ack,
     CommandRefused,
@@ -17,8 +19,6 @@ from lorabus.schemas import (
     build_rank_map,
     to_builtins,
 )
-
-from lorabus.audit import TrailRecord, verify
 
 MEMBERS = {"a": 2, "b": 1}
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import pytest
+from processes import Processes, wait_live_workers
+
 from lorabus.agents import AgentConfig
+from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.schemas import ErrorCode
 from lorabus.simfleet import SimFleet
-from processes import Processes, wait_live_workers
-
-from lorabus.client import UpdateClient
 
 API_KEY = "s3cret"
 KEY_VAR = "SIM_KEY"

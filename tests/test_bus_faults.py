@@ -10,8 +10,8 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from lorabus.simfleet import SimWorker
 
+from lorabus.simfleet import SimWorker
 from lorabus.testbed.natsserver import NatsServer, free_port
 from lorabus.testbed.stack import EmbeddedStack
 

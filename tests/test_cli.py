@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lorabus.schemas import ErrorCode
 from processes import run_lorabus
 
+from lorabus.schemas import ErrorCode
 from lorabus.testbed.stack import EmbeddedStack
 
 WORLD_SIZES = [2, 1]

@@ -12,15 +12,15 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
-from lorabus.agents import AgentConfig
-from lorabus.coordinator import CoordinatorConfig
-from lorabus.schemas import Subjects, heartbeat_decoder
-from lorabus.simfleet import SimFleet, SimWorker
 from nats.aio.msg import Msg
 from processes import Processes, wait_live_workers
 
+from lorabus.agents import AgentConfig
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
+from lorabus.coordinator import CoordinatorConfig
+from lorabus.schemas import Subjects, heartbeat_decoder
+from lorabus.simfleet import SimFleet, SimWorker
 from lorabus.testbed.child_processes import ChildProcess
 
 WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}

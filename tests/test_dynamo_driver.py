@@ -1,4 +1,4 @@
-"""The Dynamo driver sends exactly ENGINES.md's requests and reads answers strictly."""
+"""The Dynamo driver sends exactly the documented requests and reads answers strictly."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from lorabus.agents import DynamoDriver
-from lorabus.simfleet import SimFleet
 
+from lorabus.agents import DynamoDriver
 from lorabus.errors import EngineError
+from lorabus.simfleet import SimFleet
 
 
 @pytest.fixture

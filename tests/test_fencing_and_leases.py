@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 from hand_coordinator import DEADLINE_S, EPOCH, HandCoordinator
+
 from lorabus.schemas import (
     CommandRefused,
     LeaseExpired,
     PauseCommand,
     RenewLeaseCommand,
 )
-
 from lorabus.testbed.stack import EmbeddedStack
 
 

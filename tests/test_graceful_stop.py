@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from lorabus.coordinator import Coordinator, CoordinatorConfig
-
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
+from lorabus.coordinator import Coordinator, CoordinatorConfig
 
 
 async def test_a_stopped_coordinator_answers_pending_requests_instead_of_dropping_them(

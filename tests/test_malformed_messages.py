@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from lorabus.schemas import BadMessage, Subjects, event_decoder
-
 from lorabus.bus import close, connect
+from lorabus.schemas import BadMessage, Subjects, event_decoder
 from lorabus.testbed.stack import EmbeddedStack
 
 

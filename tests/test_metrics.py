@@ -6,12 +6,12 @@ from collections.abc import Callable
 
 import httpx
 import pytest
+
 from lorabus.agents import DynamoDriver
 from lorabus.agents.metrics import AgentMetrics, InstrumentedDriver
-from lorabus.simfleet import SimFleet
-
 from lorabus.errors import EngineError
 from lorabus.metrics_http import serving
+from lorabus.simfleet import SimFleet
 from lorabus.testbed.natsserver import free_port
 from lorabus.testbed.stack import EmbeddedStack
 

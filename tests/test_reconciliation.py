@@ -6,10 +6,9 @@ import asyncio
 from collections.abc import Callable
 
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver
+from lorabus.bus import close, connect
 from lorabus.schemas import Subjects
 from lorabus.simfleet import SimFleet
-
-from lorabus.bus import close, connect
 from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 15.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lorabus.bus import close, connect
 from lorabus.coordinator.store import FleetStore
 from lorabus.schemas import (
     CommittedRecord,
@@ -13,8 +14,6 @@ from lorabus.schemas import (
     Subjects,
     build_rank_map,
 )
-
-from lorabus.bus import close, connect
 from lorabus.testbed.stack import EmbeddedStack
 
 MEMBERS = {"w000": 1, "w001": 2}

@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from nats.aio.msg import Msg
+
+from lorabus.bus import close, connect
 from lorabus.schemas import (
     Ack,
     CommittedNotice,
@@ -23,9 +26,6 @@ from lorabus.schemas import (
     encode,
     phase_of,
 )
-from nats.aio.msg import Msg
-
-from lorabus.bus import close, connect
 from lorabus.testbed.stack import EmbeddedStack
 
 

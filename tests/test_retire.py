@@ -8,6 +8,9 @@ import asyncio
 from collections.abc import Callable
 
 from hand_coordinator import EPOCH, HandCoordinator
+from nats.aio.msg import Msg
+
+from lorabus.bus import close, connect
 from lorabus.schemas import (
     CommandHandled,
     CommittedNotice,
@@ -17,9 +20,6 @@ from lorabus.schemas import (
     Subjects,
     event_decoder,
 )
-from nats.aio.msg import Msg
-
-from lorabus.bus import close, connect
 from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 10.0

@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import Callable
 
 import httpx
-from lorabus.schemas import Naming
 
+from lorabus.schemas import Naming
 from lorabus.testbed.stack import EmbeddedStack
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.plan import plan_update, retired_names
-from lorabus.schemas import CommittedRecord, Naming, UpdateRequest, build_rank_map
-
 from lorabus.errors import BadRequest, StaleVersion
+from lorabus.schemas import CommittedRecord, Naming, UpdateRequest, build_rank_map
 
 CONFIG = CoordinatorConfig(fleet="f", frontend_url="http://127.0.0.1:1", expected_world_size=1)
 

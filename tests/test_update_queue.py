@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import Callable
 
 from lorabus.simfleet import SimWorker
-
 from lorabus.testbed.stack import EmbeddedStack
 
 

@@ -6,6 +6,7 @@ import json
 
 import msgspec
 import pytest
+
 from lorabus.schemas import (
     WIRE_VERSION,
     Ack,

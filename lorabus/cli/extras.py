@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from collections.abc import Iterable
 
 import click
 
@@ -34,6 +35,12 @@ def missing_from_extra(extra: str) -> list[str]:
         requirements = importlib.metadata.requires("lorabus") or []
     except importlib.metadata.PackageNotFoundError:
         return []  # not installed at all: imports will tell
+    return missing_distributions(requirements, extra)
+
+
+def missing_distributions(requirements: Iterable[str], extra: str) -> list[str]:
+    """The distributions that ``requirements`` (``Requires-Dist`` lines) name for
+    ``extra`` and that are not installed; lorabus itself (an extra of an extra) is skipped."""
     missing = []
     for requirement in requirements:
         spec, _, marker = requirement.partition(";")

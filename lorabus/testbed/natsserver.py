@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from lorabus.errors import NatsServerMissing
@@ -52,13 +53,16 @@ class NatsServer:
         name: str | None = None,
         cluster_port: int | None = None,
         routes: list[int] | None = None,
+        options: Sequence[str] = (),
     ) -> None:
         """A server; with ``cluster_port`` and ``routes`` (the other nodes' cluster
-        ports) it joins a loopback cluster named ``lorabus`` as node ``name``."""
+        ports) it joins a loopback cluster named ``lorabus`` as node ``name``.
+        ``options`` are more nats-server flags (``--user``, ``--pass``, ...)."""
         self.port = port or free_port()
         self.name = name or f"lorabus-{self.port}"
         self.cluster_port = cluster_port
         self.routes = routes or []
+        self.options = list(options)
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="lorabus-nats-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -84,6 +88,7 @@ class NatsServer:
         if self.cluster_port is not None:
             argv += ["--cluster_name", "lorabus", "--cluster", _loopback(self.cluster_port)]
             argv += ["--routes", ",".join(_loopback(port) for port in self.routes)]
+        argv += self.options
         return subprocess.Popen(
             argv,
             stdout=subprocess.DEVNULL,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
 from lorabus.schemas import (
     CommandHandled,
     CommandRefused,
@@ -18,7 +19,6 @@ from lorabus.schemas import (
     WorkerOutcome,
     build_rank_map,
 )
-
 from lorabus.testbed.chaos import Bounds, Timeline, check_all
 from lorabus.testbed.chaos.invariants import (
     check_committed_served,

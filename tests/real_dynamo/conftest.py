@@ -17,12 +17,12 @@ from typing import Any
 
 import httpx
 import pytest
-from lorabus.agents import AgentConfig
-from lorabus.coordinator import CoordinatorConfig
 from processes import Processes, wait_live_workers
 from real_fleet import DynamoFleet, Install, find_install
 
+from lorabus.agents import AgentConfig
 from lorabus.client import UpdateClient
+from lorabus.coordinator import CoordinatorConfig
 
 #: Worker ids and the world sizes their agents are given by flag (mixed on purpose).
 WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}

@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import WORLD_SIZES, frontend_models, start_lorabus, worker_loras, worker_state
-from lorabus.schemas import ErrorCode
 from processes import Processes
 from real_fleet import DynamoFleet
 
 from lorabus.client import UpdateClient
+from lorabus.schemas import ErrorCode
 
 pytestmark = pytest.mark.real_dynamo
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
-from lorabus.simfleet import SimFleet
 from real_fleet import DynamoFleet
+
+from lorabus.simfleet import SimFleet
 
 pytestmark = pytest.mark.real_dynamo
 

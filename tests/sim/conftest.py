@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from lorabus.simfleet import SimFleet
 
 API_KEY = "sim-secret"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+
 from lorabus.simfleet import SimFleet, lora_id_for
 
 W0 = "/workers/w000"

@@ -6,9 +6,9 @@ import asyncio
 
 import httpx
 import pytest
-from lorabus.simfleet import SimFleet, serve_forever
 
 from lorabus import simfleet
+from lorabus.simfleet import SimFleet, serve_forever
 
 
 async def test_control_lists_worker_states(client):

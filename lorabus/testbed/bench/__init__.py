@@ -2,7 +2,7 @@
 
 For fleets of N simulated workers it measures, on one machine and one
 simulated fleet: lorabus updates through real NATS with null engines and with
-the Dynamo driver over HTTP; the same update done the seed's (prime-rl's)
+the Dynamo driver over HTTP; the same update done the direct-HTTP way (prime-rl's)
 way, one HTTP client per worker from one process; and the bus floor, a bare
 nats-py fan-out and gather. Every measured part runs in a process of its own.
 

@@ -1,4 +1,4 @@
-"""The direct-HTTP baseline: an update done the seed's way, from one process.
+"""The direct-HTTP baseline: an update done the orchestrator's own way, from one process.
 
 This is how prime-rl's Dynamo integration updates a LoRA adapter, and what an
 orchestrator does without lorabus: one ``httpx.AsyncClient`` per worker, made

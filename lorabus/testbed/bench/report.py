@@ -1,7 +1,7 @@
 """The figures of a benchmark run: per fleet size and mode, ratios, targets.
 
 Every mode measured at one fleet size is one :class:`ModeResult`; the report
-adds, per size, the ratios the issue asks for (lorabus over the direct-HTTP
+adds, per size, the ratios its targets are set in (lorabus over the direct-HTTP
 baseline, lorabus with null engines over the bus floor) and a verdict on each
 target. It is printed as one table and written as JSON with ``--out``. The
 verdicts describe a run; they are not assertions, and nothing fails on them.
@@ -199,7 +199,7 @@ def _growth(
 
 
 def judge(results: Sequence[ModeResult], ratios: Sequence[SizeRatios]) -> list[Target]:
-    """A verdict on each target of the issue, for the largest size measured."""
+    """A verdict on each performance target, for the largest size measured."""
     targets: list[Target] = []
     sizes = [r.n for r in ratios]
     n = max(sizes) if sizes else 0

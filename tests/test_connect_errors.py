@@ -1,0 +1,73 @@
+"""Connecting to NATS: a refused password and an unreachable server are told
+apart, quickly, by name, and no password appears in what is printed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from processes import run_lorabus
+
+from lorabus import BusUnreachable, PermissionDenied
+from lorabus.bus import close, connect, redact
+from lorabus.testbed.natsserver import NatsServer, free_port
+
+USER, PASSWORD, WRONG = "orchestrator", "right-horse", "wrong-battery"
+
+
+@pytest.fixture
+async def guarded_server() -> AsyncIterator[NatsServer]:
+    async with NatsServer(options=["--user", USER, "--pass", PASSWORD]) as server:
+        yield server
+
+
+def _url(server: NatsServer, password: str) -> str:
+    return f"nats://{USER}:{password}@127.0.0.1:{server.port}"
+
+
+async def test_the_right_password_connects(guarded_server: NatsServer) -> None:
+    nc = await connect(_url(guarded_server, PASSWORD), name="test")
+    try:
+        assert nc.is_connected
+    finally:
+        await close(nc)
+
+
+async def test_a_wrong_password_is_refused_by_name_at_once(guarded_server: NatsServer) -> None:
+    # A long timeout: waiting it out would end in BusUnreachable, and fail.
+    with pytest.raises(PermissionDenied, match="Authorization Violation") as refused:
+        await connect(_url(guarded_server, WRONG), name="test", connect_timeout_s=60)
+    assert WRONG not in str(refused.value)
+    assert f"nats://127.0.0.1:{guarded_server.port}" in str(refused.value)
+
+
+async def test_a_server_that_is_not_there_is_unreachable() -> None:
+    url = f"nats://{USER}:{WRONG}@127.0.0.1:{free_port()}"
+    with pytest.raises(BusUnreachable, match="cannot reach NATS") as unreachable:
+        await connect(url, name="test", connect_timeout_s=1)
+    assert WRONG not in str(unreachable.value)
+
+
+async def test_the_cli_says_the_credentials_were_refused_without_printing_them(
+    guarded_server: NatsServer,
+) -> None:
+    finished = await run_lorabus(
+        "status", "--nats", _url(guarded_server, WRONG), "--fleet", "f", deadline_s=30
+    )
+    assert finished.returncode == 1, finished
+    assert "refused to connect" in finished.stderr and "Authorization Violation" in finished.stderr
+    assert "Traceback" not in finished.stderr
+    assert WRONG not in finished.stdout + finished.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("nats://u:p@host:4222", "nats://host:4222"),
+        ("tls://u@host", "tls://host"),
+        ("u:p@a:1,nats://b:2", "a:1,nats://b:2"),
+        ("nats://host:4222", "nats://host:4222"),
+    ],
+)
+def test_urls_are_printed_without_their_user_and_password(url: str, shown: str) -> None:
+    assert redact(url) == shown

@@ -1,0 +1,122 @@
+"""Membership from heartbeats, on a fake clock: who is live, when a quorum is
+reached, and that silent workers are forgotten."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from lorabus.coordinator.membership import FORGET_AFTER_BEATS, MISSED_BEATS, Membership
+from lorabus.errors import QuorumNotReached
+from lorabus.schemas import Heartbeat
+
+BEAT_S = 1.0
+
+
+def _beat(worker_id: str, world_size: int = 1, *, ready: bool = True) -> Heartbeat:
+    return Heartbeat(
+        worker_id=worker_id,
+        world_size=world_size,
+        engine="dynamo",
+        adapters=[],
+        paused=False,
+        interval_s=BEAT_S,
+        ready=ready,
+    )
+
+
+async def _keep_beating(membership: Membership, *beats: Heartbeat) -> None:
+    while True:
+        for beat in beats:
+            membership.observe(beat)
+        await asyncio.sleep(BEAT_S)
+
+
+@pytest.mark.looptime
+async def test_a_member_is_live_for_three_of_its_beats_then_not() -> None:
+    membership = Membership()
+    membership.observe(_beat("w0"))
+    await asyncio.sleep(MISSED_BEATS * BEAT_S - 0.01)
+    assert membership.is_live("w0")
+    await asyncio.sleep(0.02)
+    assert not membership.is_live("w0")
+    assert membership.live() == {}
+
+
+@pytest.mark.looptime
+async def test_a_quorum_is_the_live_ready_world_sizes_summing_to_the_expected_size() -> None:
+    membership = Membership()
+    membership.observe(_beat("w0", 2))
+    membership.observe(_beat("w1", 4, ready=False))
+
+    waiting = asyncio.create_task(membership.wait_quorum(6, timeout_s=30))
+    await asyncio.sleep(5)
+    assert not waiting.done(), "a member that is not ready counted"
+    membership.observe(_beat("w0", 2))
+    membership.observe(_beat("w1", 4))
+    assert await waiting == {"w0": 2, "w1": 4}
+
+
+@pytest.mark.looptime
+async def test_without_a_quorum_the_wait_ends_at_its_deadline_naming_who_is_live() -> None:
+    membership = Membership()
+    beating = asyncio.create_task(_keep_beating(membership, _beat("w0", 2)))
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(QuorumNotReached, match=r"sum to 2, which is short of the expected 3"):
+        await membership.wait_quorum(3, timeout_s=30)
+    assert asyncio.get_running_loop().time() - started == pytest.approx(30, abs=0.2)
+    beating.cancel()
+    await asyncio.gather(beating, return_exceptions=True)
+
+
+@pytest.mark.looptime
+async def test_a_partial_quorum_is_taken_after_the_grace_when_the_rest_is_missing() -> None:
+    membership = Membership()
+    beating = asyncio.create_task(_keep_beating(membership, _beat("w0", 3), _beat("w1", 1)))
+    started = asyncio.get_running_loop().time()
+    members = await membership.wait_quorum(5, timeout_s=30, needed=4, grace_s=2)
+    assert members == {"w0": 3, "w1": 1}
+    assert asyncio.get_running_loop().time() - started >= 2
+    beating.cancel()
+    await asyncio.gather(beating, return_exceptions=True)
+
+
+@pytest.mark.looptime
+async def test_a_worker_silent_for_many_beats_is_forgotten() -> None:
+    membership = Membership()
+    membership.observe(_beat("gone"))
+    beating = asyncio.create_task(_keep_beating(membership, _beat("w0")))
+    await asyncio.sleep((FORGET_AFTER_BEATS - 1) * BEAT_S)
+    assert membership.known() == ["gone", "w0"]
+    await asyncio.sleep(3 * BEAT_S)
+    assert membership.known() == ["w0"]
+    beating.cancel()
+    await asyncio.gather(beating, return_exceptions=True)
+
+
+async def test_the_live_members_can_be_read_from_another_thread_while_workers_join() -> None:
+    membership = Membership()
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def read_like_the_metrics_thread() -> None:
+        try:
+            while not stop.is_set():
+                membership.live()
+        except BaseException as exc:
+            failures.append(exc)
+
+    reader = threading.Thread(target=read_like_the_metrics_thread)
+    reader.start()
+    try:
+        for i in range(20_000):
+            membership.observe(_beat(f"w{i}"))
+            if i % 1000 == 0:
+                await asyncio.sleep(0)
+    finally:
+        stop.set()
+        reader.join(timeout=10)
+    assert failures == []
+    assert len(membership.live()) == 20_000

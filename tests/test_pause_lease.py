@@ -1,0 +1,87 @@
+"""The agent's pause lease on a fake clock: a pause nobody renews ends on its own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from lorabus.agents.lease import LeaseState, PauseLease
+
+pytestmark = pytest.mark.looptime
+
+
+class Expiries:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, float]] = []
+
+    async def __call__(self, update_id: str) -> None:
+        self.seen.append((update_id, asyncio.get_running_loop().time()))
+
+
+@pytest.fixture
+async def watched() -> AsyncIterator[tuple[PauseLease, Expiries]]:
+    lease, expiries = PauseLease(), Expiries()
+    watching = asyncio.create_task(lease.watch(expiries))
+    yield lease, expiries
+    watching.cancel()
+    await asyncio.gather(watching, return_exceptions=True)
+
+
+async def test_a_lease_nobody_renews_expires_at_its_end(
+    watched: tuple[PauseLease, Expiries],
+) -> None:
+    lease, expiries = watched
+    armed_at = asyncio.get_running_loop().time()
+    lease.arm("u1", 30)
+    await asyncio.sleep(29)
+    assert expiries.seen == []
+    await asyncio.sleep(2)
+    assert expiries.seen == [("u1", pytest.approx(armed_at + 30))]
+    assert lease.state is LeaseState.EXPIRED
+
+
+async def test_renewals_push_the_end_out(watched: tuple[PauseLease, Expiries]) -> None:
+    lease, expiries = watched
+    lease.arm("u1", 10)
+    for _ in range(5):
+        await asyncio.sleep(8)
+        lease.renew("u1", 10)
+    assert expiries.seen == []
+    await asyncio.sleep(11)
+    assert [update_id for update_id, _ in expiries.seen] == ["u1"]
+
+
+async def test_a_renewal_for_another_update_does_not_extend_the_lease(
+    watched: tuple[PauseLease, Expiries],
+) -> None:
+    lease, expiries = watched
+    lease.arm("u1", 10)
+    await asyncio.sleep(8)
+    lease.renew("u0", 10)
+    await asyncio.sleep(3)
+    assert [update_id for update_id, _ in expiries.seen] == ["u1"]
+
+
+async def test_a_released_lease_never_expires(watched: tuple[PauseLease, Expiries]) -> None:
+    lease, expiries = watched
+    lease.arm("u1", 10)
+    await asyncio.sleep(5)
+    lease.release()
+    await asyncio.sleep(3600)
+    assert expiries.seen == []
+    assert lease.remaining_s is None
+
+
+async def test_a_new_pause_rearms_the_lease_for_its_own_update(
+    watched: tuple[PauseLease, Expiries],
+) -> None:
+    lease, expiries = watched
+    lease.arm("u1", 10)
+    await asyncio.sleep(5)
+    lease.arm("u2", 10)
+    await asyncio.sleep(9)
+    assert expiries.seen == []
+    await asyncio.sleep(2)
+    assert [update_id for update_id, _ in expiries.seen] == ["u2"]

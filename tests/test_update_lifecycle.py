@@ -1,0 +1,183 @@
+"""One update's lifecycle, scenario by scenario, on two buses.
+
+Each scenario runs the real update runner, membership and ack gathering
+against scripted agents (``fleet_doubles.py``), once on an in-memory bus
+under a fake loop clock (milliseconds, whatever the timeouts say) and once
+on a real nats-server with the real clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+import pytest
+from fleet_doubles import MemoryFleet, NatsFleet, Script
+
+from lorabus.bus import close, connect
+from lorabus.coordinator.plan import UpdatePlan
+from lorabus.schemas import (
+    ErrorCode,
+    PauseCommand,
+    Phase,
+    RenewLeaseCommand,
+    UpdateResult,
+)
+
+WORLD_SIZES = {"w0": 2, "w1": 4, "w2": 1}
+PLAN = UpdatePlan(
+    update_id="u1",
+    adapter="policy",
+    version=1,
+    path="/adapters/policy/step_1",
+    served_name="policy-v1",
+    replace=False,
+)
+
+Fleet = MemoryFleet | NatsFleet
+OpenFleet = Callable[..., Awaitable[Fleet]]
+
+
+@pytest.fixture(params=[pytest.param("memory", marks=pytest.mark.looptime), "nats"])
+def bus_url(request: pytest.FixtureRequest) -> str | None:
+    """None for the in-memory bus (on a fake clock), else a real nats-server's URL."""
+    return None if request.param == "memory" else request.getfixturevalue("nats_url")
+
+
+@pytest.fixture
+async def open_fleet(bus_url: str | None, fleet_name: str) -> AsyncIterator[OpenFleet]:
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def open_(scripts: Mapping[str, Script] | None = None) -> Fleet:
+            if bus_url is None:
+                return await stack.enter_async_context(MemoryFleet(WORLD_SIZES, scripts or {}))
+            coordinator_nc = await connect(bus_url, name="lifecycle-coordinator")
+            stack.push_async_callback(close, coordinator_nc)
+            agents_nc = await connect(bus_url, name="lifecycle-agents")
+            stack.push_async_callback(close, agents_nc)
+            fleet = NatsFleet(
+                WORLD_SIZES,
+                scripts or {},
+                coordinator_nc=coordinator_nc,
+                agents_nc=agents_nc,
+                fleet=fleet_name,
+            )
+            return await stack.enter_async_context(fleet)
+
+        yield open_
+
+
+def _nobody_paused(fleet: Fleet) -> None:
+    assert {wid: a.paused for wid, a in fleet.agents.items()} == dict.fromkeys(WORLD_SIZES, False)
+
+
+def _error_of(result: UpdateResult, worker_id: str) -> str:
+    outcome = result.workers[worker_id]
+    assert not outcome.ok and outcome.error is not None, outcome
+    return outcome.error.message
+
+
+async def test_every_member_acks_and_the_update_commits_with_its_rank_map(
+    open_fleet: OpenFleet,
+) -> None:
+    fleet = await open_fleet()
+    result = await fleet.runner().run(PLAN)
+
+    assert result.committed, result.error
+    assert result.rank_map is not None
+    offsets = {e.worker_id: (e.rank_offset, e.world_size) for e in result.rank_map.entries}
+    assert offsets == {"w0": (1, 2), "w1": (3, 4), "w2": (7, 1)}
+    assert result.rank_map.world_size == 8
+    for agent in fleet.agents.values():
+        assert agent.phases_received() == [Phase.PAUSE, Phase.LOAD, Phase.RESUME]
+        assert agent.adapters == ["policy-v1"]
+    _nobody_paused(fleet)
+    recorded = await fleet.last_inflight()
+    assert recorded is not None and recorded.phase is Phase.LOAD
+    assert recorded.members == WORLD_SIZES
+
+
+async def test_a_failed_load_fails_the_update_resumes_everyone_and_withdraws_the_version(
+    open_fleet: OpenFleet,
+) -> None:
+    fleet = await open_fleet({"w1": Script(fail_load=True)})
+    result = await fleet.runner().run(PLAN)
+
+    assert result.status == "failed"
+    assert result.error is not None and result.error.code is ErrorCode.WORKER_FAILED
+    assert "cannot load policy-v1" in _error_of(result, "w1")
+    assert result.rank_map is None
+    _nobody_paused(fleet)
+    assert all("policy-v1" not in a.adapters for a in fleet.agents.values())
+    assert fleet.agents["w0"].phases_received()[-1] is Phase.UNLOAD
+
+
+async def test_a_member_that_never_acks_times_the_phase_out_and_everyone_resumes(
+    open_fleet: OpenFleet,
+) -> None:
+    fleet = await open_fleet({"w2": Script(silent=frozenset({Phase.LOAD}))})
+    result = await fleet.runner(phase_timeout_s=2).run(PLAN)
+
+    assert result.error is not None and result.error.code is ErrorCode.PHASE_TIMEOUT
+    assert "no load ack within 2.0s" in _error_of(result, "w2")
+    _nobody_paused(fleet)
+
+
+async def test_a_member_that_stops_heartbeating_is_given_up_before_the_deadline(
+    open_fleet: OpenFleet,
+) -> None:
+    fleet = await open_fleet({"w2": Script(dies_at=Phase.LOAD)})
+    result = await fleet.runner(phase_timeout_s=60).run(PLAN)
+
+    assert result.error is not None and result.error.code is ErrorCode.PHASE_TIMEOUT
+    assert "stopped heartbeating during load" in _error_of(result, "w2")
+    assert not fleet.agents["w0"].paused and not fleet.agents["w1"].paused
+
+
+async def test_a_member_that_missed_a_command_gets_it_again_on_its_own_subject(
+    open_fleet: OpenFleet,
+) -> None:
+    fleet = await open_fleet({"w0": Script(lose_first=frozenset({Phase.PAUSE, Phase.LOAD}))})
+    result = await fleet.runner().run(PLAN)
+
+    assert result.committed, result.error
+    w0 = fleet.agents["w0"]
+    assert w0.phases_received() == [Phase.PAUSE, Phase.LOAD, Phase.RESUME]
+    again = [c for c in w0.received if not isinstance(c, RenewLeaseCommand)][:2]
+    assert [(c.targets, c.cohort) for c in again] == [(["w0"], False), (["w0"], False)]
+
+
+async def test_a_partial_quorum_commits_without_the_member_that_failed(
+    open_fleet: OpenFleet,
+) -> None:
+    fleet = await open_fleet({"w2": Script(fail_load=True)})
+    result = await fleet.runner(quorum=0.75).run(PLAN)
+
+    assert result.committed, result.error
+    assert result.rank_map is not None
+    assert [e.worker_id for e in result.rank_map.entries] == ["w0", "w1"]
+    assert "cannot load policy-v1" in _error_of(result, "w2")
+    _nobody_paused(fleet)
+
+
+async def test_without_a_quorum_no_engine_is_paused(open_fleet: OpenFleet) -> None:
+    fleet = await open_fleet()
+    runner = fleet.runner(expected_world_size=100, quorum_timeout_s=1)
+    result = await runner.run(PLAN)
+
+    assert result.error is not None and result.error.code is ErrorCode.QUORUM_TIMEOUT
+    assert "sum to 7, which is short of the expected 100" in result.error.message
+    assert all(not a.received for a in fleet.agents.values())
+
+
+async def test_pause_leases_are_renewed_while_the_pause_lasts(open_fleet: OpenFleet) -> None:
+    fleet = await open_fleet({"w1": Script(silent=frozenset({Phase.LOAD}))})
+    result = await fleet.runner(pause_lease_s=1.5, phase_timeout_s=3).run(PLAN)
+
+    assert result.error is not None and result.error.code is ErrorCode.PHASE_TIMEOUT
+    w0 = fleet.agents["w0"]
+    pause = next(c for c in w0.received if isinstance(c, PauseCommand))
+    renewals = [c for c in w0.received if isinstance(c, RenewLeaseCommand)]
+    assert pause.lease_s == 1.5
+    assert renewals and all(r.lease_s == 1.5 and r.cohort for r in renewals)
+    _nobody_paused(fleet)
