@@ -133,13 +133,7 @@ class Coordinator:
         while True:
             raise_if_cancelled()
             try:
-                return await FleetStore.open(
-                    nc,
-                    self.subjects,
-                    replicas=self.config.kv_replicas,
-                    audit_max_age_s=self.config.audit_max_age_s,
-                    audit_max_bytes=self.config.audit_max_bytes,
-                )
+                return await FleetStore.open(nc, self.config)
             except StoreUnavailable as exc:
                 log.warning("%s; retrying in %.1fs", exc, pause)
                 await asyncio.sleep(pause)

@@ -25,6 +25,7 @@ from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConf
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
+from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.errors import LostRace, StoreUnavailable
 from lorabus.schemas import (
     CommittedRecord,
@@ -52,24 +53,19 @@ class FleetStore:
         self._results = results
 
     @classmethod
-    async def open(
-        cls,
-        nc: NatsClient,
-        subjects: Subjects,
-        *,
-        replicas: int = 1,
-        audit_max_age_s: float = 7 * 24 * 3600.0,
-        audit_max_bytes: int = 1 << 30,
-    ) -> FleetStore:
-        """Open the fleet's buckets and audit stream, creating what is missing."""
+    async def open(cls, nc: NatsClient, config: CoordinatorConfig) -> FleetStore:
+        """Open the buckets and the audit stream of ``config``'s fleet, creating
+        what is missing, with its replicas and audit limits."""
+        subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
+        replicas = config.kv_replicas
         js = nc.jetstream()
         audit = StreamConfig(
             name=subjects.audit_stream(),
             subjects=subjects.audited(),
             storage=StorageType.FILE,
             retention=RetentionPolicy.LIMITS,
-            max_age=audit_max_age_s,
-            max_bytes=audit_max_bytes,
+            max_age=config.audit_max_age_s,
+            max_bytes=config.audit_max_bytes,
             num_replicas=replicas,
         )
         try:

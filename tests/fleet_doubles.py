@@ -193,16 +193,20 @@ class _Fleet:
         }
         self.membership = Membership()
         self.frontend = ListingFrontend(self.agents)
+        self.fleet_name = "lifecycle"
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def config(self, **settings: Any) -> CoordinatorConfig:
+        """The coordinator's config for this fleet; ``settings`` override its fields."""
+        settings.setdefault("expected_world_size", sum(a.world_size for a in self.agents.values()))
+        return CoordinatorConfig(
+            fleet=self.fleet_name, frontend_url="http://frontend.invalid", **settings
+        )
 
     def runner(self, **settings: Any) -> UpdateRunner:
         """An update runner of epoch 1 over this fleet; ``settings`` go to the config."""
-        settings.setdefault("expected_world_size", sum(a.world_size for a in self.agents.values()))
-        config = CoordinatorConfig(
-            fleet="lifecycle", frontend_url="http://frontend.invalid", **settings
-        )
         runner = UpdateRunner(
-            config,
+            self.config(**settings),
             self.membership,
             self.frontend,
             self.bus,
@@ -312,6 +316,7 @@ class NatsFleet(_Fleet):
         fleet: str,
     ) -> None:
         super().__init__(world_sizes, scripts)
+        self.fleet_name = fleet
         self.subjects = Subjects(fleet=fleet)
         self.coordinator_bus = CoordinatorBus(coordinator_nc, self.subjects, self.membership)
         self.bus = self.coordinator_bus
@@ -327,12 +332,7 @@ class NatsFleet(_Fleet):
         return await self.journal().read_inflight()
 
     async def __aenter__(self) -> NatsFleet:
-        self._store = await FleetStore.open(
-            self.coordinator_bus.nc,
-            self.subjects,
-            audit_max_age_s=3600,
-            audit_max_bytes=1 << 24,
-        )
+        self._store = await FleetStore.open(self.coordinator_bus.nc, self.config())
         self._subs = await self.coordinator_bus.follow()
         for agent in self.agents.values():
             for subject in (self.subjects.cmd(), self.subjects.cmd_worker(agent.worker_id)):

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lorabus.bus import close, connect
+from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.store import FleetStore
 from lorabus.schemas import (
     CommittedRecord,
     InflightRecord,
     Phase,
-    Subjects,
     build_rank_map,
 )
 from lorabus.testbed.stack import EmbeddedStack
@@ -24,7 +24,10 @@ async def _leave_in_flight(nats_url: str, fleet_name: str, *, committed: bool) -
     the in-flight record, and the committed record if it got that far."""
     nc = await connect(nats_url, name="test-predecessor")
     try:
-        store = await FleetStore.open(nc, Subjects(fleet=fleet_name))
+        config = CoordinatorConfig(
+            fleet=fleet_name, frontend_url="http://frontend.invalid", expected_world_size=1
+        )
+        store = await FleetStore.open(nc, config)
         await store.write_inflight(
             InflightRecord(
                 update_id="step-7",

@@ -7,15 +7,24 @@ Both run until SIGTERM or SIGINT, and take their settings from the tables in
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import click
 
 from lorabus.agents.config import AgentConfig
 from lorabus.cli.common import auth_options, fleet_option, headers_from, log, nats_option, run
-from lorabus.cli.flags import AGENT_FLAGS, COORDINATOR_FLAGS, build_config, config_options
+from lorabus.cli.flags import (
+    AGENT_FLAGS,
+    COORDINATOR_FLAGS,
+    Flag,
+    build_config,
+    config_options,
+)
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.metrics_http import serving
+
+_Config = TypeVar("_Config", AgentConfig, CoordinatorConfig)
 
 metrics_port_option = click.option(
     "--metrics-port",
@@ -25,32 +34,45 @@ metrics_port_option = click.option(
 )
 
 
-@click.command()
-@nats_option
-@fleet_option
-@config_options(AgentConfig, AGENT_FLAGS)
-@auth_options
-@metrics_port_option
-def agent(
-    nats_url: str,
-    fleet: str,
-    api_key_env: str | None,
-    headers: tuple[str, ...],
-    metrics_port: int | None,
-    **settings: Any,
-) -> None:
+def serving_command(
+    config_type: type[_Config], flags: Sequence[Flag]
+) -> Callable[[Callable[[_Config, str, int | None], Awaitable[int]]], click.Command]:
+    """A serving process's command: the bus and auth options, the flags of its
+    config, ``--metrics-port``; the decorated coroutine runs with the config
+    until a signal stops it, and its docstring is the command's help."""
+
+    def decorate(serve: Callable[[_Config, str, int | None], Awaitable[int]]) -> click.Command:
+        @click.command(name=serve.__name__, help=serve.__doc__)
+        @nats_option
+        @fleet_option
+        @config_options(config_type, flags)
+        @auth_options
+        @metrics_port_option
+        def command(
+            nats_url: str,
+            fleet: str,
+            api_key_env: str | None,
+            headers: tuple[str, ...],
+            metrics_port: int | None,
+            **settings: Any,
+        ) -> None:
+            config = build_config(
+                config_type,
+                flags,
+                settings,
+                fleet=fleet,
+                headers=headers_from(api_key_env, headers),
+            )
+            sys.exit(run(lambda: serve(config, nats_url, metrics_port)))
+
+        return command
+
+    return decorate
+
+
+@serving_command(AgentConfig, AGENT_FLAGS)
+async def agent(config: AgentConfig, nats_url: str, metrics_port: int | None) -> int:
     """Drive one worker's engine on the coordinator's commands."""
-    config = build_config(
-        AgentConfig,
-        AGENT_FLAGS,
-        settings,
-        fleet=fleet,
-        headers=headers_from(api_key_env, headers),
-    )
-    sys.exit(run(lambda: _serve_agent(config, nats_url, metrics_port)))
-
-
-async def _serve_agent(config: AgentConfig, nats_url: str, metrics_port: int | None) -> int:
     from lorabus.agents import Agent, driver_for
     from lorabus.agents.metrics import AgentMetrics, InstrumentedDriver
     from lorabus.bus import close, connect
@@ -75,34 +97,9 @@ async def _serve_agent(config: AgentConfig, nats_url: str, metrics_port: int | N
     return 0
 
 
-@click.command()
-@nats_option
-@fleet_option
-@config_options(CoordinatorConfig, COORDINATOR_FLAGS)
-@auth_options
-@metrics_port_option
-def coordinator(
-    nats_url: str,
-    fleet: str,
-    api_key_env: str | None,
-    headers: tuple[str, ...],
-    metrics_port: int | None,
-    **settings: Any,
-) -> None:
+@serving_command(CoordinatorConfig, COORDINATOR_FLAGS)
+async def coordinator(config: CoordinatorConfig, nats_url: str, metrics_port: int | None) -> int:
     """Run updates for one fleet (several may run: one leads, the others stand by)."""
-    config = build_config(
-        CoordinatorConfig,
-        COORDINATOR_FLAGS,
-        settings,
-        fleet=fleet,
-        headers=headers_from(api_key_env, headers),
-    )
-    sys.exit(run(lambda: _serve_coordinator(config, nats_url, metrics_port)))
-
-
-async def _serve_coordinator(
-    config: CoordinatorConfig, nats_url: str, metrics_port: int | None
-) -> int:
     from lorabus.bus import close, connect
     from lorabus.coordinator import Coordinator
 
