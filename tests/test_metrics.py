@@ -42,6 +42,10 @@ async def test_the_coordinator_exports_updates_phases_acks_and_membership(
     assert "lorabus_pause_window_seconds_count 1.0" in text
     assert "lorabus_engines_paused 0.0" in text
     assert 'lorabus_heartbeat_age_seconds{worker="w000"}' in text
+    # One series for leadership, whatever the number of terms.
+    assert "lorabus_coordinator_leading 1.0" in text
+    assert "lorabus_coordinator_epoch 1.0" in text
+    assert "epoch=" not in text
 
 
 async def test_an_agent_exports_engine_call_latency_and_errors_by_operation(

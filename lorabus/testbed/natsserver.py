@@ -42,6 +42,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_RESERVABLE_STORE = "1TB"
+
+
 class NatsServer:
     """One nats-server process with JetStream on 127.0.0.1."""
 
@@ -83,7 +86,8 @@ class NatsServer:
     def _spawn(self) -> subprocess.Popen[bytes]:
         # A plain Popen, not asyncio's: stop() must also work synchronously,
         # from a finally or after the event loop is gone.
-        argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-n", self.name]
+        argv = [find_nats_server(), "-c", self._write_config()]
+        argv += ["-a", "127.0.0.1", "-p", str(self.port), "-n", self.name]
         argv += ["-js", "-sd", self.store_dir]
         if self.cluster_port is not None:
             argv += ["--cluster_name", "lorabus", "--cluster", _loopback(self.cluster_port)]
@@ -94,6 +98,17 @@ class NatsServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
+
+    def _write_config(self) -> str:
+        """What the flags cannot say. JetStream counts each stream's limit (an
+        audit stream's is 1 GiB) against a reservation that defaults to three
+        quarters of the free disk, so a test session's hundreds of fleets, or
+        one ``lorabus up`` on a nearly full disk, would be refused storage
+        that they never fill. Streams here stay small: reserve generously."""
+        path = Path(self.store_dir) / "lorabus-nats.conf"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"jetstream {{\n  max_file_store: {_RESERVABLE_STORE}\n}}\n")
+        return str(path)
 
     async def _wait_accepting(self, timeout_s: float) -> None:
         assert self.process is not None
