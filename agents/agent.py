@@ -493,13 +493,17 @@ class Agent:
                 # An engine restart loses adapters: noticing it is what lets
                 # the agent reload the committed one. While commands keep the
                 # engine busy, the check waits for a quiet interval.
-                seen = list(self.executor.adapters)
+                seen = self._reported()
                 with contextlib.suppress(Exception):
                     await self.executor.refresh()
                 await self._reconcile_if_needed()
-                if self.executor.adapters != seen:
+                if self._reported() != seen:
                     # Tell the coordinator now; the heartbeat loop beats on its own.
                     await self._beat()
+
+    def _reported(self) -> tuple[list[str], bool]:
+        """What a heartbeat says of the engine that a check can change."""
+        return list(self.executor.adapters), self.ready and not self._reconciling
 
     async def _beat(self) -> None:
         ex = self.executor

@@ -47,6 +47,7 @@ class UpdateBook:
         self._pending: dict[str, tuple[UpdateRequest, asyncio.Future[UpdateResult]]] = {}
         self._queue: list[UpdateRequest] = []
         self._queued = asyncio.Event()
+        self._closed_with: ErrorInfo | None = None
 
     def knows(self, update_id: str) -> bool:
         return (
@@ -62,6 +63,8 @@ class UpdateBook:
             return known[1]
         future: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
         done = self._results.get(request.update_id) or self._unpersisted.get(request.update_id)
+        if done is None and self._closed_with is not None:
+            done = failed_result(request, self._closed_with)
         if done is not None:
             future.set_result(done)
             return future
@@ -112,8 +115,10 @@ class UpdateBook:
         self.committed[committed.adapter] = committed
         self.latest = committed
 
-    def fail_all_pending(self, error: ErrorInfo) -> None:
-        """At shutdown: answer everyone still waiting instead of leaving them hanging."""
+    def close(self, error: ErrorInfo) -> None:
+        """At the end of a term: answer everyone still waiting, and every later
+        submission, with ``error`` instead of leaving them hanging."""
+        self._closed_with = error
         for request, _ in list(self._pending.values()):
             self.finish(request, failed_result(request, error))
         self._queue.clear()

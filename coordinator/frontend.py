@@ -9,12 +9,12 @@ milliseconds because a listing usually appears right after the load.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 
 import httpx
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
 
+from lorabus.clock import now
 from lorabus.errors import FrontendUnverified
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class FrontendClient:
 
     async def wait_listed(self, model: str, timeout_s: float) -> float:
         """Poll until ``model`` is listed; return seconds taken or raise FrontendUnverified."""
-        started = time.monotonic()
+        started = now()
         last_problem = "never listed"
 
         async def listed() -> bool:
@@ -65,4 +65,4 @@ class FrontendClient:
                 f"frontend {self.base_url} did not list {model!r} within {timeout_s:.1f}s "
                 f"({last_problem})"
             )
-        return time.monotonic() - started
+        return now() - started

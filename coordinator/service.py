@@ -181,7 +181,7 @@ class Coordinator:
             self.metrics.leading.set(0)
             await _unsubscribe(subs)
             # Nobody is left waiting for an answer that will never come.
-            self.book.fail_all_pending(
+            self.book.close(
                 ErrorInfo(
                     code=ErrorCode.NOT_LEADER,
                     message="the coordinator stopped or lost its lease before this update "
@@ -386,9 +386,11 @@ class Coordinator:
     def _make_request_cb(
         self, replies: set[asyncio.Task[None]], bus: CoordinatorBus, store: FleetStore
     ) -> Callable[[Msg], Awaitable[None]]:
-        intake = asyncio.Lock()
+        last_joined: asyncio.Event | None = None
+        """Set once the latest request to arrive has joined the book."""
 
         async def on_request(msg: Msg) -> None:
+            nonlocal last_joined
             try:
                 request = update_request_decoder.decode(msg.data)
             except msgspec.DecodeError as exc:
@@ -407,24 +409,34 @@ class Coordinator:
                 )
                 await _reply(msg, failed_result(bad, error))
                 return
-            reply = asyncio.create_task(self._answer(msg, request, store, intake))
+            previous, last_joined = last_joined, asyncio.Event()
+            reply = asyncio.create_task(self._answer(msg, request, store, previous, last_joined))
             replies.add(reply)
             reply.add_done_callback(replies.discard)
 
         return on_request
 
     async def _answer(
-        self, msg: Msg, request: UpdateRequest, store: FleetStore, intake: asyncio.Lock
+        self,
+        msg: Msg,
+        request: UpdateRequest,
+        store: FleetStore,
+        previous: asyncio.Event | None,
+        joined: asyncio.Event,
     ) -> None:
-        # Requests join the queue in the order they arrived, however long each
-        # one's look-up takes: the lock is fair, and each task takes it first.
-        async with intake:
+        """Reply with the request's result. Look-ups run at once, but requests
+        join the book in the order they arrived: each waits for the one before."""
+        try:
             stored = None
             if not self.book.knows(request.update_id):
                 # A predecessor may have finished (or rolled back) this update.
                 stored = await _or_none(store.read_result(request.update_id))
+            if previous is not None:
+                await previous.wait()
             if stored is None:
                 future = self.book.submit(request)
+        finally:
+            joined.set()
         if stored is not None:
             await _reply(msg, stored)
             return

@@ -30,12 +30,18 @@ async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> Na
     ``connect_timeout_s``; neither message shows a password from the URL.
     """
     nc = NatsClient()
+    servers = [part.strip() for part in url.split(",") if part.strip()]
     refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    refusals = 0
 
     async def on_error(exc: Exception) -> None:
+        nonlocal refusals
         if not refused.done() and not nc.is_connected and is_auth_refusal(exc):
-            # nats-py would retry the same credentials forever.
-            refused.set_result(str(exc))
+            # nats-py would retry the same credentials forever; in a cluster,
+            # another node may still take them, so every node gets its turn.
+            refusals += 1
+            if refusals >= len(servers):
+                refused.set_result(str(exc))
         # Before the first connection, failures are summed up by the errors raised below.
         log.log(
             logging.WARNING if nc.is_connected or nc.is_reconnecting else logging.DEBUG,
@@ -53,7 +59,7 @@ async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> Na
 
     connecting = asyncio.ensure_future(
         nc.connect(
-            servers=[part.strip() for part in url.split(",") if part.strip()],
+            servers=servers,
             name=name,
             connect_timeout=2,
             # nats-py annotates this as int, but waits a float of seconds.
@@ -69,7 +75,7 @@ async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> Na
     try:
         either: set[asyncio.Future[Any]] = {connecting, refused}
         await asyncio.wait(either, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        if refused.done():
+        if refused.done() and not (connecting.done() and connecting.exception() is None):
             raise PermissionDenied(f"NATS at {redact(url)} refused to connect: {refused.result()}")
         if not connecting.done():
             raise BusUnreachable(

@@ -11,6 +11,7 @@ first result without touching the engines.
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import msgspec
@@ -25,6 +26,7 @@ from tenacity import (
 )
 
 from lorabus.bus import close, connect
+from lorabus.clock import now
 from lorabus.errors import NoCoordinator
 from lorabus.schemas import (
     FAILED,
@@ -40,9 +42,13 @@ from lorabus.schemas import (
     update_result_decoder,
 )
 
+log = logging.getLogger(__name__)
+
 UPDATE_TIMEOUT_S = 300.0
 """How long ``update()`` waits for a result unless told otherwise."""
 STATUS_TIMEOUT_S = 5.0
+REASK_S = 5.0
+"""Seconds without an answer after which ``update()`` asks again (same update id)."""
 
 
 class UpdateClient:
@@ -55,15 +61,28 @@ class UpdateClient:
         *,
         owns_connection: bool = False,
         no_coordinator_wait_s: float = 2.0,
+        reask_s: float = REASK_S,
     ) -> None:
+        if reask_s <= 0:
+            raise ValueError(f"reask_s must be > 0, got {reask_s}")
         self.nc = nc
         self.no_coordinator_wait_s = no_coordinator_wait_s
+        self.reask_s = reask_s
         self.subjects = Subjects(fleet=fleet)
         self._owns_connection = owns_connection
 
     @classmethod
-    async def connect(cls, url: str, fleet: str) -> UpdateClient:
-        return cls(await connect(url, name=f"lorabus-client-{fleet}"), fleet, owns_connection=True)
+    async def connect(
+        cls, url: str, fleet: str, *, connect_timeout_s: float = 10.0, reask_s: float = REASK_S
+    ) -> UpdateClient:
+        """A client of ``fleet`` on its own connection to ``url``, closed with it.
+
+        Raises :class:`~lorabus.errors.BusUnreachable` when NATS cannot be
+        reached within ``connect_timeout_s``, and
+        :class:`~lorabus.errors.PermissionDenied` when it refuses the credentials.
+        """
+        nc = await connect(url, name=f"lorabus-client-{fleet}", connect_timeout_s=connect_timeout_s)
+        return cls(nc, fleet, owns_connection=True, reask_s=reask_s)
 
     async def __aenter__(self) -> UpdateClient:
         return self
@@ -86,30 +105,49 @@ class UpdateClient:
     ) -> UpdateResult:
         """Request an update and wait for its result (committed or failed).
 
-        Failing to hear back is reported as a ``failed`` result with code
-        ``no_coordinator`` or ``timeout``; the update may still finish, and the
-        same ``update_id`` fetches its result later.
+        A request can reach a leader that dies before it answers (killed,
+        frozen, cut off); the coordinators cannot tell the requester, so while
+        no answer comes the request is sent again every ``reask_s`` seconds
+        with the same ``update_id``, which a leader answers with that update's
+        one result, its successor too. Failing to hear back is reported as a
+        ``failed`` result with code ``no_coordinator`` or ``timeout``; the
+        update may still finish, and the same ``update_id`` fetches its result
+        later.
         """
         request = UpdateRequest(
             update_id=update_id or uuid.uuid4().hex, adapter=adapter, path=path, version=version
         )
-        try:
-            reply = await self._request(self.subjects.update_request(), request, timeout_s)
-        except nats.errors.NoRespondersError:
-            return self._unanswered(
-                request,
-                ErrorCode.NO_COORDINATOR,
-                f"no coordinator is listening on fleet {self.subjects.fleet!r} "
-                f"(waited {self.no_coordinator_wait_s:.1f}s for one)",
-            )
-        except TimeoutError:
-            return self._unanswered(
-                request,
-                ErrorCode.TIMEOUT,
-                f"no result within {timeout_s:.1f}s; ask again with "
-                f"update_id {request.update_id} for the outcome",
-            )
-        return update_result_decoder.decode(reply.data)
+        subject = self.subjects.update_request()
+        deadline = now() + timeout_s
+        taken = False
+        """Whether a coordinator has had the request: its silence is then a failover."""
+        while (remaining := deadline - now()) > 0:
+            # Once taken, nobody listening means a successor is on its way.
+            patience = remaining if taken else self.no_coordinator_wait_s
+            try:
+                reply = await self._request(
+                    subject, request, min(remaining, self.reask_s), no_responders_s=patience
+                )
+            except nats.errors.NoRespondersError:
+                if taken:
+                    break
+                return self._unanswered(
+                    request,
+                    ErrorCode.NO_COORDINATOR,
+                    f"no coordinator is listening on fleet {self.subjects.fleet!r} "
+                    f"(waited {self.no_coordinator_wait_s:.1f}s for one)",
+                )
+            except TimeoutError:
+                taken = True
+                log.info("update=%s no answer yet: asking again", request.update_id)
+                continue
+            return update_result_decoder.decode(reply.data)
+        return self._unanswered(
+            request,
+            ErrorCode.TIMEOUT,
+            f"no result within {timeout_s:.1f}s; ask again with "
+            f"update_id {request.update_id} for the outcome",
+        )
 
     async def status(self, *, timeout_s: float = STATUS_TIMEOUT_S) -> FleetStatus:
         try:
@@ -120,12 +158,20 @@ class UpdateClient:
             ) from exc
         return fleet_status_decoder.decode(reply.data)
 
-    async def _request(self, subject: str, message: msgspec.Struct, timeout_s: float) -> Msg:
+    async def _request(
+        self,
+        subject: str,
+        message: msgspec.Struct,
+        timeout_s: float,
+        *,
+        no_responders_s: float | None = None,
+    ) -> Msg:
         # "No responders" is answered at once, also while a coordinator is
         # restarting, and a just-connected client can be told so for its first
         # request although the coordinator has subscribed: ask again briefly.
+        patience = self.no_coordinator_wait_s if no_responders_s is None else no_responders_s
         retrying = AsyncRetrying(
-            stop=stop_after_delay(self.no_coordinator_wait_s),
+            stop=stop_after_delay(patience),
             wait=wait_exponential(multiplier=0.05, max=0.5),
             retry=retry_if_exception_type(nats.errors.NoRespondersError),
             reraise=True,

@@ -19,7 +19,8 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     ├── StoreUnavailable          the fleet's KV store could not be read or written in time
     ├── LeadershipLost            this coordinator no longer holds the fleet's lease
     │   └── LostRace              another coordinator wrote the leader record first
-    └── NatsServerMissing         no nats-server binary for the embedded stack
+    └── StartFailed               a part of the embedded stack or testbed did not start
+        └── NatsServerMissing     no nats-server binary to start
 
 An orchestrator using :class:`~lorabus.UpdateClient` meets ``BusUnreachable``
 and ``PermissionDenied`` when connecting and ``NoCoordinator`` from
@@ -50,6 +51,7 @@ __all__ = [
     "PermissionDenied",
     "QuorumNotReached",
     "StaleVersion",
+    "StartFailed",
     "StoreUnavailable",
 ]
 
@@ -162,10 +164,14 @@ class LostRace(LeadershipLost):
     """Raised when a compare-and-set finds that another coordinator wrote first."""
 
 
-class NatsServerMissing(LorabusError):
-    """Raised when the embedded stack finds no nats-server binary."""
+class StartFailed(LorabusError):
+    """Raised when a part of the embedded stack or testbed does not start."""
 
     code = ErrorCode.INTERNAL
+
+
+class NatsServerMissing(StartFailed):
+    """Raised when the embedded stack finds no nats-server binary."""
 
 
 _CLASS_OF_CODE: dict[ErrorCode, type[LorabusError]] = {

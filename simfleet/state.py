@@ -159,6 +159,16 @@ class SimWorker:
             del self.requests[: len(self.requests) - REQUEST_LOG_LIMIT]
         self._notify()
 
+    def count_requests(self, method: str, path: str) -> int:
+        """How many of the remembered requests were ``method path`` (``POST
+        /v1/loras`` counts the loads)."""
+        return sum((r.method, r.path) == (method, path) for r in self.requests)
+
+    @property
+    def loads_received(self) -> int:
+        """Load requests among the remembered ones (tried or not)."""
+        return self.count_requests("POST", "/v1/loras")
+
     async def wait_until(self, condition: Callable[[], bool]) -> bool:
         """Wait until ``condition()`` holds; False if the worker is released first.
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,23 @@ class Processes(ChildGroup[ChildProcess]):
         dead = [p for p in self.children if not p.running and not p.ended_on_purpose]
         if dead:
             raise AssertionError("child process died:\n" + "\n".join(p.describe() for p in dead))
+
+
+def pids_marked(variable: str, marker: str) -> list[int]:
+    """Live processes (other than this one) whose environment has ``variable=marker``:
+    a test marks what it starts, to find anything left behind."""
+    needle = f"{variable}={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from processes import LORABUS, child_env
+from processes import LORABUS, child_env, pids_marked
 
 from lorabus.testbed.bench import BenchReport, ModeResult
 
@@ -32,21 +32,6 @@ pytestmark = [
     pytest.mark.timeout(200),
     pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc"),
 ]
-
-
-def _marked_pids(marker: str) -> list[int]:
-    needle = f"{MARK_VAR}={marker}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +74,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path,
         return process.returncode, stdout.decode(errors="replace")
 
     code, text = asyncio.run(run())
-    left = _marked_pids(marker)
+    left = pids_marked(MARK_VAR, marker)
     for pid in left:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)

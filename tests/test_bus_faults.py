@@ -11,21 +11,16 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from lorabus.simfleet import SimWorker
 from lorabus.testbed.natsserver import NatsServer, free_port
 from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 60.0
 
 
-def _loads(worker: SimWorker) -> int:
-    return sum((r.method, r.path) == ("POST", "/v1/loras") for r in worker.requests)
-
-
 async def _load_started(stack: EmbeddedStack) -> None:
     assert stack.sim is not None
     await asyncio.gather(
-        *(w.wait_until(lambda w=w: _loads(w) >= 1) for w in stack.sim.workers.values())
+        *(w.wait_until(lambda w=w: w.loads_received >= 1) for w in stack.sim.workers.values())
     )
 
 

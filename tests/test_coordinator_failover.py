@@ -20,7 +20,7 @@ from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.schemas import Subjects, heartbeat_decoder
-from lorabus.simfleet import SimFleet, SimWorker
+from lorabus.simfleet import SimFleet
 from lorabus.testbed.child_processes import ChildProcess
 
 WORLD_SIZES = {"w000": 2, "w001": 1, "w002": 4}
@@ -34,10 +34,6 @@ ANNOUNCE_DEADLINE_S = 15.0
 @pytest.fixture
 async def sim(start_sim: Callable[..., Awaitable[SimFleet]]) -> SimFleet:
     return await start_sim(WORLD_SIZES)
-
-
-def _loads(worker: SimWorker) -> int:
-    return sum((r.method, r.path) == ("POST", "/v1/loras") for r in worker.requests)
 
 
 async def _start_fleet(
@@ -89,7 +85,7 @@ async def test_a_standby_rolls_back_the_update_of_a_killed_leader_and_answers_it
         )
         await asyncio.wait_for(
             asyncio.gather(
-                *(w.wait_until(lambda w=w: _loads(w) >= 1) for w in sim.workers.values())
+                *(w.wait_until(lambda w=w: w.loads_received >= 1) for w in sim.workers.values())
             ),
             DEADLINE_S,
         )

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from processes import LORABUS, child_env
+from processes import LORABUS, child_env, pids_marked
 
 MARK_VAR = "LORABUS_TEST_MARK"
 #: Only deadlines, so that a stuck run fails the test instead of hanging it.
@@ -25,22 +25,6 @@ RUN_DEADLINE_S = 60.0
 STOP_DEADLINE_S = 20.0
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
-
-
-def _marked_pids(marker: str) -> list[int]:
-    """Live processes whose environment carries ``marker``."""
-    needle = f"{MARK_VAR}={marker}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
 
 
 def _describe(pids: list[int]) -> str:
@@ -57,7 +41,7 @@ def marker() -> Iterator[str]:
     """A marker unique to this test; whatever still carries it at teardown is killed."""
     mark = uuid.uuid4().hex
     yield mark
-    for pid in _marked_pids(mark):
+    for pid in pids_marked(MARK_VAR, mark):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
@@ -161,7 +145,7 @@ async def test_up_commits_three_steps_prints_a_rank_map_and_leaves_nothing_runni
         for line in run.lines
     ), run.output()
     assert re.fullmatch(r"audit: \d+ records, 0 violation\(s\)", run.lines[-1]), run.output()
-    leftovers = _marked_pids(marker)
+    leftovers = pids_marked(MARK_VAR, marker)
     assert not leftovers, f"still running after lorabus up exited:\n{_describe(leftovers)}"
 
 
@@ -171,7 +155,7 @@ async def test_up_interrupted_by_sigint_exits_and_leaves_nothing_running(
     run = await up("--steps", "100")
     await run.read_until(r"^step 1:", RUN_DEADLINE_S)
     # The marker does reach the children: the check below is not vacuous.
-    assert "nats-server" in _describe(_marked_pids(marker)), run.output()
+    assert "nats-server" in _describe(pids_marked(MARK_VAR, marker)), run.output()
 
     run.process.send_signal(signal.SIGINT)
     returncode = await run.finish(STOP_DEADLINE_S)
@@ -179,5 +163,5 @@ async def test_up_interrupted_by_sigint_exits_and_leaves_nothing_running(
     # It exited by itself (a death by the signal would be negative), before the end.
     assert returncode >= 0, run.output()
     assert not any(line.startswith("step 100:") for line in run.lines), run.output()
-    leftovers = _marked_pids(marker)
+    leftovers = pids_marked(MARK_VAR, marker)
     assert not leftovers, f"still running after lorabus up exited:\n{_describe(leftovers)}"

@@ -5,12 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from lorabus.simfleet import SimWorker
 from lorabus.testbed.stack import EmbeddedStack
-
-
-def _loads_seen(worker: SimWorker) -> int:
-    return sum((r.method, r.path) == ("POST", "/v1/loras") for r in worker.requests)
 
 
 async def test_queued_older_versions_are_superseded_and_updates_never_overlap(
@@ -23,7 +18,7 @@ async def test_queued_older_versions_are_superseded_and_updates_never_overlap(
         slow.set_faults(latency_s={"load": 0.5})
         before = len(slow.requests)  # the agent's own start-up calls
         first = asyncio.create_task(stack.client.update("policy", make_adapter(1), version=1))
-        await asyncio.wait_for(slow.wait_until(lambda: _loads_seen(slow) == 1), 10)
+        await asyncio.wait_for(slow.wait_until(lambda: slow.loads_received == 1), 10)
 
         second = asyncio.create_task(stack.client.update("policy", make_adapter(2), version=2))
         third = asyncio.create_task(stack.client.update("policy", make_adapter(3), version=3))
@@ -48,4 +43,4 @@ async def test_the_same_update_id_sent_twice_at_once_runs_once(
         )
 
         assert results[0] == results[1] and results[0].committed
-        assert _loads_seen(stack.sim.workers["w000"]) == 1
+        assert stack.sim.workers["w000"].loads_received == 1

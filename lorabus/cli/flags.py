@@ -80,6 +80,8 @@ class Flag:
             return [part for item in value for part in (self.name, str(item))]
         if isinstance(self.type, QuorumType) and value == 1.0:
             return [self.name, "all"]
+        if self.type is int:
+            return [self.name, str(int(value))]
         return [self.name, str(value.value if isinstance(value, enum.Enum) else value)]
 
 

@@ -1,26 +1,53 @@
-"""Development tools that measure: ``lorabus bench`` and ``lorabus chaos``."""
+"""Development tools that measure: ``lorabus bench`` and ``lorabus chaos``.
+
+Their options default to nothing: what is not given comes from the run's
+config (``BenchConfig``'s ``FULL`` or ``QUICK`` profile, ``ChaosConfig``),
+which the help texts quote.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 
 from lorabus.cli.common import EXIT_FAILED, INT_LIST, run
 from lorabus.cli.extras import require_sim_extra
+from lorabus.testbed.bench.config import CONNECTIONS, FULL, MODES, QUICK, WindowCase
+from lorabus.testbed.chaos.config import ChaosConfig
+
+_CHAOS = ChaosConfig()
 
 
-def _window_case(_ctx: object, _param: object, value: str | None) -> str | None:
+def _csv(values: Sequence[object]) -> str:
+    return ",".join(map(str, values))
+
+
+def _names(value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def _window_case(_ctx: object, _param: object, value: str | None) -> WindowCase | str | None:
     if value is None or value == "off":
         return value
     try:
         n, latency, jitter = value.split(":")
-        int(n), float(latency), float(jitter)
+        return WindowCase(int(n), float(latency), float(jitter))
     except ValueError:
         raise click.BadParameter("use N:LATENCY:JITTER, e.g. 256:0.2:0.05, or 'off'") from None
-    return value
+
+
+def _window_text(case: WindowCase | None) -> str:
+    if case is None:
+        return "off"
+    return f"{case.n}:{case.load_latency_s:g}:{case.load_jitter_s:g}"
 
 
 @click.command()
@@ -30,70 +57,56 @@ def _window_case(_ctx: object, _param: object, value: str | None) -> str | None:
     help="Sizes up to 256, fewer updates, own connections only, no window case.",
 )
 @click.option(
-    "--sizes", type=INT_LIST, help="Fleet sizes [default: 8,64,256,1024; quick 8,64,256]."
+    "--sizes",
+    type=INT_LIST,
+    help=f"Fleet sizes [default: {_csv(FULL.sizes)}; quick {_csv(QUICK.sizes)}].",
 )
 @click.option(
     "--updates",
     type=click.IntRange(min=1),
-    default=None,
-    help="Timed updates per size and mode [default: 20; quick 5].",
+    help=f"Timed updates per size and mode [default: {FULL.updates}; quick {QUICK.updates}].",
 )
 @click.option(
     "--world-sizes",
     type=INT_LIST,
-    default="2,4,1,1",
-    show_default=True,
-    help="World sizes, cycled over the workers.",
+    help=f"World sizes, cycled over the workers [default: {_csv(FULL.world_sizes)}].",
 )
 @click.option(
     "--load-latency",
     type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    help="Seconds each simulated load takes.",
+    help=f"Seconds each simulated load takes [default: {FULL.load_latency_s:g}].",
 )
 @click.option(
     "--load-jitter",
     type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    help="Each load takes latency +- up to this, drawn per worker and update.",
+    help="Each load takes latency +- up to this, drawn per worker and update "
+    f"[default: {FULL.load_jitter_s:g}].",
 )
 @click.option(
     "--window-case",
     callback=_window_case,
     help="Also run N with realistic loads, N:LATENCY:JITTER, or 'off' "
-    "[default: 256:0.2:0.05; quick: off].",
+    f"[default: {_window_text(FULL.window_case)}; quick: {_window_text(QUICK.window_case)}].",
 )
-@click.option(
-    "--modes",
-    default="floor,null,http,baseline",
-    show_default=True,
-    help="Which of floor, null, http, baseline to run.",
-)
+@click.option("--modes", help=f"Which of {', '.join(MODES)} to run [default: {_csv(FULL.modes)}].")
 @click.option(
     "--connections",
-    default=None,
-    help="Agents' NATS connections for floor and null: own, shared or both "
-    "[default: own,shared; quick: own].",
+    help=f"Agents' NATS connections for floor and null: {' or '.join(CONNECTIONS)} "
+    f"[default: {_csv(FULL.connections)}; quick: {_csv(QUICK.connections)}].",
 )
 @click.option(
     "--agent-procs",
     type=click.IntRange(min=1, max=64),
-    default=4,
-    show_default=True,
-    help="Processes the agents are spread over.",
+    help=f"Processes the agents are spread over [default: {FULL.agent_procs}].",
 )
 @click.option(
     "--heartbeat-s",
     type=click.FloatRange(min=0.05),
-    default=None,
     help="Agents' heartbeat interval [default: max(1, N/128)].",
 )
 @click.option(
     "--keep",
     type=click.IntRange(min=1),
-    default=None,
     help="The coordinator's --keep [default: every version of the run, as the "
     "baseline unloads nothing; 2 measures retiring too].",
 )
@@ -109,13 +122,13 @@ def bench(
     quick: bool,
     sizes: list[int] | None,
     updates: int | None,
-    world_sizes: list[int],
-    load_latency: float,
-    load_jitter: float,
-    window_case: str | None,
-    modes: str,
+    world_sizes: list[int] | None,
+    load_latency: float | None,
+    load_jitter: float | None,
+    window_case: WindowCase | str | None,
+    modes: str | None,
     connections: str | None,
-    agent_procs: int,
+    agent_procs: int | None,
     heartbeat_s: float | None,
     keep: int | None,
     out_path: str | None,
@@ -123,38 +136,27 @@ def bench(
 ) -> None:
     """Measure updates: lorabus (null and HTTP engines), direct HTTP, and the bare bus."""
     require_sim_extra()
-    from lorabus.testbed.bench import BenchConfig, BenchReport, WindowCase, report_json, run_bench
-    from lorabus.testbed.bench import table as bench_table
-    from lorabus.testbed.bench.config import FULL_SIZES, QUICK_SIZES
+    from lorabus.testbed.bench import BenchReport, report_json, table
+    from lorabus.testbed.bench.runner import run_bench
 
-    window: WindowCase | None = None if quick else WindowCase()
-    if window_case == "off":
-        window = None
-    elif window_case is not None:
-        n, latency, jitter = window_case.split(":")
-        window = WindowCase(int(n), float(latency), float(jitter))
+    given: dict[str, Any] = {
+        "sizes": tuple(sizes) if sizes else None,
+        "updates": updates,
+        "world_sizes": tuple(world_sizes) if world_sizes else None,
+        "load_latency_s": load_latency,
+        "load_jitter_s": load_jitter,
+        "modes": _names(modes),
+        "connections": _names(connections),
+        "agent_procs": agent_procs,
+        "heartbeat_s": heartbeat_s,
+        "keep": keep,
+        "run_dir": Path(run_dir) if run_dir else None,
+    }
+    changes = {name: value for name, value in given.items() if value is not None}
+    if window_case is not None:
+        changes["window_case"] = None if window_case == "off" else window_case
     try:
-        config = BenchConfig(
-            sizes=tuple(sizes or (QUICK_SIZES if quick else FULL_SIZES)),
-            updates=updates or (5 if quick else 20),
-            warmup=1 if quick else 2,
-            world_sizes=tuple(world_sizes),
-            load_latency_s=load_latency,
-            load_jitter_s=load_jitter,
-            window_case=window,
-            modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
-            connections=tuple(
-                c.strip()
-                for c in (connections or ("own" if quick else "own,shared")).split(",")
-                if c.strip()
-            ),
-            agent_procs=agent_procs,
-            heartbeat_s=heartbeat_s,
-            keep=keep,
-            idle_s=0.5 if quick else 2.0,
-            run_dir=Path(run_dir) if run_dir else None,
-            label="quick" if quick else "full",
-        )
+        config = dataclasses.replace(QUICK if quick else FULL, **changes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -168,7 +170,7 @@ def bench(
     if not reports:
         sys.exit(code)
     report = reports[0]
-    for line in bench_table(report):
+    for line in table(report):
         click.echo(line)
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
@@ -180,25 +182,24 @@ def bench(
 @click.option(
     "--duration",
     type=click.FloatRange(min=1),
-    default=60.0,
-    show_default=True,
-    help="Seconds of updates under faults (then every fault is healed and checked).",
+    help=f"Seconds of updates under faults, then every fault is healed and checked "
+    f"[default: {_CHAOS.duration_s:g}].",
 )
-@click.option("--seed", type=int, default=1, show_default=True, help="Seeds the fault schedule.")
-@click.option("--workers", type=click.IntRange(min=1, max=64), default=4, show_default=True)
+@click.option("--seed", type=int, help=f"Seeds the fault schedule [default: {_CHAOS.seed}].")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1, max=64),
+    help=f"Simulated workers [default: {len(_CHAOS.world_sizes)}].",
+)
 @click.option(
     "--world-sizes",
     type=INT_LIST,
-    default="2,1,4,1",
-    show_default=True,
-    help="World sizes, cycled over the workers.",
+    help=f"World sizes, cycled over the workers [default: {_csv(_CHAOS.world_sizes)}].",
 )
 @click.option(
     "--fault-gap",
     type=click.FloatRange(min=0.5),
-    default=4.0,
-    show_default=True,
-    help="Mean seconds between the starts of two faults.",
+    help=f"Mean seconds between the starts of two faults [default: {_CHAOS.mean_gap_s:g}].",
 )
 @click.option(
     "--out", "out_path", type=click.Path(dir_okay=False), help="Write the run's figures as JSON."
@@ -209,27 +210,34 @@ def bench(
     help="Keep logs, NATS store and adapters here (default: a temporary dir, kept on violations).",
 )
 def chaos(
-    duration: float,
-    seed: int,
-    workers: int,
-    world_sizes: list[int],
-    fault_gap: float,
+    duration: float | None,
+    seed: int | None,
+    workers: int | None,
+    world_sizes: list[int] | None,
+    fault_gap: float | None,
     out_path: str | None,
     run_dir: str | None,
 ) -> None:
     """Run updates while a seeded schedule kills, stops and slows the fleet; check invariants."""
     require_sim_extra()
-    from lorabus.testbed.chaos import ChaosConfig, ChaosReport, report_json, run_chaos
+    from lorabus.testbed.chaos import ChaosReport, report_json
+    from lorabus.testbed.chaos.runner import run_chaos
 
     if logging.getLogger().level > logging.INFO:
         # Its own connection's warnings while the nats-server restarts on purpose.
         logging.getLogger("lorabus.bus").setLevel(logging.ERROR)
-    config = ChaosConfig(
-        duration_s=duration,
-        seed=seed,
-        world_sizes=[world_sizes[i % len(world_sizes)] for i in range(workers)],
-        mean_gap_s=fault_gap,
-        run_dir=Path(run_dir) if run_dir else None,
+    sizes = world_sizes or list(_CHAOS.world_sizes)
+    count = workers or len(sizes)
+    given: dict[str, Any] = {
+        "duration_s": duration,
+        "seed": seed,
+        "mean_gap_s": fault_gap,
+        "run_dir": Path(run_dir) if run_dir else None,
+    }
+    config = dataclasses.replace(
+        _CHAOS,
+        world_sizes=[sizes[i % len(sizes)] for i in range(count)],
+        **{name: value for name, value in given.items() if value is not None},
     )
 
     reports: list[ChaosReport] = []

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from lorabus.errors import NatsServerMissing
+from lorabus.errors import NatsServerMissing, StartFailed
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,10 @@ class NatsServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
+    def log_path(self) -> Path:
+        return Path(self.store_dir) / "nats-server.log"
+
+    @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
@@ -93,11 +97,10 @@ class NatsServer:
             argv += ["--cluster_name", "lorabus", "--cluster", _loopback(self.cluster_port)]
             argv += ["--routes", ",".join(_loopback(port) for port in self.routes)]
         argv += self.options
-        return subprocess.Popen(
-            argv,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        # Its log goes to a file: a pipe nobody reads while it runs would
+        # block a server that logs much (refused logins, say).
+        with self.log_path.open("ab") as log_file:
+            return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file)
 
     def _write_config(self) -> str:
         """What the flags cannot say. JetStream counts each stream's limit (an
@@ -115,8 +118,8 @@ class NatsServer:
         async with asyncio.timeout(timeout_s):
             while True:
                 if self.process.poll() is not None:
-                    stderr = self.process.stderr.read().decode() if self.process.stderr else ""
-                    raise RuntimeError(f"nats-server exited at start: {stderr.strip()[-500:]}")
+                    logged = self.log_path.read_text(errors="replace").strip()
+                    raise StartFailed(f"nats-server exited at start: {logged[-500:]}")
                 try:
                     _, writer = await asyncio.open_connection("127.0.0.1", self.port)
                 except OSError:
@@ -135,8 +138,6 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=5)
-        if self.process is not None and self.process.stderr:
-            self.process.stderr.close()
         if self._own_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 

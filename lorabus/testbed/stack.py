@@ -20,6 +20,7 @@ from lorabus.agents import Agent, AgentConfig, driver_for
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
+from lorabus.errors import StartFailed
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.natsserver import NatsServer
 
@@ -33,9 +34,9 @@ class EmbeddedStack:
 
     def __init__(
         self,
-        world_sizes: Sequence[int] = (2, 4, 1, 1),
+        world_sizes: Sequence[int],
         *,
-        fleet: str = "demo",
+        fleet: str,
         nats_url: str | None = None,
         heartbeat_s: float = 0.5,
         **coordinator: Any,
@@ -109,10 +110,11 @@ class EmbeddedStack:
             {task, waiter}, timeout=10, return_when=asyncio.FIRST_COMPLETED
         )
         waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
         if task in done:
             task.result()  # raises what killed it
         if not ready.is_set():
-            raise RuntimeError(f"{name} did not become ready within 10s")
+            raise StartFailed(f"{name} did not become ready within 10s")
 
     async def __aexit__(self, *exc_info: object) -> None:
         # The coordinator stops first, while the agents still listen: an update

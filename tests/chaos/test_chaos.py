@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from lorabus.errors import NatsServerMissing
-from lorabus.testbed.chaos import ALL_KINDS, ChaosConfig, build_schedule, run_chaos
+from lorabus.testbed.chaos import ALL_KINDS, ChaosConfig, build_schedule
+from lorabus.testbed.chaos.runner import run_chaos
 from lorabus.testbed.natsserver import find_nats_server
 
 SEED = 20

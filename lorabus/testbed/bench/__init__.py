@@ -11,21 +11,24 @@ Modules: ``config`` (what to run), ``procinfo`` (CPU and memory from /proc),
 ``engines`` (null engine, timing wrapper), ``agenthost`` (many agents in one
 process), ``simhost`` (the simulated fleet), ``baseline`` (direct HTTP),
 ``floor`` (the bare bus), ``frontend`` (a model list for null engines),
-``runner`` (the run) and ``report`` (figures, table, targets).
+``runner`` (the run: ``lorabus.testbed.bench.runner.run_bench``) and
+``report`` (figures, table, targets).
+
+Only the modules that need no ``sim`` extra are imported here, so that the
+CLI can read ``BenchConfig``'s defaults without it.
 """
 
-from lorabus.testbed.bench.config import BenchConfig, WindowCase
+from lorabus.testbed.bench.config import FULL, QUICK, BenchConfig, WindowCase
 from lorabus.testbed.bench.report import BenchReport, ModeResult, Stats, report_json, table
-from lorabus.testbed.bench.runner import BenchFailed, run_bench
 
 __all__ = [
+    "FULL",
+    "QUICK",
     "BenchConfig",
-    "BenchFailed",
     "BenchReport",
     "ModeResult",
     "Stats",
     "WindowCase",
     "report_json",
-    "run_bench",
     "table",
 ]

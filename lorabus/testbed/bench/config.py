@@ -1,4 +1,8 @@
-"""What a benchmark run measures, validated in one place."""
+"""What a benchmark run measures, validated in one place, and its two profiles.
+
+Importable without the ``sim`` extra, so that the CLI shows these defaults in
+``lorabus bench --help`` whether or not the extra is installed.
+"""
 
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ class BenchConfig:
     """How long the coordinator's idle CPU is watched before the updates."""
     run_dir: Path | None = None
     """Logs of every process; default a temporary directory, kept on failure."""
-    label: str = "custom"
+    label: str = "full"
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
@@ -96,3 +100,17 @@ class BenchConfig:
 
     def world_sizes_for(self, n: int) -> list[int]:
         return [self.world_sizes[i % len(self.world_sizes)] for i in range(n)]
+
+
+FULL = BenchConfig()
+"""``lorabus bench``: every size and mode, both connection layouts, the window case."""
+QUICK = BenchConfig(
+    sizes=QUICK_SIZES,
+    updates=5,
+    warmup=1,
+    window_case=None,
+    connections=("own",),
+    idle_s=0.5,
+    label="quick",
+)
+"""``lorabus bench --quick``: sizes up to 256, fewer updates, own connections only."""

@@ -1,18 +1,21 @@
 """The chaos suite: updates in a loop while real faults hit a real fleet.
 
-Modules, one job each: ``schedule`` (the seeded, reproducible fault
-schedule), ``procs`` (child processes, always reaped), ``fleet`` (NATS, the
-simulated engines, agent and coordinator processes, and the faults on them),
-``inject`` (applying and healing the schedule), ``observe`` (watching the
-engines and the bus), ``timeline`` (what was seen, on one clock),
-``updates`` (the update loop with same-id retries), ``invariants`` (the
-checks), ``report`` (the figures) and ``runner`` (the whole run).
+Modules, one job each: ``config`` (the run's settings), ``schedule`` (the
+seeded, reproducible fault schedule), ``procs`` (child processes, always
+reaped), ``fleet`` (NATS, the simulated engines, agent and coordinator
+processes, and the faults on them), ``inject`` (applying and healing the
+schedule), ``observe`` (watching the engines and the bus), ``timeline`` (what
+was seen, on one clock), ``updates`` (the update loop with same-id retries),
+``invariants`` (the checks), ``report`` (the figures) and ``runner`` (the
+whole run: ``lorabus.testbed.chaos.runner.run_chaos``).
+
+Only the modules that need no ``sim`` extra are imported here, so that the
+CLI can read ``ChaosConfig``'s defaults without it.
 """
 
-from lorabus.testbed.chaos.fleet import FleetSettings
+from lorabus.testbed.chaos.config import ChaosConfig, FleetSettings
 from lorabus.testbed.chaos.invariants import INVARIANTS, Bounds, Violation, check_all
 from lorabus.testbed.chaos.report import ChaosReport, report_json
-from lorabus.testbed.chaos.runner import ChaosConfig, run_chaos
 from lorabus.testbed.chaos.schedule import ALL_KINDS, Fault, FaultKind, build_schedule
 from lorabus.testbed.chaos.timeline import Timeline
 
@@ -30,5 +33,4 @@ __all__ = [
     "build_schedule",
     "check_all",
     "report_json",
-    "run_chaos",
 ]

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -25,8 +24,9 @@ from lorabus.agents.config import AgentConfig
 from lorabus.cli.flags import agent_args, coordinator_args
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.errors import NoCoordinator
+from lorabus.errors import NoCoordinator, StartFailed
 from lorabus.simfleet import SimFleet
+from lorabus.testbed.chaos.config import FleetSettings
 from lorabus.testbed.chaos.procs import Child, ProcessGroup
 from lorabus.testbed.chaos.timeline import (
     AGENT_DOWN,
@@ -49,22 +49,6 @@ log = logging.getLogger(__name__)
 _NATS_START_ATTEMPTS = 5
 _MAX_RESTARTS = 3
 """Restarts of one crashed process; past them a crash loop is left down."""
-
-
-@dataclass(frozen=True)
-class FleetSettings:
-    world_sizes: Sequence[int]
-    fleet: str = "chaos"
-    heartbeat_s: float = 0.2
-    engine_timeout_s: float = 5.0
-    leader_lease_s: float = 1.0
-    pause_lease_s: float = 4.0
-    phase_timeout_s: float = 6.0
-    quorum_timeout_s: float = 5.0
-    verify_timeout_s: float = 6.0
-    quorum: float = 1.0
-    coordinators: int = 2
-    log_level: str = "INFO"
 
 
 class ChaosFleet:
@@ -299,7 +283,7 @@ class ChaosFleet:
             self._servers.append(server)
             try:
                 await server.start()
-            except RuntimeError as exc:  # e.g. the port is not free again yet
+            except StartFailed as exc:  # e.g. the port is not free again yet
                 if attempt == _NATS_START_ATTEMPTS:
                     raise
                 log.warning("nats-server did not start (%s); trying again", exc)

@@ -17,8 +17,7 @@ import logging
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -28,54 +27,19 @@ from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
 from lorabus.errors import NoCoordinator
 from lorabus.schemas import Subjects
-from lorabus.testbed.chaos.fleet import ChaosFleet, FleetSettings
+from lorabus.testbed.chaos.config import ChaosConfig
+from lorabus.testbed.chaos.fleet import ChaosFleet
 from lorabus.testbed.chaos.inject import FaultInjector
-from lorabus.testbed.chaos.invariants import Bounds, check_all
+from lorabus.testbed.chaos.invariants import check_all
 from lorabus.testbed.chaos.observe import BusObserver, EngineWatcher
 from lorabus.testbed.chaos.report import ChaosReport, build_report
-from lorabus.testbed.chaos.schedule import ALL_KINDS, Fault, FaultKind, build_schedule
+from lorabus.testbed.chaos.schedule import Fault, build_schedule
 from lorabus.testbed.chaos.timeline import Timeline, now
 from lorabus.testbed.chaos.updates import UpdateLoop
 
 log = logging.getLogger(__name__)
 
 _RECOVERY_ATTEMPTS = 3
-
-
-@dataclass(frozen=True)
-class ChaosConfig:
-    duration_s: float
-    seed: int
-    world_sizes: Sequence[int] = (2, 1, 4, 1)
-    """One per worker."""
-    fleet: FleetSettings | None = None
-    """Process settings; default: the short ones, for these world sizes."""
-    mean_gap_s: float = 4.0
-    """Mean time between the starts of two faults."""
-    kinds: Sequence[FaultKind] = ALL_KINDS
-    grace_s: float | None = None
-    """Added to the pause lease; default: a phase timeout + 2 s."""
-    converge_s: float = 10.0
-    attempt_timeout_s: float = 8.0
-    retry_bound_s: float = 90.0
-    idle_chance: float = 0.1
-    """Share of gaps between updates that last longer than lease + grace."""
-    run_dir: Path | None = None
-    """Logs, NATS store and adapters; default: a temporary one, kept on violations."""
-
-    def fleet_settings(self) -> FleetSettings:
-        settings = self.fleet or FleetSettings(world_sizes=self.world_sizes)
-        return dataclasses.replace(settings, world_sizes=tuple(self.world_sizes))
-
-    def bounds(self) -> Bounds:
-        s = self.fleet_settings()
-        grace = s.phase_timeout_s + 2.0 if self.grace_s is None else self.grace_s
-        return Bounds(
-            pause_lease_s=s.pause_lease_s,
-            grace_s=grace,
-            converge_s=self.converge_s,
-            quorum_all=s.quorum == 1.0,
-        )
 
 
 async def run_chaos(config: ChaosConfig, out: Callable[[str], None] = print) -> ChaosReport:

@@ -1,0 +1,69 @@
+"""What a chaos run does, in one place: the run's settings and its fleet's.
+
+Importable without the ``sim`` extra, so that the CLI shows these defaults
+in ``lorabus chaos --help`` whether or not the extra is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorabus.testbed.chaos.invariants import Bounds
+from lorabus.testbed.chaos.schedule import ALL_KINDS, FaultKind
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    world_sizes: Sequence[int]
+    fleet: str = "chaos"
+    heartbeat_s: float = 0.2
+    engine_timeout_s: float = 5.0
+    leader_lease_s: float = 1.0
+    pause_lease_s: float = 4.0
+    phase_timeout_s: float = 6.0
+    quorum_timeout_s: float = 5.0
+    verify_timeout_s: float = 6.0
+    quorum: float = 1.0
+    coordinators: int = 2
+    log_level: str = "INFO"
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    duration_s: float = 60.0
+    """Seconds of updates under faults (then every fault is healed and checked)."""
+    seed: int = 1
+    """Seeds the fault schedule: the same seed, the same faults."""
+    world_sizes: Sequence[int] = (2, 1, 4, 1)
+    """One per worker."""
+    fleet: FleetSettings | None = None
+    """Process settings; default: the short ones, for these world sizes."""
+    mean_gap_s: float = 4.0
+    """Mean time between the starts of two faults."""
+    kinds: Sequence[FaultKind] = ALL_KINDS
+    grace_s: float | None = None
+    """Added to the pause lease; default: a phase timeout + 2 s."""
+    converge_s: float = 10.0
+    attempt_timeout_s: float = 8.0
+    retry_bound_s: float = 90.0
+    idle_chance: float = 0.1
+    """Share of gaps between updates that last longer than lease + grace."""
+    run_dir: Path | None = None
+    """Logs, NATS store and adapters; default: a temporary one, kept on violations."""
+
+    def fleet_settings(self) -> FleetSettings:
+        settings = self.fleet or FleetSettings(world_sizes=self.world_sizes)
+        return dataclasses.replace(settings, world_sizes=tuple(self.world_sizes))
+
+    def bounds(self) -> Bounds:
+        s = self.fleet_settings()
+        grace = s.phase_timeout_s + 2.0 if self.grace_s is None else self.grace_s
+        return Bounds(
+            pause_lease_s=s.pause_lease_s,
+            grace_s=grace,
+            converge_s=self.converge_s,
+            quorum_all=s.quorum == 1.0,
+        )
