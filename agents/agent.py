@@ -587,7 +587,7 @@ class Agent:
         await self._publish(self.subjects.ack(self.worker_id), encode(ack))
 
     async def _emit(self, event: Event) -> None:
-        await self._publish(self.subjects.event(tag_of(event)), encode(event))
+        await self._publish(self.subjects.agent_event(self.worker_id, tag_of(event)), encode(event))
 
     async def _publish(self, subject: str, payload: bytes) -> None:
         assert self._nc is not None, "run() sets the connection before anything is published"

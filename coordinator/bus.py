@@ -55,7 +55,7 @@ class CoordinatorBus:
 
     async def emit(self, event: Event) -> None:
         try:
-            await self.nc.publish(self.subjects.event(tag_of(event)), encode(event))
+            await self.nc.publish(self.subjects.coordinator_event(tag_of(event)), encode(event))
         except Exception as exc:  # the audit trail must never stop an update
             log.warning("could not emit %s: %s", tag_of(event), exc)
 

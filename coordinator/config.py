@@ -11,8 +11,30 @@ import msgspec
 from lorabus.schemas import Naming, check_token
 
 
-class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
+class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a fleet keeps what must outlive its processes: the KV buckets and
+    the audit stream (``lorabus provision`` sets them up with these)."""
+
     fleet: str
+    subject_prefix: str = "lorabus"
+    audit_max_age_s: float = 7 * 24 * 3600.0
+    """How long the audit stream keeps records."""
+    audit_max_bytes: int = 1 << 30
+    """How large the audit stream may grow before dropping its oldest records."""
+    kv_replicas: int = 1
+    """Replicas of the fleet's KV buckets and audit stream (3 on a three-node cluster)."""
+
+    def __post_init__(self) -> None:
+        check_token("fleet", self.fleet)
+        if self.audit_max_age_s < 60:
+            raise ValueError(f"audit max age must be >= 60s, got {self.audit_max_age_s}")
+        if self.audit_max_bytes < 1 << 20:
+            raise ValueError(f"audit max bytes must be >= 1 MiB, got {self.audit_max_bytes}")
+        if not 1 <= self.kv_replicas <= 5:
+            raise ValueError("kv replicas must be 1 to 5")
+
+
+class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     frontend_url: str
     expected_world_size: int
     phase_timeout_s: float = 30.0
@@ -29,7 +51,6 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     http_timeout_s: float = 10.0
     adapter_roots: list[str] = []
     """If set, adapter paths must lie under one of these directories."""
-    subject_prefix: str = "lorabus"
     pause_lease_s: float = 30.0
     """An agent resumes on its own when a pause is neither renewed nor ended in this."""
     leader_lease_s: float = 5.0
@@ -41,15 +62,9 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     that fail or do not ack are left out of the commit and its rank map."""
     quorum_grace_s: float = 2.0
     """With a quorum below all: how long to wait for the full membership first."""
-    audit_max_age_s: float = 7 * 24 * 3600.0
-    """How long the audit stream keeps records."""
-    audit_max_bytes: int = 1 << 30
-    """How large the audit stream may grow before dropping its oldest records."""
-    kv_replicas: int = 1
-    """Replicas of the fleet's KV buckets (3 on a three-node cluster)."""
 
     def __post_init__(self) -> None:
-        check_token("fleet", self.fleet)
+        super().__post_init__()
         if self.expected_world_size < 1:
             raise ValueError("expected world size must be >= 1")
         for name in (
@@ -64,12 +79,6 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0")
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum must be 'all' or a fraction in (0, 1], got {self.quorum}")
-        if self.audit_max_age_s < 60:
-            raise ValueError(f"audit max age must be >= 60s, got {self.audit_max_age_s}")
-        if self.audit_max_bytes < 1 << 20:
-            raise ValueError(f"audit max bytes must be >= 1 MiB, got {self.audit_max_bytes}")
-        if not 1 <= self.kv_replicas <= 5:
-            raise ValueError("kv replicas must be 1 to 5")
         if self.keep < 1:
             raise ValueError("keep must be >= 1: the committed version is always kept")
         if not self.frontend_url.startswith(("http://", "https://")):

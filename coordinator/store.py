@@ -25,7 +25,7 @@ from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConf
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
-from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.config import StorageConfig
 from lorabus.errors import LostRace, StoreUnavailable
 from lorabus.schemas import (
     CommittedRecord,
@@ -53,46 +53,27 @@ class FleetStore:
         self._results = results
 
     @classmethod
-    async def open(cls, nc: NatsClient, config: CoordinatorConfig) -> FleetStore:
-        """Open the buckets and the audit stream of ``config``'s fleet, creating
-        what is missing, with its replicas and audit limits."""
+    async def open(cls, nc: NatsClient, config: StorageConfig) -> FleetStore:
+        """Bind to the fleet's buckets. Where nobody has set the fleet up yet,
+        set it up (:func:`provision`): that works for a coordinator allowed
+        to, as on a development server without permissions; in a deployment
+        with roles only the operator may, and this says so."""
         subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
-        replicas = config.kv_replicas
         js = nc.jetstream()
-        audit = StreamConfig(
-            name=subjects.audit_stream(),
-            subjects=subjects.audited(),
-            storage=StorageType.FILE,
-            retention=RetentionPolicy.LIMITS,
-            max_age=config.audit_max_age_s,
-            max_bytes=config.audit_max_bytes,
-            num_replicas=replicas,
-        )
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S * 2):
-                state = await js.create_key_value(
-                    KeyValueConfig(
-                        bucket=subjects.state_bucket(),
-                        history=1,
-                        storage=StorageType.FILE,
-                        replicas=replicas,
-                    )
-                )
-                results = await js.create_key_value(
-                    KeyValueConfig(
-                        bucket=subjects.results_bucket(),
-                        history=1,
-                        storage=StorageType.FILE,
-                        replicas=replicas,
-                        ttl=RESULTS_KEPT_S,
-                    )
-                )
-                await _ensure_stream(js, audit)
+                try:
+                    return cls(*await _bind(js, subjects))
+                except nats.js.errors.BucketNotFoundError:
+                    log.info("fleet %s has no KV buckets yet: setting them up", config.fleet)
+                await provision(nc, config)
+                return cls(*await _bind(js, subjects))
         except (TimeoutError, nats.errors.Error) as exc:
             raise StoreUnavailable(
-                f"cannot open the fleet's KV buckets and audit stream: {exc!r}"
+                f"cannot open the KV buckets of fleet {config.fleet!r} ({exc!r}); if they do "
+                "not exist and this identity may not create them, run lorabus provision "
+                "as the fleet's operator"
             ) from exc
-        return cls(state, results)
 
     # -- leader ---------------------------------------------------------------
 
@@ -183,6 +164,48 @@ class FleetStore:
                 await kv.put(key, payload)
         except (TimeoutError, nats.errors.Error) as exc:
             raise StoreUnavailable(f"cannot write {key}: {exc!r}") from exc
+
+
+async def provision(nc: NatsClient, config: StorageConfig) -> None:
+    """Create the fleet's KV buckets and audit stream, or bring their limits to
+    ``config``: the operator's job (``lorabus provision``). The audit stream
+    refuses delete and purge, so nobody erases the trail through the API."""
+    subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
+    js = nc.jetstream()
+    for bucket, ttl in (
+        (subjects.state_bucket(), None),
+        (subjects.results_bucket(), RESULTS_KEPT_S),
+    ):
+        await js.create_key_value(
+            KeyValueConfig(
+                bucket=bucket,
+                history=1,
+                storage=StorageType.FILE,
+                replicas=config.kv_replicas,
+                ttl=ttl,
+            )
+        )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.audit_stream(),
+            subjects=subjects.audited(),
+            storage=StorageType.FILE,
+            retention=RetentionPolicy.LIMITS,
+            max_age=config.audit_max_age_s,
+            max_bytes=config.audit_max_bytes,
+            num_replicas=config.kv_replicas,
+            deny_delete=True,
+            deny_purge=True,
+        ),
+    )
+
+
+async def _bind(js: JetStreamContext, subjects: Subjects) -> tuple[KeyValue, KeyValue]:
+    return (
+        await js.key_value(subjects.state_bucket()),
+        await js.key_value(subjects.results_bucket()),
+    )
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

@@ -15,12 +15,14 @@ contract in ``lorabus.schemas``, the development tools in
 """
 
 from lorabus._version import __version__
+from lorabus.bus_options import BusOptions
 from lorabus.client import UpdateClient
 from lorabus.errors import (
     BadRequest,
     BusError,
     BusUnreachable,
     EngineError,
+    InsecureConnection,
     LorabusError,
     NoCoordinator,
     PermissionDenied,
@@ -40,11 +42,13 @@ from lorabus.schemas import (
 __all__ = [
     "BadRequest",
     "BusError",
+    "BusOptions",
     "BusUnreachable",
     "EngineError",
     "ErrorCode",
     "ErrorInfo",
     "FleetStatus",
+    "InsecureConnection",
     "LorabusError",
     "MemberStatus",
     "NoCoordinator",

@@ -12,25 +12,69 @@ import logging
 import re
 from typing import Any
 
+import msgspec
 import nats
 from nats.aio.client import Client as NatsClient
 
-from lorabus.errors import BusUnreachable, PermissionDenied
+from lorabus.bus_options import PASSWORD_ENV, BusOptions
+from lorabus.errors import BadRequest, BusUnreachable, PermissionDenied
 
 log = logging.getLogger(__name__)
+
+
+
+class _TlsCloseNoise(logging.Filter):
+    """nats-py's protocol answers the end of a TLS stream the way plain TCP
+    wants; asyncio then warns at every close of a TLS connection, to no use."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("returning true from eof_received()")
+
+
+logging.getLogger("asyncio").addFilter(_TlsCloseNoise())
 
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/@]*@")
 
 
-async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> NatsClient:
-    """A connection to ``url`` (a comma-separated list for a cluster's nodes).
+class Bus(msgspec.Struct, frozen=True):
+    """Where NATS is and who connects: a URL (or a cluster's) and an identity."""
 
-    Raises :class:`PermissionDenied` as soon as the server refuses the
+    url: str
+    options: BusOptions = BusOptions()
+
+    async def connect(self, name: str, *, connect_timeout_s: float = 10.0) -> NatsClient:
+        return await connect(
+            self.url, name=name, options=self.options, connect_timeout_s=connect_timeout_s
+        )
+
+
+async def connect(
+    url: str,
+    *,
+    name: str,
+    options: BusOptions | None = None,
+    connect_timeout_s: float = 10.0,
+) -> NatsClient:
+    """A connection to ``url`` (a comma-separated list for a cluster's nodes) as
+    the identity ``options`` give (none: an unauthenticated one).
+
+    Raises :class:`InsecureConnection` before sending anything the link would
+    expose, :class:`PermissionDenied` as soon as the server refuses the
     credentials, and :class:`BusUnreachable` when no connection is made within
-    ``connect_timeout_s``; neither message shows a password from the URL.
+    ``connect_timeout_s``; no message shows a secret.
     """
-    nc = NatsClient()
     servers = [part.strip() for part in url.split(",") if part.strip()]
+    if any("@" in s.split("://", 1)[-1] for s in servers):
+        log.warning(
+            "a password in the NATS URL is visible to every user of this machine: "
+            "use --nats-user and $%s instead",
+            PASSWORD_ENV,
+        )
+    try:
+        identity = (options or BusOptions()).nats_kwargs(servers)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    nc = NatsClient()
     refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     refusals = 0
 
@@ -42,6 +86,10 @@ async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> Na
             refusals += 1
             if refusals >= len(servers):
                 refused.set_result(str(exc))
+        if is_permission_violation(exc):
+            # Refused by this identity's permissions: a set-up to fix, said by name.
+            log.error("nats (%s): %s", name, _lowercase_first(str(exc).removeprefix("nats: ")))
+            return
         # Before the first connection, failures are summed up by the errors raised below.
         log.log(
             logging.WARNING if nc.is_connected or nc.is_reconnecting else logging.DEBUG,
@@ -70,13 +118,17 @@ async def connect(url: str, *, name: str, connect_timeout_s: float = 10.0) -> Na
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
+            **identity,
         )
     )
     try:
         either: set[asyncio.Future[Any]] = {connecting, refused}
         await asyncio.wait(either, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if refused.done() and not (connecting.done() and connecting.exception() is None):
-            raise PermissionDenied(f"NATS at {redact(url)} refused to connect: {refused.result()}")
+            raise PermissionDenied(
+                f"authorization violation: NATS at {redact(url)} refused the credentials "
+                f"({refused.result()})"
+            )
         if not connecting.done():
             raise BusUnreachable(
                 f"cannot reach NATS at {redact(url)} within {connect_timeout_s:.0f}s"
@@ -97,6 +149,16 @@ def is_auth_refusal(exc: BaseException) -> bool:
     """Whether NATS refused the credentials (a wrong password, an unknown user)."""
     text = str(exc).lower()
     return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text
+
+
+def is_permission_violation(exc: BaseException) -> bool:
+    """Whether NATS refused a publish or a subscribe to this connection's identity."""
+    return "permissions violation" in str(exc).lower()
+
+
+def _lowercase_first(text: str) -> str:
+    text = text.strip("'\" ")
+    return text[:1].lower() + text[1:]
 
 
 def redact(url: str) -> str:

@@ -26,6 +26,7 @@ from tenacity import (
 )
 
 from lorabus.bus import close, connect
+from lorabus.bus_options import BusOptions
 from lorabus.clock import now
 from lorabus.errors import NoCoordinator
 from lorabus.schemas import (
@@ -73,15 +74,30 @@ class UpdateClient:
 
     @classmethod
     async def connect(
-        cls, url: str, fleet: str, *, connect_timeout_s: float = 10.0, reask_s: float = REASK_S
+        cls,
+        url: str,
+        fleet: str,
+        *,
+        options: BusOptions | None = None,
+        connect_timeout_s: float = 10.0,
+        reask_s: float = REASK_S,
     ) -> UpdateClient:
-        """A client of ``fleet`` on its own connection to ``url``, closed with it.
+        """A client of ``fleet`` on its own connection to ``url``, closed with it,
+        as the identity ``options`` give (default: the ``LORABUS_*`` variables,
+        as the CLI reads them; see :class:`~lorabus.BusOptions`).
 
         Raises :class:`~lorabus.errors.BusUnreachable` when NATS cannot be
-        reached within ``connect_timeout_s``, and
-        :class:`~lorabus.errors.PermissionDenied` when it refuses the credentials.
+        reached within ``connect_timeout_s``,
+        :class:`~lorabus.errors.PermissionDenied` when it refuses the
+        credentials, and :class:`~lorabus.errors.InsecureConnection` before
+        exposing them (or the fleet) on an unprotected link.
         """
-        nc = await connect(url, name=f"lorabus-client-{fleet}", connect_timeout_s=connect_timeout_s)
+        nc = await connect(
+            url,
+            name=f"lorabus-client-{fleet}",
+            options=options if options is not None else BusOptions.from_env(),
+            connect_timeout_s=connect_timeout_s,
+        )
         return cls(nc, fleet, owns_connection=True, reask_s=reask_s)
 
     async def __aenter__(self) -> UpdateClient:

@@ -11,7 +11,8 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     │   └── NotListed             the engine accepted a load its own list does not show
     ├── BusError                  NATS could not be used
     │   ├── BusUnreachable        the first connection could not be made in time
-    │   └── PermissionDenied      NATS refused the credentials, a publish or a subscribe
+    │   ├── PermissionDenied      NATS refused the credentials, a publish or a subscribe
+    │   └── InsecureConnection    the link would expose credentials, or the fleet
     ├── NoCoordinator             nobody answered on the fleet's request subjects
     ├── AuditStreamMissing        the fleet has no audit stream yet
     ├── QuorumNotReached          live world sizes did not reach the expected sum in time
@@ -42,6 +43,7 @@ __all__ = [
     "ErrorCode",
     "ErrorInfo",
     "FrontendUnverified",
+    "InsecureConnection",
     "LeadershipLost",
     "LorabusError",
     "LostRace",
@@ -122,6 +124,13 @@ class PermissionDenied(BusError):
     """Raised when NATS refuses the credentials, or a publish or subscribe."""
 
     code = ErrorCode.PERMISSION_DENIED
+
+
+class InsecureConnection(BusError):
+    """Raised instead of sending credentials in the clear to a remote host, or of
+    connecting to one without any (unless the user allowed it)."""
+
+    code = ErrorCode.BAD_REQUEST
 
 
 class NoCoordinator(LorabusError):

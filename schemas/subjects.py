@@ -70,8 +70,14 @@ class Subjects(msgspec.Struct, frozen=True):
         """Anyone -> coordinator, request/reply; the reply is the fleet status."""
         return f"{self._base}.req.status"
 
-    def event(self, kind: str) -> str:
-        return f"{self._base}.evt.{kind}"
+    def coordinator_event(self, kind: str) -> str:
+        """A coordinator's audit event: a subject only coordinators may publish on."""
+        return f"{self._base}.evt.coordinator.{kind}"
+
+    def agent_event(self, worker_id: str, kind: str) -> str:
+        """An agent's audit event, on a subject that names it: only that agent may
+        publish there, so the subject tells who sent the event."""
+        return f"{self._base}.evt.agent.{worker_id}.{kind}"
 
     def state_bucket(self) -> str:
         """JetStream KV bucket of the fleet's durable state (leader, committed, in flight)."""

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 from processes import run_lorabus
 
-from lorabus import BusUnreachable, PermissionDenied
+from lorabus import BusOptions, BusUnreachable, PermissionDenied
 from lorabus.bus import close, connect, redact
 from lorabus.testbed.natsserver import NatsServer, free_port
 
@@ -52,11 +52,38 @@ async def test_the_cli_says_the_credentials_were_refused_without_printing_them(
     guarded_server: NatsServer,
 ) -> None:
     finished = await run_lorabus(
+        "status",
+        "--nats",
+        f"nats://127.0.0.1:{guarded_server.port}",
+        "--nats-user",
+        USER,
+        "--fleet",
+        "f",
+        env={"LORABUS_NATS_PASSWORD": WRONG},
+        deadline_s=30,
+    )
+    assert finished.returncode == 1, finished
+    assert "error: authorization violation" in finished.stderr, finished
+    assert "Traceback" not in finished.stderr
+    assert WRONG not in finished.stdout + finished.stderr
+
+
+async def test_a_password_from_the_environment_connects(guarded_server: NatsServer) -> None:
+    options = BusOptions(user=USER)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LORABUS_NATS_PASSWORD", PASSWORD)
+        nc = await connect(f"nats://127.0.0.1:{guarded_server.port}", name="test", options=options)
+    await close(nc)
+
+
+async def test_a_password_in_the_url_works_but_is_warned_about_and_never_printed(
+    guarded_server: NatsServer,
+) -> None:
+    finished = await run_lorabus(
         "status", "--nats", _url(guarded_server, WRONG), "--fleet", "f", deadline_s=30
     )
     assert finished.returncode == 1, finished
-    assert "refused to connect" in finished.stderr and "Authorization Violation" in finished.stderr
-    assert "Traceback" not in finished.stderr
+    assert "a password in the NATS URL is visible" in finished.stderr
     assert WRONG not in finished.stdout + finished.stderr
 
 

@@ -28,7 +28,7 @@ async def test_garbage_on_the_command_subjects_is_reported_and_agents_keep_worki
                 reports.put_nowait(event)
 
         try:
-            await nc.subscribe(subjects.event("bad_message"), cb=on_event)
+            await nc.subscribe(subjects.event_any(), cb=on_event)
             await nc.publish(subjects.cmd(), b"{not json")
             await nc.publish(subjects.cmd_worker("w001"), b'{"type":"explode","v":1}')
             await nc.flush()

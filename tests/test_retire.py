@@ -43,7 +43,7 @@ async def test_a_failed_retire_is_reported_and_the_next_commit_retires_it_again(
         w000, w001 = stack.sim.workers["w000"], stack.sim.workers["w001"]
         nc = await connect(nats_url, name="test-listener")
         try:
-            await nc.subscribe(Subjects(fleet=fleet_name).event("command_handled"), cb=on_event)
+            await nc.subscribe(Subjects(fleet=fleet_name).event_any(), cb=on_event)
             await nc.flush()
             assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
 

@@ -85,7 +85,9 @@ def test_subjects_follow_the_design() -> None:
     assert subjects.ack("w1") == "lorabus.prod.ack.w1"
     assert subjects.heartbeat("w1") == "lorabus.prod.hb.w1"
     assert subjects.update_request() == "lorabus.prod.req.update"
-    assert subjects.event("bad_message") == "lorabus.prod.evt.bad_message"
+    assert subjects.coordinator_event("bad_message") == "lorabus.prod.evt.coordinator.bad_message"
+    assert subjects.agent_event("w1", "lease_expired") == "lorabus.prod.evt.agent.w1.lease_expired"
+    assert subjects.event_any() == "lorabus.prod.evt.>"
 
 
 @pytest.mark.parametrize("fleet", ["a.b", "a*", "", "a b", ">"])

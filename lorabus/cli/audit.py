@@ -7,12 +7,14 @@ import sys
 
 import click
 
-from lorabus.cli.common import EXIT_FAILED, fleet_option, nats_option, run, subjects_of
+from lorabus.bus import Bus
+from lorabus.bus_options import BusOptions
+from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.schemas import Subjects
 
 
 @click.command()
-@nats_option
+@bus_options()
 @fleet_option
 @click.option(
     "--follow/--no-follow",
@@ -43,6 +45,7 @@ from lorabus.schemas import Subjects
 )
 def tap(
     nats_url: str,
+    bus: BusOptions,
     fleet: str,
     follow: bool,
     from_seq: int | None,
@@ -51,14 +54,14 @@ def tap(
     out_path: str | None,
 ) -> None:
     """Follow or replay the fleet's audit trail (commands, acks, events)."""
-    from lorabus.bus import close, connect
+    from lorabus.bus import close
     from lorabus.tap import Tap
     from lorabus.trail_file import TrailWriter, last_seq_in
 
     subjects = subjects_of(fleet)
 
     async def follow_trail() -> int:
-        nc = await connect(nats_url, name=f"lorabus-tap-{fleet}")
+        nc = await Bus(nats_url, bus).connect(f"lorabus-tap-{fleet}")
         reader = Tap(
             nc,
             subjects,
@@ -85,15 +88,11 @@ def audit() -> None:
 @audit.command("verify")
 @click.argument("trail", type=click.Path(exists=True, dir_okay=False), required=False)
 @click.option("--live", is_flag=True, help="Check the fleet's audit stream as it is now.")
-@click.option(
-    "--nats",
-    "nats_url",
-    envvar="LORABUS_NATS_URL",
-    default=None,
-    help="NATS server URL (with --live).",
-)
+@bus_options(required=False)
 @fleet_option
-def audit_verify(trail: str | None, live: bool, nats_url: str | None, fleet: str) -> None:
+def audit_verify(
+    trail: str | None, live: bool, nats_url: str | None, bus: BusOptions, fleet: str
+) -> None:
     """Verify a trail written by 'lorabus tap --out' (or, with --live, the stream).
 
     Lists each violation with the stream sequences of the records that show it;
@@ -113,15 +112,15 @@ def audit_verify(trail: str | None, live: bool, nats_url: str | None, fleet: str
             records = read_trail(trail)
         else:
             assert nats_url is not None
-            records = await _live_records(nats_url, subjects)
+            records = await _live_records(Bus(nats_url, bus), subjects)
         violations = verify(records)
         for violation in violations:
             click.echo(f"{violation.rule}: {violation.message} (records {violation.seqs})")
         click.echo(f"audit: {len(records)} records, {len(violations)} violation(s)")
         return EXIT_FAILED if violations else 0
 
-    async def _live_records(url: str, subjects: Subjects) -> list[TrailRecord]:
-        from lorabus.bus import close, connect
+    async def _live_records(target: Bus, subjects: Subjects) -> list[TrailRecord]:
+        from lorabus.bus import close
         from lorabus.tap import Tap
 
         records: list[TrailRecord] = []
@@ -129,7 +128,7 @@ def audit_verify(trail: str | None, live: bool, nats_url: str | None, fleet: str
         async def keep(record: TrailRecord) -> None:
             records.append(record)
 
-        nc = await connect(url, name=f"lorabus-audit-{subjects.fleet}")
+        nc = await target.connect(f"lorabus-audit-{subjects.fleet}")
         try:
             await Tap(nc, subjects).run(keep, follow=False)
         finally:

@@ -4,13 +4,16 @@ lists, and running a command's coroutine until it ends or a signal stops it."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
+import typing
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import click
 
+from lorabus.bus_options import ENV, PASSWORD_ENV, BusOptions
 from lorabus.errors import LorabusError
 from lorabus.options import auth_headers
 from lorabus.schemas.subjects import DEFAULT_FLEET, Subjects
@@ -22,14 +25,117 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 
-nats_option = click.option(
-    "--nats",
-    "nats_url",
-    envvar="LORABUS_NATS_URL",
-    required=True,
-    show_envvar=True,
-    help="NATS server URL (a comma-separated list for the nodes of a cluster).",
+
+def bus_options(*, required: bool = True) -> Callable[[_F], _F]:
+    """``--nats`` and how to connect as this process's identity (``--creds``,
+    ``--nkey``, ``--nats-user``, TLS, ``--inbox-prefix``, ``--insecure``), each
+    with its ``LORABUS_*`` variable; the command gets ``nats_url`` and
+    ``bus: BusOptions``. Passwords and tokens come from the environment only."""
+
+    def decorate(command: _F) -> _F:
+        @functools.wraps(command)
+        def with_bus(*args: Any, **kwargs: Any) -> Any:
+            given = {name: kwargs.pop(name) for name in _BUS_FIELDS}
+            try:
+                kwargs["bus"] = BusOptions(**given)
+            except ValueError as exc:
+                raise click.UsageError(str(exc)) from exc
+            return command(*args, **kwargs)
+
+        decorated: Any = with_bus
+        for option in reversed(_bus_option_list(required)):
+            decorated = option(decorated)
+        return typing.cast(_F, decorated)
+
+    return decorate
+
+
+_BUS_FIELDS = (
+    "creds_file",
+    "nkey_seed_file",
+    "user",
+    "tls_ca_file",
+    "tls_cert_file",
+    "tls_key_file",
+    "inbox_prefix",
+    "insecure",
 )
+
+
+def _bus_option_list(required: bool) -> list[Callable[[Any], Any]]:
+    file = click.Path(exists=True, dir_okay=False)
+    return [
+        click.option(
+            "--nats",
+            "nats_url",
+            envvar="LORABUS_NATS_URL",
+            required=required,
+            show_envvar=True,
+            help="NATS server URL (a comma-separated list for the nodes of a cluster).",
+        ),
+        click.option(
+            "--creds",
+            "creds_file",
+            type=file,
+            envvar=ENV["creds_file"],
+            show_envvar=True,
+            help="A .creds file (user JWT and nkey seed) of an operator-managed account.",
+        ),
+        click.option(
+            "--nkey",
+            "nkey_seed_file",
+            type=file,
+            envvar=ENV["nkey_seed_file"],
+            show_envvar=True,
+            help="A file holding this identity's nkey seed (as lorabus auth init writes).",
+        ),
+        click.option(
+            "--nats-user",
+            "user",
+            envvar=ENV["user"],
+            show_envvar=True,
+            help=f"A NATS user; its password is read from ${PASSWORD_ENV}.",
+        ),
+        click.option(
+            "--tls-ca",
+            "tls_ca_file",
+            type=file,
+            envvar=ENV["tls_ca_file"],
+            show_envvar=True,
+            help="The CA of the server's certificate (turns TLS on).",
+        ),
+        click.option(
+            "--tls-cert",
+            "tls_cert_file",
+            type=file,
+            envvar=ENV["tls_cert_file"],
+            show_envvar=True,
+            help="A client certificate, for mutual TLS (with --tls-key).",
+        ),
+        click.option(
+            "--tls-key",
+            "tls_key_file",
+            type=file,
+            envvar=ENV["tls_key_file"],
+            show_envvar=True,
+            help="The client certificate's key.",
+        ),
+        click.option(
+            "--inbox-prefix",
+            envvar=ENV["inbox_prefix"],
+            show_envvar=True,
+            help="Where this identity's replies arrive (default: from its nkey, else _INBOX).",
+        ),
+        click.option(
+            "--insecure",
+            is_flag=True,
+            envvar=ENV["insecure"],
+            show_envvar=True,
+            help="Allow credentials over plain nats://, or none, to a host that is not loopback.",
+        ),
+    ]
+
+
 fleet_option = click.option(
     "--fleet",
     envvar="LORABUS_FLEET",

@@ -24,7 +24,7 @@ from lorabus.agents.engines import ENGINE_KINDS
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.schemas import Naming
 
-_Config = TypeVar("_Config", AgentConfig, CoordinatorConfig)
+_Config = TypeVar("_Config", bound=msgspec.Struct)
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 

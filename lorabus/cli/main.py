@@ -7,12 +7,15 @@ service died, a lorabus error), 2 bad usage (click's convention).
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
 
 import click
 
 from lorabus._version import __version__
-from lorabus.cli import audit, demo, measure, orchestrate, serve
+from lorabus.bus_options import ENV_FILE, read_env_file
+from lorabus.cli import admin, audit, demo, measure, orchestrate, serve
 
 
 @click.group()
@@ -23,13 +26,23 @@ from lorabus.cli import audit, demo, measure, orchestrate, serve
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
-def main(log_level: str) -> None:
+@click.option(
+    "--identity",
+    type=click.Path(exists=True, file_okay=False),
+    envvar="LORABUS_IDENTITY",
+    show_envvar=True,
+    help="An identity folder of lorabus auth init: connect as it (its lorabus.env).",
+)
+def main(log_level: str, identity: str | None) -> None:
     """lorabus: roll LoRA adapters out across inference workers over NATS."""
     logging.basicConfig(
         level=log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if identity is not None:
+        # The command's options read these variables when it is parsed, after this.
+        os.environ.update(read_env_file(Path(identity) / ENV_FILE))
 
 
 for command in (
@@ -40,6 +53,8 @@ for command in (
     orchestrate.schema,
     audit.tap,
     audit.audit,
+    admin.auth,
+    admin.provision,
     demo.up,
     demo.sim,
     measure.bench,

@@ -8,12 +8,13 @@ import sys
 
 import click
 
-from lorabus.cli.common import EXIT_FAILED, fleet_option, nats_option, run, subjects_of
+from lorabus.bus_options import BusOptions
+from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.client import UPDATE_TIMEOUT_S
 
 
 @click.command()
-@nats_option
+@bus_options()
 @fleet_option
 @click.option("--adapter", required=True, help="Adapter name (served as <name>-v<version>).")
 @click.option("--path", required=True, help="Absolute adapter directory, as workers see it.")
@@ -34,6 +35,7 @@ from lorabus.client import UPDATE_TIMEOUT_S
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def update(
     nats_url: str,
+    bus: BusOptions,
     fleet: str,
     adapter: str,
     path: str,
@@ -50,7 +52,7 @@ def update(
     subjects_of(fleet)
 
     async def request() -> int:
-        async with await UpdateClient.connect(nats_url, fleet) as client:
+        async with await UpdateClient.connect(nats_url, fleet, options=bus) as client:
             result = await client.update(
                 adapter, path, version=version, update_id=update_id, timeout_s=timeout
             )
@@ -61,7 +63,7 @@ def update(
 
 
 @click.command()
-@nats_option
+@bus_options()
 @fleet_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object.")
 @click.option("--watch", is_flag=True, help="Redraw the status until Ctrl-C.")
@@ -72,7 +74,9 @@ def update(
     show_default=True,
     help="Seconds between redraws with --watch.",
 )
-def status(nats_url: str, fleet: str, as_json: bool, watch: bool, interval: float) -> None:
+def status(
+    nats_url: str, bus: BusOptions, fleet: str, as_json: bool, watch: bool, interval: float
+) -> None:
     """Show members, world sizes, rank offsets, paused state, adapters, the update in flight."""
     from lorabus.client import UpdateClient
     from lorabus.errors import NoCoordinator
@@ -82,7 +86,7 @@ def status(nats_url: str, fleet: str, as_json: bool, watch: bool, interval: floa
     subjects_of(fleet)
 
     async def ask() -> int:
-        async with await UpdateClient.connect(nats_url, fleet) as client:
+        async with await UpdateClient.connect(nats_url, fleet, options=bus) as client:
             while True:
                 try:
                     fleet_status = await client.status()

@@ -13,7 +13,9 @@ from typing import Any, TypeVar
 import click
 
 from lorabus.agents.config import AgentConfig
-from lorabus.cli.common import auth_options, fleet_option, headers_from, log, nats_option, run
+from lorabus.bus import Bus
+from lorabus.bus_options import BusOptions
+from lorabus.cli.common import auth_options, bus_options, fleet_option, headers_from, log, run
 from lorabus.cli.flags import (
     AGENT_FLAGS,
     COORDINATOR_FLAGS,
@@ -36,20 +38,21 @@ metrics_port_option = click.option(
 
 def serving_command(
     config_type: type[_Config], flags: Sequence[Flag]
-) -> Callable[[Callable[[_Config, str, int | None], Awaitable[int]]], click.Command]:
+) -> Callable[[Callable[[_Config, Bus, int | None], Awaitable[int]]], click.Command]:
     """A serving process's command: the bus and auth options, the flags of its
     config, ``--metrics-port``; the decorated coroutine runs with the config
     until a signal stops it, and its docstring is the command's help."""
 
-    def decorate(serve: Callable[[_Config, str, int | None], Awaitable[int]]) -> click.Command:
+    def decorate(serve: Callable[[_Config, Bus, int | None], Awaitable[int]]) -> click.Command:
         @click.command(name=serve.__name__, help=serve.__doc__)
-        @nats_option
+        @bus_options()
         @fleet_option
         @config_options(config_type, flags)
         @auth_options
         @metrics_port_option
         def command(
             nats_url: str,
+            bus: BusOptions,
             fleet: str,
             api_key_env: str | None,
             headers: tuple[str, ...],
@@ -63,7 +66,7 @@ def serving_command(
                 fleet=fleet,
                 headers=headers_from(api_key_env, headers),
             )
-            sys.exit(run(lambda: serve(config, nats_url, metrics_port)))
+            sys.exit(run(lambda: serve(config, Bus(nats_url, bus), metrics_port)))
 
         return command
 
@@ -71,11 +74,11 @@ def serving_command(
 
 
 @serving_command(AgentConfig, AGENT_FLAGS)
-async def agent(config: AgentConfig, nats_url: str, metrics_port: int | None) -> int:
+async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
     """Drive one worker's engine on the coordinator's commands."""
     from lorabus.agents import Agent, driver_for
     from lorabus.agents.metrics import AgentMetrics, InstrumentedDriver
-    from lorabus.bus import close, connect
+    from lorabus.bus import close
     from lorabus.errors import EngineError
 
     metrics = AgentMetrics()
@@ -87,7 +90,7 @@ async def agent(config: AgentConfig, nats_url: str, metrics_port: int | None) ->
                 await agent.executor.refresh()
             except EngineError as exc:
                 log.warning("worker=%s engine not answering at start: %s", config.worker_id, exc)
-            nc = await connect(nats_url, name=f"lorabus-agent-{config.worker_id}")
+            nc = await bus.connect(f"lorabus-agent-{config.worker_id}")
             try:
                 await agent.run(nc)
             finally:
@@ -98,12 +101,12 @@ async def agent(config: AgentConfig, nats_url: str, metrics_port: int | None) ->
 
 
 @serving_command(CoordinatorConfig, COORDINATOR_FLAGS)
-async def coordinator(config: CoordinatorConfig, nats_url: str, metrics_port: int | None) -> int:
+async def coordinator(config: CoordinatorConfig, bus: Bus, metrics_port: int | None) -> int:
     """Run updates for one fleet (several may run: one leads, the others stand by)."""
-    from lorabus.bus import close, connect
+    from lorabus.bus import close
     from lorabus.coordinator import Coordinator
 
-    nc = await connect(nats_url, name=f"lorabus-coordinator-{config.fleet}")
+    nc = await bus.connect(f"lorabus-coordinator-{config.fleet}")
     service = Coordinator(config)
     try:
         with serving(service.metrics.registry, metrics_port):

@@ -9,7 +9,9 @@ its own JetStream directory, and is always stopped by whoever started it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -57,15 +59,18 @@ class NatsServer:
         cluster_port: int | None = None,
         routes: list[int] | None = None,
         options: Sequence[str] = (),
+        include: Path | None = None,
     ) -> None:
         """A server; with ``cluster_port`` and ``routes`` (the other nodes' cluster
         ports) it joins a loopback cluster named ``lorabus`` as node ``name``.
-        ``options`` are more nats-server flags (``--user``, ``--pass``, ...)."""
+        ``options`` are more nats-server flags (``--user``, ``--pass``, ...);
+        ``include`` a configuration file to include (``lorabus auth init``'s)."""
         self.port = port or free_port()
         self.name = name or f"lorabus-{self.port}"
         self.cluster_port = cluster_port
         self.routes = routes or []
         self.options = list(options)
+        self.include = include
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="lorabus-nats-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -110,7 +115,12 @@ class NatsServer:
         that they never fill. Streams here stay small: reserve generously."""
         path = Path(self.store_dir) / "lorabus-nats.conf"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"jetstream {{\n  max_file_store: {_RESERVABLE_STORE}\n}}\n")
+        text = f"jetstream {{\n  max_file_store: {_RESERVABLE_STORE}\n}}\n"
+        if self.include is not None:
+            # nats-server reads an include relative to the including file.
+            relative = os.path.relpath(self.include.resolve(), path.parent.resolve())
+            text += f"include {json.dumps(relative)}\n"
+        path.write_text(text)
         return str(path)
 
     async def _wait_accepting(self, timeout_s: float) -> None:

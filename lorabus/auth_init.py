@@ -1,0 +1,311 @@
+"""``lorabus auth init``: a fleet's identities and the server configuration that pins them.
+
+For a fleet and its worker ids this writes, into one new directory:
+
+- ``nats-server.conf``: an account for the fleet (JetStream on) with one user
+  per identity (coordinator, orchestrator, auditor, operator, one agent per
+  worker), each with exactly its role's permissions (:mod:`lorabus.roles`);
+  with TLS, the server's certificate, and client certificates required;
+- per identity, a folder (mode 0700) with its secret (mode 0600) and
+  ``lorabus.env``, the ``LORABUS_*`` variables that make a ``lorabus``
+  process connect as that identity;
+- with TLS, a CA (``ca.pem``; its key stays beside it, 0600), the server's
+  certificate for the given host names, and a client certificate per identity.
+
+Users authenticate with nkeys: each identity's seed stays in its own file,
+and the server knows only the public keys. This is nkey authentication in the
+server's configuration, not the decentralized JWT scheme: a fleet's
+identities are known when it is set up, and adding a worker means running
+this again (or adding one user) and reloading the server. Where NATS is run
+with operator-managed accounts, create the users there with the same
+permissions and give lorabus their ``.creds`` files instead (``--creds``).
+With ``cert`` authentication there are no seeds: the server maps each client
+certificate's subject to its user (``verify_and_map``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from lorabus.bus_options import ENV, ENV_FILE, inbox_prefix_for, public_key_of
+from lorabus.roles import Permissions, Role, identity_name, permissions
+from lorabus.schemas import Subjects, check_token
+
+SERVER_CONF = "nats-server.conf"
+SEED_FILE = "nkey.seed"
+CERTIFICATE_DAYS = 365
+
+
+@dataclass(frozen=True)
+class Identity:
+    name: str
+    role: Role
+    worker_id: str | None
+    folder: Path
+    inbox_prefix: str
+
+    @property
+    def env_file(self) -> Path:
+        return self.folder / ENV_FILE
+
+
+@dataclass(frozen=True)
+class FleetAuth:
+    """What ``write_fleet_auth`` wrote."""
+
+    directory: Path
+    server_conf: Path
+    identities: dict[str, Identity]
+    ca_file: Path | None
+
+    def identity(self, role: Role, worker_id: str | None = None) -> Identity:
+        return self.identities[identity_name(role, worker_id)]
+
+
+def write_fleet_auth(
+    directory: Path,
+    subjects: Subjects,
+    worker_ids: Sequence[str],
+    *,
+    tls: bool = False,
+    hosts: Sequence[str] = ("localhost", "127.0.0.1"),
+    method: str = "nkey",
+) -> FleetAuth:
+    """Write a fleet's identities and server configuration into ``directory``,
+    which must not exist yet or be empty (keys are never overwritten)."""
+    if method not in ("nkey", "cert"):
+        raise ValueError(f"authentication method must be nkey or cert, not {method!r}")
+    if method == "cert" and not tls:
+        raise ValueError("cert authentication needs TLS")
+    if len(set(worker_ids)) != len(worker_ids) or not worker_ids:
+        raise ValueError("give one or more distinct worker ids")
+    for worker in worker_ids:
+        check_token("worker id", worker)
+    directory = directory.resolve()
+    if directory.exists() and any(directory.iterdir()):
+        raise ValueError(f"{directory} is not empty: keys are never overwritten")
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+
+    roles: list[tuple[Role, str | None]] = [
+        (Role.COORDINATOR, None),
+        (Role.ORCHESTRATOR, None),
+        (Role.AUDITOR, None),
+        (Role.OPERATOR, None),
+        *((Role.AGENT, worker_id) for worker_id in worker_ids),
+    ]
+    authority = _CertificateAuthority.create(directory) if tls else None
+    server_tls = authority.issue_server(directory, hosts) if authority else None
+    identities: dict[str, Identity] = {}
+    users: list[str] = []
+    for role, worker_id in roles:
+        name = identity_name(role, worker_id)
+        folder = directory / name
+        folder.mkdir(mode=0o700)
+        env: dict[str, str] = {}
+        if method == "nkey":
+            seed = _new_user_seed()
+            _write_secret(folder / SEED_FILE, seed + b"\n")
+            public_key = public_key_of(seed)
+            prefix = inbox_prefix_for(public_key)
+            user_key = ("nkey", public_key)
+            env[ENV["nkey_seed_file"]] = str(folder / SEED_FILE)
+        else:
+            prefix = f"_INBOX_{name.replace('-', '_')}"
+            user_key = ("user", f"CN={name}")
+        if authority is not None:
+            cert, key = authority.issue_client(folder, name)
+            env[ENV["tls_ca_file"]] = str(authority.cert_file)
+            env[ENV["tls_cert_file"]], env[ENV["tls_key_file"]] = str(cert), str(key)
+        env[ENV["inbox_prefix"]] = prefix
+        identity = Identity(name, role, worker_id, folder, prefix)
+        identities[name] = identity
+        allowed = permissions(role, subjects, inbox_prefix=prefix, worker_id=worker_id)
+        users.append(_user_block(user_key, allowed, name))
+        _write_env(identity.env_file, env)
+
+    conf = directory / SERVER_CONF
+    conf.write_text(_server_conf(subjects, users, server_tls, method))
+    os.chmod(conf, 0o600)
+    return FleetAuth(
+        directory, conf, identities, authority.cert_file if authority is not None else None
+    )
+
+
+def _new_user_seed() -> bytes:
+    import nkeys
+
+    return bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+
+
+def _write_secret(path: Path, data: bytes) -> None:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(data)
+
+
+def _write_env(path: Path, env: dict[str, str]) -> None:
+    lines = ["# lorabus connects as this identity with these variables (no secrets here)."]
+    lines += [f"{name}={value}" for name, value in sorted(env.items())]
+    _write_secret(path, ("\n".join(lines) + "\n").encode())
+
+
+def _quoted(values: Sequence[str]) -> str:
+    return ", ".join(json.dumps(value) for value in values)
+
+
+def _user_block(user_key: tuple[str, str], allowed: Permissions, name: str) -> str:
+    field, value = user_key
+    responses = "\n          allow_responses: true" if allowed.allow_responses else ""
+    return (
+        f"      # {name}\n"
+        f"      {{\n"
+        f"        {field}: {json.dumps(value)}\n"
+        f"        permissions: {{\n"
+        f"          publish: {{ allow: [{_quoted(allowed.publish)}] }}\n"
+        f"          subscribe: {{ allow: [{_quoted(allowed.subscribe)}] }}{responses}\n"
+        f"        }}\n"
+        f"      }}"
+    )
+
+
+def _server_conf(
+    subjects: Subjects, users: list[str], server_tls: tuple[Path, Path, Path] | None, method: str
+) -> str:
+    account = f"LORABUS_{subjects.fleet.upper().replace('-', '_')}"
+    parts = [
+        f"# The NATS identities of lorabus fleet {subjects.fleet!r} (lorabus auth init).",
+        "# Listen address, port and JetStream store are given by flags, e.g.",
+        "#   nats-server -c nats-server.conf -js -sd /var/lib/nats -p 4222",
+    ]
+    if server_tls is not None:
+        cert, key, ca = server_tls
+        mapping = "verify_and_map: true" if method == "cert" else "verify: true"
+        parts += [
+            "tls {",
+            f"  cert_file: {json.dumps(str(cert))}",
+            f"  key_file: {json.dumps(str(key))}",
+            f"  ca_file: {json.dumps(str(ca))}",
+            f"  {mapping}",
+            "}",
+        ]
+    parts += [
+        "accounts {",
+        f"  {account} {{",
+        "    jetstream: enabled",
+        "    users: [",
+        ",\n".join(users),
+        "    ]",
+        "  }",
+        "}",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+class _CertificateAuthority:
+    """A CA of one fleet, for its server and client certificates."""
+
+    def __init__(
+        self, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, cert_file: Path
+    ) -> None:
+        self._key = key
+        self._cert = cert
+        self.cert_file = cert_file
+
+    @classmethod
+    def create(cls, directory: Path) -> _CertificateAuthority:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lorabus fleet CA")])
+        cert = (
+            _builder(name, name, key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(key, hashes.SHA256())
+        )
+        cert_file = directory / "ca.pem"
+        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_secret(directory / "ca-key.pem", _pem_key(key))
+        return cls(key, cert, cert_file)
+
+    def issue_server(self, directory: Path, hosts: Sequence[str]) -> tuple[Path, Path, Path]:
+        names: list[x509.GeneralName] = []
+        for host in hosts:
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                names.append(x509.DNSName(host))
+        folder = directory / "server"
+        folder.mkdir(mode=0o700)
+        cert, key = self._issue(folder, "server", hosts[0], ExtendedKeyUsageOID.SERVER_AUTH, names)
+        return cert, key, self.cert_file
+
+    def issue_client(self, folder: Path, name: str) -> tuple[Path, Path]:
+        return self._issue(folder, "client", name, ExtendedKeyUsageOID.CLIENT_AUTH, [])
+
+    def _issue(
+        self,
+        folder: Path,
+        stem: str,
+        common_name: str,
+        usage: x509.ObjectIdentifier,
+        names: list[x509.GeneralName],
+    ) -> tuple[Path, Path]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+        builder = _builder(subject, self._cert.subject, key.public_key()).add_extension(
+            x509.ExtendedKeyUsage([usage]), critical=False
+        )
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        cert = builder.sign(self._key, hashes.SHA256())
+        cert_file, key_file = folder / f"{stem}-cert.pem", folder / f"{stem}-key.pem"
+        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_secret(key_file, _pem_key(key))
+        return cert_file, key_file
+
+
+def _builder(
+    subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey
+) -> x509.CertificateBuilder:
+    now = datetime.datetime.now(datetime.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CERTIFICATE_DAYS))
+    )
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )

@@ -1,0 +1,132 @@
+"""Setting a fleet up: ``lorabus auth init`` (identities and the server's
+configuration) and ``lorabus provision`` (the KV buckets and the audit stream)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from lorabus.bus import Bus
+from lorabus.bus_options import BusOptions
+from lorabus.cli.common import bus_options, fleet_option, run, subjects_of
+from lorabus.cli.flags import COORDINATOR_FLAGS, build_config, config_options
+from lorabus.coordinator.config import StorageConfig
+
+STORAGE_FLAGS = tuple(f for f in COORDINATOR_FLAGS if f.field in StorageConfig.__struct_fields__)
+
+
+class NameList(click.ParamType):
+    """Names separated by commas, e.g. ``w000,w001``."""
+
+    name = "NAME,NAME,..."
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> list[str]:
+        if isinstance(value, list):
+            return value
+        names = [part.strip() for part in str(value).split(",") if part.strip()]
+        if not names:
+            self.fail("give one or more names separated by commas, e.g. w000,w001")
+        return names
+
+
+@click.group()
+def auth() -> None:
+    """A fleet's NATS identities: one per role and per worker."""
+
+
+@auth.command("init")
+@fleet_option
+@click.option(
+    "--workers",
+    "worker_ids",
+    type=NameList(),
+    required=True,
+    help="The worker ids, e.g. w000,w001.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    required=True,
+    help="A new (or empty) directory for the configuration and the identities.",
+)
+@click.option("--tls/--no-tls", default=True, show_default=True, help="Also a CA and certificates.")
+@click.option(
+    "--host",
+    "hosts",
+    multiple=True,
+    default=("localhost", "127.0.0.1"),
+    show_default=True,
+    help="A name or address clients reach the server at (repeatable; for its certificate).",
+)
+@click.option(
+    "--method",
+    type=click.Choice(["nkey", "cert"]),
+    default="nkey",
+    show_default=True,
+    help="How identities prove themselves: an nkey seed each, or a client certificate each.",
+)
+def auth_init(
+    fleet: str,
+    worker_ids: list[str],
+    out_dir: str,
+    tls: bool,
+    hosts: tuple[str, ...],
+    method: str,
+) -> None:
+    """Write a nats-server configuration that gives each role exactly its
+    permissions, and one identity (a folder, 0700) per role and per worker."""
+    from lorabus.auth_init import SERVER_CONF, write_fleet_auth
+
+    subjects = subjects_of(fleet)
+    try:
+        written = write_fleet_auth(
+            Path(out_dir), subjects, worker_ids, tls=tls, hosts=hosts, method=method
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    click.echo(f"wrote the identities of fleet {fleet!r} to {written.directory}:")
+    for name in written.identities:
+        click.echo(f"  {name:<16} {written.identities[name].folder}")
+    scheme = "tls" if tls else "nats"
+    click.echo("start the server with it, for example:")
+    click.echo(f"  nats-server -c {written.directory / SERVER_CONF} -js -sd /var/lib/nats -p 4222")
+    click.echo("then set the fleet up once, as its operator:")
+    click.echo(
+        f"  lorabus --identity {written.directory / 'operator'} provision "
+        f"--nats {scheme}://localhost:4222 --fleet {fleet}"
+    )
+    click.echo("and run every lorabus process as its own identity, for example:")
+    click.echo(
+        f"  lorabus --identity {written.directory / ('agent-' + worker_ids[0])} agent "
+        f"--nats {scheme}://localhost:4222 --fleet {fleet} --worker-id {worker_ids[0]} ..."
+    )
+
+
+@click.command()
+@bus_options()
+@fleet_option
+@config_options(StorageConfig, STORAGE_FLAGS)
+def provision(nats_url: str, bus: BusOptions, fleet: str, **settings: Any) -> None:
+    """Create the fleet's KV buckets and audit stream (which refuses delete and
+    purge), or bring their limits to these; run once, as the fleet's operator."""
+    from lorabus.bus import close
+    from lorabus.coordinator.store import provision as set_up
+
+    config = build_config(StorageConfig, STORAGE_FLAGS, settings, fleet=fleet)
+
+    async def go() -> int:
+        nc = await Bus(nats_url, bus).connect(f"lorabus-operator-{fleet}")
+        try:
+            await set_up(nc, config)
+        finally:
+            await close(nc)
+        click.echo(f"fleet {fleet!r}: KV buckets and audit stream ready")
+        return 0
+
+    sys.exit(run(go))
