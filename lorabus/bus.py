@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import ssl
 from typing import Any
 
 import msgspec
@@ -17,10 +18,9 @@ import nats
 from nats.aio.client import Client as NatsClient
 
 from lorabus.bus_options import PASSWORD_ENV, BusOptions
-from lorabus.errors import BadRequest, BusUnreachable, PermissionDenied
+from lorabus.errors import BadRequest, BusError, BusUnreachable, PermissionDenied
 
 log = logging.getLogger(__name__)
-
 
 
 class _TlsCloseNoise(logging.Filter):
@@ -75,17 +75,18 @@ async def connect(
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
     nc = NatsClient()
-    refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    refused: asyncio.Future[BusError] = asyncio.get_running_loop().create_future()
     refusals = 0
 
     async def on_error(exc: Exception) -> None:
         nonlocal refusals
-        if not refused.done() and not nc.is_connected and is_auth_refusal(exc):
+        final = None if nc.is_connected else _refusal(exc, redact(url))
+        if final is not None and not refused.done():
             # nats-py would retry the same credentials forever; in a cluster,
             # another node may still take them, so every node gets its turn.
             refusals += 1
             if refusals >= len(servers):
-                refused.set_result(str(exc))
+                refused.set_result(final)
         if is_permission_violation(exc):
             # Refused by this identity's permissions: a set-up to fix, said by name.
             log.error("nats (%s): %s", name, _lowercase_first(str(exc).removeprefix("nats: ")))
@@ -125,10 +126,7 @@ async def connect(
         either: set[asyncio.Future[Any]] = {connecting, refused}
         await asyncio.wait(either, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if refused.done() and not (connecting.done() and connecting.exception() is None):
-            raise PermissionDenied(
-                f"authorization violation: NATS at {redact(url)} refused the credentials "
-                f"({refused.result()})"
-            )
+            raise refused.result()
         if not connecting.done():
             raise BusUnreachable(
                 f"cannot reach NATS at {redact(url)} within {connect_timeout_s:.0f}s"
@@ -143,6 +141,27 @@ async def connect(
         await nc.close()
         raise
     return nc
+
+
+def _refusal(exc: BaseException, where: str) -> BusError | None:
+    """The error to raise at once for a first-connect failure that trying again
+    cannot mend (refused credentials, a TLS certificate either side refused);
+    None for the others (a server not up yet, a network hiccup)."""
+    if is_auth_refusal(exc):
+        return PermissionDenied(
+            f"authorization violation: NATS at {where} refused the credentials ({exc})"
+        )
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return BusUnreachable(
+            f"TLS: cannot verify the certificate of NATS at {where} ({exc.verify_message}); "
+            "give its CA with --tls-ca"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return PermissionDenied(
+            f"TLS: NATS at {where} refused this client ({exc.reason or exc}); it needs a "
+            "client certificate from the server's CA (--tls-cert, --tls-key)"
+        )
+    return None
 
 
 def is_auth_refusal(exc: BaseException) -> bool:

@@ -4,6 +4,12 @@
 whole fleet in one process. Each service gets its own NATS connection, as it
 would in its own process. Everything started here is stopped on exit, in
 reverse order, also when the body raises or is cancelled.
+
+``secure``: the private nats-server runs with the configuration of ``lorabus
+auth init`` (nkeys, per-role permissions, mutual TLS), the operator sets the
+fleet up, and every part connects as its own identity (the coordinator, each
+agent, the orchestrator's client); :meth:`EmbeddedStack.bus_as` gives any
+identity's connection settings.
 """
 
 from __future__ import annotations
@@ -11,17 +17,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
 from lorabus.agents import Agent, AgentConfig, driver_for
-from lorabus.bus import close, connect
+from lorabus.auth_init import FleetAuth, write_fleet_auth
+from lorabus.bus import Bus, close
+from lorabus.bus_options import ENV_FILE, BusOptions, read_env_file
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
+from lorabus.coordinator.config import StorageConfig
+from lorabus.coordinator.store import provision
 from lorabus.errors import StartFailed
+from lorabus.roles import Role
+from lorabus.schemas import Subjects
 from lorabus.simfleet import SimFleet
+from lorabus.simfleet.identity import numbered_worker_ids
 from lorabus.testbed.natsserver import NatsServer
 
 log = logging.getLogger(__name__)
@@ -39,12 +54,17 @@ class EmbeddedStack:
         fleet: str,
         nats_url: str | None = None,
         heartbeat_s: float = 0.5,
+        secure: bool = False,
         **coordinator: Any,
     ) -> None:
+        if secure and nats_url is not None:
+            raise ValueError("a secure stack runs its own nats-server")
         self.world_sizes = list(world_sizes)
         self.fleet_name = fleet
         self._nats_url = nats_url
         self._heartbeat_s = heartbeat_s
+        self.secure = secure
+        self.auth: FleetAuth | None = None
         self._coordinator_settings = {"expected_world_size": sum(self.world_sizes), **coordinator}
         self.server: NatsServer | None = None
         self.sim: SimFleet | None = None
@@ -59,7 +79,15 @@ class EmbeddedStack:
         if self._nats_url is not None:
             return self._nats_url
         assert self.server is not None, "the stack is started"
-        return self.server.url
+        return self.server.url.replace("nats://", "tls://") if self.secure else self.server.url
+
+    def bus_as(self, role: Role, worker_id: str | None = None) -> Bus:
+        """Where the stack's NATS is, and how to connect to it as ``role``
+        (an unauthenticated connection when the stack is not secure)."""
+        if self.auth is None:
+            return Bus(self.nats_url)
+        folder = self.auth.identity(role, worker_id).folder
+        return Bus(self.nats_url, BusOptions.from_env(read_env_file(folder / ENV_FILE)))
 
     async def __aenter__(self) -> EmbeddedStack:
         try:
@@ -70,15 +98,24 @@ class EmbeddedStack:
         return self
 
     async def _start(self) -> None:
+        worker_ids = numbered_worker_ids(len(self.world_sizes))
+        if self.secure:
+            folder = Path(self._exit.enter_context(tempfile.TemporaryDirectory()))
+            self.auth = write_fleet_auth(
+                folder / "auth", Subjects(fleet=self.fleet_name), worker_ids, tls=True
+            )
         if self._nats_url is None:
-            self.server = await self._exit.enter_async_context(NatsServer())
-        self.sim = SimFleet.of_size(len(self.world_sizes), self.world_sizes)
+            include = self.auth.server_conf if self.auth is not None else None
+            self.server = await self._exit.enter_async_context(NatsServer(include=include))
+        if self.auth is not None:
+            await self._provision()
+        self.sim = SimFleet(worker_ids, self.world_sizes)
         await self._exit.enter_async_context(self.sim)
         config = CoordinatorConfig(
             fleet=self.fleet_name, frontend_url=self.sim.url, **self._coordinator_settings
         )
         self.coordinator = Coordinator(config)
-        await self._serve("coordinator", self.coordinator.run)
+        await self._serve("coordinator", self.coordinator.run, self.bus_as(Role.COORDINATOR))
         for worker in self.sim.workers.values():
             agent_config = AgentConfig(
                 fleet=self.fleet_name,
@@ -91,17 +128,25 @@ class EmbeddedStack:
             self._exit.push_async_callback(driver.aclose)
             agent = Agent.from_config(agent_config, driver)
             await agent.executor.refresh()
-            await self._serve(f"agent-{worker.worker_id}", agent.run)
-        client_nc = await self._connect("client")
+            identity = self.bus_as(Role.AGENT, worker.worker_id)
+            await self._serve(f"agent-{worker.worker_id}", agent.run, identity)
+        client_nc = await self._connect("client", self.bus_as(Role.ORCHESTRATOR))
         self.client = UpdateClient(client_nc, self.fleet_name)
 
-    async def _connect(self, name: str) -> NatsClient:
-        nc = await connect(self.nats_url, name=f"lorabus-{name}")
+    async def _provision(self) -> None:
+        nc = await self.bus_as(Role.OPERATOR).connect(f"lorabus-operator-{self.fleet_name}")
+        try:
+            await provision(nc, StorageConfig(fleet=self.fleet_name))
+        finally:
+            await close(nc)
+
+    async def _connect(self, name: str, bus: Bus) -> NatsClient:
+        nc = await bus.connect(f"lorabus-{name}")
         self._connections.append(nc)
         return nc
 
-    async def _serve(self, name: str, run: object) -> None:
-        nc = await self._connect(name)
+    async def _serve(self, name: str, run: object, bus: Bus) -> None:
+        nc = await self._connect(name, bus)
         ready = asyncio.Event()
         task = asyncio.create_task(run(nc, ready), name=name)  # type: ignore[operator]
         self._tasks.append(task)

@@ -19,8 +19,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lorabus.audit import TrailRecord, verify
+from lorabus.bus import close
 from lorabus.render import phase_timeline, rank_map_text
-from lorabus.schemas import UpdateResult
+from lorabus.roles import Role
+from lorabus.schemas import Subjects, UpdateResult
 from lorabus.simfleet import SimWorker
 from lorabus.tap import Tap
 from lorabus.testbed.stack import EmbeddedStack
@@ -37,10 +39,11 @@ async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], No
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lorabus-adapters-") as tmp:
         out(
-            f"starting nats-server, {len(world_sizes)} simulated Dynamo workers "
+            f"starting nats-server (TLS, an identity per part), {len(world_sizes)} "
+            "simulated Dynamo workers "
             f"(world sizes {', '.join(map(str, world_sizes))}), their agents and the coordinator"
         )
-        async with EmbeddedStack(world_sizes, fleet="demo", keep=KEEP) as stack:
+        async with EmbeddedStack(world_sizes, fleet="demo", keep=KEEP, secure=True) as stack:
             assert stack.client is not None and stack.sim is not None
             out(f"  nats {stack.nats_url}   frontend {stack.sim.url}")
             results: list[UpdateResult] = []
@@ -90,11 +93,14 @@ def _settled(worker: SimWorker) -> bool:
 
 async def _record_trail(stack: EmbeddedStack) -> list[TrailRecord]:
     """The run's audit trail, read back from the fleet's audit stream."""
-    assert stack.client is not None
     records: list[TrailRecord] = []
 
     async def keep(record: TrailRecord) -> None:
         records.append(record)
 
-    await Tap(stack.client.nc, stack.client.subjects).run(keep, follow=False)
+    nc = await stack.bus_as(Role.AUDITOR).connect("lorabus-auditor")
+    try:
+        await Tap(nc, Subjects(fleet=stack.fleet_name)).run(keep, follow=False)
+    finally:
+        await close(nc)
     return records

@@ -1,0 +1,151 @@
+"""Only the right role may speak: the permission matrix of ``lorabus auth init``,
+checked against a real nats-server started from the generated configuration.
+
+For every role, each publish and subscribe it must not make is refused by the
+server, by name, and changes nothing: no engine of the simulated fleet
+pauses, the coordinator keeps leading, and the next update commits. Each
+thing a role must do still works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from secured import watched
+
+from lorabus.audit import TrailRecord
+from lorabus.bus import close
+from lorabus.roles import Role
+from lorabus.schemas import PauseCommand, Subjects, encode
+from lorabus.tap import Tap
+from lorabus.testbed.stack import EmbeddedStack
+
+WORKERS = ("w000", "w001")
+FORGED_PAUSE = PauseCommand(
+    update_id="forged", targets=list(WORKERS), budget_s=30, epoch=1_000_000, lease_s=0
+)
+
+
+@pytest.fixture
+async def stack(fleet_name: str) -> AsyncIterator[EmbeddedStack]:
+    async with EmbeddedStack([1, 1], fleet=fleet_name, secure=True, heartbeat_s=0.2) as started:
+        yield started
+
+
+def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, list[str]]:
+    """What ``role`` must not publish or subscribe to (other roles' inboxes included)."""
+    state, audit = s.state_bucket(), s.audit_stream()
+    erase = [f"$JS.API.STREAM.DELETE.{audit}", f"$JS.API.STREAM.PURGE.{audit}"]
+    kv_write = [f"$KV.{state}.leader", f"$KV.{state}.committed"]
+    commands = [s.cmd(), s.cmd_worker("w000"), s.cmd_worker("w001")]
+    others = [f"{prefix}.x" for other, prefix in inboxes.items() if other is not role]
+    if role is Role.AGENT:  # the agent of w000
+        return {
+            "publish": [
+                *commands,
+                s.ack("w001"),
+                s.heartbeat("w001"),
+                s.agent_event("w001", "lease_expired"),
+                s.coordinator_event("leader_elected"),
+                s.update_request(),
+                *kv_write,
+                *erase,
+            ],
+            "subscription": [s.cmd_worker("w001"), s.ack_any(), s.update_request(), *others],
+        }
+    if role is Role.COORDINATOR:
+        return {
+            "publish": [
+                s.ack("w000"),
+                s.heartbeat("w000"),
+                s.agent_event("w000", "reconciled"),
+                s.update_request(),
+                f"$JS.API.STREAM.UPDATE.{audit}",
+                *erase,
+            ],
+            "subscription": [s.cmd(), *others],
+        }
+    return {
+        "publish": [
+            *commands,
+            s.ack("w000"),
+            s.heartbeat("w000"),
+            s.coordinator_event("update_finished"),
+            *([] if role is Role.ORCHESTRATOR else [s.update_request()]),
+            *kv_write,
+            *erase,
+        ],
+        "subscription": [s.cmd(), s.update_request(), s.heartbeat_any(), *others],
+    }
+
+
+@pytest.mark.parametrize(
+    "role", [Role.AGENT, Role.COORDINATOR, Role.ORCHESTRATOR, Role.AUDITOR, Role.OPERATOR]
+)
+async def test_every_forbidden_publish_and_subscribe_is_refused_and_changes_nothing(
+    stack: EmbeddedStack, role: Role, make_adapter: Callable[[int], str]
+) -> None:
+    assert stack.auth is not None and stack.sim is not None and stack.client is not None
+    subjects = Subjects(fleet=stack.fleet_name)
+    inboxes = {
+        r: stack.auth.identity(r, "w000" if r is Role.AGENT else None).inbox_prefix for r in Role
+    }
+    forbidden = _forbidden(role, subjects, inboxes)
+    pauses_before = sum(
+        w.count_requests("POST", "/engine/pause_generation") for w in stack.sim.workers.values()
+    )
+
+    async with watched(stack.bus_as(role, "w000" if role is Role.AGENT else None)) as client:
+        for subject in forbidden["subscription"]:
+            await client.nc.subscribe(subject)
+        for subject in forbidden["publish"]:
+            await client.nc.publish(subject, encode(FORGED_PAUSE))
+        await client.nc.flush()
+        for verb, refused in forbidden.items():
+            for subject in refused:
+                await client.wait_refusal(verb, subject)
+
+    pauses_after = sum(
+        w.count_requests("POST", "/engine/pause_generation") for w in stack.sim.workers.values()
+    )
+    assert pauses_after == pauses_before, "a forged pause reached an engine"
+    assert not any(w.paused for w in stack.sim.workers.values())
+    assert stack.coordinator is not None and stack.coordinator.epoch == 1
+    result = await stack.client.update("policy", make_adapter(1), version=1, timeout_s=30)
+    assert result.committed, result.error
+
+
+async def test_each_role_can_do_its_own_work(
+    stack: EmbeddedStack, make_adapter: Callable[[int], str]
+) -> None:
+    assert stack.client is not None
+    subjects = Subjects(fleet=stack.fleet_name)
+    # The orchestrator: updates and status (its client runs as the orchestrator).
+    result = await stack.client.update("policy", make_adapter(1), version=1, timeout_s=30)
+    assert result.committed, result.error
+    status = await stack.client.status()
+    assert [m.worker_id for m in status.members] == list(WORKERS)
+
+    # The auditor reads the trail of that update.
+    records: list[TrailRecord] = []
+
+    async def keep(record: TrailRecord) -> None:
+        records.append(record)
+
+    nc = await stack.bus_as(Role.AUDITOR).connect("test-auditor")
+    try:
+        await Tap(nc, subjects).run(keep, follow=False)
+    finally:
+        await close(nc)
+    assert any(r.message.get("update_id") == result.update_id for r in records)
+
+    # An agent may beat on its own subject; the operator may set the fleet up again.
+    async with watched(stack.bus_as(Role.AGENT, "w000")) as agent:
+        await agent.nc.publish(subjects.heartbeat("w000"), b"{}")
+        await agent.nc.flush()
+        assert agent.refusals() == []
+    async with watched(stack.bus_as(Role.OPERATOR)) as operator:
+        info = await operator.nc.jetstream().stream_info(subjects.audit_stream())
+        assert info.config.deny_delete and info.config.deny_purge
+        assert operator.refusals() == []
