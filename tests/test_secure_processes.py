@@ -1,0 +1,140 @@
+"""A secured fleet as an operator sets it up by hand: ``lorabus auth init``, a
+nats-server from its configuration, ``lorabus provision`` as the operator,
+and every ``lorabus`` process as its own identity (``--identity``). An
+update commits, the auditor finds the trail clean, and no secret shows
+anywhere: not in a process's arguments, its output, its logs or the trail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from processes import Processes, run_lorabus
+
+from lorabus.agents import AgentConfig
+from lorabus.auth_init import SEED_FILE
+from lorabus.bus_options import ENV_FILE, read_env_file
+from lorabus.coordinator import CoordinatorConfig
+from lorabus.simfleet import SimFleet
+from lorabus.testbed.natsserver import NatsServer
+
+WORLD_SIZES = {"w000": 2, "w001": 1}
+TOKEN = "a-token-that-must-not-show"
+
+
+@pytest.fixture
+async def auth_dir(tmp_path: Path, fleet_name: str) -> Path:
+    out = tmp_path / "auth"
+    finished = await run_lorabus(
+        "auth", "init", "--fleet", fleet_name, "--workers", ",".join(WORLD_SIZES), "--out", str(out)
+    )
+    assert finished.returncode == 0, finished
+    return out
+
+
+@pytest.fixture
+async def server(auth_dir: Path) -> AsyncIterator[NatsServer]:
+    async with NatsServer(include=auth_dir / "nats-server.conf") as started:
+        yield started
+
+
+def _secrets(auth_dir: Path) -> list[str]:
+    seeds = [p.read_text().strip() for p in auth_dir.rglob(SEED_FILE)]
+    keys = [p.read_text() for p in auth_dir.rglob("*-key.pem")]
+    return [*seeds, *(k.splitlines()[1] for k in keys), TOKEN]
+
+
+def _as(identity: Path) -> dict[str, str | None]:
+    return {"LORABUS_IDENTITY": str(identity)}
+
+
+async def test_every_process_on_its_own_identity_commits_and_no_secret_shows(
+    auth_dir: Path,
+    server: NatsServer,
+    processes: Processes,
+    fleet_name: str,
+    start_sim: Callable[..., Awaitable[SimFleet]],
+    make_adapter: Callable[[int], str],
+) -> None:
+    url = f"tls://127.0.0.1:{server.port}"
+    operator = await run_lorabus(
+        "provision", "--nats", url, "--fleet", fleet_name, env=_as(auth_dir / "operator")
+    )
+    assert operator.returncode == 0, operator
+    sim = await start_sim(WORLD_SIZES)
+    coordinator = CoordinatorConfig(
+        fleet=fleet_name,
+        frontend_url=sim.url,
+        expected_world_size=sum(WORLD_SIZES.values()),
+        phase_timeout_s=20,
+    )
+    await processes.start_coordinator(coordinator, nats_url=url, env=_as(auth_dir / "coordinator"))
+    for worker_id, size in WORLD_SIZES.items():
+        agent = AgentConfig(
+            fleet=fleet_name,
+            worker_id=worker_id,
+            system_url=sim.system_url(worker_id),
+            world_size=size,
+            heartbeat_s=0.2,
+        )
+        await processes.start_agent(agent, nats_url=url, env=_as(auth_dir / f"agent-{worker_id}"))
+
+    orchestrator = _as(auth_dir / "orchestrator")
+    update = await run_lorabus(
+        "update", "--nats", url, "--fleet", fleet_name, "--adapter", "policy",
+        "--path", make_adapter(1), "--version", "1", "--timeout", "60", "--json",
+        env=orchestrator,
+    )  # fmt: skip
+    assert update.returncode == 0, update
+    assert '"status": "committed"' in update.stdout
+
+    verified = await run_lorabus(
+        "audit", "verify", "--live", "--nats", url, "--fleet", fleet_name,
+        env=_as(auth_dir / "auditor"),
+    )  # fmt: skip
+    assert verified.returncode == 0, verified
+    assert verified.stdout.strip().endswith("0 violation(s)"), verified
+
+    # A token in the environment beside an nkey is refused, and not printed.
+    refused = await run_lorabus(
+        "status", "--nats", url, "--fleet", fleet_name,
+        env={**orchestrator, "LORABUS_NATS_TOKEN": TOKEN},
+    )  # fmt: skip
+    assert refused.returncode == 1 and "one way to authenticate" in refused.stderr, refused
+
+    processes.check_alive()
+    trail = await run_lorabus(
+        "tap", "--no-follow", "--nats", url, "--fleet", fleet_name, env=_as(auth_dir / "auditor")
+    )
+    assert trail.returncode == 0, trail
+    shown = [update.stdout, update.stderr, verified.stdout, verified.stderr, refused.stderr]
+    shown += [trail.stdout, *_what_processes_show(processes)]
+    leaks = [s[:12] for s in _secrets(auth_dir) if any(s in text for text in shown)]
+    assert leaks == [], f"secrets (first characters) shown: {leaks}"
+
+
+def _what_processes_show(processes: Processes) -> list[str]:
+    """Each child's arguments (as the kernel shows them to every user) and its log."""
+    shown = []
+    for child in processes.children:
+        shown.append(Path(f"/proc/{child.pid}/cmdline").read_bytes().decode(errors="replace"))
+        shown.append(child.log_path.read_text(errors="replace"))
+    return shown
+
+
+async def test_identity_folders_keep_their_secrets_to_their_owner(auth_dir: Path) -> None:
+    _check_modes(auth_dir)
+
+
+def _check_modes(auth_dir: Path) -> None:
+    assert auth_dir.stat().st_mode & 0o777 == 0o700
+    for identity in [p for p in auth_dir.iterdir() if (p / ENV_FILE).exists()]:
+        assert identity.stat().st_mode & 0o777 == 0o700, identity
+        for secret in (identity / SEED_FILE, identity / "client-key.pem"):
+            assert secret.stat().st_mode & 0o777 == 0o600, secret
+        env = read_env_file(identity / ENV_FILE)
+        assert not any(value.startswith("SU") for value in env.values()), "a seed in the env file"
+    assert (auth_dir / "ca-key.pem").stat().st_mode & 0o777 == 0o600
+    assert (auth_dir / "nats-server.conf").stat().st_mode & 0o777 == 0o600
