@@ -1,3 +1,3 @@
 """The package version, read by the build (pyproject.toml) and by ``lorabus --version``."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

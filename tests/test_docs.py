@@ -16,8 +16,9 @@ from lorabus.agents import AgentConfig
 from lorabus.cli.flags import AGENT_FLAGS, COORDINATOR_FLAGS
 from lorabus.cli.main import main
 from lorabus.coordinator import CoordinatorConfig
+from lorabus.roles import Role, permissions
+from lorabus.schemas import Subjects, messages, rankmap
 from lorabus.schemas import errors as wire_errors
-from lorabus.schemas import messages, rankmap
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -106,3 +107,26 @@ def test_every_flag_of_a_serving_process_is_in_its_readme_row(command: str, flag
         if not any(f"[{text}]" in row for text in shown):
             wrong.append(f"{flag.name} (default {default})")
     assert wrong == [], f"lorabus {command} defaults not shown as in the code: {wrong}"
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_the_security_doc_lists_every_permission_of_every_role(role: Role) -> None:
+    security = (ROOT / "docs" / "security.md").read_text()
+    granted = permissions(
+        role,
+        Subjects(fleet="prod"),
+        inbox_prefix="<inbox>",
+        worker_id="w000" if role is Role.AGENT else None,
+    )
+    missing = [s for s in (*granted.publish, *granted.subscribe) if f"`{s}`" not in security]
+    assert missing == [], f"{role} permissions missing from docs/security.md: {missing}"
+
+
+def test_the_readme_draws_the_exception_tree_of_lorabus_errors() -> None:
+    from lorabus import errors
+
+    doc = errors.__doc__ or ""
+    tree = doc[doc.index("    LorabusError") : doc.index("\n\n", doc.index("    LorabusError"))]
+    readme = (ROOT / "README.md").read_text()
+    missing = [line.strip() for line in tree.splitlines() if line.strip() not in readme]
+    assert missing == [], f"README's exception tree lacks: {missing}"
