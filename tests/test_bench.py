@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from processes import LORABUS, child_env, pids_marked
+from processes import LORABUS, child_env, pids_marked, run_lorabus
 
 from lorabus.testbed.bench import BenchReport, ModeResult
 
@@ -179,3 +179,24 @@ def test_ratios_and_targets_are_reported(bench_run: tuple[int, str, Path, list[i
             assert value is not None and value > 0, name
     assert len(report.targets) == 7
     assert all(target.measured != "not measured" for target in report.targets)
+
+
+async def test_a_secure_run_measures_every_process_on_its_own_identity(tmp_path: Path) -> None:
+    out = tmp_path / "secure.json"
+    finished = await run_lorabus(
+        "bench", "--secure", "--sizes", "8", "--updates", "2", "--modes", "floor,null",
+        "--window-case", "off", "--agent-procs", "2", "--run-dir", str(tmp_path / "run"),
+        "--out", str(out),
+        deadline_s=RUN_DEADLINE_S,
+    )  # fmt: skip
+    assert finished.returncode == 0, finished
+    report = msgspec.json.decode(out.read_bytes(), type=BenchReport)
+    assert report.settings["secure"] is True
+    assert {(r.mode, r.connections) for r in report.results} == {
+        ("floor", "own"),
+        ("lorabus-null", "own"),
+    }
+    assert all(r.failed == 0 and r.wall_s.count == 2 for r in report.results)
+    # The coordinator ran as its identity, on TLS.
+    logs = "".join(p.read_text() for p in (tmp_path / "run").rglob("*coordinator.log"))
+    assert "connecting to NATS without credentials" not in logs

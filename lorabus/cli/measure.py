@@ -111,6 +111,12 @@ def _window_text(case: WindowCase | None) -> str:
     "baseline unloads nothing; 2 measures retiring too].",
 )
 @click.option(
+    "--secure",
+    is_flag=True,
+    help="NATS with lorabus auth init's configuration (nkeys, per-role permissions, "
+    "mutual TLS), every process as its own identity; own connections only.",
+)
+@click.option(
     "--out", "out_path", type=click.Path(dir_okay=False), help="Write the figures as JSON."
 )
 @click.option(
@@ -131,6 +137,7 @@ def bench(
     agent_procs: int | None,
     heartbeat_s: float | None,
     keep: int | None,
+    secure: bool,
     out_path: str | None,
     run_dir: str | None,
 ) -> None:
@@ -146,7 +153,8 @@ def bench(
         "load_latency_s": load_latency,
         "load_jitter_s": load_jitter,
         "modes": _names(modes),
-        "connections": _names(connections),
+        "connections": _names(connections) or (("own",) if secure else None),
+        "secure": secure or None,
         "agent_procs": agent_procs,
         "heartbeat_s": heartbeat_s,
         "keep": keep,

@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver, EngineDriver
 from lorabus.bus import close, connect
+from lorabus.bus_options import BusOptions
 from lorabus.schemas import Subjects
 from lorabus.testbed.bench.control import child_main, say, serve_requests
 from lorabus.testbed.bench.engines import EngineTimes, NullEngine, TimedEngine
@@ -78,13 +79,20 @@ async def _connections(
 ) -> list[NatsClient]:
     """One connection per worker, or one shared by all of them."""
     url = spec["nats_url"]
+    identities = spec.get("identities") or {}
+
+    def options(worker_id: str) -> BusOptions:
+        """The worker's own identity in a secure run (paths only), else none."""
+        return BusOptions.from_env(identities.get(worker_id, {}))
+
     if spec["shared_connection"]:
         opened.append(await connect(url, name=f"bench-host-{worker_ids[0]}"))
         return [opened[0]] * len(worker_ids)
     for start in range(0, len(worker_ids), _CONNECT_BATCH):
         batch = worker_ids[start : start + _CONNECT_BATCH]
         results = await asyncio.gather(
-            *(connect(url, name=f"bench-{wid}") for wid in batch), return_exceptions=True
+            *(connect(url, name=f"bench-{wid}", options=options(wid)) for wid in batch),
+            return_exceptions=True,
         )
         opened.extend(nc for nc in results if isinstance(nc, NatsClient))
         for result in results:

@@ -103,9 +103,18 @@ class Children(ChildGroup[Child]):
             raise
         return child, ready
 
-    async def lorabus(self, name: str, args: list[str], *, log_level: str = "WARNING") -> Child:
-        """Start ``lorabus --log-level L <args>``."""
-        return await self._spawn(name, [LORABUS, "--log-level", log_level, *args], asks=False)
+    async def lorabus(
+        self,
+        name: str,
+        args: list[str],
+        *,
+        log_level: str = "WARNING",
+        env: Mapping[str, str] | None = None,
+    ) -> Child:
+        """Start ``lorabus --log-level L <args>`` (``env``: more variables, such as
+        ``LORABUS_IDENTITY``)."""
+        argv = [LORABUS, "--log-level", log_level, *args]
+        return await self._spawn(name, argv, asks=False, env=env)
 
     async def _spawn(
         self, name: str, argv: list[str], *, asks: bool, env: Mapping[str, str] | None = None

@@ -53,6 +53,9 @@ class BenchConfig:
     """How long the coordinator's idle CPU is watched before the updates."""
     run_dir: Path | None = None
     """Logs of every process; default a temporary directory, kept on failure."""
+    secure: bool = False
+    """Each mode's NATS runs with ``lorabus auth init``'s configuration (nkeys,
+    per-role permissions, mutual TLS) and every process as its own identity."""
     label: str = "full"
 
     def __post_init__(self) -> None:
@@ -80,6 +83,11 @@ class BenchConfig:
             raise ValueError("heartbeat interval must be > 0")
         if self.keep is not None and self.keep < 1:
             raise ValueError("keep must be >= 1")
+        if self.secure and "shared" in self.connections:
+            raise ValueError(
+                "one shared connection cannot carry many agents' identities: "
+                "--secure measures own connections only"
+            )
 
     def updates_for(self, case: str) -> int:
         if case != "window":

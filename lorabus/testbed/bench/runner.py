@@ -19,6 +19,7 @@ stopped when the run ends, also on errors and Ctrl-C.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import os
@@ -26,17 +27,23 @@ import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from nats.aio.client import Client as NatsClient
+
 from lorabus.agents.config import AgentConfig
+from lorabus.auth_init import FleetAuth, write_fleet_auth
 from lorabus.bus import close, connect
+from lorabus.bus_options import ENV_FILE, BusOptions, read_env_file
 from lorabus.cli.flags import agent_args, coordinator_args
 from lorabus.client import UpdateClient
-from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.config import CoordinatorConfig, StorageConfig
+from lorabus.coordinator.store import provision
 from lorabus.errors import NoCoordinator
+from lorabus.roles import Role
 from lorabus.schemas import Subjects
 from lorabus.simfleet.identity import numbered_worker_ids
 from lorabus.testbed.bench.children import Child, ChildFailed, Children
@@ -168,6 +175,8 @@ class _SizeRun:
         self.hosts = min(config.agent_procs, n)
         self.children = Children(self.log_dir)
         self.nats: NatsServer | None = None
+        self.auth: FleetAuth | None = None
+        """The identities of the mode being measured, in a secure run."""
         self.sim: Child | None = None
         self.sim_url = ""
         self.listing: ListingFrontend | None = None
@@ -207,11 +216,57 @@ class _SizeRun:
         return results
 
     async def _measure(self, mode: str, layout: str) -> ModeResult:
-        if mode == "floor":
-            return await self._floor(layout)
         if mode == "baseline":
             return await self._baseline()
-        return await self._lorabus("null" if mode == "null" else "http", layout)
+        engine = "null" if mode == "null" else "http"
+        fleet = (
+            f"floor-{layout}-n{self.n}" if mode == "floor" else f"bench-{engine}-{layout}-n{self.n}"
+        )
+        async with self._bus_for(fleet):
+            if mode == "floor":
+                return await self._floor(fleet, layout)
+            return await self._lorabus(fleet, engine, layout)
+
+    @contextlib.asynccontextmanager
+    async def _bus_for(self, fleet: str) -> AsyncIterator[None]:
+        """The NATS of one mode: the size's shared server, or in a secure run a
+        server of its own, started from ``lorabus auth init``'s configuration for
+        the mode's fleet and set up by its operator, as a deployment would be."""
+        if not self.config.secure:
+            yield
+            return
+        shared = self.nats
+        auth = write_fleet_auth(
+            self.log_dir / f"auth-{fleet}", Subjects(fleet=fleet), list(self.workers), tls=True
+        )
+        async with NatsServer(include=auth.server_conf) as server:
+            self.nats, self.auth = server, auth
+            try:
+                nc = await self._connect(Role.OPERATOR, name="bench-operator")
+                try:
+                    await provision(nc, StorageConfig(fleet=fleet))
+                finally:
+                    await close(nc)
+                yield
+            finally:
+                self.nats, self.auth = shared, None
+
+    @property
+    def nats_url(self) -> str:
+        assert self.nats is not None
+        return self.nats.url.replace("nats://", "tls://") if self.auth else self.nats.url
+
+    def _identity_env(self, role: Role, worker_id: str | None = None) -> dict[str, str]:
+        """The variables that make a process connect as ``role`` (none outside a
+        secure run): paths and an inbox prefix, no secret."""
+        if self.auth is None:
+            return {}
+        folder = self.auth.identity(role, worker_id).folder
+        return read_env_file(folder / ENV_FILE)
+
+    async def _connect(self, role: Role, *, name: str) -> NatsClient:
+        options = BusOptions.from_env(self._identity_env(role))
+        return await connect(self.nats_url, name=name, options=options)
 
     def _result(self, mode: str, layout: str, **figures: Any) -> ModeResult:
         return ModeResult(
@@ -249,8 +304,9 @@ class _SizeRun:
         specs = [
             {
                 "role": role,
-                "nats_url": self.nats.url,
+                "nats_url": self.nats_url,
                 "fleet": fleet,
+                "identities": {wid: self._identity_env(Role.AGENT, wid) for wid in chunk},
                 "workers": {wid: workers[wid] for wid in chunk},
                 "engine": engine,
                 "sim_url": self.sim_url,
@@ -293,12 +349,11 @@ class _SizeRun:
 
     # -- the bus floor -------------------------------------------------------------
 
-    async def _floor(self, layout: str) -> ModeResult:
+    async def _floor(self, fleet: str, layout: str) -> ModeResult:
         assert self.nats is not None
-        fleet = f"floor-{layout}-n{self.n}"
         setup_started = time.monotonic()
         hosts = await self._hosts("floor", fleet, self.workers, layout)
-        nc = await connect(self.nats.url, name="bench-floor")
+        nc = await self._connect(Role.COORDINATOR, name="bench-floor")
         try:
             gather = FloorGather(nc, Subjects(fleet=fleet), self.n)
             await gather.start()
@@ -339,9 +394,8 @@ class _SizeRun:
 
     # -- lorabus ------------------------------------------------------------------
 
-    async def _lorabus(self, engine: str, layout: str) -> ModeResult:
+    async def _lorabus(self, fleet: str, engine: str, layout: str) -> ModeResult:
         assert self.nats is not None and self.listing is not None
-        fleet = f"bench-{engine}-{layout}-n{self.n}"
         adapter = f"bench-{engine}-{layout}"
         frontend_url = self.sim_url if engine == "http" else self.listing.url
         setup_started = time.monotonic()
@@ -355,7 +409,9 @@ class _SizeRun:
             keep=self.config.keep_versions(),
         )
         coordinator = await self.children.lorabus(
-            f"{fleet}-coordinator", coordinator_args(coordinator_config, nats_url=self.nats.url)
+            f"{fleet}-coordinator",
+            coordinator_args(coordinator_config, nats_url=self.nats_url),
+            env=self._identity_env(Role.COORDINATOR),
         )
         hosted = dict(self.workers)
         single: Child | None = None
@@ -373,10 +429,12 @@ class _SizeRun:
                     heartbeat_s=self.heartbeat_s,
                 )
                 single = await self.children.lorabus(
-                    f"{fleet}-agent-{wid}", agent_args(agent_config, nats_url=self.nats.url)
+                    f"{fleet}-agent-{wid}",
+                    agent_args(agent_config, nats_url=self.nats_url),
+                    env=self._identity_env(Role.AGENT, wid),
                 )
             agents = await self._hosts("agents", fleet, hosted, layout, engine)
-            nc = await connect(self.nats.url, name="bench-requester")
+            nc = await self._connect(Role.ORCHESTRATOR, name="bench-requester")
             client = UpdateClient(nc, fleet)
             await self._wait_fleet_ready(
                 client, [coordinator, *agents, *([single] if single else [])]
