@@ -156,7 +156,7 @@ class BusOptions(msgspec.Struct, frozen=True, kw_only=True):
         remote = sorted({_host(s) for s in servers if not _is_loopback(_host(s))})
         if self.insecure or not remote:
             if not credentials:
-                log.warning(
+                _warn_once(
                     "connecting to NATS without credentials: anyone who reaches the "
                     "server can command the fleet (see lorabus auth init)"
                 )
@@ -171,6 +171,17 @@ class BusOptions(msgspec.Struct, frozen=True, kw_only=True):
                 f"no credentials for NATS at {', '.join(remote)}: anyone who reaches it "
                 "could command the fleet; give credentials, or --insecure to allow it"
             )
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Once per process: a process with many connections (a benchmark's agent
+    host) would otherwise repeat it for each."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 def read_env_file(path: Path) -> dict[str, str]:
