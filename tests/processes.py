@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +63,32 @@ class Processes(ChildGroup[ChildProcess]):
         """``lorabus agent`` for ``config``; ``extra`` carries auth and metrics flags."""
         args = agent_args(config, nats_url=nats_url, extra=extra)
         return await self.start(f"agent-{config.worker_id}", args, env=env)
+
+    async def start_agents(
+        self,
+        world_sizes: Mapping[str, int],
+        system_url: Callable[[str], str],
+        *,
+        fleet: str,
+        nats_url: str,
+        extra: Sequence[str] = (),
+        env_of: Callable[[str], Mapping[str, str | None]] = lambda _worker: {},
+    ) -> dict[str, ChildProcess]:
+        """One ``lorabus agent`` per worker of ``world_sizes`` (fast heartbeats),
+        each at ``system_url(worker)``, with ``env_of(worker)`` (an identity, say)."""
+        started = {}
+        for worker_id, world_size in world_sizes.items():
+            config = AgentConfig(
+                fleet=fleet,
+                worker_id=worker_id,
+                system_url=system_url(worker_id),
+                world_size=world_size,
+                heartbeat_s=0.2,
+            )
+            started[worker_id] = await self.start_agent(
+                config, nats_url=nats_url, extra=extra, env=env_of(worker_id)
+            )
+        return started
 
     async def start_coordinator(
         self,

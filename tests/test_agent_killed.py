@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from processes import Processes, wait_live_workers
 
-from lorabus.agents import AgentConfig
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
@@ -126,19 +125,9 @@ async def _update_killing_the_victim_mid_load(
     fleet_name: str,
     make_adapter: Callable[[int], str],
 ) -> UpdateResult:
-    agents = {
-        worker_id: await processes.start_agent(
-            AgentConfig(
-                fleet=fleet_name,
-                worker_id=worker_id,
-                system_url=sim.system_url(worker_id),
-                world_size=world_size,
-                heartbeat_s=0.2,
-            ),
-            nats_url=nats_url,
-        )
-        for worker_id, world_size in WORLD_SIZES.items()
-    }
+    agents = await processes.start_agents(
+        WORLD_SIZES, sim.system_url, fleet=fleet_name, nats_url=nats_url
+    )
     await wait_live_workers(client, WORLD_SIZES, processes=processes)
     victim = sim.workers[VICTIM]
     victim.set_faults(latency_s={"load": 60})

@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 import pytest
 from processes import Processes, wait_live_workers
 
-from lorabus.agents import AgentConfig
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.schemas import ErrorCode
@@ -55,15 +54,14 @@ async def _start_fleet(
     await processes.start_coordinator(
         coordinator, nats_url=nats_url, extra=auth, env={KEY_VAR: API_KEY}
     )
-    for worker_id, world_size in WORLD_SIZES.items():
-        agent = AgentConfig(
-            fleet=fleet,
-            worker_id=worker_id,
-            system_url=sim.system_url(worker_id),
-            world_size=world_size,
-            heartbeat_s=0.2,
-        )
-        await processes.start_agent(agent, nats_url=nats_url, extra=auth, env={KEY_VAR: agent_key})
+    await processes.start_agents(
+        WORLD_SIZES,
+        sim.system_url,
+        fleet=fleet,
+        nats_url=nats_url,
+        extra=auth,
+        env_of=lambda _worker: {KEY_VAR: agent_key},
+    )
     await wait_live_workers(client, WORLD_SIZES, processes=processes)
 
 

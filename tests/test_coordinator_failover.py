@@ -15,7 +15,6 @@ import pytest
 from nats.aio.msg import Msg
 from processes import Processes, wait_live_workers
 
-from lorabus.agents import AgentConfig
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
@@ -51,15 +50,7 @@ async def _start_fleet(
             pause_lease_s=10,
         )
         coordinators[holder] = await processes.start_coordinator(config, nats_url=nats_url)
-    for worker_id, size in WORLD_SIZES.items():
-        agent = AgentConfig(
-            fleet=fleet_name,
-            worker_id=worker_id,
-            system_url=sim.system_url(worker_id),
-            world_size=size,
-            heartbeat_s=0.2,
-        )
-        await processes.start_agent(agent, nats_url=nats_url)
+    await processes.start_agents(WORLD_SIZES, sim.system_url, fleet=fleet_name, nats_url=nats_url)
     return coordinators
 
 

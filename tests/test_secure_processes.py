@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from processes import Processes, run_lorabus
 
-from lorabus.agents import AgentConfig
 from lorabus.auth_init import SEED_FILE
 from lorabus.bus_options import ENV_FILE, read_env_file
 from lorabus.coordinator import CoordinatorConfig
@@ -71,15 +70,13 @@ async def test_every_process_on_its_own_identity_commits_and_no_secret_shows(
         phase_timeout_s=20,
     )
     await processes.start_coordinator(coordinator, nats_url=url, env=_as(auth_dir / "coordinator"))
-    for worker_id, size in WORLD_SIZES.items():
-        agent = AgentConfig(
-            fleet=fleet_name,
-            worker_id=worker_id,
-            system_url=sim.system_url(worker_id),
-            world_size=size,
-            heartbeat_s=0.2,
-        )
-        await processes.start_agent(agent, nats_url=url, env=_as(auth_dir / f"agent-{worker_id}"))
+    await processes.start_agents(
+        WORLD_SIZES,
+        sim.system_url,
+        fleet=fleet_name,
+        nats_url=url,
+        env_of=lambda worker_id: _as(auth_dir / f"agent-{worker_id}"),
+    )
 
     orchestrator = _as(auth_dir / "orchestrator")
     update = await run_lorabus(

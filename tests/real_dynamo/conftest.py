@@ -20,7 +20,6 @@ import pytest
 from processes import Processes, wait_live_workers
 from real_fleet import DynamoFleet, Install, find_install
 
-from lorabus.agents import AgentConfig
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 
@@ -93,15 +92,7 @@ async def start_lorabus(
         **(COORDINATOR_TIMEOUTS | coordinator),
     )
     await processes.start_coordinator(config, nats_url=nats_url)
-    for worker_id, world_size in WORLD_SIZES.items():
-        agent = AgentConfig(
-            fleet=fleet,
-            worker_id=worker_id,
-            system_url=dynamo.system_url(worker_id),
-            world_size=world_size,
-            heartbeat_s=0.2,
-        )
-        await processes.start_agent(agent, nats_url=nats_url)
+    await processes.start_agents(WORLD_SIZES, dynamo.system_url, fleet=fleet, nats_url=nats_url)
     await wait_live_workers(client, WORLD_SIZES, processes=processes, deadline_s=30)
 
 
