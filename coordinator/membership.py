@@ -74,16 +74,12 @@ class Membership:
 
     def is_live(self, worker_id: str) -> bool:
         member = self._members.get(worker_id)
-        return member is not None and self._age(member) < MISSED_BEATS * member.heartbeat.interval_s
+        return member is not None and _alive(member, self._clock())
 
     def live(self) -> dict[str, Member]:
         """The live members; safe to call from another thread."""
         at = self._clock()
-        return {
-            wid: m
-            for wid, m in self._members.copy().items()
-            if at - m.seen_at < MISSED_BEATS * m.heartbeat.interval_s
-        }
+        return {wid: m for wid, m in self._members.copy().items() if _alive(m, at)}
 
     def known(self) -> list[str]:
         """Every worker still remembered, live or not."""
@@ -133,6 +129,10 @@ class Membership:
 
     def _age(self, member: Member) -> float:
         return self._clock() - member.seen_at
+
+
+def _alive(member: Member, at: float) -> bool:
+    return at - member.seen_at < MISSED_BEATS * member.heartbeat.interval_s
 
 
 def _quorum_message(

@@ -17,7 +17,7 @@ import msgspec
 import nats
 from nats.aio.client import Client as NatsClient
 
-from lorabus.bus_options import PASSWORD_ENV, BusOptions
+from lorabus.bus_options import BusOptions
 from lorabus.errors import BadRequest, BusError, BusUnreachable, PermissionDenied
 
 log = logging.getLogger(__name__)
@@ -64,12 +64,6 @@ async def connect(
     ``connect_timeout_s``; no message shows a secret.
     """
     servers = [part.strip() for part in url.split(",") if part.strip()]
-    if any("@" in s.split("://", 1)[-1] for s in servers):
-        log.warning(
-            "a password in the NATS URL is visible to every user of this machine: "
-            "use --nats-user and $%s instead",
-            PASSWORD_ENV,
-        )
     try:
         identity = (options or BusOptions()).nats_kwargs(servers)
     except ValueError as exc:
@@ -89,7 +83,7 @@ async def connect(
                 refused.set_result(final)
         if is_permission_violation(exc):
             # Refused by this identity's permissions: a set-up to fix, said by name.
-            log.error("nats (%s): %s", name, _lowercase_first(str(exc).removeprefix("nats: ")))
+            log.error("nats (%s): %s", name, str(exc).removeprefix("nats: ").strip("'"))
             return
         # Before the first connection, failures are summed up by the errors raised below.
         log.log(
@@ -175,18 +169,9 @@ def is_permission_violation(exc: BaseException) -> bool:
     return "permissions violation" in str(exc).lower()
 
 
-def _lowercase_first(text: str) -> str:
-    text = text.strip("'\" ")
-    return text[:1].lower() + text[1:]
-
-
 def redact(url: str) -> str:
     """``url`` (or a comma-separated list of them) without user names and passwords."""
-    return ",".join(_redact_one(part.strip()) for part in url.split(","))
-
-
-def _redact_one(url: str) -> str:
-    return _USERINFO.sub(r"\1", url)
+    return ",".join(_USERINFO.sub(r"\1", part.strip()) for part in url.split(","))
 
 
 async def close(nc: NatsClient) -> None:

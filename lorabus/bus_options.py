@@ -90,6 +90,11 @@ class BusOptions(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name.replace('_', ' ')} {path!r} is not a readable file")
 
     @classmethod
+    def of_identity(cls, folder: Path) -> BusOptions:
+        """The options of an identity folder that ``lorabus auth init`` wrote."""
+        return cls.from_env(identity_env(folder))
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **given: Any) -> BusOptions:
         """The options of the ``LORABUS_*`` variables, overridden by ``given``."""
         values: dict[str, Any] = {}
@@ -131,7 +136,14 @@ class BusOptions(msgspec.Struct, frozen=True, kw_only=True):
         prefix = self.inbox_prefix or self._derived_inbox_prefix()
         if prefix:
             kwargs["inbox_prefix"] = prefix
-        self._check_link(servers, credentials=bool(methods) or _has_userinfo(servers), tls=tls)
+        in_url = _has_userinfo(servers)
+        if in_url:
+            log.warning(
+                "a password in the NATS URL is visible to every user of this machine: "
+                "use --nats-user and $%s instead",
+                PASSWORD_ENV,
+            )
+        self._check_link(servers, credentials=bool(methods) or in_url, tls=tls)
         return kwargs
 
     def tls_context(self, servers: list[str]) -> ssl.SSLContext | None:
@@ -184,10 +196,10 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    """The ``NAME=value`` lines of an identity's ``lorabus.env`` (no secrets in it)."""
+def identity_env(folder: Path) -> dict[str, str]:
+    """The variables of an identity folder's ``lorabus.env`` (paths, no secrets)."""
     values = {}
-    for line in path.read_text().splitlines():
+    for line in (folder / ENV_FILE).read_text().splitlines():
         name, sep, value = line.partition("=")
         if sep and not line.lstrip().startswith("#"):
             values[name.strip()] = value.strip()

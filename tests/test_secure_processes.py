@@ -14,7 +14,7 @@ import pytest
 from processes import Processes, run_lorabus
 
 from lorabus.auth_init import SEED_FILE
-from lorabus.bus_options import ENV_FILE, read_env_file
+from lorabus.bus_options import ENV_FILE, identity_env
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.natsserver import NatsServer
@@ -131,7 +131,7 @@ def _check_modes(auth_dir: Path) -> None:
         assert identity.stat().st_mode & 0o777 == 0o700, identity
         for secret in (identity / SEED_FILE, identity / "client-key.pem"):
             assert secret.stat().st_mode & 0o777 == 0o600, secret
-        env = read_env_file(identity / ENV_FILE)
+        env = identity_env(identity)
         assert not any(value.startswith("SU") for value in env.values()), "a seed in the env file"
     assert (auth_dir / "ca-key.pem").stat().st_mode & 0o777 == 0o600
     assert (auth_dir / "nats-server.conf").stat().st_mode & 0o777 == 0o600

@@ -12,7 +12,7 @@ from secured import watched
 from lorabus import BusUnreachable, PermissionDenied
 from lorabus.auth_init import FleetAuth, write_fleet_auth
 from lorabus.bus import Bus, close, connect
-from lorabus.bus_options import ENV_FILE, BusOptions, read_env_file
+from lorabus.bus_options import BusOptions
 from lorabus.roles import Role
 from lorabus.schemas import Subjects
 from lorabus.testbed.natsserver import NatsServer
@@ -22,7 +22,7 @@ FLEET = "tls"
 
 def _options(auth: FleetAuth, role: Role, worker_id: str | None = None) -> BusOptions:
     folder = auth.identity(role, worker_id).folder
-    return BusOptions.from_env(read_env_file(folder / ENV_FILE))
+    return BusOptions.of_identity(folder)
 
 
 @pytest.fixture

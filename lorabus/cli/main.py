@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from lorabus._version import __version__
-from lorabus.bus_options import ENV_FILE, read_env_file
+from lorabus.bus_options import identity_env
 from lorabus.cli import admin, audit, demo, measure, orchestrate, serve
 
 
@@ -42,7 +42,7 @@ def main(log_level: str, identity: str | None) -> None:
     )
     if identity is not None:
         # The command's options read these variables when it is parsed, after this.
-        os.environ.update(read_env_file(Path(identity) / ENV_FILE))
+        os.environ.update(identity_env(Path(identity)))
 
 
 for command in (

@@ -27,7 +27,7 @@ from nats.aio.client import Client as NatsClient
 from lorabus.agents import Agent, AgentConfig, driver_for
 from lorabus.auth_init import FleetAuth, write_fleet_auth
 from lorabus.bus import Bus, close
-from lorabus.bus_options import ENV_FILE, BusOptions, read_env_file
+from lorabus.bus_options import BusOptions
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
 from lorabus.coordinator.config import StorageConfig
@@ -87,7 +87,7 @@ class EmbeddedStack:
         if self.auth is None:
             return Bus(self.nats_url)
         folder = self.auth.identity(role, worker_id).folder
-        return Bus(self.nats_url, BusOptions.from_env(read_env_file(folder / ENV_FILE)))
+        return Bus(self.nats_url, BusOptions.of_identity(folder))
 
     async def __aenter__(self) -> EmbeddedStack:
         try:

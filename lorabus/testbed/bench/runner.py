@@ -37,7 +37,7 @@ from nats.aio.client import Client as NatsClient
 from lorabus.agents.config import AgentConfig
 from lorabus.auth_init import FleetAuth, write_fleet_auth
 from lorabus.bus import close, connect
-from lorabus.bus_options import ENV_FILE, BusOptions, read_env_file
+from lorabus.bus_options import BusOptions, identity_env
 from lorabus.cli.flags import agent_args, coordinator_args
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig, StorageConfig
@@ -262,7 +262,7 @@ class _SizeRun:
         if self.auth is None:
             return {}
         folder = self.auth.identity(role, worker_id).folder
-        return read_env_file(folder / ENV_FILE)
+        return identity_env(folder)
 
     async def _connect(self, role: Role, *, name: str) -> NatsClient:
         options = BusOptions.from_env(self._identity_env(role))
