@@ -41,7 +41,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from lorabus.agents.config import AgentConfig
+from lorabus.agents.config import MAX_PAUSE_LEASE_S, MIN_PAUSE_LEASE_S, AgentConfig
 from lorabus.agents.engine import EngineDriver
 from lorabus.agents.executor import CommandExecutor
 from lorabus.agents.lease import LeaseState, PauseLease
@@ -122,7 +122,7 @@ class Agent:
         executor: CommandExecutor,
         *,
         heartbeat_s: float,
-        max_pause_lease_s: float | None = None,
+        max_pause_lease_s: float = MAX_PAUSE_LEASE_S,
     ) -> None:
         if heartbeat_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
@@ -318,10 +318,12 @@ class Agent:
             await self._publish_ack(ack)
 
     def _lease_length(self, asked_s: float) -> float:
-        """The coordinator's lease, capped by this agent's own limit if it has one."""
-        if self.max_pause_lease_s is None:
-            return asked_s
-        return min(asked_s, self.max_pause_lease_s) if asked_s > 0 else self.max_pause_lease_s
+        """The coordinator's lease within this agent's own bounds: no command can
+        hold the engine longer than ``--max-pause-lease`` without a renewal, nor
+        make it resume before a minimum (0 asks for the agent's maximum)."""
+        if asked_s <= 0:
+            return self.max_pause_lease_s
+        return min(max(asked_s, MIN_PAUSE_LEASE_S), self.max_pause_lease_s)
 
     async def _after_internal(self, work: _Work, ack: Ack) -> None:
         if work.internal == "reconcile":

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import msgspec
 
-from lorabus.schemas import check_token
+from lorabus.schemas import MAX_WORLD_SIZE, check_token
+from lorabus.schemas.messages import MAX_SECONDS
 
 ENGINE_TIMEOUT_S = 30.0
 """Seconds one engine HTTP call may take (a driver built without a config uses it too)."""
+MAX_PAUSE_LEASE_S = 300.0
+"""The longest pause lease an agent grants by default, whatever a command asks."""
+MIN_PAUSE_LEASE_S = 0.5
+"""The shortest: a command cannot make an agent resume in the middle of a load."""
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,9 +32,12 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_s: float = 1.0
     """Seconds between heartbeats; the coordinator counts a member live for three."""
     engine_timeout_s: float = ENGINE_TIMEOUT_S
-    max_pause_lease_s: float | None = None
+    max_pause_lease_s: float = MAX_PAUSE_LEASE_S
     """Resume on its own after this long paused without a renewal, whatever lease
-    the coordinator asked for (None: the coordinator's lease)."""
+    the coordinator asked for."""
+    adapter_roots: list[str] = []
+    """If set, load adapters only from directories under these, checked on this
+    host after resolving symlinks."""
     headers: dict[str, str] = {}
     """Sent with every engine call (auth)."""
     subject_prefix: str = "lorabus"
@@ -37,13 +45,16 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         check_token("worker id", self.worker_id)
         check_token("fleet", self.fleet)
-        if self.world_size < 1:
-            raise ValueError(f"world size must be >= 1, got {self.world_size}")
         if self.heartbeat_s < 0.05:
             raise ValueError(f"heartbeat interval must be >= 0.05s, got {self.heartbeat_s}")
         if self.engine_timeout_s < 0.1:
             raise ValueError(f"engine timeout must be >= 0.1s, got {self.engine_timeout_s}")
-        if self.max_pause_lease_s is not None and self.max_pause_lease_s < 0.5:
-            raise ValueError(f"max pause lease must be >= 0.5s, got {self.max_pause_lease_s}")
+        if not MIN_PAUSE_LEASE_S <= self.max_pause_lease_s <= MAX_SECONDS:
+            raise ValueError(
+                f"max pause lease must be {MIN_PAUSE_LEASE_S}-{MAX_SECONDS:.0f}s, "
+                f"got {self.max_pause_lease_s}"
+            )
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world size must be 1-{MAX_WORLD_SIZE}, got {self.world_size}")
         if not self.system_url.startswith(("http://", "https://")):
             raise ValueError(f"system URL {self.system_url!r} must start with http:// or https://")

@@ -62,6 +62,12 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     that fail or do not ack are left out of the commit and its rank map."""
     quorum_grace_s: float = 2.0
     """With a quorum below all: how long to wait for the full membership first."""
+    max_queued: int = 16
+    """Update requests that may wait behind the one running; more are answered ``busy``."""
+    min_heartbeat_s: float = 0.05
+    max_heartbeat_s: float = 60.0
+    """Heartbeat periods outside this range are dropped as bad messages: a huge
+    one would keep a vanished member live for ever."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,6 +85,10 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
                 raise ValueError(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0")
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum must be 'all' or a fraction in (0, 1], got {self.quorum}")
+        if self.max_queued < 1:
+            raise ValueError("max queued must be >= 1")
+        if not 0 < self.min_heartbeat_s <= self.max_heartbeat_s:
+            raise ValueError("heartbeat range must satisfy 0 < min <= max")
         if self.keep < 1:
             raise ValueError("keep must be >= 1: the committed version is always kept")
         if not self.frontend_url.startswith(("http://", "https://")):

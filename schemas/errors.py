@@ -19,6 +19,13 @@ class ErrorCode(enum.StrEnum):
     """The requested version is older than the committed one."""
     SUPERSEDED = "superseded"
     """A newer version was requested while this one waited in the queue."""
+    BUSY = "busy"
+    """The coordinator's queue of waiting requests is full; ask again later."""
+    PATH_REFUSED = "path_refused"
+    """An agent refused the adapter path: outside its adapter roots after
+    resolving symlinks, not a directory, or without an adapter config."""
+    DUPLICATE_WORKER = "duplicate_worker"
+    """Another live agent already holds this worker id."""
     QUORUM_TIMEOUT = "quorum_timeout"
     """Live agents' world sizes did not sum to the expected world size in time."""
     PHASE_TIMEOUT = "phase_timeout"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Container
+from typing import Annotated
 
 import msgspec
 
@@ -40,6 +41,36 @@ class Naming(enum.StrEnum):
     """Serve ``<adapter>``: unload then load under the same name inside the pause."""
 
 
+# -- bounded fields: what any receiver accepts, whoever sent it ----------------
+
+INT64_MAX = 2**63 - 1
+MAX_WORLD_SIZE = 4096
+"""The most GPUs one engine may span (tensor x pipeline parallel)."""
+MAX_NAMES = 65536
+"""The most entries of any list on the wire (adapters, targets, members)."""
+MAX_SECONDS = 86400.0
+"""The longest duration any message may carry (budgets, leases, intervals)."""
+
+WORKER_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+UPDATE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+
+WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_PATTERN)]
+"""A subject token: 1-64 letters, digits, '_' or '-'."""
+UpdateId = Annotated[str, msgspec.Meta(pattern=UPDATE_ID_PATTERN)]
+"""1-128 letters, digits, '_', '.', ':' or '-', starting with a letter or digit."""
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+"""An adapter or served name as an engine reports it."""
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Path = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+Version = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+WorldSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
+Interval = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
+WorkerIds = Annotated[list[WorkerId], msgspec.Meta(max_length=MAX_NAMES)]
+Names = Annotated[list[Name], msgspec.Meta(max_length=MAX_NAMES)]
+
+
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     v: int = WIRE_VERSION
 
@@ -48,8 +79,8 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 
 
 class _Command(_Message, frozen=True, kw_only=True):
-    update_id: str
-    targets: list[str] = []
+    update_id: UpdateId
+    targets: WorkerIds = []
     """Worker ids that must act; every other agent ignores the command."""
     cohort: bool = False
     """Also addressed: every agent that took this update's pause of the same
@@ -57,22 +88,24 @@ class _Command(_Message, frozen=True, kw_only=True):
     The member list then crosses the bus once per update (in the pause), not
     once per command: each agent reads every broadcast, so a list in each
     would cost the fleet N x N per phase."""
-    excluded: list[str] = []
-    budget_s: float
+    excluded: WorkerIds = []
+    budget_s: Seconds
     """How long the agent has, counted from when it receives the command."""
-    epoch: int = 0
+    epoch: Epoch = 0
     """The sending coordinator's term; agents refuse commands of an older term."""
 
 
 class PauseCommand(_Command, frozen=True, kw_only=True, tag="pause"):
-    mode: str = "keep"
-    lease_s: float = 0.0
-    """The agent resumes on its own unless renewed or resumed within this (0: never)."""
+    mode: Annotated[str, msgspec.Meta(max_length=32)] = "keep"
+    lease_s: Seconds = 0.0
+    """The agent resumes on its own unless renewed or resumed within this (0: the
+    agent's own ``--max-pause-lease``); agents also cap it with that limit and
+    raise it to their minimum."""
 
 
 class LoadCommand(_Command, frozen=True, kw_only=True, tag="load"):
-    served_name: str
-    path: str
+    served_name: Name
+    path: Path
     replace: bool = False
     """Unload ``served_name`` first if the engine has it (fixed naming)."""
 
@@ -82,7 +115,7 @@ class ResumeCommand(_Command, frozen=True, kw_only=True, tag="resume"):
 
 
 class UnloadCommand(_Command, frozen=True, kw_only=True, tag="unload"):
-    names: list[str]
+    names: Names
 
 
 class RenewLeaseCommand(_Command, frozen=True, kw_only=True, tag="renew_lease"):
@@ -97,10 +130,10 @@ class CommittedNotice(_Command, frozen=True, kw_only=True, tag="committed"):
     a member left out of a partial commit) loads it before counting as ready.
     Addressed to every agent of the fleet, whatever its ``targets``."""
 
-    served_name: str
-    path: str
-    version: int
-    retire: list[str] = []
+    served_name: Name
+    path: Path
+    version: Version
+    retire: Names = []
     """Older versions beyond the coordinator's ``keep``: an agent unloads those
     its engine holds, after the update has been answered (not acked; a
     ``command_handled`` event of phase ``unload`` reports it)."""
@@ -143,42 +176,47 @@ def phase_of(command: PhasedCommand) -> Phase:
 
 
 class Ack(_Message, frozen=True, kw_only=True, tag="ack"):
-    update_id: str
+    update_id: UpdateId
     phase: Phase
-    worker_id: str
+    worker_id: WorkerId
+    """Must equal the worker id of the subject it came on."""
     ok: bool
-    world_size: int
-    adapters: list[str]
+    world_size: WorldSize
+    adapters: Names
     """The engine's adapter list as last read back."""
     paused: bool
     error: ErrorInfo | None = None
-    duration_s: float = 0.0
-    epoch: int = 0
+    duration_s: Seconds = 0.0
+    epoch: Epoch = 0
     """The epoch of the command this acks."""
 
 
 class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
-    worker_id: str
-    world_size: int
-    engine: str
-    adapters: list[str]
+    worker_id: WorkerId
+    """Must equal the worker id of the subject it came on."""
+    world_size: WorldSize
+    engine: Annotated[str, msgspec.Meta(max_length=32)]
+    adapters: Names
     paused: bool
-    interval_s: float
-    """The agent's beat period; it counts as gone after three missed beats."""
+    interval_s: Interval
+    """The agent's beat period; it counts as gone after three missed beats. The
+    coordinator accepts only periods within its own range."""
     ready: bool = True
     """False while the agent brings its engine to the committed state."""
-    epoch_seen: int = 0
+    epoch_seen: Epoch = 0
     """The highest coordinator term this agent has seen."""
+    instance: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    """Random per agent process: two live agents with one worker id differ here."""
 
 
 # -- orchestrator <-> coordinator ---------------------------------------------
 
 
 class UpdateRequest(_Message, frozen=True, kw_only=True, tag="update_request"):
-    update_id: str
-    adapter: str
-    path: str
-    version: int | None = None
+    update_id: UpdateId
+    adapter: Name
+    path: Path
+    version: Version | None = None
     """Policy version (trainer step); None means one past the committed version."""
 
 
@@ -244,6 +282,18 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     """Members that have acked that phase so far."""
     waiting: list[str] = []
     """Members whose ack of that phase is still awaited."""
+    conflicts: list[WorkerIdConflict] = []
+    """Worker ids a second live agent claimed (it was refused)."""
+
+
+class WorkerIdConflict(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    holder: str
+    """The instance that keeps the id."""
+    refused: str
+    """The latest instance refused."""
+    age_s: float
+    """Seconds since the refused instance was last heard."""
 
 
 # -- events: anyone -> the audit tap ------------------------------------------
@@ -252,21 +302,21 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
 class _Event(_Message, frozen=True, kw_only=True):
     ts: float
     """Unix time at the emitter."""
-    source: str
+    source: Annotated[str, msgspec.Meta(max_length=80)]
     """``coordinator`` or ``agent:<worker_id>``."""
-    epoch: int = 0
+    epoch: Epoch = 0
     """The coordinator term the event belongs to (for an agent: of the command)."""
 
 
 class UpdateStarted(_Event, frozen=True, kw_only=True, tag="update_started"):
-    update_id: str
+    update_id: UpdateId
     adapter: str
     version: int
     members: dict[str, int]
 
 
 class PhaseFinished(_Event, frozen=True, kw_only=True, tag="phase_finished"):
-    update_id: str
+    update_id: UpdateId
     phase: Phase
     ok: bool
     duration_s: float
@@ -275,7 +325,7 @@ class PhaseFinished(_Event, frozen=True, kw_only=True, tag="phase_finished"):
 
 
 class UpdateFinished(_Event, frozen=True, kw_only=True, tag="update_finished"):
-    update_id: str
+    update_id: UpdateId
     status: str
     error: ErrorInfo | None = None
     adapter: str = ""
@@ -285,36 +335,39 @@ class UpdateFinished(_Event, frozen=True, kw_only=True, tag="update_finished"):
 
 
 class CommandHandled(_Event, frozen=True, kw_only=True, tag="command_handled"):
-    update_id: str
+    update_id: UpdateId
     phase: Phase
-    worker_id: str
+    worker_id: WorkerId
     ok: bool
     error: ErrorInfo | None = None
 
 
 class BadMessage(_Event, frozen=True, kw_only=True, tag="bad_message"):
-    subject: str
-    error: str
+    subject: Text
+    error: Text
+    """Why it was dropped; whatever the message claimed is quoted, escaped."""
     size: int
 
 
 class CommandRefused(_Event, frozen=True, kw_only=True, tag="command_refused"):
-    update_id: str
-    worker_id: str
-    command: str
-    epoch: int
-    epoch_seen: int
+    update_id: UpdateId
+    worker_id: WorkerId
+    command: Annotated[str, msgspec.Meta(max_length=32)]
+    epoch: Epoch
+    epoch_seen: Epoch
+    reason: Text = ""
+    """Why, when not an older epoch (e.g. an epoch no leader record shows)."""
 
 
 class LeaseExpired(_Event, frozen=True, kw_only=True, tag="lease_expired"):
-    update_id: str
-    worker_id: str
+    update_id: UpdateId
+    worker_id: WorkerId
     resumed: bool
     error: ErrorInfo | None = None
 
 
 class Reconciled(_Event, frozen=True, kw_only=True, tag="reconciled"):
-    worker_id: str
+    worker_id: WorkerId
     served_name: str
     ok: bool
     error: ErrorInfo | None = None
@@ -324,8 +377,21 @@ class EngineResumed(_Event, frozen=True, kw_only=True, tag="engine_resumed"):
     """An agent resumed its engine outside any update: at start (its predecessor
     may have died with the engine paused) or on its way out."""
 
-    worker_id: str
-    reason: str
+    worker_id: WorkerId
+    reason: Text
+
+
+class WorkerConflict(_Event, frozen=True, kw_only=True, tag="worker_conflict"):
+    """A second live agent claimed a worker id: the first holder keeps it, the
+    newcomer is told to stop (and does), and is left out of the membership."""
+
+    worker_id: WorkerId
+    holder: Annotated[str, msgspec.Meta(max_length=64)]
+    """The instance that keeps the id."""
+    refused: Annotated[str, msgspec.Meta(max_length=64)]
+    """The instance refused."""
+    world_sizes: list[int] = []
+    """The holder's and the newcomer's world sizes."""
 
 
 class LeaderElected(_Event, frozen=True, kw_only=True, tag="leader_elected"):
@@ -346,6 +412,7 @@ Event = (
     | Reconciled
     | LeaderElected
     | EngineResumed
+    | WorkerConflict
 )
 
 

@@ -96,8 +96,15 @@ AGENT_FLAGS = (
         "max_pause_lease_s",
         "--max-pause-lease",
         "Resume the engine on its own after this long paused without a renewal, "
-        "whatever lease the coordinator asked for (default: the coordinator's lease).",
+        "whatever lease the coordinator asked for.",
         float,
+    ),
+    Flag(
+        "adapter_roots",
+        "--adapter-root",
+        "Load adapters only from directories under this one, checked on this host "
+        "after resolving symlinks (repeatable).",
+        multiple=True,
     ),
 )
 
@@ -130,6 +137,12 @@ COORDINATOR_FLAGS = (
         QuorumType(),
     ),
     Flag("keep", "--keep", "Versions of an adapter kept loaded after a commit.", int),
+    Flag(
+        "max_queued",
+        "--max-queued",
+        "Update requests that may wait behind the running one; more are answered busy.",
+        int,
+    ),
     Flag("naming", "--naming", "Served names.", click.Choice([n.value for n in Naming])),
     Flag(
         "adapter_roots",
