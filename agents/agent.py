@@ -152,7 +152,9 @@ class Agent:
         """The agent ``config`` describes, driving its engine through ``driver``."""
         return cls(
             Subjects(fleet=config.fleet, prefix=config.subject_prefix),
-            CommandExecutor(config.worker_id, config.world_size, driver),
+            CommandExecutor(
+                config.worker_id, config.world_size, driver, adapter_roots=config.adapter_roots
+            ),
             heartbeat_s=config.heartbeat_s,
             max_pause_lease_s=config.max_pause_lease_s,
         )

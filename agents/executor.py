@@ -32,8 +32,17 @@ log = logging.getLogger(__name__)
 class CommandExecutor:
     """Runs commands against one engine and remembers what it last saw of it."""
 
-    def __init__(self, worker_id: str, world_size: int, driver: EngineDriver) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        world_size: int,
+        driver: EngineDriver,
+        *,
+        adapter_roots: list[str] | None = None,
+    ) -> None:
         self.worker_id = worker_id
+        self.adapter_roots = list(adapter_roots or [])
+        """Directories adapters may be loaded from, on this host (empty: any)."""
         self.world_size = world_size
         self.driver = driver
         self.paused = False
