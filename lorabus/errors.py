@@ -14,6 +14,7 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     │   ├── PermissionDenied      NATS refused the credentials, a publish or a subscribe
     │   └── InsecureConnection    the link would expose credentials, or the fleet
     ├── NoCoordinator             nobody answered on the fleet's request subjects
+    ├── DuplicateWorker           another live agent holds this agent's worker id
     ├── AuditStreamMissing        the fleet has no audit stream yet
     ├── QuorumNotReached          live world sizes did not reach the expected sum in time
     ├── FrontendUnverified        the frontend did not list an adapter in time
@@ -39,6 +40,7 @@ __all__ = [
     "BadRequest",
     "BusError",
     "BusUnreachable",
+    "DuplicateWorker",
     "EngineError",
     "ErrorCode",
     "ErrorInfo",
@@ -137,6 +139,12 @@ class NoCoordinator(LorabusError):
     """Raised when no coordinator answers on the fleet's request subjects."""
 
     code = ErrorCode.NO_COORDINATOR
+
+
+class DuplicateWorker(LorabusError):
+    """Raised in an agent that the coordinator refused: another live agent holds its worker id."""
+
+    code = ErrorCode.DUPLICATE_WORKER
 
 
 class AuditStreamMissing(LorabusError):
