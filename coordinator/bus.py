@@ -7,23 +7,36 @@ them through :class:`~lorabus.coordinator.gather.AckRouter` and refresh the
 membership's view of each engine. The lifecycle sees only the
 :class:`~lorabus.coordinator.lifecycle.CommandBus` protocol, which tests also
 implement in memory.
+
+Nothing a heartbeat or an ack claims is taken on trust: the worker id comes
+from the subject (server permissions pin each agent to its own subjects) and
+must match the body's; the beat period must lie in the coordinator's range;
+an ack counts only from the instance that holds its worker id. Anything else
+is dropped with a ``bad_message`` event, at most ``_BAD_EVENTS_PER_S`` a
+second so that a flood of junk cannot flood the audit trail too.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
-import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from lorabus.coordinator.gather import AckRouter
-from lorabus.coordinator.membership import Membership
+from lorabus.coordinator.membership import Conflict, Membership
+from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
+    BadMessage,
+    BadPayload,
     Command,
     Event,
+    RefuseInstance,
     Subjects,
+    WorkerConflict,
     ack_decoder,
     encode,
     heartbeat_decoder,
@@ -32,13 +45,31 @@ from lorabus.schemas import (
 
 log = logging.getLogger(__name__)
 
+_BAD_EVENTS_PER_S = 10
+_REFUSE_BUDGET_S = 5.0
+
 
 class CoordinatorBus:
-    def __init__(self, nc: NatsClient, subjects: Subjects, membership: Membership) -> None:
+    def __init__(
+        self,
+        nc: NatsClient,
+        subjects: Subjects,
+        membership: Membership,
+        *,
+        heartbeat_range_s: tuple[float, float] = (0.05, 60.0),
+        leading: Callable[[], bool] = lambda: False,
+        epoch: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.membership = membership
         self.acks = AckRouter()
+        self.heartbeat_range_s = heartbeat_range_s
+        self._leading = leading
+        self._epoch = epoch
+        self._bad_events = PerSecond(_BAD_EVENTS_PER_S)
+        self.dropped = 0
+        """Heartbeats and acks dropped as bad, since start."""
 
     async def follow(self) -> list[Subscription]:
         """Subscribe to the fleet's heartbeats and acks; the caller unsubscribes."""
@@ -60,16 +91,107 @@ class CoordinatorBus:
             log.warning("could not emit %s: %s", tag_of(event), exc)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
+        worker_id = _last_token(msg.subject)
         try:
-            self.membership.observe(heartbeat_decoder.decode(msg.data))
-        except msgspec.DecodeError as exc:
-            log.warning("dropped a malformed heartbeat on %s: %s", msg.subject, exc)
+            heartbeat = heartbeat_decoder.decode(msg.data)
+        except BadPayload as exc:
+            await self._bad(msg, f"not a heartbeat: {exc}")
+            return
+        if heartbeat.worker_id != worker_id:
+            await self._bad(msg, _claims("heartbeat", heartbeat.worker_id, worker_id))
+            return
+        low, high = self.heartbeat_range_s
+        if not low <= heartbeat.interval_s <= high:
+            await self._bad(
+                msg,
+                f"heartbeat of {worker_id} beats every {heartbeat.interval_s!r}s, outside "
+                f"the coordinator's range {low}-{high}s",
+            )
+            return
+        conflict = self.membership.observe(heartbeat)
+        if conflict is not None:
+            await self._report(conflict)
 
     async def _on_ack(self, msg: Msg) -> None:
+        worker_id = _last_token(msg.subject)
         try:
             ack = ack_decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            log.warning("dropped a malformed ack on %s: %s", msg.subject, exc)
+        except BadPayload as exc:
+            await self._bad(msg, f"not an ack: {exc}")
+            return
+        if ack.worker_id != worker_id:
+            await self._bad(msg, _claims("ack", ack.worker_id, worker_id))
+            return
+        holder = self.membership.instance_of(worker_id)
+        if holder is not None and ack.instance != holder:
+            # A second agent with this worker id, not yet refused: its acks
+            # must not stand in for the holder's.
+            self.dropped += 1
+            log.warning(
+                "dropped an ack of %s from instance %r: instance %r holds that worker id",
+                worker_id,
+                ack.instance,
+                holder,
+            )
             return
         self.acks.route(ack)
         self.membership.observe_ack(ack)
+
+    async def _report(self, conflict: Conflict) -> None:
+        holder, refused = conflict.holder, conflict.refused
+        log.error(
+            "worker id %s is claimed by a second agent (instance %r, world size %d) while "
+            "instance %r (world size %d) holds it: the newcomer is refused",
+            conflict.worker_id,
+            refused.instance,
+            refused.world_size,
+            holder.instance,
+            holder.world_size,
+        )
+        await self.emit(
+            WorkerConflict(
+                ts=time.time(),
+                source="coordinator",
+                epoch=self._epoch(),
+                worker_id=conflict.worker_id,
+                holder=holder.instance,
+                refused=refused.instance,
+                world_sizes=[holder.world_size, refused.world_size],
+            )
+        )
+        if self._leading():
+            await self.send_to(
+                conflict.worker_id,
+                RefuseInstance(
+                    update_id="conflict",
+                    targets=[conflict.worker_id],
+                    budget_s=_REFUSE_BUDGET_S,
+                    epoch=self._epoch(),
+                    instance=refused.instance,
+                    holder=holder.instance,
+                ),
+            )
+
+    async def _bad(self, msg: Msg, error: str) -> None:
+        self.dropped += 1
+        log.warning("dropped a message on %r: %s", msg.subject, error)
+        if not self._bad_events.take():
+            return
+        await self.emit(
+            BadMessage(
+                ts=time.time(),
+                source="coordinator",
+                epoch=self._epoch(),
+                subject=msg.subject[:256],
+                error=error[:1024],
+                size=len(msg.data),
+            )
+        )
+
+
+def _last_token(subject: str) -> str:
+    return subject.rpartition(".")[2]
+
+
+def _claims(kind: str, claimed: str, actual: str) -> str:
+    return f"{kind} on the subject of {actual!r} claims to come from {claimed!r}"

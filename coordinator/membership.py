@@ -6,6 +6,14 @@ so workers that come and go do not grow the table for the coordinator's
 lifetime. ``wait_quorum`` blocks until live agents' world sizes sum to the
 expected world size and returns that membership as a snapshot.
 
+One worker id, one agent: each agent process beats with a random instance id.
+A heartbeat from another instance while the holder is live does not replace
+it; the newcomer is held as a contender. If the holder beats again after
+that (so it is not a restart of a dead holder), the contender is refused:
+:meth:`Membership.observe` returns the :class:`Conflict`, which the bus
+reports and, when leading, tells the newcomer so it exits. Once the holder
+falls silent, the contender's next beat takes its place.
+
 The metrics collector reads the table from its HTTP thread: every read
 starts from a copy of the table (one C-level call, so it cannot see the
 event loop's thread change it halfway).
@@ -33,25 +41,87 @@ class Member(msgspec.Struct, kw_only=True):
     seen_at: float
 
 
+class Contender(msgspec.Struct, kw_only=True):
+    """A second instance beating with a live member's worker id."""
+
+    heartbeat: Heartbeat
+    first_seen: float
+    last_seen: float
+    refused: bool = False
+
+
+class Conflict(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    holder: Heartbeat
+    refused: Heartbeat
+
+
 class Membership:
     def __init__(self, clock: Callable[[], float] = now) -> None:
         self._clock = clock
         self._members: dict[str, Member] = {}
+        self._contenders: dict[str, Contender] = {}
         self._changed = asyncio.Event()
         self._forget_checked_at = 0.0
 
-    def observe(self, heartbeat: Heartbeat) -> None:
-        known = self._members.get(heartbeat.worker_id)
+    def observe(self, heartbeat: Heartbeat) -> Conflict | None:
+        """Take ``heartbeat`` in; return the conflict it settles, if any (a
+        contender to refuse, reported once per contending instance)."""
+        at = self._clock()
+        worker_id = heartbeat.worker_id
+        known = self._members.get(worker_id)
+        if (
+            known is not None
+            and known.heartbeat.instance != heartbeat.instance
+            and _alive(known, at)
+        ):
+            return self._contend(known, heartbeat, at)
         if known is None or (known.heartbeat.world_size, known.heartbeat.ready) != (
             heartbeat.world_size,
             heartbeat.ready,
         ):
             self._changed.set()
-        at = self._clock()
-        self._members[heartbeat.worker_id] = Member(heartbeat=heartbeat, seen_at=at)
+        member = self._members[worker_id] = Member(heartbeat=heartbeat, seen_at=at)
         if at - self._forget_checked_at >= _FORGET_CHECK_S:
             self._forget_checked_at = at
             self._forget_silent(at)
+        contender = self._contenders.get(worker_id)
+        if contender is None:
+            return None
+        if contender.heartbeat.instance == heartbeat.instance or not _contending(contender, at):
+            del self._contenders[worker_id]  # it took the place, or it is gone
+            return None
+        return self._refuse(member, contender)
+
+    def _contend(self, holder: Member, heartbeat: Heartbeat, at: float) -> Conflict | None:
+        contender = self._contenders.get(heartbeat.worker_id)
+        if contender is None or contender.heartbeat.instance != heartbeat.instance:
+            contender = Contender(heartbeat=heartbeat, first_seen=at, last_seen=at)
+            self._contenders[heartbeat.worker_id] = contender
+            return None
+        contender.heartbeat = heartbeat
+        contender.last_seen = at
+        if holder.seen_at > contender.first_seen:
+            return self._refuse(holder, contender)
+        return None
+
+    @staticmethod
+    def _refuse(holder: Member | None, contender: Contender) -> Conflict | None:
+        if holder is None or contender.refused:
+            return None
+        contender.refused = True
+        return Conflict(
+            worker_id=contender.heartbeat.worker_id,
+            holder=holder.heartbeat,
+            refused=contender.heartbeat,
+        )
+
+    def conflicts(self) -> list[tuple[Contender, float]]:
+        """Contenders still heard from, with how long ago; safe from another thread."""
+        at = self._clock()
+        return [
+            (c, at - c.last_seen) for c in self._contenders.copy().values() if _contending(c, at)
+        ]
 
     def _forget_silent(self, at: float) -> None:
         silent = [
@@ -61,6 +131,8 @@ class Membership:
         ]
         for worker_id in silent:
             del self._members[worker_id]
+        for worker_id in [w for w, c in self._contenders.items() if not _contending(c, at)]:
+            del self._contenders[worker_id]
 
     def observe_ack(self, ack: Ack) -> None:
         """An ack carries the engine's state as of the command: agents do not
@@ -71,6 +143,11 @@ class Membership:
         known.heartbeat = msgspec.structs.replace(
             known.heartbeat, paused=ack.paused, adapters=ack.adapters
         )
+
+    def instance_of(self, worker_id: str) -> str | None:
+        """The instance that holds ``worker_id``, if it is known."""
+        member = self._members.get(worker_id)
+        return None if member is None else member.heartbeat.instance
 
     def is_live(self, worker_id: str) -> bool:
         member = self._members.get(worker_id)
@@ -133,6 +210,10 @@ class Membership:
 
 def _alive(member: Member, at: float) -> bool:
     return at - member.seen_at < MISSED_BEATS * member.heartbeat.interval_s
+
+
+def _contending(contender: Contender, at: float) -> bool:
+    return at - contender.last_seen < MISSED_BEATS * contender.heartbeat.interval_s
 
 
 def _quorum_message(

@@ -90,7 +90,14 @@ class Coordinator:
 
         ``ready`` means "up": leading, or standing by to take over.
         """
-        bus = CoordinatorBus(nc, self.subjects, self.membership)
+        bus = CoordinatorBus(
+            nc,
+            self.subjects,
+            self.membership,
+            heartbeat_range_s=(self.config.min_heartbeat_s, self.config.max_heartbeat_s),
+            leading=self.leading.is_set,
+            epoch=lambda: self.epoch,
+        )
         store = await self._open_store(nc)
         election = LeaderElection(store, self.holder, self.config.leader_lease_s)
         frontend = FrontendClient(

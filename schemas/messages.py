@@ -125,6 +125,15 @@ class RenewLeaseCommand(_Command, frozen=True, kw_only=True, tag="renew_lease"):
     lease_s: float
 
 
+class RefuseInstance(_Command, frozen=True, kw_only=True, tag="refuse_instance"):
+    """Tells the agent process ``instance`` that another live agent holds its
+    worker id: it stops with a ``duplicate_worker`` error. Every other agent,
+    the holder included, ignores it."""
+
+    instance: Annotated[str, msgspec.Meta(max_length=64)]
+    holder: Annotated[str, msgspec.Meta(max_length=64)]
+
+
 class CommittedNotice(_Command, frozen=True, kw_only=True, tag="committed"):
     """What the fleet now serves: an agent that lacks it (a restarted engine,
     a member left out of a partial commit) loads it before counting as ready.
@@ -140,7 +149,13 @@ class CommittedNotice(_Command, frozen=True, kw_only=True, tag="committed"):
 
 
 Command = (
-    PauseCommand | LoadCommand | ResumeCommand | UnloadCommand | RenewLeaseCommand | CommittedNotice
+    PauseCommand
+    | LoadCommand
+    | ResumeCommand
+    | UnloadCommand
+    | RenewLeaseCommand
+    | CommittedNotice
+    | RefuseInstance
 )
 PhasedCommand = PauseCommand | LoadCommand | ResumeCommand | UnloadCommand
 
@@ -189,6 +204,9 @@ class Ack(_Message, frozen=True, kw_only=True, tag="ack"):
     duration_s: Seconds = 0.0
     epoch: Epoch = 0
     """The epoch of the command this acks."""
+    instance: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    """The agent process's instance id (as in its heartbeats): the coordinator
+    counts only the acks of the instance that holds the worker id."""
 
 
 class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
