@@ -18,6 +18,15 @@ if it already ran, its ack is published again; if it is queued, it is dropped.
 Fencing: every command carries its coordinator's epoch; the agent remembers
 the highest it has seen and refuses anything older, with a ``fenced`` ack and a
 ``command_refused`` event, so a deposed coordinator cannot drive the engine.
+A higher epoch is adopted only once the fleet's leader record in KV shows it:
+a command that merely claims one is dropped (``command_refused``, no ack, as
+the real leader re-sends to agents that have not acked), so a forged epoch can
+neither be obeyed nor fence out the real coordinator.
+
+Identity: each agent process beats and acks with a random instance id. If
+another live agent already holds the worker id, the coordinator refuses this
+one (a ``refuse_instance`` command naming its instance), and it stops with a
+``duplicate_worker`` error.
 
 Readiness: the agent announces ``ready`` only while its engine holds what the
 fleet has committed. At start, after a reconnect, and whenever its engine turns
@@ -32,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import secrets
 import time
 from collections import OrderedDict
 from typing import TypeVar
@@ -47,9 +57,12 @@ from lorabus.agents.executor import CommandExecutor
 from lorabus.agents.lease import LeaseState, PauseLease
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
+from lorabus.errors import DuplicateWorker
+from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
     Ack,
     BadMessage,
+    BadPayload,
     Command,
     CommandHandled,
     CommandRefused,
@@ -65,6 +78,7 @@ from lorabus.schemas import (
     PauseCommand,
     PhasedCommand,
     Reconciled,
+    RefuseInstance,
     RenewLeaseCommand,
     ResumeCommand,
     Subjects,
@@ -85,6 +99,11 @@ _STATE_READ_EVERY_S = 60.0
 """Reconnects trigger a read at once; this only bounds how long a committed
 notice dropped on a live connection can go unnoticed."""
 _RECONCILE_BUDGET_S = 60.0
+_BAD_EVENTS_PER_S = 10
+_LEADER_READ_TIMEOUT_S = 2.0
+_LEADER_REREAD_S = 0.5
+"""A command whose epoch the leader record did not show is checked again
+only after this: a flood of forged epochs costs one KV read per interval."""
 _RETIRE_BUDGET_S = 10.0
 """Retiring is housekeeping: it must not hold the next pause up for long."""
 
@@ -146,6 +165,13 @@ class Agent:
         """The fleet state in KV must be read again (a reconnect, a failed read)."""
         self._pause_received_at = 0.0
         self._nc: NatsClient | None = None
+        self.instance = secrets.token_hex(8)
+        """This process's identity among agents that share a worker id."""
+        self._refused: asyncio.Future[RefuseInstance] | None = None
+        self._bad_events = PerSecond(_BAD_EVENTS_PER_S)
+        self._leader_lock = asyncio.Lock()
+        self._leader_read = (-1.0, 0)
+        """(when, epoch) of the last read of the leader record."""
 
     @classmethod
     def from_config(cls, config: AgentConfig, driver: EngineDriver) -> Agent:
@@ -166,47 +192,65 @@ class Agent:
     async def run(self, nc: NatsClient, ready: asyncio.Event | None = None) -> None:
         """Serve until cancelled; set ``ready`` once subscribed and announced."""
         self._nc = nc
+        self._refused = asyncio.get_running_loop().create_future()
         subs = [
             await nc.subscribe(self.subjects.cmd(), cb=self._on_command),
             await nc.subscribe(self.subjects.cmd_worker(self.worker_id), cb=self._on_command),
         ]
         try:
             await nc.flush(timeout=5)
-            self._state_stale = not await self._read_fleet_state()
-            await self._resume_at_start()
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._command_loop())
-                tasks.create_task(self.lease.watch(self._on_lease_expired))
-                # Converge before the first heartbeat, so the coordinator never
-                # counts this worker while its engine lacks the committed adapter.
-                await self._reconcile_if_needed()
-                await self._wait_reconciled()
-                await self._beat()
-                if ready is not None:
-                    ready.set()
-                log.info("worker=%s agent ready on fleet %s", self.worker_id, self.subjects.fleet)
-                tasks.create_task(self._heartbeat_loop())
+            await self._serve(ready)
+        except* DuplicateWorker as refused:
+            raise refused.exceptions[0] from None
         finally:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
             await self._resume_if_paused()
 
+    async def _serve(self, ready: asyncio.Event | None) -> None:
+        self._state_stale = not await self._read_fleet_state()
+        await self._resume_at_start()
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._stop_if_refused())
+            tasks.create_task(self._command_loop())
+            tasks.create_task(self.lease.watch(self._on_lease_expired))
+            # Converge before the first heartbeat, so the coordinator never
+            # counts this worker while its engine lacks the committed adapter.
+            await self._reconcile_if_needed()
+            await self._wait_reconciled()
+            await self._beat()
+            if ready is not None:
+                ready.set()
+            log.info("worker=%s agent ready on fleet %s", self.worker_id, self.subjects.fleet)
+            tasks.create_task(self._heartbeat_loop())
+
+    async def _stop_if_refused(self) -> None:
+        assert self._refused is not None
+        refusal = await self._refused
+        raise DuplicateWorker(
+            f"worker id {self.worker_id!r} is held by another live agent (instance "
+            f"{refusal.holder!r}); this one (instance {self.instance!r}) stops. Give each "
+            "agent its own --worker-id, or stop the other one first."
+        )
+
     # -- the bus side --------------------------------------------------------
 
     async def _on_command(self, msg: Msg) -> None:
         try:
             command = command_decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
+        except BadPayload as exc:
             log.warning(
-                "worker=%s dropped a malformed command on %s: %s", self.worker_id, msg.subject, exc
+                "worker=%s dropped a malformed command on %r: %s", self.worker_id, msg.subject, exc
             )
+            if not self._bad_events.take():
+                return
             await self._emit(
                 BadMessage(
                     ts=time.time(),
                     source=self._source,
-                    subject=msg.subject,
-                    error=str(exc),
+                    subject=msg.subject[:256],
+                    error=str(exc)[:1024],
                     size=len(msg.data),
                 )
             )
@@ -216,8 +260,13 @@ class Agent:
         if command.epoch < self.epoch_seen:
             await self._refuse(command)
             return
-        self.epoch_seen = command.epoch
+        if command.epoch > self.epoch_seen and not await self._leader_shows(command.epoch):
+            await self._refuse_unproven(command)
+            return
         match command:
+            case RefuseInstance(instance=instance):
+                if instance == self.instance and self._refused and not self._refused.done():
+                    self._refused.set_result(command)
             case RenewLeaseCommand(update_id=update_id, lease_s=lease_s):
                 self.lease.renew(update_id, self._lease_length(lease_s))
             case CommittedNotice():
@@ -230,6 +279,56 @@ class Agent:
                 await self._accept(command)
             case _:
                 await self._accept(command)
+
+    async def _leader_shows(self, epoch: int) -> bool:
+        """Whether the fleet's leader record shows ``epoch`` (or a later one);
+        adopt it if so. Reads are shared and spaced out, whoever asks."""
+        async with self._leader_lock:
+            if epoch <= self.epoch_seen:
+                return True
+            if now() - self._leader_read[0] >= _LEADER_REREAD_S:
+                leader = await self._read_leader()
+                if leader is not None:
+                    self._leader_read = (now(), leader.epoch)
+                    self.epoch_seen = max(self.epoch_seen, leader.epoch)
+            return epoch <= self.epoch_seen
+
+    async def _read_leader(self) -> LeaderRecord | None:
+        assert self._nc is not None
+        try:
+            async with asyncio.timeout(_LEADER_READ_TIMEOUT_S):
+                kv = await self._nc.jetstream().key_value(self.subjects.state_bucket())
+                return await _get_record(kv, "leader", _LEADER_RECORD)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("worker=%s could not read the leader record: %r", self.worker_id, exc)
+            return None
+
+    async def _refuse_unproven(self, command: Command) -> None:
+        """A command of an epoch no leader record shows: forged, or ahead of a
+        record this agent cannot read yet. Dropped without an ack either way."""
+        reason = (
+            f"epoch {command.epoch} is not in the fleet's leader record "
+            f"(which shows {self.epoch_seen})"
+        )
+        log.warning(
+            "worker=%s update=%s dropped %s: %s",
+            self.worker_id,
+            command.update_id,
+            tag_of(command),
+            reason,
+        )
+        await self._emit(
+            CommandRefused(
+                ts=time.time(),
+                source=self._source,
+                update_id=command.update_id,
+                worker_id=self.worker_id,
+                command=tag_of(command),
+                epoch=command.epoch,
+                epoch_seen=self.epoch_seen,
+                reason=reason,
+            )
+        )
 
     def _join_cohort(self, key: tuple[int, str]) -> None:
         self._cohorts[key] = None
@@ -268,7 +367,7 @@ class Agent:
                 epoch_seen=self.epoch_seen,
             )
         )
-        if isinstance(command, RenewLeaseCommand | CommittedNotice):
+        if isinstance(command, RenewLeaseCommand | CommittedNotice | RefuseInstance):
             return
         await self._publish_ack(
             self._ack_of(
@@ -523,6 +622,7 @@ class Agent:
                     interval_s=self.heartbeat_s,
                     ready=self.ready and not self._reconciling,
                     epoch_seen=self.epoch_seen,
+                    instance=self.instance,
                 )
             ),
         )
@@ -585,9 +685,12 @@ class Agent:
             paused=ex.paused,
             error=error,
             epoch=command.epoch,
+            instance=self.instance,
         )
 
     async def _publish_ack(self, ack: Ack) -> None:
+        if ack.instance != self.instance:
+            ack = msgspec.structs.replace(ack, instance=self.instance)
         await self._publish(self.subjects.ack(self.worker_id), encode(ack))
 
     async def _emit(self, event: Event) -> None:
@@ -614,6 +717,6 @@ async def _get_record(kv: object, key: str, decoder: msgspec.json.Decoder[_T]) -
         return None
     try:
         return decoder.decode(entry.value)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         log.warning("unreadable %s record in the fleet state: %s", key, exc)
         return None

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from lorabus.schemas import Ack, Event, Subjects, ack_decoder, encode, event_decoder
+from lorabus.schemas import (
+    Ack,
+    Event,
+    LeaderRecord,
+    Subjects,
+    ack_decoder,
+    encode,
+    event_decoder,
+)
 
 DEADLINE_S = 10.0
 #: Above the epoch of an embedded stack's own coordinator, so its agents accept us.
@@ -20,6 +29,8 @@ class HandCoordinator:
         self.nc, self.subjects = nc, subjects
         self.acks: asyncio.Queue[Ack] = asyncio.Queue()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.epoch = 0
+        """The epoch of the leader record this hand wrote (0: none yet)."""
 
     async def start(self) -> None:
         async def on_ack(msg: Msg) -> None:
@@ -32,7 +43,15 @@ class HandCoordinator:
         await self.nc.subscribe(self.subjects.event_any(), cb=on_event)
         await self.nc.flush()
 
+    async def lead(self, epoch: int) -> None:
+        await write_leader(self.nc, self.subjects, epoch)
+        self.epoch = epoch
+
     async def send(self, command: object) -> None:
+        """Publish ``command``; the first one claims the fleet's leader record at
+        EPOCH (a running coordinator of the fleet steps down then)."""
+        if not self.epoch:
+            await self.lead(EPOCH)
         await self.nc.publish(self.subjects.cmd(), encode(command))  # type: ignore[arg-type]
 
     async def next_ack(self, update_id: str | None = None) -> Ack:
@@ -47,3 +66,14 @@ class HandCoordinator:
             event = await asyncio.wait_for(self.events.get(), DEADLINE_S)
             if isinstance(event, kind):
                 return event
+
+
+async def write_leader(nc: NatsClient, subjects: Subjects, epoch: int) -> None:
+    """Write the fleet's leader record: agents adopt an epoch only once it shows it.
+    A coordinator of the fleet that is running steps down on seeing it."""
+    js = nc.jetstream()
+    try:
+        kv = await js.key_value(subjects.state_bucket())
+    except nats.js.errors.BucketNotFoundError:
+        kv = await js.create_key_value(bucket=subjects.state_bucket())
+    await kv.put("leader", encode(LeaderRecord(holder="hand", epoch=epoch)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from hand_coordinator import write_leader
 from nats.aio.msg import Msg
 
 from lorabus.bus import close, connect
@@ -117,6 +118,7 @@ async def test_an_agent_runs_a_repeated_command_once_and_acks_it_again(
         try:
             await nc.subscribe(subjects.ack("w000"), cb=on_ack)
             # A term above the stack's own coordinator's, or the agent would refuse it.
+            await write_leader(nc, subjects, 100)
             pause = PauseCommand(update_id="u-hand", targets=["w000"], budget_s=5, epoch=100)
             await nc.publish(subjects.cmd(), encode(pause))
             first = await asyncio.wait_for(acks.get(), 10)

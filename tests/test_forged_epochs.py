@@ -1,0 +1,77 @@
+"""An agent adopts a higher epoch only when the fleet's leader record shows it:
+a command that claims one is neither obeyed nor able to fence out the leader."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from nats.aio.msg import Msg
+
+from lorabus.bus import close, connect
+from lorabus.schemas import (
+    CommandRefused,
+    PauseCommand,
+    Subjects,
+    encode,
+    event_decoder,
+)
+from lorabus.testbed.stack import EmbeddedStack
+
+DEADLINE_S = 15.0
+PAUSE = "/engine/pause_generation"
+
+
+async def test_a_forged_high_epoch_is_refused_and_the_leader_keeps_commanding(
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    subjects = Subjects(fleet=fleet_name)
+    async with make_stack([1, 2]) as stack:
+        assert stack.client is not None and stack.sim is not None
+        first = await stack.client.update("policy", make_adapter(1), version=1)
+        assert first.committed, first.error
+        pauses_before = {
+            w: [r.path for r in worker.requests].count(PAUSE)
+            for w, worker in stack.sim.workers.items()
+        }
+        attacker = await connect(nats_url, name="test-attacker")
+        refusals: asyncio.Queue[CommandRefused] = asyncio.Queue()
+
+        async def on_event(msg: Msg) -> None:
+            event = event_decoder.decode(msg.data)
+            if isinstance(event, CommandRefused):
+                refusals.put_nowait(event)
+
+        try:
+            await attacker.subscribe(subjects.event_any(), cb=on_event)
+            await attacker.flush()
+            for worker_id in ("w000", "w001"):
+                forged = PauseCommand(
+                    update_id="forged",
+                    targets=[worker_id],
+                    budget_s=5,
+                    epoch=1_000_000,
+                    lease_s=0,
+                )
+                await attacker.publish(subjects.cmd_worker(worker_id), encode(forged))
+            async with asyncio.timeout(DEADLINE_S):
+                refused = [await refusals.get(), await refusals.get()]
+        finally:
+            await close(attacker)
+
+        second = await stack.client.update("policy", make_adapter(2), version=2)
+        status = await stack.client.status()
+        pauses_after = {
+            w: [r.path for r in worker.requests].count(PAUSE)
+            for w, worker in stack.sim.workers.items()
+        }
+
+    assert {r.worker_id for r in refused} == {"w000", "w001"}
+    assert all(r.epoch == 1_000_000 and "leader record" in r.reason for r in refused)
+    assert second.committed, "the real leader must not be fenced out by a forged epoch"
+    # The only pauses since are the real update's, one per engine.
+    assert {w: pauses_after[w] - pauses_before[w] for w in pauses_after} == {"w000": 1, "w001": 1}
+    assert not any(m.paused for m in status.members)
