@@ -23,6 +23,10 @@ a command that merely claims one is dropped (``command_refused``, no ack, as
 the real leader re-sends to agents that have not acked), so a forged epoch can
 neither be obeyed nor fence out the real coordinator.
 
+Signatures: an agent pinned to the fleet's coordinator keys obeys a command
+only if it is signed by the key that the leader record of its epoch names,
+for the subject it arrived on, and not replayed (see :mod:`lorabus.signing`).
+
 Identity: each agent process beats and acks with a random instance id. If
 another live agent already holds the worker id, the coordinator refuses this
 one (a ``refuse_instance`` command naming its instance), and it stops with a
@@ -44,6 +48,7 @@ import random
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
@@ -89,6 +94,7 @@ from lorabus.schemas import (
     phase_of,
     tag_of,
 )
+from lorabus.signing import CommandVerifier
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +148,7 @@ class Agent:
         *,
         heartbeat_s: float,
         max_pause_lease_s: float = MAX_PAUSE_LEASE_S,
+        verifier: CommandVerifier | None = None,
     ) -> None:
         if heartbeat_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
@@ -172,6 +179,9 @@ class Agent:
         self._leader_lock = asyncio.Lock()
         self._leader_read = (-1.0, 0)
         """(when, epoch) of the last read of the leader record."""
+        self.verifier = verifier or CommandVerifier()
+        self._leader_keys: dict[int, str] = {}
+        """The signing key of each epoch's leader record this agent has read."""
 
     @classmethod
     def from_config(cls, config: AgentConfig, driver: EngineDriver) -> Agent:
@@ -183,6 +193,7 @@ class Agent:
             ),
             heartbeat_s=config.heartbeat_s,
             max_pause_lease_s=config.max_pause_lease_s,
+            verifier=CommandVerifier(config.coordinator_keys, config.trust_file or None),
         )
 
     @property
@@ -257,11 +268,26 @@ class Agent:
             return
         if not is_addressed_to(command, self.worker_id, self._cohorts):
             return
+        if self.verifier.required:
+            refusal = self.verifier.check(
+                await self._signing_key_of(command.epoch),
+                command.epoch,
+                msg.subject,
+                msg.headers,
+                msg.data,
+            )
+            if refusal is not None:
+                await self._refuse_unproven(command, refusal)
+                return
         if command.epoch < self.epoch_seen:
             await self._refuse(command)
             return
         if command.epoch > self.epoch_seen and not await self._leader_shows(command.epoch):
-            await self._refuse_unproven(command)
+            await self._refuse_unproven(
+                command,
+                f"epoch {command.epoch} is not in the fleet's leader record "
+                f"(which shows {self.epoch_seen})",
+            )
             return
         match command:
             case RefuseInstance(instance=instance):
@@ -283,15 +309,26 @@ class Agent:
     async def _leader_shows(self, epoch: int) -> bool:
         """Whether the fleet's leader record shows ``epoch`` (or a later one);
         adopt it if so. Reads are shared and spaced out, whoever asks."""
+        if epoch > self.epoch_seen:
+            await self._reread_leader(lambda: epoch <= self.epoch_seen)
+        return epoch <= self.epoch_seen
+
+    async def _reread_leader(self, settled: Callable[[], bool]) -> None:
+        """Read the leader record unless ``settled()`` already holds; reads are
+        shared and spaced out, however many commands ask."""
         async with self._leader_lock:
-            if epoch <= self.epoch_seen:
-                return True
-            if now() - self._leader_read[0] >= _LEADER_REREAD_S:
-                leader = await self._read_leader()
-                if leader is not None:
-                    self._leader_read = (now(), leader.epoch)
-                    self.epoch_seen = max(self.epoch_seen, leader.epoch)
-            return epoch <= self.epoch_seen
+            if settled() or now() - self._leader_read[0] < _LEADER_REREAD_S:
+                return
+            leader = await self._read_leader()
+            self._leader_read = (now(), self.epoch_seen)
+            if leader is not None:
+                self._learn_leader(leader)
+
+    def _learn_leader(self, leader: LeaderRecord) -> None:
+        self._leader_keys[leader.epoch] = leader.signing_key
+        while len(self._leader_keys) > _REMEMBERED_COHORTS:
+            del self._leader_keys[min(self._leader_keys)]
+        self.epoch_seen = max(self.epoch_seen, leader.epoch)
 
     async def _read_leader(self) -> LeaderRecord | None:
         assert self._nc is not None
@@ -303,13 +340,17 @@ class Agent:
             log.warning("worker=%s could not read the leader record: %r", self.worker_id, exc)
             return None
 
-    async def _refuse_unproven(self, command: Command) -> None:
-        """A command of an epoch no leader record shows: forged, or ahead of a
-        record this agent cannot read yet. Dropped without an ack either way."""
-        reason = (
-            f"epoch {command.epoch} is not in the fleet's leader record "
-            f"(which shows {self.epoch_seen})"
-        )
+    async def _signing_key_of(self, epoch: int) -> str:
+        """The signing key the leader record of ``epoch`` names ("" if unknown)."""
+        if epoch >= self.epoch_seen:
+            await self._reread_leader(lambda: epoch in self._leader_keys)
+        return self._leader_keys.get(epoch, "")
+
+    async def _refuse_unproven(self, command: Command, reason: str) -> None:
+        """A command whose sender is not proven: a forged or unsigned one, or one
+        ahead of a leader record this agent cannot read yet. Dropped without an
+        ack (a real leader re-sends to agents that have not acked); reported at
+        most ``_BAD_EVENTS_PER_S`` times a second."""
         log.warning(
             "worker=%s update=%s dropped %s: %s",
             self.worker_id,
@@ -317,6 +358,8 @@ class Agent:
             tag_of(command),
             reason,
         )
+        if not self._bad_events.take():
+            return
         await self._emit(
             CommandRefused(
                 ts=time.time(),
@@ -326,7 +369,7 @@ class Agent:
                 command=tag_of(command),
                 epoch=command.epoch,
                 epoch_seen=self.epoch_seen,
-                reason=reason,
+                reason=reason[:1024],
             )
         )
 
@@ -522,7 +565,7 @@ class Agent:
             log.debug("worker=%s could not read the fleet state: %r", self.worker_id, exc)
             return False
         if leader is not None:
-            self.epoch_seen = max(self.epoch_seen, leader.epoch)
+            self._learn_leader(leader)
         if committed is not None:
             self._learn_committed(
                 CommittedNotice(

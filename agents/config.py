@@ -35,6 +35,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_pause_lease_s: float = MAX_PAUSE_LEASE_S
     """Resume on its own after this long paused without a renewal, whatever lease
     the coordinator asked for."""
+    coordinator_keys: list[str] = []
+    """Obey only commands signed by the leader with one of these public keys."""
+    trust_file: str = ""
+    """With no key given: trust the first leader key seen, recorded in this file.
+    With neither, commands are not checked for signatures."""
     adapter_roots: list[str] = []
     """If set, load adapters only from directories under these, checked on this
     host after resolving symlinks."""

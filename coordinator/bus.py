@@ -42,6 +42,7 @@ from lorabus.schemas import (
     heartbeat_decoder,
     tag_of,
 )
+from lorabus.signing import CommandSigner
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class CoordinatorBus:
         heartbeat_range_s: tuple[float, float] = (0.05, 60.0),
         leading: Callable[[], bool] = lambda: False,
         epoch: Callable[[], int] = lambda: 0,
+        signer: CommandSigner | None = None,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -68,6 +70,7 @@ class CoordinatorBus:
         self._leading = leading
         self._epoch = epoch
         self._bad_events = PerSecond(_BAD_EVENTS_PER_S)
+        self.signer = signer
         self.dropped = 0
         """Heartbeats and acks dropped as bad, since start."""
 
@@ -79,10 +82,17 @@ class CoordinatorBus:
         ]
 
     async def broadcast(self, command: Command) -> None:
-        await self.nc.publish(self.subjects.cmd(), encode(command))
+        await self._command(self.subjects.cmd(), command)
 
     async def send_to(self, worker_id: str, command: Command) -> None:
-        await self.nc.publish(self.subjects.cmd_worker(worker_id), encode(command))
+        await self._command(self.subjects.cmd_worker(worker_id), command)
+
+    async def _command(self, subject: str, command: Command) -> None:
+        body = encode(command)
+        if self.signer is None:
+            await self.nc.publish(subject, body)
+        else:
+            await self.nc.publish(subject, body, headers=self.signer.headers(subject, body))
 
     async def emit(self, event: Event) -> None:
         try:

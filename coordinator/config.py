@@ -62,6 +62,9 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     that fail or do not ack are left out of the commit and its rank map."""
     quorum_grace_s: float = 2.0
     """With a quorum below all: how long to wait for the full membership first."""
+    signing_key_file: str = ""
+    """An nkey seed file: sign every command with it and name its public key in
+    the leader record ("": commands go unsigned)."""
     max_queued: int = 16
     """Update requests that may wait behind the one running; more are answered ``busy``."""
     min_heartbeat_s: float = 0.05

@@ -49,11 +49,15 @@ class LeaderElection:
         holder: str,
         lease_s: float,
         clock: Callable[[], float] = now,
+        *,
+        signing_key: str = "",
     ) -> None:
         if lease_s <= 0:
             raise ValueError("leader lease must be > 0")
         self.store = store
         self.holder = holder
+        self.signing_key = signing_key
+        """Published in the leader record: agents check commands against it."""
         self.lease_s = lease_s
         self._clock = clock
         self.epoch = 0
@@ -78,9 +82,7 @@ class LeaderElection:
                 )
                 if record is None or ours or silent_for >= self.lease_s:
                     epoch = (record.epoch if record else 0) + 1
-                    self._revision = await self.store.write_leader(
-                        LeaderRecord(holder=self.holder, epoch=epoch), revision
-                    )
+                    self._revision = await self.store.write_leader(self._record(epoch), revision)
                     self.epoch = epoch
                     log.info("coordinator %s leads with epoch %d", self.holder, epoch)
                     return epoch
@@ -98,7 +100,7 @@ class LeaderElection:
             await asyncio.sleep(self.lease_s / 4)
             try:
                 self._revision = await self.store.write_leader(
-                    LeaderRecord(holder=self.holder, epoch=self.epoch), self._revision
+                    self._record(self.epoch), self._revision
                 )
                 renewed_at = self._clock()
             except LostRace as exc:
@@ -109,3 +111,6 @@ class LeaderElection:
                 if self._clock() - renewed_at >= self.lease_s * _STEP_DOWN_FRACTION:
                     raise LeadershipLost(f"could not renew the lease in time: {exc}") from exc
                 log.warning("epoch=%d lease renewal failed, retrying: %s", self.epoch, exc)
+
+    def _record(self, epoch: int) -> LeaderRecord:
+        return LeaderRecord(holder=self.holder, epoch=epoch, signing_key=self.signing_key)

@@ -41,9 +41,13 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from lorabus.bus_options import ENV, ENV_FILE, inbox_prefix_for, public_key_of
 from lorabus.roles import Permissions, Role, identity_name, permissions
 from lorabus.schemas import Subjects, check_token
+from lorabus.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, new_signing_seed
 
 SERVER_CONF = "nats-server.conf"
 SEED_FILE = "nkey.seed"
+SIGNING_SEED_FILE = "command-signing.seed"
+"""In the coordinator's folder: the key its commands are signed with. Every
+coordinator of the fleet (run two or more for failover) uses this one key."""
 CERTIFICATE_DAYS = 365
 
 
@@ -68,6 +72,8 @@ class FleetAuth:
     server_conf: Path
     identities: dict[str, Identity]
     ca_file: Path | None
+    signing_key: str = ""
+    """The public key the fleet's coordinators sign commands with."""
 
     def identity(self, role: Role, worker_id: str | None = None) -> Identity:
         return self.identities[identity_name(role, worker_id)]
@@ -105,6 +111,8 @@ def write_fleet_auth(
         (Role.OPERATOR, None),
         *((Role.AGENT, worker_id) for worker_id in worker_ids),
     ]
+    signing_seed = new_signing_seed()
+    signing_key = public_key_of(signing_seed)
     authority = _CertificateAuthority.create(directory) if tls else None
     server_tls = authority.issue_server(directory, hosts) if authority else None
     identities: dict[str, Identity] = {}
@@ -129,6 +137,11 @@ def write_fleet_auth(
             env[ENV["tls_ca_file"]] = str(authority.cert_file)
             env[ENV["tls_cert_file"]], env[ENV["tls_key_file"]] = str(cert), str(key)
         env[ENV["inbox_prefix"]] = prefix
+        if role is Role.COORDINATOR:
+            _write_secret(folder / SIGNING_SEED_FILE, signing_seed + b"\n")
+            env[SIGNING_KEY_ENV] = str(folder / SIGNING_SEED_FILE)
+        elif role is Role.AGENT:
+            env[COORDINATOR_KEYS_ENV] = signing_key
         identity = Identity(name, role, worker_id, folder, prefix)
         identities[name] = identity
         allowed = permissions(role, subjects, inbox_prefix=prefix, worker_id=worker_id)
@@ -139,7 +152,11 @@ def write_fleet_auth(
     conf.write_text(_server_conf(subjects, users, server_tls, method))
     os.chmod(conf, 0o600)
     return FleetAuth(
-        directory, conf, identities, authority.cert_file if authority is not None else None
+        directory,
+        conf,
+        identities,
+        authority.cert_file if authority is not None else None,
+        signing_key,
     )
 
 

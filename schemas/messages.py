@@ -440,6 +440,8 @@ Event = (
 class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
     holder: str
     epoch: int
+    signing_key: str = ""
+    """The public key this leader signs its commands with ("": it does not sign)."""
 
 
 class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,6 +23,7 @@ from lorabus.agents.config import AgentConfig
 from lorabus.agents.engines import ENGINE_KINDS
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.schemas import Naming
+from lorabus.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, TRUST_FILE_ENV
 
 _Config = TypeVar("_Config", bound=msgspec.Struct)
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -58,6 +59,8 @@ class Flag:
     type: Any = None
     """A click type; None for text."""
     multiple: bool = False
+    envvar: str | None = None
+    """Also read from this environment variable (an identity folder sets it)."""
 
     def option(self, default: Any) -> Callable[[_F], _F]:
         required = default is msgspec.NODEFAULT
@@ -69,6 +72,7 @@ class Flag:
             self.field,
             type=self.type,
             multiple=self.multiple,
+            envvar=self.envvar,
             required=required,
             default=None if required else _as_option_value(default),
             show_default=shown,
@@ -98,6 +102,20 @@ AGENT_FLAGS = (
         "Resume the engine on its own after this long paused without a renewal, "
         "whatever lease the coordinator asked for.",
         float,
+    ),
+    Flag(
+        "coordinator_keys",
+        "--coordinator-key",
+        "Obey only commands signed by the fleet's leader with this public key "
+        "(repeatable; lorabus auth init writes it into each agent's identity).",
+        multiple=True,
+        envvar=COORDINATOR_KEYS_ENV,
+    ),
+    Flag(
+        "trust_file",
+        "--trust-file",
+        "With no --coordinator-key: trust the first leader key seen, recorded in this file.",
+        envvar=TRUST_FILE_ENV,
     ),
     Flag(
         "adapter_roots",
@@ -137,6 +155,13 @@ COORDINATOR_FLAGS = (
         QuorumType(),
     ),
     Flag("keep", "--keep", "Versions of an adapter kept loaded after a commit.", int),
+    Flag(
+        "signing_key_file",
+        "--signing-key",
+        "An nkey seed file: sign every command with it (lorabus auth init writes one "
+        "into the coordinator's identity).",
+        envvar=SIGNING_KEY_ENV,
+    ),
     Flag(
         "max_queued",
         "--max-queued",

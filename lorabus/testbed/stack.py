@@ -25,7 +25,7 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 
 from lorabus.agents import Agent, AgentConfig, driver_for
-from lorabus.auth_init import FleetAuth, write_fleet_auth
+from lorabus.auth_init import SIGNING_SEED_FILE, FleetAuth, write_fleet_auth
 from lorabus.bus import Bus, close
 from lorabus.bus_options import BusOptions
 from lorabus.client import UpdateClient
@@ -111,8 +111,14 @@ class EmbeddedStack:
             await self._provision()
         self.sim = SimFleet(worker_ids, self.world_sizes)
         await self._exit.enter_async_context(self.sim)
+        signing: dict[str, Any] = {}
+        if self.auth is not None:
+            folder = self.auth.identity(Role.COORDINATOR).folder
+            signing["signing_key_file"] = str(folder / SIGNING_SEED_FILE)
         config = CoordinatorConfig(
-            fleet=self.fleet_name, frontend_url=self.sim.url, **self._coordinator_settings
+            fleet=self.fleet_name,
+            frontend_url=self.sim.url,
+            **{**signing, **self._coordinator_settings},
         )
         self.coordinator = Coordinator(config)
         await self._serve("coordinator", self.coordinator.run, self.bus_as(Role.COORDINATOR))
@@ -123,6 +129,7 @@ class EmbeddedStack:
                 system_url=self.sim.system_url(worker.worker_id),
                 world_size=worker.world_size,
                 heartbeat_s=self._heartbeat_s,
+                coordinator_keys=[self.auth.signing_key] if self.auth is not None else [],
             )
             driver = driver_for(agent_config)
             self._exit.push_async_callback(driver.aclose)
