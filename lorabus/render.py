@@ -1,10 +1,24 @@
-"""Human-readable text for results, rank maps and fleet status (CLI output only)."""
+"""Human-readable text for results, rank maps, fleet status and the audit trail
+(CLI output only).
+
+Text that came off the wire (subjects, worker ids, error messages) goes
+through :func:`printable` before it reaches a terminal.
+"""
 
 from __future__ import annotations
 
 from lorabus.schemas import FleetStatus, Phase, RankMap, UpdateResult
 
 _PHASE_ORDER = [p.value for p in Phase]
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable escaped as Python
+    would (``\\x1b``, ``\\n``, ``\\u202e``), so that nothing a message carries can
+    move the cursor, recolour, or rewrite what a terminal shows."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def phase_timeline(result: UpdateResult) -> str:
@@ -29,8 +43,8 @@ def result_text(result: UpdateResult) -> str:
         if outcome.error is not None:
             lines.append(f"  {worker_id}: [{outcome.error.code}] {outcome.error.message}")
     if result.rank_map is not None:
-        lines.append(rank_map_text(result.rank_map, indent="  "))
-    return "\n".join(lines)
+        lines.extend(rank_map_text(result.rank_map, indent="  ").splitlines())
+    return "\n".join(printable(line) for line in lines)
 
 
 def rank_map_text(rank_map: RankMap, indent: str = "") -> str:
@@ -44,7 +58,7 @@ def rank_map_text(rank_map: RankMap, indent: str = "") -> str:
             f"{indent}  {entry.worker_id:<12} world size {entry.world_size:>2}  "
             f"ranks {entry.rank_offset}-{last}"
         )
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def status_text(status: FleetStatus) -> str:
@@ -77,4 +91,4 @@ def status_text(status: FleetStatus) -> str:
             f"{m.heartbeat_age_s:>5.1f}s  "
             f"{', '.join(m.adapters) or '-'}"
         )
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)

@@ -5,6 +5,15 @@ pull consumer that it acknowledges after each record is written, so a tap
 that stops (or a nats-server that restarts) resumes where it left off. A
 redelivered record (written, but its ack lost) is recognised by its stream
 sequence and not written twice.
+
+No message can stop the tap: each payload is read by the wire contract's
+reader for its subject, and one that is not a valid message (not JSON, the
+wrong shape, an unknown type, numbers out of range, nesting too deep, over
+the size limit) becomes a *poison* record, with its sequence, subject,
+reason, size and an escaped excerpt, and the tap goes on. A good record
+holds the message as lorabus reads it (unknown fields dropped), so what the
+trail holds is always readable again. Printed text escapes whatever came off
+the wire.
 """
 
 from __future__ import annotations
@@ -16,17 +25,24 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from lorabus.audit import TrailRecord, decode_message
+from lorabus.audit import (
+    TrailRecord,
+    decode_message,
+    origin_of,
+    poison_text,
+    read_payload,
+    subject_problem,
+)
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.errors import AuditStreamMissing
-from lorabus.schemas import Subjects
+from lorabus.render import printable
+from lorabus.schemas import BadPayload, Subjects, tag_of, to_builtins
 
 log = logging.getLogger(__name__)
 
@@ -37,22 +53,22 @@ Sink = Callable[[TrailRecord], Awaitable[None]]
 
 
 def to_record(msg: Msg, subjects: Subjects) -> TrailRecord:
+    """The record of one stored message; a malformed payload makes a poison record."""
     meta = msg.metadata
-    kind = "event"
-    if msg.subject.startswith(subjects.cmd()):
-        kind = "command"
-    elif msg.subject.startswith(subjects.ack_any()[:-1]):
-        kind = "ack"
+    origin = origin_of(msg.subject, subjects.prefix)
+    message: dict[str, object] = {}
+    poison = ""
     try:
-        message = msgspec.json.decode(msg.data)
-    except msgspec.DecodeError:
-        message = {"undecodable": msg.data.decode(errors="replace")[:500]}
+        message = to_builtins(read_payload(origin, msg.data))
+    except BadPayload as exc:
+        poison = poison_text(f"not a valid {origin.kind} message: {exc}", msg.data)
     return TrailRecord(
         seq=meta.sequence.stream,
         subject=msg.subject,
         ts=meta.timestamp.timestamp() if meta.timestamp else 0.0,
-        kind=kind,
-        message=message if isinstance(message, dict) else {"value": message},
+        kind=origin.kind,
+        message=message,
+        poison=poison,
     )
 
 
@@ -154,20 +170,28 @@ class Tap:
 
 
 def timeline_line(record: TrailRecord, previous_update: str | None) -> tuple[str, str | None]:
-    """One human-readable line (with a header when the update changes)."""
+    """One human-readable line (with a header when the update changes), escaped.
+
+    Who sent a record is what its subject says; a body that claims otherwise
+    is marked."""
+    when = dt.datetime.fromtimestamp(record.ts).strftime("%H:%M:%S.%f")[:-3]
+    subject = printable(repr(record.subject))
     try:
         message = decode_message(record)
-    except (msgspec.DecodeError, KeyError):
-        return f"{record.seq:>7} {record.subject} (undecodable)", previous_update
+    except BadPayload as exc:
+        return f"{when} {record.seq:>7} POISON {subject}: {printable(str(exc))}", previous_update
+    origin = origin_of(record.subject)
     update_id = getattr(message, "update_id", None) or previous_update
-    when = dt.datetime.fromtimestamp(record.ts).strftime("%H:%M:%S.%f")[:-3]
-    tag = record.message.get("type", "?")
-    who = getattr(message, "worker_id", None) or getattr(message, "source", "") or "coordinator"
+    sender = origin.worker if origin.kind != "command" else None
+    who = sender or "coordinator"
     epoch = getattr(message, "epoch", 0)
     detail = _detail(record.message)
-    line = f"{when} {record.seq:>7} e{epoch} {who:<18} {tag:<16} {detail}"
+    problem = subject_problem(origin, message)
+    if problem:
+        detail = f"MISMATCH ({problem}) {detail}"
+    line = printable(f"{when} {record.seq:>7} e{epoch} {who:<18} {tag_of(message):<16} {detail}")
     if update_id != previous_update and update_id:
-        line = f"-- update {update_id} --\n{line}"
+        line = f"-- update {printable(update_id)} --\n{line}"
     return line, update_id
 
 

@@ -46,6 +46,7 @@ async def test_the_trail_of_committed_updates_holds_every_step_and_verifies_clea
         records = await _replay(nats_url, fleet_name)
 
     messages = [decode_message(r) for r in records]
+    assert [r.poison for r in records if r.poison] == []
     assert [r.seq for r in records] == sorted(r.seq for r in records)
     assert {r.kind for r in records} == {"command", "ack", "event"}
     started = [m for m in messages if isinstance(m, UpdateStarted)]

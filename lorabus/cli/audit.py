@@ -95,10 +95,13 @@ def audit_verify(
 ) -> None:
     """Verify a trail written by 'lorabus tap --out' (or, with --live, the stream).
 
-    Lists each violation with the stream sequences of the records that show it;
-    exits 1 when there is any.
+    Lists each violation with the stream sequences of the records that show it
+    (a line of the file that is no record, with its line number); a poison
+    record (a payload that is no valid message) and a body that disagrees with
+    its subject count as violations. Exits 1 when there is any.
     """
-    from lorabus.audit import TrailRecord, verify
+    from lorabus.audit import TrailRecord, Violation, verify
+    from lorabus.render import printable
     from lorabus.trail_file import read_trail
 
     if live == (trail is not None):
@@ -108,15 +111,26 @@ def audit_verify(
     subjects = subjects_of(fleet)
 
     async def check() -> int:
+        violations: list[Violation] = []
         if trail is not None:
-            records = read_trail(trail)
+            read = read_trail(trail)
+            records = read.records
+            violations += [
+                Violation(rule="poison_record", message=bad.describe(trail), seqs=[])
+                for bad in read.bad_lines
+            ]
         else:
             assert nats_url is not None
             records = await _live_records(Bus(nats_url, bus), subjects)
-        violations = verify(records)
+        violations += verify(records, prefix=subjects.prefix)
         for violation in violations:
-            click.echo(f"{violation.rule}: {violation.message} (records {violation.seqs})")
-        click.echo(f"audit: {len(records)} records, {len(violations)} violation(s)")
+            shown = f" (records {violation.seqs})" if violation.seqs else ""
+            click.echo(printable(f"{violation.rule}: {violation.message}{shown}"))
+        poison = sum(v.rule == "poison_record" for v in violations)
+        click.echo(
+            f"audit: {len(records)} records, {len(violations)} violation(s)"
+            + (f", {poison} of them poison" if poison else "")
+        )
         return EXIT_FAILED if violations else 0
 
     async def _live_records(target: Bus, subjects: Subjects) -> list[TrailRecord]:
