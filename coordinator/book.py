@@ -1,17 +1,48 @@
 """The coordinator's book of updates: the queue, the results, the committed state.
 
-One update runs at a time per fleet. Requests wait in arrival order; when one
-is taken, queued requests for the same adapter with an older explicit version
-are answered ``superseded`` (an RL trainer only wants its newest step served).
-A repeated ``update_id`` gets the first request's result, whether that is
-still queued, running, or done.
+One update runs at a time per fleet. Requests wait in arrival order, at most
+``max_queued`` of them behind the one running: one more is answered ``busy``
+at once and not kept, so the same request may simply come again. A request
+naming a version of an adapter answers the queued requests for older versions
+of it ``superseded`` at once, and is itself answered ``superseded`` at once if
+a newer one is already queued (an RL trainer only wants its newest step
+served); so no queued request ever waits for nothing.
+
+An update id names one update. The book keeps the first request of each id
+(its content) beside the id's result; a repeated id with the same content
+gets the first result, whether that is still queued, running or done (this
+is how a requester asks again after a lost reply or a failover). With other
+content it is answered ``bad_request``, naming the id's first content, and
+not kept: the id stays the first request's. The same content means:
+
+- the same adapter;
+- the same directory (paths compared normalised, so ``/a/b/`` is ``/a/b``);
+- a version that asks for what the first request was taken as: the same
+  version, or none. A request without a version leaves the version to the
+  coordinator, and for a known id the coordinator chose it when the first
+  request ran; a request naming version N matches a first request that named
+  N or named none and was run as N (known once it has run: until then it
+  waits for that).
+
+Where the first request is no longer known (after a failover, or once it has
+left memory) the id's result from the results bucket stands for it: the
+result names the adapter (or its served name) and the version it ran as, and
+for a committed result whose version is still the adapter's committed one the
+committed record gives its path.
+
+Results the book decides without running anything (``superseded``, and the
+refusals the service decides at arrival, through :meth:`UpdateBook.settle`)
+are handed to the service through :meth:`UpdateBook.take_settled`, to be
+written to the results bucket and announced like the results of updates run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import posixpath
 from collections import OrderedDict
 
+from lorabus.errors import BadRequest, Busy
 from lorabus.schemas import (
     FAILED,
     CommittedRecord,
@@ -25,6 +56,9 @@ _REMEMBERED_RESULTS = 16
 """Results carry an entry per worker (about 0.5 MB at 1024 workers); older ones
 are answered from the fleet's results bucket, which keeps them for a day. A
 result the bucket did not take is kept here for the whole term instead."""
+_REMEMBERED_REQUESTS = 1024
+"""First requests kept beyond their results (at most about 4.5 kB each), so a
+repeated id is checked against its whole content while the term lasts."""
 
 
 def failed_result(request: UpdateRequest, error: ErrorInfo) -> UpdateResult:
@@ -38,18 +72,28 @@ def failed_result(request: UpdateRequest, error: ErrorInfo) -> UpdateResult:
 
 
 class UpdateBook:
-    def __init__(self) -> None:
+    def __init__(self, *, max_queued: int = 16) -> None:
+        self.max_queued = max_queued
         self.committed: dict[str, CommittedRecord] = {}
         self.latest: CommittedRecord | None = None
         self.running: str | None = None
         self._results: OrderedDict[str, UpdateResult] = OrderedDict()
         self._unpersisted: dict[str, UpdateResult] = {}
+        self._requests: OrderedDict[str, UpdateRequest] = OrderedDict()
         self._pending: dict[str, tuple[UpdateRequest, asyncio.Future[UpdateResult]]] = {}
         self._queue: list[UpdateRequest] = []
         self._queued = asyncio.Event()
+        self._settled: list[UpdateResult] = []
         self._closed_with: ErrorInfo | None = None
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting behind the one running."""
+        return len(self._queue)
+
     def knows(self, update_id: str) -> bool:
+        """Whether the id's result, or the future of it, is here (else it may be
+        in the results bucket)."""
         return (
             update_id in self._pending
             or update_id in self._results
@@ -57,42 +101,92 @@ class UpdateBook:
         )
 
     def submit(self, request: UpdateRequest) -> asyncio.Future[UpdateResult]:
-        """The future result of ``request`` (the first one's, for a repeated id)."""
-        known = self._pending.get(request.update_id)
-        if known is not None:
-            return known[1]
+        """The future result of ``request``: :meth:`look_up`, else :meth:`enqueue`."""
+        known = self.look_up(request)
+        return known if known is not None else self.enqueue(request)
+
+    def look_up(
+        self,
+        request: UpdateRequest,
+        *,
+        stored: UpdateResult | None = None,
+        committed: CommittedRecord | None = None,
+    ) -> asyncio.Future[UpdateResult] | None:
+        """The future result of a request whose id is known, None for a new id.
+
+        ``stored``: the id's result as the results bucket has it, when the book
+        does not know the id; ``committed``: the adapter's committed record, if
+        the book has none (to check a stored result's path against).
+        """
+        update_id = request.update_id
+        if stored is not None and not self.knows(update_id):
+            self._remember(stored)
+        result = self._results.get(update_id) or self._unpersisted.get(update_id)
+        pending = self._pending.get(update_id)
+        first = pending[0] if pending is not None else self._requests.get(update_id)
+        if first is not None:
+            if pending is not None and first.version is None and request.version is not None:
+                return self._checked_once_run(first, request, pending[1])
+            conflict = content_conflict(first, request, result.version if result else None)
+        elif result is not None:
+            committed = self.committed.get(request.adapter) or committed
+            conflict = result_conflict(request, result, committed)
+        else:
+            conflict = None
+        if conflict is not None:
+            return _done(failed_result(request, BadRequest(conflict).info()))
+        if pending is not None:
+            return pending[1]
+        if result is not None:
+            return _done(result)
+        if self._closed_with is not None:
+            return _done(failed_result(request, self._closed_with))
+        return None
+
+    def enqueue(self, request: UpdateRequest) -> asyncio.Future[UpdateResult]:
+        """Queue a request of a new id; answers at once the one of a request a
+        queued one supersedes, the queued ones it supersedes, and a request that
+        finds the queue full (``busy``, not kept)."""
+        for queued in self._queue:
+            if _supersedes(queued, request):
+                return self.settle(request, _superseded(request, by=queued))
+        for older in [queued for queued in self._queue if _supersedes(request, queued)]:
+            self._queue.remove(older)
+            self._settle(older, _superseded(older, by=request))
+        if len(self._queue) >= self.max_queued:
+            busy = Busy(
+                f"{len(self._queue)} update requests already wait behind the one running "
+                f"(the coordinator's --max-queued); nothing was queued: ask again later"
+            )
+            return _done(failed_result(request, busy.info()))
         future: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
-        done = self._results.get(request.update_id) or self._unpersisted.get(request.update_id)
-        if done is None and self._closed_with is not None:
-            done = failed_result(request, self._closed_with)
-        if done is not None:
-            future.set_result(done)
-            return future
         self._pending[request.update_id] = (request, future)
         self._queue.append(request)
         self._queued.set()
         return future
 
+    def settle(self, request: UpdateRequest, result: UpdateResult) -> asyncio.Future[UpdateResult]:
+        """Answer a request of a new id with ``result`` without running it (a
+        refusal, or what is committed already): kept as the id's result, and
+        handed over by :meth:`take_settled` to be written to the results bucket."""
+        self._settle(request, result)
+        return _done(result)
+
+    def take_settled(self) -> list[UpdateResult]:
+        """The results settled since the last call, to write and announce."""
+        settled, self._settled = self._settled, []
+        return settled
+
+    def saved(self, update_id: str) -> None:
+        """The results bucket now holds the id's result."""
+        self._unpersisted.pop(update_id, None)
+
     async def next_request(self) -> UpdateRequest:
-        """Wait for the next request to run; answers the ones it supersedes."""
+        """Wait for the next request to run."""
         while not self._queue:
             self._queued.clear()
             await self._queued.wait()
         request = self._queue.pop(0)
-        for newer in self._queue:
-            if _supersedes(newer, request):
-                self.finish(
-                    request,
-                    failed_result(
-                        request,
-                        ErrorInfo(
-                            code=ErrorCode.SUPERSEDED,
-                            message=f"version {newer.version} of {request.adapter!r} was requested "
-                            f"(update {newer.update_id}) before this one could start",
-                        ),
-                    ),
-                )
-                return await self.next_request()
         self.running = request.update_id
         return request
 
@@ -100,14 +194,17 @@ class UpdateBook:
         self, request: UpdateRequest, result: UpdateResult, *, persisted: bool = True
     ) -> None:
         """Answer ``request``; ``persisted``: the results bucket holds ``result``."""
-        if self.running == request.update_id:
+        update_id = request.update_id
+        if self.running == update_id:
             self.running = None
         if not persisted:
-            self._unpersisted[request.update_id] = result
-        self._results[request.update_id] = result
-        while len(self._results) > _REMEMBERED_RESULTS:
-            self._results.popitem(last=False)
-        _, future = self._pending.pop(request.update_id, (request, None))
+            self._unpersisted[update_id] = result
+        self._remember(result)
+        first, future = self._pending.pop(update_id, (request, None))
+        self._requests[update_id] = first
+        self._requests.move_to_end(update_id)
+        while len(self._requests) > _REMEMBERED_REQUESTS:
+            self._requests.popitem(last=False)
         if future is not None and not future.done():
             future.set_result(result)
 
@@ -122,6 +219,132 @@ class UpdateBook:
         for request, _ in list(self._pending.values()):
             self.finish(request, failed_result(request, error))
         self._queue.clear()
+
+    def _settle(self, request: UpdateRequest, result: UpdateResult) -> None:
+        self.finish(request, result, persisted=False)
+        self._settled.append(result)
+
+    def _remember(self, result: UpdateResult) -> None:
+        self._results[result.update_id] = result
+        self._results.move_to_end(result.update_id)
+        while len(self._results) > _REMEMBERED_RESULTS:
+            self._results.popitem(last=False)
+
+    def _checked_once_run(
+        self, first: UpdateRequest, request: UpdateRequest, pending: asyncio.Future[UpdateResult]
+    ) -> asyncio.Future[UpdateResult]:
+        """The first request named no version and has not run yet: whether
+        ``request``'s version is the one it runs as is known only then."""
+        conflict = content_conflict(first, request, taken_as=None, version_known=False)
+        if conflict is not None:
+            return _done(failed_result(request, BadRequest(conflict).info()))
+        checked: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
+
+        def check(done: asyncio.Future[UpdateResult]) -> None:
+            if checked.done():
+                return
+            if done.cancelled():
+                checked.cancel()
+                return
+            result = done.result()
+            conflict = content_conflict(first, request, result.version)
+            checked.set_result(
+                failed_result(request, BadRequest(conflict).info()) if conflict else result
+            )
+
+        pending.add_done_callback(check)
+        return checked
+
+
+def content_conflict(
+    first: UpdateRequest,
+    request: UpdateRequest,
+    taken_as: int | None,
+    *,
+    version_known: bool = True,
+) -> str | None:
+    """Why ``request`` is not the same content as ``first``, the first request of
+    its id (which ran as version ``taken_as``, if it ran); None when it is.
+    ``version_known`` False: leave the version out (the first has not run yet)."""
+    same_version = (
+        not version_known
+        or request.version is None
+        or request.version == first.version
+        or (first.version is None and request.version == taken_as)
+    )
+    if (
+        first.adapter == request.adapter
+        and posixpath.normpath(first.path) == posixpath.normpath(request.path)
+        and same_version
+    ):
+        return None
+    ran = f", run as version {taken_as}" if first.version is None and taken_as is not None else ""
+    return _reused(request, f"{_content(first)}{ran}")
+
+
+def result_conflict(
+    request: UpdateRequest, result: UpdateResult, committed: CommittedRecord | None
+) -> str | None:
+    """Why ``request`` is not the content the id's ``result`` was for, as far as
+    the result shows it (the first request is not known); None when it may be.
+
+    A result names the adapter as requested or its served name, and the
+    version it ran as (none only if the first request named none and was
+    refused before it was planned); its path is known only while the adapter's
+    committed record is the result's version.
+    """
+    versioned = f"{request.adapter}-v{result.version}"
+    same_adapter = result.adapter in (request.adapter, versioned)
+    same_version = request.version is None or request.version == result.version
+    path: str | None = None
+    if (
+        result.committed
+        and committed is not None
+        and committed.adapter == request.adapter
+        and committed.version == result.version
+    ):
+        path = committed.path
+    same_path = path is None or path == posixpath.normpath(request.path)
+    if same_adapter and same_version and same_path:
+        return None
+    first = f"{result.adapter!r} version {result.version}"
+    if path is not None:
+        first += f" from {path}"
+    return _reused(request, f"{first} ({result.status})")
+
+
+def _reused(request: UpdateRequest, first: str) -> str:
+    return (
+        f"update id {request.update_id!r} was first used for {first}; this request is for "
+        f"{_content(request)}. An update id names one update: use a new id for other "
+        "content (the same content gets the first result)"
+    )
+
+
+def _content(request: UpdateRequest) -> str:
+    version = (
+        "no version (one past the committed)"
+        if request.version is None
+        else f"version {request.version}"
+    )
+    return f"{request.adapter!r} {version} from {request.path}"
+
+
+def _done(result: UpdateResult) -> asyncio.Future[UpdateResult]:
+    future: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
+    future.set_result(result)
+    return future
+
+
+def _superseded(request: UpdateRequest, *, by: UpdateRequest) -> UpdateResult:
+    return failed_result(
+        request,
+        ErrorInfo(
+            code=ErrorCode.SUPERSEDED,
+            message=f"version {by.version} of {request.adapter!r} was requested "
+            f"(update {by.update_id}) before this one could start",
+        ),
+    )
 
 
 def _supersedes(newer: UpdateRequest, older: UpdateRequest) -> bool:

@@ -12,6 +12,17 @@ result, so a requester retrying the same ``update_id`` gets a terminal answer.
 
 Callbacks never wait for an update: they hand requests to the book and reply
 from tasks owned by the service, which answers or cancels them when it stops.
+
+Nothing a request claims is taken on trust. One that does not decode (not
+JSON, nested too deeply, too large, an id or a version out of bounds) is
+answered ``bad_request`` and reported as a ``bad_message`` event. One that
+needs no engine is answered on arrival, without queueing: invalid as given, a
+version older than the committed one, exactly what is committed, a repeated
+update id (its first result, or ``bad_request`` for other content; see
+``book.py``), superseded by a queued one, or one past a full queue (``busy``).
+So junk costs a pause only if it is a valid update, and at most
+``--max-queued`` of those wait ahead of any request; an orchestrator's
+credentials still allow that many, each a pause of the fleet.
 """
 
 from __future__ import annotations
@@ -44,10 +55,13 @@ from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.plan import UpdatePlan, is_already_committed, plan_update, retired_names
 from lorabus.coordinator.store import FleetStore
-from lorabus.errors import LeadershipLost, LorabusError, StoreUnavailable
+from lorabus.errors import BadRequest, LeadershipLost, LorabusError, StoreUnavailable
+from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
     COMMITTED,
+    FAILED,
     BadMessage,
+    BadPayload,
     CommittedNotice,
     CommittedRecord,
     ErrorCode,
@@ -64,10 +78,14 @@ from lorabus.schemas import (
     encode,
     update_request_decoder,
 )
+from lorabus.signing import CommandSigner
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_BAD_EVENTS_PER_S = 10
+"""Malformed requests are all answered and logged; this many a second are also
+``bad_message`` events, so junk cannot flood the audit trail."""
 
 
 class Coordinator:
@@ -78,9 +96,13 @@ class Coordinator:
             config.holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
         self.membership = Membership()
+        self.signer = (
+            CommandSigner.from_file(config.signing_key_file) if config.signing_key_file else None
+        )
         self.metrics = CoordinatorMetrics(self.membership)
-        self.book = UpdateBook()
+        self.book = UpdateBook(max_queued=config.max_queued)
         self.epoch = 0
+        self._bad_events = PerSecond(_BAD_EVENTS_PER_S)
         self._acks: AckRouter | None = None
         self.leading = asyncio.Event()
         """Set while this coordinator holds the fleet's lease."""
@@ -97,9 +119,15 @@ class Coordinator:
             heartbeat_range_s=(self.config.min_heartbeat_s, self.config.max_heartbeat_s),
             leading=self.leading.is_set,
             epoch=lambda: self.epoch,
+            signer=self.signer,
         )
         store = await self._open_store(nc)
-        election = LeaderElection(store, self.holder, self.config.leader_lease_s)
+        election = LeaderElection(
+            store,
+            self.holder,
+            self.config.leader_lease_s,
+            signing_key=self.signer.public_key if self.signer is not None else "",
+        )
         frontend = FrontendClient(
             self.config.frontend_url,
             headers=self.config.headers,
@@ -151,7 +179,7 @@ class Coordinator:
     ) -> None:
         """One term as leader: recover, then serve requests until cancelled."""
         runner.epoch = self.epoch
-        self.book = UpdateBook()
+        self.book = UpdateBook(max_queued=self.config.max_queued)
         replies: set[asyncio.Task[None]] = set()
         subs: list[Subscription] = []
         try:
@@ -278,7 +306,9 @@ class Coordinator:
         await _quietly(store.write_result(result))
         await runner.bus.emit(self._finished(result))
 
-    def _finished(self, result: UpdateResult) -> UpdateFinished:
+    def _finished(self, result: UpdateResult, *, ran: bool = True) -> UpdateFinished:
+        """The event of a result; ``ran`` False: answered without running, so
+        no member loaded anything for it and no rank map goes with it."""
         return UpdateFinished(
             ts=time.time(),
             source="coordinator",
@@ -287,7 +317,7 @@ class Coordinator:
             error=result.error,
             epoch=self.epoch,
             adapter=result.adapter,
-            rank_map=result.rank_map,
+            rank_map=result.rank_map if ran else None,
         )
 
     async def _run_updates(
@@ -325,13 +355,7 @@ class Coordinator:
                 committed = await _or_none(store.read_committed(request.adapter))
             plan = plan_update(request, self.config, committed)
             if committed is not None and is_already_committed(plan, committed):
-                return UpdateResult(
-                    update_id=request.update_id,
-                    status="committed",
-                    adapter=committed.served_name,
-                    version=committed.version,
-                    rank_map=committed.rank_map,
-                )
+                return _already_committed(request, committed)
             result = await runner.run(plan)
             if result.committed and not await self._still_leading(store):
                 return failed_result(
@@ -400,54 +424,104 @@ class Coordinator:
             nonlocal last_joined
             try:
                 request = update_request_decoder.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                await bus.emit(
-                    BadMessage(
-                        ts=time.time(),
-                        source="coordinator",
-                        subject=msg.subject,
-                        error=str(exc),
-                        size=len(msg.data),
-                    )
-                )
-                bad = UpdateRequest(update_id="", adapter="", path="")
-                error = ErrorInfo(
-                    code=ErrorCode.BAD_REQUEST, message=f"malformed update request: {exc}"
-                )
-                await _reply(msg, failed_result(bad, error))
+            except BadPayload as exc:
+                await self._malformed(msg, bus, exc)
                 return
             previous, last_joined = last_joined, asyncio.Event()
-            reply = asyncio.create_task(self._answer(msg, request, store, previous, last_joined))
+            reply = asyncio.create_task(
+                self._answer(msg, request, store, bus, previous, last_joined)
+            )
             replies.add(reply)
             reply.add_done_callback(replies.discard)
 
         return on_request
+
+    async def _malformed(self, msg: Msg, bus: CoordinatorBus, exc: BadPayload) -> None:
+        """Answer and report a request that does not decode; nothing it says is used."""
+        error = f"malformed update request: {exc}"[:1024]
+        log.warning("epoch=%d %s (%d bytes on %s)", self.epoch, error, len(msg.data), msg.subject)
+        if self._bad_events.take():
+            await bus.emit(
+                BadMessage(
+                    ts=time.time(),
+                    source="coordinator",
+                    epoch=self.epoch,
+                    subject=msg.subject[:256],
+                    error=error,
+                    size=len(msg.data),
+                )
+            )
+        info = BadRequest(error).info()
+        await _reply(
+            msg, UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info)
+        )
 
     async def _answer(
         self,
         msg: Msg,
         request: UpdateRequest,
         store: FleetStore,
+        bus: CoordinatorBus,
         previous: asyncio.Event | None,
         joined: asyncio.Event,
     ) -> None:
         """Reply with the request's result. Look-ups run at once, but requests
         join the book in the order they arrived: each waits for the one before."""
         try:
-            stored = None
+            stored: UpdateResult | None = None
+            committed: CommittedRecord | None = None
             if not self.book.knows(request.update_id):
                 # A predecessor may have finished (or rolled back) this update.
-                stored = await _or_none(store.read_result(request.update_id))
+                stored = await _stored_result(store, request.update_id)
+                committed = self.book.committed.get(request.adapter) or await _or_none(
+                    store.read_committed(request.adapter)
+                )
             if previous is not None:
                 await previous.wait()
-            if stored is None:
-                future = self.book.submit(request)
+            future = self._admit(request, stored, committed)
+        except Exception as exc:
+            log.exception("epoch=%d update=%s could not be admitted", self.epoch, request.update_id)
+            error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+            await _reply(msg, failed_result(request, error))
+            return
         finally:
             joined.set()
-        if stored is not None:
-            await _reply(msg, stored)
-            return
+        await self._save_settled(store, bus)
         await _reply(msg, await asyncio.shield(future))
+
+    def _admit(
+        self, request: UpdateRequest, stored: UpdateResult | None, committed: CommittedRecord | None
+    ) -> asyncio.Future[UpdateResult]:
+        """The future result of ``request``, answered at once unless it must run."""
+        known = self.book.look_up(request, stored=stored, committed=committed)
+        if known is not None:
+            return known
+        committed = self.book.committed.get(request.adapter) or committed
+        refusal = self._refusal(request, committed)
+        if refusal is not None:
+            return self.book.settle(request, refusal)
+        return self.book.enqueue(request)
+
+    def _refusal(
+        self, request: UpdateRequest, committed: CommittedRecord | None
+    ) -> UpdateResult | None:
+        """The answer to a new request that needs no engine: invalid as given,
+        older than the committed version, or exactly what is committed (checked
+        again when it runs: the committed state may have moved on by then)."""
+        try:
+            plan = plan_update(request, self.config, committed)
+        except LorabusError as exc:
+            return failed_result(request, exc.info())
+        if committed is not None and is_already_committed(plan, committed):
+            return _already_committed(request, committed)
+        return None
+
+    async def _save_settled(self, store: FleetStore, bus: CoordinatorBus) -> None:
+        """Write and announce the results the book settled without running them."""
+        for result in self.book.take_settled():
+            if await _quietly(store.write_result(result)):
+                self.book.saved(result.update_id)
+            await bus.emit(self._finished(result, ran=False))
 
     async def _on_status(self, msg: Msg) -> None:
         await _reply(msg, self.status())
@@ -497,6 +571,25 @@ class Coordinator:
             "acked": sorted(gather.acks),
             "waiting": sorted(gather.waiting),
         }
+
+
+def _already_committed(request: UpdateRequest, committed: CommittedRecord) -> UpdateResult:
+    return UpdateResult(
+        update_id=request.update_id,
+        status=COMMITTED,
+        adapter=committed.served_name,
+        version=committed.version,
+        rank_map=committed.rank_map,
+    )
+
+
+async def _stored_result(store: FleetStore, update_id: str) -> UpdateResult | None:
+    """The id's result in the results bucket; one that does not decode counts as none."""
+    try:
+        return await _or_none(store.read_result(update_id))
+    except BadPayload as exc:
+        log.warning("the stored result of update %s does not decode, ignored: %s", update_id, exc)
+        return None
 
 
 async def _or_none(awaitable: Awaitable[_T]) -> _T | None:

@@ -5,14 +5,17 @@
         if result.committed:
             use(result.rank_map)
 
-A lost answer is harmless: asking again with the same ``update_id`` returns the
-first result without touching the engines.
+A lost answer is harmless: asking again with the same ``update_id`` (and the
+same adapter, path and version) returns the first result without touching the
+engines. A reply that does not decode (a responder that is not a coordinator
+of this wire version, or lies) raises :class:`~lorabus.errors.MalformedReply`.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from typing import TypeVar
 
 import msgspec
 import nats.errors
@@ -28,12 +31,14 @@ from tenacity import (
 from lorabus.bus import close, connect
 from lorabus.bus_options import BusOptions
 from lorabus.clock import now
-from lorabus.errors import NoCoordinator
+from lorabus.errors import MalformedReply, NoCoordinator
 from lorabus.schemas import (
     FAILED,
+    BadPayload,
     ErrorCode,
     ErrorInfo,
     FleetStatus,
+    Reader,
     StatusRequest,
     Subjects,
     UpdateRequest,
@@ -44,6 +49,8 @@ from lorabus.schemas import (
 )
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 UPDATE_TIMEOUT_S = 300.0
 """How long ``update()`` waits for a result unless told otherwise."""
@@ -129,6 +136,13 @@ class UpdateClient:
         ``failed`` result with code ``no_coordinator`` or ``timeout``; the
         update may still finish, and the same ``update_id`` fetches its result
         later.
+
+        Every request with one ``update_id`` must ask for the same adapter,
+        path and version (or no version): other content is answered
+        ``bad_request``, naming what the id was first used for. A full queue
+        at the coordinator answers ``busy`` at once; send the request again
+        later. Raises :class:`~lorabus.errors.MalformedReply` when the reply
+        does not decode.
         """
         request = UpdateRequest(
             update_id=update_id or uuid.uuid4().hex, adapter=adapter, path=path, version=version
@@ -157,7 +171,7 @@ class UpdateClient:
                 taken = True
                 log.info("update=%s no answer yet: asking again", request.update_id)
                 continue
-            return update_result_decoder.decode(reply.data)
+            return _decoded(reply, update_result_decoder, f"update result on {subject}")
         return self._unanswered(
             request,
             ErrorCode.TIMEOUT,
@@ -172,7 +186,9 @@ class UpdateClient:
             raise NoCoordinator(
                 f"no coordinator answered on fleet {self.subjects.fleet!r}"
             ) from exc
-        return fleet_status_decoder.decode(reply.data)
+        return _decoded(
+            reply, fleet_status_decoder, f"fleet status on {self.subjects.status_request()}"
+        )
 
     async def _request(
         self,
@@ -206,3 +222,14 @@ class UpdateClient:
             version=request.version,
             error=ErrorInfo(code=code, message=message),
         )
+
+
+def _decoded(reply: Msg, reader: Reader[_T], what: str) -> _T:
+    """The reply as ``reader`` decodes it; a malformed one raises MalformedReply."""
+    try:
+        return reader.decode(reply.data)
+    except BadPayload as exc:
+        raise MalformedReply(
+            f"the reply is not a valid {what} ({len(reply.data)} bytes: {str(exc)[:200]}); "
+            "is something other than a lorabus coordinator of this version answering there?"
+        ) from None

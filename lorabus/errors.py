@@ -14,6 +14,8 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     │   ├── PermissionDenied      NATS refused the credentials, a publish or a subscribe
     │   └── InsecureConnection    the link would expose credentials, or the fleet
     ├── NoCoordinator             nobody answered on the fleet's request subjects
+    ├── Busy                      the coordinator's queue of waiting requests is full
+    ├── MalformedReply            a reply to a request was not a valid answer
     ├── DuplicateWorker           another live agent holds this agent's worker id
     ├── AuditStreamMissing        the fleet has no audit stream yet
     ├── QuorumNotReached          live world sizes did not reach the expected sum in time
@@ -25,8 +27,9 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
         └── NatsServerMissing     no nats-server binary to start
 
 An orchestrator using :class:`~lorabus.UpdateClient` meets ``BusUnreachable``
-and ``PermissionDenied`` when connecting and ``NoCoordinator`` from
-``status()``; ``update()`` returns a failed result instead of raising, and
+and ``PermissionDenied`` when connecting, ``NoCoordinator`` from ``status()``,
+and ``MalformedReply`` from either call when what answered sent something that
+does not decode; ``update()`` returns a failed result instead of raising, and
 :meth:`LorabusError.from_info` turns that result's error into the matching
 exception for code that prefers raising.
 """
@@ -40,6 +43,7 @@ __all__ = [
     "BadRequest",
     "BusError",
     "BusUnreachable",
+    "Busy",
     "DuplicateWorker",
     "EngineError",
     "ErrorCode",
@@ -49,6 +53,7 @@ __all__ = [
     "LeadershipLost",
     "LorabusError",
     "LostRace",
+    "MalformedReply",
     "NatsServerMissing",
     "NoCoordinator",
     "NotListed",
@@ -141,6 +146,20 @@ class NoCoordinator(LorabusError):
     code = ErrorCode.NO_COORDINATOR
 
 
+class Busy(LorabusError):
+    """Raised when the coordinator's queue of waiting update requests is full
+    (``--max-queued``): nothing was queued, the same request may be sent again later."""
+
+    code = ErrorCode.BUSY
+
+
+class MalformedReply(LorabusError):
+    """Raised when a reply to a request does not decode as the expected answer:
+    whatever answered is not a coordinator of this wire version, or lies."""
+
+    code = ErrorCode.INTERNAL
+
+
 class DuplicateWorker(LorabusError):
     """Raised in an agent that the coordinator refused: another live agent holds its worker id."""
 
@@ -201,6 +220,7 @@ _CLASS_OF_CODE: dict[ErrorCode, type[LorabusError]] = {
         BusUnreachable,
         PermissionDenied,
         NoCoordinator,
+        Busy,
         QuorumNotReached,
         FrontendUnverified,
         LeadershipLost,

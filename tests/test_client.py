@@ -1,5 +1,6 @@
-"""The orchestrator's client reports an absent coordinator instead of hanging, and
-asks again when a leader that took its request never answers."""
+"""The orchestrator's client reports an absent coordinator instead of hanging,
+asks again when a leader that took its request never answers, and turns a
+reply that does not decode into a LorabusError."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from nats.aio.msg import Msg
 
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
-from lorabus.errors import NoCoordinator
+from lorabus.errors import LorabusError, MalformedReply, NoCoordinator
 from lorabus.schemas import Subjects, UpdateRequest, update_request_decoder
 from lorabus.testbed.stack import EmbeddedStack
 
@@ -84,3 +85,35 @@ async def test_a_request_nobody_answers_times_out_naming_its_update_id(
 
     assert result.error is not None and result.error.code == "timeout"
     assert "update_id u9" in result.error.message
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [b"{not json", b'{"type":"update_result","v":2,"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
+    ids=["not json", "nested too deeply"],
+)
+async def test_a_malformed_reply_is_a_clear_lorabus_error(
+    nats_url: str, fleet_name: str, reply: bytes
+) -> None:
+    """Whatever answers on the request subjects (a rogue responder here) cannot
+    make the client raise anything but a LorabusError that says what happened."""
+    nc = await connect(nats_url, name="test-rogue-responder")
+    subjects = Subjects(fleet=fleet_name)
+
+    async def answer_junk(msg: Msg) -> None:
+        await msg.respond(reply)
+
+    await nc.subscribe(subjects.update_request(), cb=answer_junk)
+    await nc.subscribe(subjects.status_request(), cb=answer_junk)
+    await nc.flush()
+    try:
+        client = UpdateClient(nc, fleet_name)
+        with pytest.raises(MalformedReply, match="not a valid update result") as updating:
+            await client.update("policy", "/a/step_1", version=1, timeout_s=5)
+        with pytest.raises(MalformedReply, match="not a valid fleet status"):
+            await client.status()
+    finally:
+        await close(nc)
+
+    assert isinstance(updating.value, LorabusError)
+    assert subjects.update_request() in str(updating.value)

@@ -1,23 +1,46 @@
-"""The coordinator's book keeps few results in memory, but never the only copy."""
+"""The coordinator's book: few results in memory but never the only copy, one
+content per update id, a bounded queue that answers what it need not keep.
+
+The same rules run end to end against a real coordinator in
+``test_request_reuse.py`` and ``test_request_queue.py``."""
 
 from __future__ import annotations
 
+import asyncio
+
 from lorabus.coordinator.book import UpdateBook
-from lorabus.schemas import COMMITTED, UpdateRequest, UpdateResult
+from lorabus.schemas import (
+    COMMITTED,
+    CommittedRecord,
+    ErrorCode,
+    RankMap,
+    UpdateRequest,
+    UpdateResult,
+)
 
 
-def _request(update_id: str) -> UpdateRequest:
-    return UpdateRequest(update_id=update_id, adapter="policy", path="/adapters/policy")
+def _request(
+    update_id: str, *, adapter: str = "policy", path: str = "/adapters/policy", version: int | None
+) -> UpdateRequest:
+    return UpdateRequest(update_id=update_id, adapter=adapter, path=path, version=version)
 
 
-def _result(update_id: str) -> UpdateResult:
-    return UpdateResult(update_id=update_id, status=COMMITTED, adapter="policy-v1", version=1)
+def _result(update_id: str, version: int = 1) -> UpdateResult:
+    return UpdateResult(
+        update_id=update_id, status=COMMITTED, adapter=f"policy-v{version}", version=version
+    )
+
+
+def _code(future: asyncio.Future[UpdateResult]) -> str | None:
+    assert future.done()
+    error = future.result().error
+    return None if error is None else str(error.code)
 
 
 async def test_old_results_are_left_to_the_results_bucket() -> None:
     book = UpdateBook()
     for i in range(100):
-        book.finish(_request(f"u{i}"), _result(f"u{i}"))
+        book.finish(_request(f"u{i}", version=1), _result(f"u{i}"))
 
     assert not book.knows("u0"), "answered from the results bucket instead"
     assert book.knows("u99")
@@ -25,10 +48,120 @@ async def test_old_results_are_left_to_the_results_bucket() -> None:
 
 async def test_a_result_the_bucket_did_not_take_is_kept_for_the_term() -> None:
     book = UpdateBook()
-    book.finish(_request("lost-write"), _result("lost-write"), persisted=False)
+    book.finish(_request("lost-write", version=1), _result("lost-write"), persisted=False)
     for i in range(100):
-        book.finish(_request(f"u{i}"), _result(f"u{i}"))
+        book.finish(_request(f"u{i}", version=1), _result(f"u{i}"))
 
     assert book.knows("lost-write")
-    again = book.submit(_request("lost-write"))
+    again = book.submit(_request("lost-write", version=1))
     assert again.done() and again.result() == _result("lost-write")
+
+
+async def test_a_repeated_id_with_other_content_is_refused_naming_the_first() -> None:
+    book = UpdateBook()
+    first = _request("step-1", path="/adapters/step_1", version=1)
+    book.finish(first, _result("step-1"))
+
+    for other in (
+        _request("step-1", path="/adapters/step_1", version=2),
+        _request("step-1", path="/adapters/step_2", version=1),
+        _request("step-1", adapter="critic", path="/adapters/step_1", version=1),
+    ):
+        answer = book.submit(other)
+        assert _code(answer) == ErrorCode.BAD_REQUEST, other
+        message = answer.result().error.message  # type: ignore[union-attr]
+        assert "'policy' version 1 from /adapters/step_1" in message, message
+    same = book.submit(_request("step-1", path="/adapters/step_1/", version=1))
+    assert same.result() == _result("step-1"), "a normalised path is the same directory"
+    assert book.submit(first).result() == _result("step-1"), "the refusals kept nothing"
+
+
+async def test_without_a_version_a_request_asks_for_what_its_first_was_taken_as() -> None:
+    book = UpdateBook()
+    book.finish(_request("auto", version=None), _result("auto", version=3))
+    explicit_first = _request("fixed", version=3)
+    book.finish(explicit_first, _result("fixed", version=3))
+
+    assert book.submit(_request("auto", version=None)).result() == _result("auto", 3)
+    assert book.submit(_request("auto", version=3)).result() == _result("auto", 3)
+    assert _code(book.submit(_request("auto", version=4))) == ErrorCode.BAD_REQUEST
+    assert book.submit(_request("fixed", version=None)).result() == _result("fixed", 3)
+
+
+async def test_a_version_is_checked_once_a_first_request_without_one_has_run() -> None:
+    book = UpdateBook()
+    first = book.submit(_request("auto", version=None))
+    as_three = book.submit(_request("auto", version=3))
+    as_four = book.submit(_request("auto", version=4))
+    elsewhere = book.submit(_request("auto", path="/adapters/other", version=3))
+    assert not as_three.done() and not as_four.done()
+    assert _code(elsewhere) == ErrorCode.BAD_REQUEST, "the path is known before it runs"
+
+    running = await book.next_request()
+    book.finish(running, _result("auto", version=3))
+
+    assert await first == await as_three == _result("auto", 3)
+    await as_four
+    assert _code(as_four) == ErrorCode.BAD_REQUEST
+    assert "run as version 3" in as_four.result().error.message  # type: ignore[union-attr]
+
+
+async def test_a_stored_result_stands_for_a_first_request_the_book_never_saw() -> None:
+    committed = CommittedRecord(
+        adapter="policy",
+        version=1,
+        path="/adapters/step_1",
+        served_name="policy-v1",
+        rank_map=RankMap(world_size=1, membership_version="m", entries=[]),
+    )
+    stored = _result("step-1")
+
+    def look_up(request: UpdateRequest) -> asyncio.Future[UpdateResult] | None:
+        return UpdateBook().look_up(request, stored=stored, committed=committed)
+
+    same = look_up(_request("step-1", path="/adapters/step_1", version=1))
+    assert same is not None and same.result() == stored
+    for other in (
+        _request("step-1", path="/adapters/step_2", version=1),
+        _request("step-1", path="/adapters/step_1", version=2),
+        _request("step-1", adapter="critic", path="/adapters/step_1", version=1),
+    ):
+        refused = look_up(other)
+        assert refused is not None and _code(refused) == ErrorCode.BAD_REQUEST, other
+    no_version = look_up(_request("step-1", path="/adapters/step_1", version=None))
+    assert no_version is not None and no_version.result() == stored
+
+
+async def test_past_max_queued_a_request_is_answered_busy_and_not_kept() -> None:
+    book = UpdateBook(max_queued=2)
+    await _run_one(book)
+    queued = [book.submit(_request(f"a{i}", adapter=f"a{i}", version=1)) for i in range(2)]
+    refused = book.submit(_request("late", adapter="late", version=1))
+
+    assert _code(refused) == ErrorCode.BUSY
+    assert not any(f.done() for f in queued)
+    assert not book.knows("late"), "busy is no result: the id may come again"
+    assert book.submit(_request("a0", adapter="a0", version=1)) is queued[0], "re-asks are free"
+    await book.next_request()
+    assert not book.submit(_request("late", adapter="late", version=1)).done()
+
+
+async def test_supersession_is_answered_on_arrival_both_ways() -> None:
+    book = UpdateBook()
+    await _run_one(book)
+    five = book.submit(_request("v5", version=5))
+    four = book.submit(_request("v4", version=4))
+    assert _code(four) == ErrorCode.SUPERSEDED, "older than a queued one: answered at once"
+    assert not five.done()
+
+    seven = book.submit(_request("v7", version=7))
+    assert _code(five) == ErrorCode.SUPERSEDED, "a newer one answers the queued older one"
+    assert book.queued == 1 and not seven.done()
+    assert sorted(r.update_id for r in book.take_settled()) == ["v4", "v5"]
+    assert book.take_settled() == []
+
+
+async def _run_one(book: UpdateBook) -> None:
+    """Make the book busy with a running update, so that others queue."""
+    book.submit(_request("running", adapter="running", version=1))
+    await book.next_request()

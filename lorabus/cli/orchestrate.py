@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 
 import click
@@ -11,6 +12,16 @@ import click
 from lorabus.bus_options import BusOptions
 from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.client import UPDATE_TIMEOUT_S
+from lorabus.schemas import UPDATE_ID_PATTERN
+
+
+def _update_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not re.fullmatch(UPDATE_ID_PATTERN, value):
+        raise click.BadParameter(
+            f"{value!r}: use 1-128 letters, digits, '_', '.', ':' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
 
 
 @click.command()
@@ -24,7 +35,14 @@ from lorabus.client import UPDATE_TIMEOUT_S
     default=None,
     help="Policy version; default: one past the committed version.",
 )
-@click.option("--update-id", default=None, help="Reuse to fetch the result of an earlier request.")
+@click.option(
+    "--update-id",
+    default=None,
+    callback=_update_id,
+    help="Names the update (default: a new random id). Reuse it with the same adapter, "
+    "path and version to fetch an earlier request's result; other content is refused "
+    "(bad_request).",
+)
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0.1),
@@ -44,7 +62,8 @@ def update(
     timeout: float,
     as_json: bool,
 ) -> None:
-    """Request an update and wait for its result (exit 0 committed, 1 failed)."""
+    """Request an update and wait for its result (exit 0 committed, 1 failed: refused,
+    superseded, busy or failed; the error's code and message are printed)."""
     from lorabus.client import UpdateClient
     from lorabus.render import result_text
     from lorabus.schemas import to_builtins
