@@ -10,6 +10,14 @@ JSON ``text/plain``), while ``/v1/loras`` answers a failed load with a 500
 (older releases: 200 with an error body too); so the body is checked as well
 as the status code.
 
+Names go into URLs one percent-encoded segment each (``quote(name,
+safe='')``), so ``org/policy-v1`` is sent as ``/v1/loras/org%2Fpolicy-v1``:
+Dynamo's route is ``/v1/loras/{*lora_name}`` and axum's ``Path`` extractor
+decodes it back to ``org/policy-v1``, while ``?``, ``#``, ``%`` or a ``/``
+cannot reach another route. The segments ``.`` and ``..`` are refused, since
+HTTP clients resolve them away (httpx sends ``DELETE /v1/loras/..`` as
+``DELETE /v1``).
+
 Pause asks for ``keep`` mode (in-flight requests are held, then continue).
 Dynamo 1.6.1's vLLM backend refuses ``keep`` while requests for a LoRA
 adapter are in flight; the driver then pauses in ``wait`` mode, which lets
@@ -35,7 +43,7 @@ from tenacity import (
 )
 
 from lorabus.agents.config import ENGINE_TIMEOUT_S
-from lorabus.errors import EngineError
+from lorabus.errors import BadRequest, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +110,7 @@ class DynamoDriver:
         await self._retrying(lambda: self._call("POST", "/v1/loras", body), budget_s)
 
     async def unload_adapter(self, name: str) -> None:
-        await self._call("DELETE", f"/v1/loras/{quote(name, safe='/')}")
+        await self._call("DELETE", f"/v1/loras/{_url_segment(name)}")
 
     async def list_adapters(self) -> list[str]:
         body = await self._call("GET", "/v1/loras")
@@ -147,6 +155,14 @@ class DynamoDriver:
                 status=status,
             )
         return payload if isinstance(payload, dict) else {}
+
+
+def _url_segment(value: str) -> str:
+    """``value`` as exactly one URL path segment: every reserved character
+    percent-encoded, and no segment that a client or server would resolve."""
+    if value in ("", ".", ".."):
+        raise BadRequest(f"{value!r} cannot stand as a URL path segment")
+    return quote(value, safe="")
 
 
 def _json_or_none(response: httpx.Response) -> Any:

@@ -18,10 +18,17 @@ class EngineDriver(Protocol):
     async def resume(self) -> None: ...
 
     async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:
-        """Load ``path`` under ``name``; retry transient failures within ``budget_s``."""
+        """Load ``path`` under ``name``; retry transient failures within ``budget_s``.
+
+        ``path`` is absolute and, when the agent has adapter roots, already
+        resolved and checked on this host: load it as given.
+        """
         ...
 
-    async def unload_adapter(self, name: str) -> None: ...
+    async def unload_adapter(self, name: str) -> None:
+        """Unload ``name``. Names reach the driver checked, but a driver that puts
+        one in a URL still encodes it as a single segment (``/`` included)."""
+        ...
 
     async def list_adapters(self) -> list[str]: ...
 

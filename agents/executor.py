@@ -4,6 +4,13 @@ Kept apart from the bus so the command logic reads as plain async code: the
 agent's bus module feeds commands in, one at a time and in order, and publishes
 what comes out. Commands are idempotent: a pause of a paused engine, a load of
 a loaded name and an unload of a name the engine lacks all succeed.
+
+A command is trusted no further than this host can check it: before any engine
+call, its served names must follow the coordinator's rule (``bad_request``
+otherwise) and a load's path must pass :func:`resolve_adapter_dir` against the
+agent's adapter roots (``path_refused`` otherwise); the engine is handed the
+resolved path. The refusing ack is the record of it, on the worker's own ack
+subject.
 """
 
 from __future__ import annotations
@@ -11,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
 from lorabus.agents.engine import EngineDriver
 from lorabus.clock import now
-from lorabus.errors import EngineError, NotListed
+from lorabus.errors import BadRequest, EngineError, LorabusError, NotListed
 from lorabus.schemas import (
     Ack,
     ErrorCode,
@@ -42,7 +50,8 @@ class CommandExecutor:
     ) -> None:
         self.worker_id = worker_id
         self.adapter_roots = list(adapter_roots or [])
-        """Directories adapters may be loaded from, on this host (empty: any)."""
+        """Directories adapters may be loaded from, on this host (empty: any path,
+        passed to the engine unchecked)."""
         self.world_size = world_size
         self.driver = driver
         self.paused = False
@@ -76,7 +85,7 @@ class CommandExecutor:
                 message=f"{phase_of(command)} on {self.worker_id} did not finish "
                 f"within its budget of {budget_s:.1f}s",
             )
-        except EngineError as exc:
+        except LorabusError as exc:
             error = exc.info()
         except Exception as exc:
             # A bug must cost one failed ack, not the agent: the engine may be
@@ -85,7 +94,14 @@ class CommandExecutor:
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
         self.last_contact = now()
         if error is not None:
-            log.warning("worker=%s update=%s %s", self.worker_id, command.update_id, error.message)
+            log.warning(
+                "worker=%s update=%s epoch=%d %s: %s",
+                self.worker_id,
+                command.update_id,
+                command.epoch,
+                error.code,
+                error.message,
+            )
         return Ack(
             update_id=command.update_id,
             phase=phase_of(command),
@@ -115,11 +131,47 @@ class CommandExecutor:
                 await self.driver.resume()
                 self.paused = False
             case LoadCommand(served_name=name, path=path, replace=replace):
-                await self._load(name, path, replace=replace, budget_s=budget_s)
+                self._check_names([name])
+                real = await self._adapter_dir(path, command.update_id)
+                await self._load(name, real, replace=replace, budget_s=budget_s)
             case UnloadCommand(names=names) if retire:
+                self._check_names(names)
                 await self._retire(names)
             case UnloadCommand(names=names):
+                self._check_names(names)
                 await self._unload(names)
+
+    def _check_names(self, names: list[str]) -> None:
+        """Refuse the command if a name could leave its place in an engine URL."""
+        for name in names:
+            try:
+                check_served_name(name)
+            except ValueError as exc:
+                raise BadRequest(f"{self.worker_id} refused the command: {exc}") from exc
+
+    async def _adapter_dir(self, path: str, update_id: str) -> str:
+        """The path to hand the engine, checked on this host (see adapter_paths)."""
+        try:
+            if self.adapter_roots:
+                # realpath and stat can block on a network filesystem: off the
+                # loop, and under the command's budget like any engine call.
+                real = await asyncio.to_thread(resolve_adapter_dir, path, self.adapter_roots)
+            else:
+                real = resolve_adapter_dir(path, ())  # no roots: reads nothing from disk
+        except ValueError as exc:
+            refusal = ErrorInfo(
+                code=ErrorCode.PATH_REFUSED, message=f"{self.worker_id} refused the load: {exc}"
+            )
+            raise LorabusError.from_info(refusal) from exc
+        if real != path:
+            log.info(
+                "worker=%s update=%s adapter path %s resolves to %s",
+                self.worker_id,
+                update_id,
+                path,
+                real,
+            )
+        return real
 
     async def _load(self, name: str, path: str, *, replace: bool, budget_s: float) -> None:
         if replace and name in await self.driver.list_adapters():

@@ -1,12 +1,22 @@
 """From an update request to a plan: validation, served names and retention.
 
-Everything here is pure, so the rules a request must meet are tested without
-a bus: name syntax, an absolute path (under the configured roots), a version
-not older than the committed one, and the served name for the naming policy.
+Everything here is pure but one look at the filesystem, so the rules a request
+must meet are tested without a bus: name syntax, an absolute path (under the
+configured roots), a version not older than the committed one, and the served
+name for the naming policy.
+
+The roots check resolves symlinks where it can: if the path exists on the
+coordinator's host, its real path must lie under one of the roots' real
+paths; if not, the normalized text must lie under a root, and each agent,
+which checks the path again on its own host, has the last word. The planned
+path stays the requested one (normalized), since hosts may mount adapters
+differently. The look is made only when roots are set, costs a few ``lstat``
+calls, and is isolated in :func:`_visible_realpath`.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 
@@ -71,15 +81,32 @@ def retired_names(adapter: str, loaded: set[str], keep: int) -> list[str]:
 
 
 def _checked_path(path: str, roots: list[str]) -> str:
-    if not path or not posixpath.isabs(path):
+    if not path or "\0" in path or not posixpath.isabs(path):
         raise BadRequest(f"adapter path {path!r} must be an absolute directory path")
     normal = posixpath.normpath(path)
-    if roots and not any(
-        normal == root or normal.startswith(root.rstrip("/") + "/")
-        for root in map(posixpath.normpath, roots)
-    ):
-        raise BadRequest(f"adapter path {path!r} is outside the adapter roots {roots}")
+    if not roots:
+        return normal
+    real = _visible_realpath(normal)
+    if real is None:  # not on this host: the text, then each agent on its own
+        inside = any(_is_within(normal, posixpath.normpath(root)) for root in roots)
+    else:
+        inside = any(_is_within(real, os.path.realpath(root)) for root in roots)
+    if not inside:
+        shown = path if real in (None, normal) else f"{path} (resolved: {real})"
+        raise BadRequest(f"adapter path {shown!r} is outside the adapter roots {roots}")
     return normal
+
+
+def _visible_realpath(path: str) -> str | None:
+    """``path`` with its symlinks resolved, or None if this host cannot see it."""
+    try:
+        return os.path.realpath(path, strict=True)
+    except OSError:
+        return None
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _checked_version(request: UpdateRequest, committed: CommittedRecord | None, path: str) -> int:

@@ -75,6 +75,8 @@ class RecordedRequest:
     #: The body parsed as JSON, or None when empty or not JSON.
     body: Any
     ts: float
+    #: The path as it arrived, percent-encoding kept (``path`` is decoded).
+    raw_path: str = ""
 
 
 class SimWorker:

@@ -142,6 +142,7 @@ class WorkerRoutes:
                     headers={name.lower(): value for name, value in request.headers.items()},
                     body=json_or_none(raw),
                     ts=time.time(),
+                    raw_path=request.raw_path.removeprefix(f"/workers/{worker_id}"),
                 )
             )
             if not await worker.wait_until(lambda: not worker.faults.hang):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lorabus.agents import DynamoDriver
-from lorabus.errors import EngineError
+from lorabus.errors import BadRequest, EngineError
 from lorabus.simfleet import SimFleet
 
 
@@ -51,6 +51,43 @@ async def test_pause_load_list_unload_resume_use_dynamos_routes_and_bodies(
         ("DELETE", "/v1/loras/org/policy-v1", None),
         ("POST", "/engine/resume_generation", {}),
     ]
+    # One segment on the wire; Dynamo's {*lora_name} route decodes it back.
+    assert sim.workers["w1"].requests[3].raw_path == "/v1/loras/org%2Fpolicy-v1"
+
+
+@pytest.mark.parametrize(
+    ("name", "wire"),
+    [
+        ("a/../../engine/pause_generation", "a%2F..%2F..%2Fengine%2Fpause_generation"),
+        ("p?mode=abort", "p%3Fmode%3Dabort"),
+        ("p#frag", "p%23frag"),
+        ("p%2F..%2Fx", "p%252F..%252Fx"),
+        ("...", "..."),
+    ],
+)
+async def test_an_unload_reaches_only_the_unload_route_of_that_exact_name(
+    sim: SimFleet, driver: DynamoDriver, name: str, wire: str
+) -> None:
+    worker = sim.workers["w1"]
+    worker.add_adapter(name)
+    worker.add_adapter("bystander")
+
+    await driver.unload_adapter(name)
+
+    assert [(r.method, r.raw_path) for r in worker.requests] == [("DELETE", f"/v1/loras/{wire}")]
+    assert list(worker.adapters) == ["bystander"]
+    assert not worker.paused
+
+
+@pytest.mark.parametrize("name", ["..", ".", ""])
+async def test_a_name_a_client_would_resolve_away_is_never_sent(
+    sim: SimFleet, driver: DynamoDriver, name: str
+) -> None:
+    # httpx sends DELETE /v1/loras/.. as DELETE /v1: another route.
+    with pytest.raises(BadRequest, match="URL path segment"):
+        await driver.unload_adapter(name)
+
+    assert sim.workers["w1"].requests == []
 
 
 async def test_http_200_with_status_error_is_a_failure(

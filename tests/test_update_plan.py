@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.plan import plan_update, retired_names
 from lorabus.errors import BadRequest, StaleVersion
 from lorabus.schemas import CommittedRecord, Naming, UpdateRequest, build_rank_map
+from lorabus.testbed.trainer import write_adapter
 
 CONFIG = CoordinatorConfig(fleet="f", frontend_url="http://127.0.0.1:1", expected_world_size=1)
 
@@ -64,6 +67,48 @@ def test_paths_must_be_absolute_and_under_the_roots() -> None:
         plan_update(_request(path="/ckpt/../etc"), rooted, None)
     with pytest.raises(BadRequest, match="outside the adapter roots"):
         plan_update(_request(path="/ckpt-other/step_1"), rooted, None)
+
+
+def _rooted(*roots: Path | str) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        fleet="f",
+        frontend_url="http://x",
+        expected_world_size=1,
+        adapter_roots=[str(root) for root in roots],
+    )
+
+
+def test_a_visible_symlink_out_of_the_root_is_refused_by_where_it_leads(tmp_path: Path) -> None:
+    outside = write_adapter(tmp_path / "elsewhere", 1)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "step_1").symlink_to(outside)
+
+    with pytest.raises(BadRequest, match="outside the adapter roots") as refused:
+        plan_update(_request(path=str(root / "step_1")), _rooted(root), None)
+    assert f"resolved: {outside}" in str(refused.value)
+
+
+def test_a_root_that_is_a_symlink_covers_what_it_holds_and_the_path_is_kept(
+    tmp_path: Path,
+) -> None:
+    write_adapter(tmp_path / "real", 1)
+    (tmp_path / "current").symlink_to(tmp_path / "real")
+    path = str(tmp_path / "current" / "step_1")
+
+    assert plan_update(_request(path=path), _rooted(tmp_path / "current"), None).path == path
+
+
+def test_a_path_this_host_cannot_see_is_checked_as_text(tmp_path: Path) -> None:
+    # The agents check it again where the engine reads it.
+    root = tmp_path / "root"
+    unseen = str(root / "step_404")
+
+    assert plan_update(_request(path=unseen), _rooted(root), None).path == unseen
+    with pytest.raises(BadRequest, match="outside the adapter roots"):
+        plan_update(_request(path=f"{root}/../elsewhere/step_1"), _rooted(root), None)
+    with pytest.raises(BadRequest, match="absolute"):
+        plan_update(_request(path=f"{root}/step_1\0"), _rooted(root), None)
 
 
 def test_an_older_version_is_stale_and_the_same_version_needs_the_same_path() -> None:
