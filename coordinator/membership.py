@@ -33,6 +33,8 @@ from lorabus.schemas import Ack, Heartbeat
 
 MISSED_BEATS = 3
 FORGET_AFTER_BEATS = 100
+CONFLICT_SHOWN_S = 300.0
+"""How long the status keeps showing a refused second agent after it fell silent."""
 _FORGET_CHECK_S = 1.0
 
 
@@ -88,9 +90,11 @@ class Membership:
         contender = self._contenders.get(worker_id)
         if contender is None:
             return None
-        if contender.heartbeat.instance == heartbeat.instance or not _contending(contender, at):
-            del self._contenders[worker_id]  # it took the place, or it is gone
+        if contender.heartbeat.instance == heartbeat.instance:
+            del self._contenders[worker_id]  # the holder died and it took the place
             return None
+        if not _contending(contender, at):
+            return None  # gone: kept for the status until CONFLICT_SHOWN_S
         return self._refuse(member, contender)
 
     def _contend(self, holder: Member, heartbeat: Heartbeat, at: float) -> Conflict | None:
@@ -117,10 +121,13 @@ class Membership:
         )
 
     def conflicts(self) -> list[tuple[Contender, float]]:
-        """Contenders still heard from, with how long ago; safe from another thread."""
+        """Contenders heard from in the last ``CONFLICT_SHOWN_S``, with how long
+        ago; safe from another thread."""
         at = self._clock()
         return [
-            (c, at - c.last_seen) for c in self._contenders.copy().values() if _contending(c, at)
+            (c, at - c.last_seen)
+            for c in self._contenders.copy().values()
+            if at - c.last_seen < CONFLICT_SHOWN_S
         ]
 
     def _forget_silent(self, at: float) -> None:
@@ -131,7 +138,9 @@ class Membership:
         ]
         for worker_id in silent:
             del self._members[worker_id]
-        for worker_id in [w for w, c in self._contenders.items() if not _contending(c, at)]:
+        for worker_id in [
+            w for w, c in self._contenders.items() if at - c.last_seen >= CONFLICT_SHOWN_S
+        ]:
             del self._contenders[worker_id]
 
     def observe_ack(self, ack: Ack) -> None:

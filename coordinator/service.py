@@ -74,6 +74,7 @@ from lorabus.schemas import (
     UpdateFinished,
     UpdateRequest,
     UpdateResult,
+    WorkerIdConflict,
     build_rank_map,
     encode,
     update_request_decoder,
@@ -559,6 +560,15 @@ class Coordinator:
             in_flight=self.book.running,
             epoch=self.epoch,
             leader=self.holder,
+            conflicts=[
+                WorkerIdConflict(
+                    worker_id=contender.heartbeat.worker_id,
+                    holder=self.membership.instance_of(contender.heartbeat.worker_id) or "",
+                    refused=contender.heartbeat.instance,
+                    age_s=age_s,
+                )
+                for contender, age_s in self.membership.conflicts()
+            ],
             **self._phase_progress(),
         )
 

@@ -91,4 +91,9 @@ def status_text(status: FleetStatus) -> str:
             f"{m.heartbeat_age_s:>5.1f}s  "
             f"{', '.join(m.adapters) or '-'}"
         )
+    for c in status.conflicts:
+        lines.append(
+            f"CONFLICT: worker id {c.worker_id} is claimed by a second agent (instance "
+            f"{c.refused}, heard {c.age_s:.1f}s ago); instance {c.holder} keeps it"
+        )
     return "\n".join(printable(line) for line in lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import msgspec
 import pytest
 
 from lorabus.coordinator.membership import FORGET_AFTER_BEATS, MISSED_BEATS, Membership
@@ -120,3 +121,47 @@ async def test_the_live_members_can_be_read_from_another_thread_while_workers_jo
         reader.join(timeout=10)
     assert failures == []
     assert len(membership.live()) == 20_000
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _instance_beat(instance: str, world_size: int = 1) -> Heartbeat:
+    return msgspec.structs.replace(_beat("w0", world_size), instance=instance)
+
+
+def test_a_second_instance_is_refused_once_the_live_holder_beats_again() -> None:
+    clock = _Clock()
+    membership = Membership(clock)
+    assert membership.observe(_instance_beat("first")) is None
+    clock.now += 0.1
+    assert membership.observe(_instance_beat("second", world_size=4)) is None, "pending"
+    assert membership.live_world_sizes() == {"w0": 1}
+    clock.now += 0.1
+    conflict = membership.observe(_instance_beat("first"))
+    assert conflict is not None
+    assert (conflict.holder.instance, conflict.refused.instance) == ("first", "second")
+    clock.now += 0.1
+    assert membership.observe(_instance_beat("second", world_size=4)) is None, "reported once"
+    assert membership.observe(_instance_beat("first")) is None
+    assert membership.live_world_sizes() == {"w0": 1}
+    assert [c.heartbeat.instance for c, _ in membership.conflicts()] == ["second"]
+
+
+def test_a_restarted_agent_takes_the_place_of_a_holder_that_stopped_beating() -> None:
+    clock = _Clock()
+    membership = Membership(clock)
+    membership.observe(_instance_beat("killed"))
+    clock.now += 0.5
+    assert membership.observe(_instance_beat("restarted", world_size=2)) is None
+    assert membership.instance_of("w0") == "killed", "the holder keeps it while live"
+    clock.now += MISSED_BEATS * BEAT_S
+    assert membership.observe(_instance_beat("restarted", world_size=2)) is None
+    assert membership.instance_of("w0") == "restarted"
+    assert membership.live_world_sizes() == {"w0": 2}
+    assert membership.conflicts() == []

@@ -13,6 +13,7 @@ from processes import Processes
 
 from lorabus.agents import AgentConfig
 from lorabus.bus import close, connect
+from lorabus.render import status_text
 from lorabus.schemas import (
     Ack,
     BadMessage,
@@ -188,6 +189,7 @@ async def test_a_second_agent_with_a_held_worker_id_is_refused_and_exits(
                 code = await impostor.process.wait()
             conflicts = await listener.wait_for(WorkerConflict)
             status = await stack.client.status()
+            text = status_text(status)
             result = await stack.client.update("policy", make_adapter(1), version=1)
         finally:
             await close(nc)
@@ -198,6 +200,11 @@ async def test_a_second_agent_with_a_held_worker_id_is_refused_and_exits(
     assert isinstance(conflict, WorkerConflict)
     assert conflict.worker_id == "w000" and conflict.world_sizes == [1, 2]
     assert [(m.worker_id, m.world_size) for m in status.members] == [("w000", 1)]
+    assert [(c.worker_id, c.refused) for c in status.conflicts] == [("w000", conflict.refused)]
+    assert (
+        f"CONFLICT: worker id w000 is claimed by a second agent (instance {conflict.refused}"
+        in text
+    )
     assert result.committed, result.error
     assert result.rank_map is not None
     assert [(e.worker_id, e.world_size) for e in result.rank_map.entries] == [("w000", 1)]

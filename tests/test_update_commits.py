@@ -63,11 +63,12 @@ async def test_repeated_update_id_returns_the_first_result_without_engine_work(
 ) -> None:
     async with make_stack([1, 1], phase_timeout_s=10) as stack:
         assert stack.client is not None and stack.sim is not None
-        first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
+        path = make_adapter(1)
+        first = await stack.client.update("policy", path, version=1, update_id="step-1")
         requests_after_first = sum(len(w.requests) for w in stack.sim.workers.values())
-        again = await stack.client.update("policy", "/elsewhere", version=9, update_id="step-1")
+        again = await stack.client.update("policy", path, version=1, update_id="step-1")
 
-        assert again == first
+        assert first.committed and again == first
         assert sum(len(w.requests) for w in stack.sim.workers.values()) == requests_after_first
 
 
