@@ -20,8 +20,8 @@ from lorabus.client import UpdateClient
 from lorabus.errors import (
     BadRequest,
     BusError,
-    Busy,
     BusUnreachable,
+    Busy,
     EngineError,
     InsecureConnection,
     LorabusError,
