@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from lorabus.schemas import MAX_WORLD_SIZE, check_token
-from lorabus.schemas.messages import MAX_SECONDS
+from lorabus.schemas.bounds import MAX_SECONDS
 
 ENGINE_TIMEOUT_S = 30.0
 """Seconds one engine HTTP call may take (a driver built without a config uses it too)."""

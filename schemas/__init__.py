@@ -3,6 +3,12 @@
 Depends on msgspec only; every other part imports it, it imports no other part.
 """
 
+from lorabus.schemas.bounds import (
+    INT64_MAX,
+    MAX_WORLD_SIZE,
+    UPDATE_ID_PATTERN,
+    WORKER_ID_PATTERN,
+)
 from lorabus.schemas.codec import (
     MAX_MESSAGE_BYTES,
     BadPayload,
@@ -24,11 +30,7 @@ from lorabus.schemas.errors import ErrorCode, ErrorInfo
 from lorabus.schemas.messages import (
     COMMITTED,
     FAILED,
-    INT64_MAX,
-    MAX_WORLD_SIZE,
-    UPDATE_ID_PATTERN,
     WIRE_VERSION,
-    WORKER_ID_PATTERN,
     Ack,
     BadMessage,
     Command,

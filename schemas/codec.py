@@ -44,6 +44,13 @@ class Reader(Generic[_T]):
         self.max_bytes = max_bytes
 
     def decode(self, data: bytes | bytearray | memoryview | str) -> _T:
+        if isinstance(data, str):
+            try:
+                data = data.encode()
+            except UnicodeEncodeError:
+                raise BadPayload("not valid UTF-8") from None
+        elif isinstance(data, memoryview):
+            data = data.tobytes()
         if len(data) > self.max_bytes:
             raise BadPayload(f"{len(data)} bytes is over the limit of {self.max_bytes}")
         try:

@@ -14,6 +14,20 @@ from typing import Annotated
 
 import msgspec
 
+from lorabus.schemas.bounds import (
+    Epoch,
+    Interval,
+    Name,
+    Names,
+    Path,
+    Seconds,
+    Text,
+    UpdateId,
+    Version,
+    WorkerId,
+    WorkerIds,
+    WorldSize,
+)
 from lorabus.schemas.errors import ErrorInfo
 from lorabus.schemas.rankmap import RankMap
 
@@ -39,36 +53,6 @@ class Naming(enum.StrEnum):
     """Serve ``<adapter>-v<version>``: a new name per version, nothing replaced."""
     FIXED = "fixed"
     """Serve ``<adapter>``: unload then load under the same name inside the pause."""
-
-
-# -- bounded fields: what any receiver accepts, whoever sent it ----------------
-
-INT64_MAX = 2**63 - 1
-MAX_WORLD_SIZE = 4096
-"""The most GPUs one engine may span (tensor x pipeline parallel)."""
-MAX_NAMES = 65536
-"""The most entries of any list on the wire (adapters, targets, members)."""
-MAX_SECONDS = 86400.0
-"""The longest duration any message may carry (budgets, leases, intervals)."""
-
-WORKER_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-UPDATE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
-
-WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_PATTERN)]
-"""A subject token: 1-64 letters, digits, '_' or '-'."""
-UpdateId = Annotated[str, msgspec.Meta(pattern=UPDATE_ID_PATTERN)]
-"""1-128 letters, digits, '_', '.', ':' or '-', starting with a letter or digit."""
-Name = Annotated[str, msgspec.Meta(max_length=256)]
-"""An adapter or served name as an engine reports it."""
-Text = Annotated[str, msgspec.Meta(max_length=4096)]
-Path = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
-Version = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
-Epoch = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
-WorldSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)]
-Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
-Interval = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
-WorkerIds = Annotated[list[WorkerId], msgspec.Meta(max_length=MAX_NAMES)]
-Names = Annotated[list[Name], msgspec.Meta(max_length=MAX_NAMES)]
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -122,7 +106,7 @@ class RenewLeaseCommand(_Command, frozen=True, kw_only=True, tag="renew_lease"):
     """Extends the pause lease of the targets; not acked (the next one, or a
     resume, follows soon, and a lost one only shortens the lease)."""
 
-    lease_s: float
+    lease_s: Seconds
 
 
 class RefuseInstance(_Command, frozen=True, kw_only=True, tag="refuse_instance"):
@@ -240,9 +224,9 @@ class UpdateRequest(_Message, frozen=True, kw_only=True, tag="update_request"):
 
 class WorkerOutcome(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
-    world_size: int
+    world_size: WorldSize
     error: ErrorInfo | None = None
-    adapters: list[str] = []
+    adapters: Names = []
 
 
 class UpdateResult(_Message, frozen=True, kw_only=True, tag="update_result"):
@@ -251,7 +235,7 @@ class UpdateResult(_Message, frozen=True, kw_only=True, tag="update_result"):
     """``committed`` or ``failed``."""
     adapter: str
     """The served name (``<adapter>-v<version>`` with versioned naming)."""
-    version: int | None
+    version: Version | None
     rank_map: RankMap | None = None
     phases: dict[str, float] = {}
     """Seconds spent in each phase that ran."""
@@ -272,11 +256,11 @@ class StatusRequest(_Message, frozen=True, kw_only=True, tag="status_request"):
 
 
 class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
-    worker_id: str
-    world_size: int
+    worker_id: WorkerId
+    world_size: WorldSize
     engine: str
     paused: bool
-    adapters: list[str]
+    adapters: Names
     heartbeat_age_s: float
     rank_offset: int | None = None
     ready: bool = True
@@ -288,11 +272,11 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     live_world_size: int
     members: list[MemberStatus]
     committed_adapter: str | None = None
-    committed_version: int | None = None
+    committed_version: Version | None = None
     rank_map: RankMap | None = None
     in_flight: str | None = None
     """The update id being run now, if any."""
-    epoch: int = 0
+    epoch: Epoch = 0
     leader: str = ""
     in_flight_phase: str | None = None
     """The phase the update in flight is in."""
@@ -305,7 +289,7 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
 
 
 class WorkerIdConflict(msgspec.Struct, frozen=True, kw_only=True):
-    worker_id: str
+    worker_id: WorkerId
     holder: str
     """The instance that keeps the id."""
     refused: str
@@ -329,7 +313,7 @@ class _Event(_Message, frozen=True, kw_only=True):
 class UpdateStarted(_Event, frozen=True, kw_only=True, tag="update_started"):
     update_id: UpdateId
     adapter: str
-    version: int
+    version: Version
     members: dict[str, int]
 
 
@@ -337,7 +321,7 @@ class PhaseFinished(_Event, frozen=True, kw_only=True, tag="phase_finished"):
     update_id: UpdateId
     phase: Phase
     ok: bool
-    duration_s: float
+    duration_s: Seconds
     missing: list[str] = []
     failed: list[str] = []
 
@@ -414,7 +398,7 @@ class WorkerConflict(_Event, frozen=True, kw_only=True, tag="worker_conflict"):
 
 class LeaderElected(_Event, frozen=True, kw_only=True, tag="leader_elected"):
     holder: str
-    epoch: int
+    epoch: Epoch
     recovered: str | None = None
     """The update id found in flight and rolled back, if any."""
 
@@ -439,14 +423,14 @@ Event = (
 
 class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
     holder: str
-    epoch: int
+    epoch: Epoch
     signing_key: str = ""
     """The public key this leader signs its commands with ("": it does not sign)."""
 
 
 class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
     adapter: str
-    version: int
+    version: Version
     path: str
     served_name: str
     rank_map: RankMap
@@ -454,10 +438,10 @@ class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 class InflightRecord(msgspec.Struct, frozen=True, kw_only=True):
     update_id: str
-    epoch: int
+    epoch: Epoch
     phase: Phase
     adapter: str
     served_name: str
-    version: int
+    version: Version
     members: dict[str, int]
     """The membership snapshot: everyone here may have been told to pause."""

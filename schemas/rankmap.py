@@ -14,10 +14,12 @@ from collections.abc import Mapping
 
 import msgspec
 
+from lorabus.schemas.bounds import WorkerId, WorldSize
+
 
 class RankEntry(msgspec.Struct, frozen=True, kw_only=True):
-    worker_id: str
-    world_size: int
+    worker_id: WorkerId
+    world_size: WorldSize
     rank_offset: int
 
 

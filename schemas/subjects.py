@@ -22,7 +22,7 @@ def check_token(kind: str, value: str) -> str:
     Worker ids and fleet names become subject tokens, so dots, wildcards and
     spaces would change which subscribers a message reaches.
     """
-    if not _TOKEN.match(value):
+    if not _TOKEN.fullmatch(value):
         raise ValueError(f"{kind} {value!r} is not valid: use 1-64 letters, digits, '_' or '-'")
     return value
 

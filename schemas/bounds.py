@@ -1,0 +1,38 @@
+"""Bounded field types: what any receiver accepts, whoever sent it.
+
+Every message is untrusted input, so every field a peer fills in has a bound
+here, checked by the decoder itself (msgspec ``Meta`` constraints).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+INT64_MAX = 2**63 - 1
+MAX_WORLD_SIZE = 4096
+"""The most GPUs one engine may span (tensor x pipeline parallel)."""
+MAX_NAMES = 65536
+"""The most entries of any list on the wire (adapters, targets, members)."""
+MAX_SECONDS = 86400.0
+"""The longest duration any message may carry (budgets, leases, intervals)."""
+
+WORKER_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}\Z"
+UPDATE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z"
+
+WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_PATTERN)]
+"""A subject token: 1-64 letters, digits, '_' or '-'."""
+UpdateId = Annotated[str, msgspec.Meta(pattern=UPDATE_ID_PATTERN)]
+"""1-128 letters, digits, '_', '.', ':' or '-', starting with a letter or digit."""
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+"""An adapter or served name as an engine reports it."""
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Path = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+Version = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+WorldSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
+Interval = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
+WorkerIds = Annotated[list[WorkerId], msgspec.Meta(max_length=MAX_NAMES)]
+Names = Annotated[list[Name], msgspec.Meta(max_length=MAX_NAMES)]
