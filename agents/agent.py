@@ -349,13 +349,19 @@ class Agent:
     async def _refuse_unproven(self, command: Command, reason: str) -> None:
         """A command whose sender is not proven: a forged or unsigned one, or one
         ahead of a leader record this agent cannot read yet. Dropped without an
-        ack (a real leader re-sends to agents that have not acked); reported at
-        most ``_BAD_EVENTS_PER_S`` times a second."""
+        ack (a real leader re-sends to agents that have not acked)."""
+        await self._report_refusal(command, reason)
+
+    async def _report_refusal(self, command: Command, reason: str) -> None:
+        """Log a refused command and emit ``command_refused``, at most
+        ``_BAD_EVENTS_PER_S`` times a second (a flood of forgeries must not
+        flood the trail)."""
         log.warning(
-            "worker=%s update=%s dropped %s: %s",
+            "worker=%s update=%s refused %s of epoch %d: %s",
             self.worker_id,
             command.update_id,
             tag_of(command),
+            command.epoch,
             reason,
         )
         if not self._bad_events.take():
@@ -391,25 +397,9 @@ class Agent:
         self._queue.put_nowait(_Work(command=command, received=now()))
 
     async def _refuse(self, command: Command) -> None:
-        log.warning(
-            "worker=%s update=%s refused %s of epoch %d: epoch %d seen",
-            self.worker_id,
-            command.update_id,
-            tag_of(command),
-            command.epoch,
-            self.epoch_seen,
-        )
-        await self._emit(
-            CommandRefused(
-                ts=time.time(),
-                source=self._source,
-                update_id=command.update_id,
-                worker_id=self.worker_id,
-                command=tag_of(command),
-                epoch=command.epoch,
-                epoch_seen=self.epoch_seen,
-            )
-        )
+        """A command of an older epoch: refused, and acked ``fenced`` so that a
+        deposed coordinator learns why."""
+        await self._report_refusal(command, f"it has seen epoch {self.epoch_seen}")
         if isinstance(command, RenewLeaseCommand | CommittedNotice | RefuseInstance):
             return
         await self._publish_ack(

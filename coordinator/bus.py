@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -30,10 +31,13 @@ from lorabus.coordinator.gather import AckRouter
 from lorabus.coordinator.membership import Conflict, Membership
 from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
+    Ack,
     BadMessage,
     BadPayload,
     Command,
     Event,
+    Heartbeat,
+    Reader,
     RefuseInstance,
     Subjects,
     WorkerConflict,
@@ -47,6 +51,7 @@ from lorabus.signing import CommandSigner
 log = logging.getLogger(__name__)
 
 _BAD_EVENTS_PER_S = 10
+_FromAgent = TypeVar("_FromAgent", Ack, Heartbeat)
 _REFUSE_BUDGET_S = 5.0
 
 
@@ -100,16 +105,28 @@ class CoordinatorBus:
         except Exception as exc:  # the audit trail must never stop an update
             log.warning("could not emit %s: %s", tag_of(event), exc)
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        worker_id = _last_token(msg.subject)
+    async def _from_its_worker(self, msg: Msg, reader: Reader[_FromAgent]) -> _FromAgent | None:
+        """The message, if it decodes and names the worker its subject names."""
+        kind = "an ack" if reader is ack_decoder else "a heartbeat"
         try:
-            heartbeat = heartbeat_decoder.decode(msg.data)
+            message = reader.decode(msg.data)
         except BadPayload as exc:
-            await self._bad(msg, f"not a heartbeat: {exc}")
+            await self._bad(msg, f"not {kind}: {exc}")
+            return None
+        worker_id = _last_token(msg.subject)
+        if message.worker_id != worker_id:
+            await self._bad(
+                msg,
+                f"{kind} on the subject of {worker_id!r} claims to come from {message.worker_id!r}",
+            )
+            return None
+        return message
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        heartbeat = await self._from_its_worker(msg, heartbeat_decoder)
+        if heartbeat is None:
             return
-        if heartbeat.worker_id != worker_id:
-            await self._bad(msg, _claims("heartbeat", heartbeat.worker_id, worker_id))
-            return
+        worker_id = heartbeat.worker_id
         low, high = self.heartbeat_range_s
         if not low <= heartbeat.interval_s <= high:
             await self._bad(
@@ -123,15 +140,10 @@ class CoordinatorBus:
             await self._report(conflict)
 
     async def _on_ack(self, msg: Msg) -> None:
-        worker_id = _last_token(msg.subject)
-        try:
-            ack = ack_decoder.decode(msg.data)
-        except BadPayload as exc:
-            await self._bad(msg, f"not an ack: {exc}")
+        ack = await self._from_its_worker(msg, ack_decoder)
+        if ack is None:
             return
-        if ack.worker_id != worker_id:
-            await self._bad(msg, _claims("ack", ack.worker_id, worker_id))
-            return
+        worker_id = ack.worker_id
         holder = self.membership.instance_of(worker_id)
         if holder is not None and ack.instance != holder:
             # A second agent with this worker id, not yet refused: its acks
@@ -201,7 +213,3 @@ class CoordinatorBus:
 
 def _last_token(subject: str) -> str:
     return subject.rpartition(".")[2]
-
-
-def _claims(kind: str, claimed: str, actual: str) -> str:
-    return f"{kind} on the subject of {actual!r} claims to come from {claimed!r}"

@@ -358,7 +358,7 @@ class CommandRefused(_Event, frozen=True, kw_only=True, tag="command_refused"):
     epoch: Epoch
     epoch_seen: Epoch
     reason: Text = ""
-    """Why, when not an older epoch (e.g. an epoch no leader record shows)."""
+    """Why: an older epoch, an epoch no leader record shows, or a signature check."""
 
 
 class LeaseExpired(_Event, frozen=True, kw_only=True, tag="lease_expired"):

@@ -3,10 +3,9 @@ a command that claims one is neither obeyed nor able to fence out the leader."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
-from nats.aio.msg import Msg
+from events import EventListener
 
 from lorabus.bus import close, connect
 from lorabus.schemas import (
@@ -14,7 +13,6 @@ from lorabus.schemas import (
     PauseCommand,
     Subjects,
     encode,
-    event_decoder,
 )
 from lorabus.testbed.stack import EmbeddedStack
 
@@ -38,16 +36,9 @@ async def test_a_forged_high_epoch_is_refused_and_the_leader_keeps_commanding(
             for w, worker in stack.sim.workers.items()
         }
         attacker = await connect(nats_url, name="test-attacker")
-        refusals: asyncio.Queue[CommandRefused] = asyncio.Queue()
-
-        async def on_event(msg: Msg) -> None:
-            event = event_decoder.decode(msg.data)
-            if isinstance(event, CommandRefused):
-                refusals.put_nowait(event)
-
+        listener = EventListener(attacker, subjects)
+        await listener.start()
         try:
-            await attacker.subscribe(subjects.event_any(), cb=on_event)
-            await attacker.flush()
             for worker_id in ("w000", "w001"):
                 forged = PauseCommand(
                     update_id="forged",
@@ -57,8 +48,11 @@ async def test_a_forged_high_epoch_is_refused_and_the_leader_keeps_commanding(
                     lease_s=0,
                 )
                 await attacker.publish(subjects.cmd_worker(worker_id), encode(forged))
-            async with asyncio.timeout(DEADLINE_S):
-                refused = [await refusals.get(), await refusals.get()]
+            refused = [
+                e
+                for e in await listener.wait_for(CommandRefused, 2)
+                if isinstance(e, CommandRefused)
+            ]
         finally:
             await close(attacker)
 

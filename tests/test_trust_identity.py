@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Callable
 
 import msgspec
-from nats.aio.client import Client as NatsClient
+from events import EventListener
 from nats.aio.msg import Msg
 from processes import Processes
 
@@ -17,7 +17,6 @@ from lorabus.render import status_text
 from lorabus.schemas import (
     Ack,
     BadMessage,
-    Event,
     Heartbeat,
     LoadCommand,
     Phase,
@@ -25,35 +24,10 @@ from lorabus.schemas import (
     WorkerConflict,
     command_decoder,
     encode,
-    event_decoder,
 )
 from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 15.0
-
-
-class _Listener:
-    """Collects the fleet's events, as the audit tap sees them."""
-
-    def __init__(self, nc: NatsClient, subjects: Subjects) -> None:
-        self.nc, self.subjects = nc, subjects
-        self.events: list[Event] = []
-        self._arrived = asyncio.Event()
-
-    async def start(self) -> None:
-        async def on_event(msg: Msg) -> None:
-            self.events.append(event_decoder.decode(msg.data))
-            self._arrived.set()
-
-        await self.nc.subscribe(self.subjects.event_any(), cb=on_event)
-        await self.nc.flush()
-
-    async def wait_for(self, kind: type, count: int = 1) -> list[Event]:
-        async with asyncio.timeout(DEADLINE_S):
-            while len(found := [e for e in self.events if isinstance(e, kind)]) < count:
-                self._arrived.clear()
-                await self._arrived.wait()
-        return found
 
 
 async def test_an_ok_ack_claiming_another_worker_does_not_count(
@@ -68,7 +42,7 @@ async def test_an_ok_ack_claiming_another_worker_does_not_count(
         # w001's real load fails, slowly: a forged "ok" would arrive first.
         stack.sim.workers["w001"].set_faults(fail_next_loads=100, latency_s={"load": 1.0})
         forger = await connect(nats_url, name="test-forger")
-        listener = _Listener(forger, subjects)
+        listener = EventListener(forger, subjects)
         await listener.start()
 
         async def forge_ack(msg: Msg) -> None:
@@ -134,7 +108,7 @@ async def test_heartbeats_that_lie_do_not_enter_the_membership(
     async with make_stack([1, 2]) as stack:
         assert stack.client is not None
         liar = await connect(nats_url, name="test-liar")
-        listener = _Listener(liar, subjects)
+        listener = EventListener(liar, subjects)
         await listener.start()
         try:
             for _ in range(5):  # beats, not one message: each must be refused each time
@@ -172,7 +146,7 @@ async def test_a_second_agent_with_a_held_worker_id_is_refused_and_exits(
     async with make_stack([1]) as stack:
         assert stack.client is not None and stack.sim is not None
         nc = await connect(nats_url, name="test-listener")
-        listener = _Listener(nc, subjects)
+        listener = EventListener(nc, subjects)
         await listener.start()
         try:
             impostor = await processes.start_agent(

@@ -94,7 +94,9 @@ class Children(ChildGroup[Child]):
     ) -> tuple[Child, dict[str, Any]]:
         """Start ``python -m lorabus.testbed.bench.<module> <spec>``; return it and its
         ready line."""
-        argv = [sys.executable, "-m", f"lorabus.testbed.bench.{module}", json.dumps(spec)]
+        spec_file = self.log_dir / f"{name}.spec.json"
+        spec_file.write_text(json.dumps(spec))
+        argv = [sys.executable, "-m", f"lorabus.testbed.bench.{module}", str(spec_file)]
         child = await self._spawn(name, argv, asks=True, env=env)
         try:
             ready = await child.read(ready_timeout_s)

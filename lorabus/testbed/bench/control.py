@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -50,13 +51,14 @@ async def serve_requests(handle: Handler) -> None:
 
 
 def child_main(main: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-    """Run ``main(spec)`` with the spec from ``argv[1]``; SIGTERM/SIGINT cancel it."""
+    """Run ``main(spec)`` with the spec in the JSON file ``argv[1]`` (a host's
+    identities outgrow one command-line argument); SIGTERM/SIGINT cancel it."""
     logging.basicConfig(
         level=logging.WARNING,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    spec = json.loads(sys.argv[1])
+    spec = json.loads(Path(sys.argv[1]).read_text())
 
     async def guarded() -> None:
         task = asyncio.current_task()
