@@ -94,6 +94,7 @@ class Children(ChildGroup[Child]):
     ) -> tuple[Child, dict[str, Any]]:
         """Start ``python -m lorabus.testbed.bench.<module> <spec>``; return it and its
         ready line."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         spec_file = self.log_dir / f"{name}.spec.json"
         spec_file.write_text(json.dumps(spec))
         argv = [sys.executable, "-m", f"lorabus.testbed.bench.{module}", str(spec_file)]
