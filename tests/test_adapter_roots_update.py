@@ -23,6 +23,7 @@ from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
 from lorabus.schemas import ErrorCode
 from lorabus.simfleet import SimFleet
+from lorabus.testbed.stack import EmbeddedStack
 from lorabus.testbed.trainer import write_adapter
 
 WORLD_SIZES = {"w000": 2, "w001": 1}
@@ -165,3 +166,24 @@ async def test_the_coordinator_refuses_a_symlink_out_of_the_root_it_can_see(
     assert "outside the adapter roots" in result.error.message
     touched = [r.path for w in sim.workers.values() for r in w.requests]
     assert not any(path.endswith(("/pause_generation", "/v1/loras")) for path in touched), touched
+
+
+async def test_the_embedded_stack_checks_adapter_roots_on_agents_and_coordinator(
+    nats_url: str, fleet_name: str, tmp_path: Path
+) -> None:
+    # lorabus up runs this way: its trainer's directory is the only root.
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    inside.mkdir()
+    outside.mkdir()
+    (inside / "escape").symlink_to(write_adapter(outside, 1))
+    async with EmbeddedStack(
+        [1, 1], fleet=fleet_name, nats_url=nats_url, heartbeat_s=0.2, adapter_roots=[str(inside)]
+    ) as stack:
+        assert stack.client is not None
+        escaped = await stack.client.update("policy", str(inside / "escape"), version=1)
+        committed = await stack.client.update("policy", str(write_adapter(inside, 2)), version=2)
+
+    assert not escaped.committed and escaped.error is not None
+    assert escaped.error.code is ErrorCode.BAD_REQUEST
+    assert "outside the adapter roots" in escaped.error.message
+    assert committed.committed, committed.error

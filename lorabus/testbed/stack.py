@@ -55,6 +55,7 @@ class EmbeddedStack:
         nats_url: str | None = None,
         heartbeat_s: float = 0.5,
         secure: bool = False,
+        adapter_roots: Sequence[str] = (),
         **coordinator: Any,
     ) -> None:
         if secure and nats_url is not None:
@@ -64,6 +65,8 @@ class EmbeddedStack:
         self._nats_url = nats_url
         self._heartbeat_s = heartbeat_s
         self.secure = secure
+        self.adapter_roots = list(adapter_roots)
+        """Where the agents (and the coordinator) accept adapters from (empty: anywhere)."""
         self.auth: FleetAuth | None = None
         self._coordinator_settings = {"expected_world_size": sum(self.world_sizes), **coordinator}
         self.server: NatsServer | None = None
@@ -111,14 +114,14 @@ class EmbeddedStack:
             await self._provision()
         self.sim = SimFleet(worker_ids, self.world_sizes)
         await self._exit.enter_async_context(self.sim)
-        signing: dict[str, Any] = {}
+        settings: dict[str, Any] = {"adapter_roots": self.adapter_roots}
         if self.auth is not None:
             folder = self.auth.identity(Role.COORDINATOR).folder
-            signing["signing_key_file"] = str(folder / SIGNING_SEED_FILE)
+            settings["signing_key_file"] = str(folder / SIGNING_SEED_FILE)
         config = CoordinatorConfig(
             fleet=self.fleet_name,
             frontend_url=self.sim.url,
-            **{**signing, **self._coordinator_settings},
+            **{**settings, **self._coordinator_settings},
         )
         self.coordinator = Coordinator(config)
         await self._serve("coordinator", self.coordinator.run, self.bus_as(Role.COORDINATOR))
@@ -130,6 +133,7 @@ class EmbeddedStack:
                 world_size=worker.world_size,
                 heartbeat_s=self._heartbeat_s,
                 coordinator_keys=[self.auth.signing_key] if self.auth is not None else [],
+                adapter_roots=self.adapter_roots,
             )
             driver = driver_for(agent_config)
             self._exit.push_async_callback(driver.aclose)

@@ -43,7 +43,9 @@ async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], No
             "simulated Dynamo workers "
             f"(world sizes {', '.join(map(str, world_sizes))}), their agents and the coordinator"
         )
-        async with EmbeddedStack(world_sizes, fleet="demo", keep=KEEP, secure=True) as stack:
+        async with EmbeddedStack(
+            world_sizes, fleet="demo", keep=KEEP, secure=True, adapter_roots=[tmp]
+        ) as stack:
             assert stack.client is not None and stack.sim is not None
             out(f"  nats {stack.nats_url}   frontend {stack.sim.url}")
             results: list[UpdateResult] = []
