@@ -61,10 +61,7 @@ log = logging.getLogger(__name__)
 _C = TypeVar("_C", PauseCommand, LoadCommand, ResumeCommand, UnloadCommand)
 _FIRST_RESEND_S = 1.0
 """A re-send only helps a member whose command was lost, and each costs a
-signed publish per member still busy: engines answer a load in seconds, not
-in this. So the first one waits an eighth of the phase's deadline, at least
-this long (3.75 s of a 30 s phase), and the gap doubles after each."""
-_FIRST_RESEND_SHARE = 1 / 8
+publish per member still busy: engines answer a load in seconds, not in this."""
 _LIVENESS_TICK_S = 0.25
 
 
@@ -485,8 +482,8 @@ class UpdateRunner:
         gather = self.bus.acks.expect(command.update_id, phase, expected)
         started = now()
         deadline = started + timeout_s
-        resend_gap = max(_FIRST_RESEND_S, timeout_s * _FIRST_RESEND_SHARE)
-        next_resend = started + resend_gap
+        next_resend = started + _FIRST_RESEND_S
+        resend_gap = _FIRST_RESEND_S
         try:
             if command.cohort:
                 await self.bus.broadcast(command)

@@ -125,4 +125,6 @@ def test_a_verifier_refuses_keys_it_does_not_trust_and_records_the_first_on_firs
     )
     assert reason is not None and "does not trust" in reason
     with pytest.raises(ValueError, match="not an nkey public key"):
-        CommandVerifier(["AB" + signer.public_key[2:]])
+        middle = len(signer.public_key) // 2
+        flipped = "B" if signer.public_key[middle] != "B" else "C"
+        CommandVerifier([signer.public_key[:middle] + flipped + signer.public_key[middle + 1 :]])
