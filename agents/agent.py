@@ -21,7 +21,10 @@ the highest it has seen and refuses anything older, with a ``fenced`` ack and a
 A higher epoch is adopted only once the fleet's leader record in KV shows it:
 a command that merely claims one is dropped (``command_refused``, no ack, as
 the real leader re-sends to agents that have not acked), so a forged epoch can
-neither be obeyed nor fence out the real coordinator.
+neither be obeyed nor fence out the real coordinator. A new leader's first
+commands can arrive just after this agent read the record's previous state:
+the newest such command per subject is held and checked once more after the
+next read, so the agent need not wait for the leader's re-send.
 
 Signatures: an agent pinned to the fleet's coordinator keys obeys a command
 only if it is signed by the key that the leader record of its epoch names,
@@ -108,8 +111,8 @@ _RECONCILE_BUDGET_S = 60.0
 _BAD_EVENTS_PER_S = 10
 _LEADER_READ_TIMEOUT_S = 2.0
 _LEADER_REREAD_S = 0.5
-"""A command whose epoch the leader record did not show is checked again
-only after this: a flood of forged epochs costs one KV read per interval."""
+"""The leader record is read at most once per this, whoever asks: a flood of
+forged epochs costs one KV read per interval."""
 _RETIRE_BUDGET_S = 10.0
 """Retiring is housekeeping: it must not hold the next pause up for long."""
 
@@ -132,6 +135,7 @@ class _CommittedView(msgspec.Struct):
     served_name: str
     path: str
     version: int
+    lineage: int = 0
 
 
 _COMMITTED_VIEW = msgspec.json.Decoder(_CommittedView)
@@ -182,6 +186,10 @@ class Agent:
         self.verifier = verifier or CommandVerifier()
         self._leader_keys: dict[int, str] = {}
         """The signing key of each epoch's leader record this agent has read."""
+        self._held: dict[str, Msg] = {}
+        """Per subject, the newest command of an epoch the leader record did not
+        show yet, checked once more after the next read of the record."""
+        self._recheck = asyncio.Event()
 
     @classmethod
     def from_config(cls, config: AgentConfig, driver: EngineDriver) -> Agent:
@@ -225,6 +233,7 @@ class Agent:
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._stop_if_refused())
             tasks.create_task(self._command_loop())
+            tasks.create_task(self._recheck_loop())
             tasks.create_task(self.lease.watch(self._on_lease_expired))
             # Converge before the first heartbeat, so the coordinator never
             # counts this worker while its engine lacks the committed adapter.
@@ -247,7 +256,7 @@ class Agent:
 
     # -- the bus side --------------------------------------------------------
 
-    async def _on_command(self, msg: Msg) -> None:
+    async def _on_command(self, msg: Msg, *, may_hold: bool = True) -> None:
         try:
             command = command_decoder.decode(msg.data)
         except BadPayload as exc:
@@ -269,13 +278,11 @@ class Agent:
         if not is_addressed_to(command, self.worker_id, self._cohorts):
             return
         if self.verifier.required:
-            refusal = self.verifier.check(
-                await self._signing_key_of(command.epoch),
-                command.epoch,
-                msg.subject,
-                msg.headers,
-                msg.data,
-            )
+            key = await self._signing_key_of(command.epoch)
+            if not key and may_hold and command.epoch >= self.epoch_seen:
+                self._hold(msg)
+                return
+            refusal = self.verifier.check(key, command.epoch, msg.subject, msg.headers, msg.data)
             if refusal is not None:
                 await self._refuse_unproven(command, refusal)
                 return
@@ -283,6 +290,9 @@ class Agent:
             await self._refuse(command)
             return
         if command.epoch > self.epoch_seen and not await self._leader_shows(command.epoch):
+            if may_hold:
+                self._hold(msg)
+                return
             await self._refuse_unproven(
                 command,
                 f"epoch {command.epoch} is not in the fleet's leader record "
@@ -305,6 +315,25 @@ class Agent:
                 await self._accept(command)
             case _:
                 await self._accept(command)
+
+    def _hold(self, msg: Msg) -> None:
+        """Keep ``msg`` to check once more after the next read of the leader
+        record (only the newest per subject: a flood cannot grow this)."""
+        self._held[msg.subject] = msg
+        self._recheck.set()
+
+    async def _recheck_loop(self) -> None:
+        while True:
+            await self._recheck.wait()
+            self._recheck.clear()
+            # The next read of the record is allowed only after the interval.
+            await asyncio.sleep(max(0.0, self._leader_read[0] + _LEADER_REREAD_S - now()))
+            held, self._held = self._held, {}
+            for msg in held.values():
+                try:
+                    await self._on_command(msg, may_hold=False)
+                except Exception:  # one bad command must not stop the agent
+                    log.exception("worker=%s could not check a held command", self.worker_id)
 
     async def _leader_shows(self, epoch: int) -> bool:
         """Whether the fleet's leader record shows ``epoch`` (or a later one);
@@ -522,7 +551,11 @@ class Agent:
     # -- converging to the committed state -------------------------------------
 
     def _learn_committed(self, notice: CommittedNotice) -> None:
-        if self.committed is None or notice.version >= self.committed.version:
+        # A reset starts a new lineage: its versions may be lower than before.
+        if self.committed is None or (notice.lineage, notice.version) >= (
+            self.committed.lineage,
+            self.committed.version,
+        ):
             self.committed = notice
 
     def _retire(self, notice: CommittedNotice) -> None:
@@ -566,6 +599,7 @@ class Agent:
                     served_name=committed.served_name,
                     path=committed.path,
                     version=committed.version,
+                    lineage=committed.lineage,
                 )
             )
         return True

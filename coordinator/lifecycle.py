@@ -61,7 +61,12 @@ log = logging.getLogger(__name__)
 _C = TypeVar("_C", PauseCommand, LoadCommand, ResumeCommand, UnloadCommand)
 _FIRST_RESEND_S = 1.0
 """A re-send only helps a member whose command was lost, and each costs a
-publish per member still busy: engines answer a load in seconds, not in this."""
+signed publish per member still busy: engines answer a load in seconds, not
+in this. So the first one waits an eighth of the phase's deadline, at least
+this long (3.75 s of a 30 s phase), and the gap doubles after each. A member
+that (re)joined after its command was sent (an agent starting, one cut off
+from the bus for a beat) likely missed it: it gets it again at once."""
+_FIRST_RESEND_SHARE = 1 / 8
 _LIVENESS_TICK_S = 0.25
 
 
@@ -202,6 +207,7 @@ class UpdateRunner:
             served_name=plan.served_name,
             version=plan.version,
             members=members,
+            path=plan.path,
         )
         renewing = asyncio.create_task(self._renew_pause_leases(plan.update_id))
         paused_at = now()
@@ -482,8 +488,9 @@ class UpdateRunner:
         gather = self.bus.acks.expect(command.update_id, phase, expected)
         started = now()
         deadline = started + timeout_s
-        next_resend = started + _FIRST_RESEND_S
-        resend_gap = _FIRST_RESEND_S
+        resend_gap = max(_FIRST_RESEND_S, timeout_s * _FIRST_RESEND_SHARE)
+        next_resend = started + resend_gap
+        sent_at = dict.fromkeys(expected, started)
         try:
             if command.cohort:
                 await self.bus.broadcast(command)
@@ -498,14 +505,21 @@ class UpdateRunner:
                     break
                 gather.give_up_on([w for w in gather.waiting if not self.membership.is_live(w)])
                 at = now()
-                if at >= next_resend and gather.waiting and at < deadline:
+                if at >= deadline or not gather.waiting:
+                    continue
+                if at >= next_resend:
+                    again_to = sorted(gather.waiting)
+                    resend_gap *= 2
+                    next_resend = at + resend_gap
+                else:
+                    again_to = [w for w in sorted(gather.waiting) if self._joined_since(w, sent_at)]
+                if again_to:
                     # By name: a restarted agent has forgotten which pauses it took.
                     again = msgspec.structs.replace(
                         command, cohort=False, excluded=[], budget_s=deadline - at
                     )
-                    await self._send_to_each(again, sorted(gather.waiting))
-                    resend_gap *= 2
-                    next_resend = at + resend_gap
+                    await self._send_to_each(again, again_to)
+                    sent_at.update(dict.fromkeys(again_to, at))
         finally:
             self.bus.acks.close(gather)
         return PhaseOutcome(
@@ -516,6 +530,10 @@ class UpdateRunner:
             duration_s=now() - started,
             timeout_s=timeout_s,
         )
+
+    def _joined_since(self, worker_id: str, sent_at: dict[str, float]) -> bool:
+        joined = self.membership.joined_at(worker_id)
+        return joined is not None and joined > sent_at.get(worker_id, 0.0)
 
     async def _send_to_each(self, command: PhasedCommand, worker_ids: list[str]) -> None:
         """Each member on its own subject, named alone: a broadcast naming N
@@ -554,4 +572,5 @@ class UpdateRunner:
             phases={str(k): round(v, 6) for k, v in phases.items()},
             workers=workers,
             error=error,
+            path=plan.path,
         )

@@ -36,11 +36,16 @@ FORGET_AFTER_BEATS = 100
 CONFLICT_SHOWN_S = 300.0
 """How long the status keeps showing a refused second agent after it fell silent."""
 _FORGET_CHECK_S = 1.0
+_REJOIN_AFTER_BEATS = 2.0
+"""Silent this long (a whole beat missed): it may have been cut off from the bus."""
 
 
 class Member(msgspec.Struct, kw_only=True):
     heartbeat: Heartbeat
     seen_at: float
+    joined_at: float
+    """When this instance was first heard, or heard again after a missed beat:
+    a command sent before then may never have reached it."""
 
 
 class Contender(msgspec.Struct, kw_only=True):
@@ -83,7 +88,16 @@ class Membership:
             heartbeat.ready,
         ):
             self._changed.set()
-        member = self._members[worker_id] = Member(heartbeat=heartbeat, seen_at=at)
+        rejoined = (
+            known is None
+            or known.heartbeat.instance != heartbeat.instance
+            or at - known.seen_at > _REJOIN_AFTER_BEATS * known.heartbeat.interval_s
+        )
+        member = self._members[worker_id] = Member(
+            heartbeat=heartbeat,
+            seen_at=at,
+            joined_at=at if rejoined or known is None else known.joined_at,
+        )
         if at - self._forget_checked_at >= _FORGET_CHECK_S:
             self._forget_checked_at = at
             self._forget_silent(at)
@@ -157,6 +171,11 @@ class Membership:
         """The instance that holds ``worker_id``, if it is known."""
         member = self._members.get(worker_id)
         return None if member is None else member.heartbeat.instance
+
+    def joined_at(self, worker_id: str) -> float | None:
+        """When ``worker_id``'s agent (re)joined (see :attr:`Member.joined_at`)."""
+        member = self._members.get(worker_id)
+        return None if member is None else member.joined_at
 
     def is_live(self, worker_id: str) -> bool:
         member = self._members.get(worker_id)

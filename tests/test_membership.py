@@ -165,3 +165,23 @@ def test_a_restarted_agent_takes_the_place_of_a_holder_that_stopped_beating() ->
     assert membership.instance_of("w0") == "restarted"
     assert membership.live_world_sizes() == {"w0": 2}
     assert membership.conflicts() == []
+
+
+def test_a_member_rejoins_when_first_heard_after_a_missed_beat_or_as_a_new_instance() -> None:
+    """What the coordinator re-sends on at once: a command sent before an
+    agent (re)joined may never have reached it."""
+    clock = _Clock()
+    membership = Membership(clock)
+    assert membership.joined_at("w0") is None
+    membership.observe(_instance_beat("first"))
+    joined = clock.now
+    for _ in range(3):
+        clock.now += BEAT_S
+        membership.observe(_instance_beat("first"))
+    assert membership.joined_at("w0") == joined, "regular beats keep the join time"
+    clock.now += 2.5 * BEAT_S
+    membership.observe(_instance_beat("first"))
+    assert membership.joined_at("w0") == clock.now, "a missed beat: cut off, then back"
+    clock.now += MISSED_BEATS * BEAT_S
+    membership.observe(_instance_beat("restarted"))
+    assert membership.joined_at("w0") == clock.now, "a new instance"
