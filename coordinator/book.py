@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
+import re
 from collections import OrderedDict
 
 from lorabus.errors import BadRequest, Busy
@@ -68,6 +69,7 @@ def failed_result(request: UpdateRequest, error: ErrorInfo) -> UpdateResult:
         adapter=request.adapter,
         version=request.version,
         error=error,
+        path=posixpath.normpath(request.path),
     )
 
 
@@ -76,6 +78,8 @@ class UpdateBook:
         self.max_queued = max_queued
         self.committed: dict[str, CommittedRecord] = {}
         self.latest: CommittedRecord | None = None
+        self.lineages: dict[str, int] = {}
+        """Each adapter's lineage, where this term has learned it."""
         self.running: str | None = None
         self._results: OrderedDict[str, UpdateResult] = OrderedDict()
         self._unpersisted: dict[str, UpdateResult] = {}
@@ -211,6 +215,15 @@ class UpdateBook:
     def commit(self, committed: CommittedRecord) -> None:
         self.committed[committed.adapter] = committed
         self.latest = committed
+        self.lineages[committed.adapter] = committed.lineage
+
+    def reset(self, adapter: str, lineage: int) -> None:
+        """An operator reset ``adapter``'s committed state: nothing of it is
+        committed now, and its next commit belongs to ``lineage``."""
+        self.committed.pop(adapter, None)
+        self.lineages[adapter] = lineage
+        if self.latest is not None and self.latest.adapter == adapter:
+            self.latest = None
 
     def close(self, error: ErrorInfo) -> None:
         """At the end of a term: answer everyone still waiting, and every later
@@ -288,17 +301,19 @@ def result_conflict(
     """Why ``request`` is not the content the id's ``result`` was for, as far as
     the result shows it (the first request is not known); None when it may be.
 
-    A result names the adapter as requested or its served name, and the
-    version it ran as (none only if the first request named none and was
-    refused before it was planned); its path is known only while the adapter's
-    committed record is the result's version.
+    A result names the adapter as requested or its served name, the version
+    it ran as (none only if the first request named none and was refused
+    before it was planned), and its path (a result stored by an older
+    version has none: then the path is known only while the adapter's
+    committed record is the result's version).
     """
-    versioned = f"{request.adapter}-v{result.version}"
-    same_adapter = result.adapter in (request.adapter, versioned)
+    served = re.compile(rf"{re.escape(request.adapter)}-(?:r\d+-)?v{result.version}")
+    same_adapter = result.adapter == request.adapter or bool(served.fullmatch(result.adapter))
     same_version = request.version is None or request.version == result.version
-    path: str | None = None
+    path: str | None = result.path or None
     if (
-        result.committed
+        path is None
+        and result.committed
         and committed is not None
         and committed.adapter == request.adapter
         and committed.version == result.version

@@ -11,11 +11,13 @@ paths; if not, the normalized text must lie under a root, and each agent,
 which checks the path again on its own host, has the last word. The planned
 path stays the requested one (normalized), since hosts may mount adapters
 differently. The look is made only when roots are set, costs a few ``lstat``
-calls, and is isolated in :func:`_visible_realpath`.
+calls, and is isolated in :func:`_visible_realpath`; the coordinator makes it
+off its event loop, under a deadline (:func:`plan_update_off_loop`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 import re
@@ -27,6 +29,8 @@ from lorabus.errors import BadRequest, StaleVersion
 from lorabus.schemas import CommittedRecord, Naming, UpdateRequest
 
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
+_LINEAGE_SUFFIX = re.compile(r"-r\d+\Z")
+RESOLVE_DEADLINE_S = 5.0
 
 
 class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,12 +40,17 @@ class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     served_name: str
     replace: bool
+    lineage: int = 0
 
 
 def plan_update(
-    request: UpdateRequest, config: CoordinatorConfig, committed: CommittedRecord | None
+    request: UpdateRequest,
+    config: CoordinatorConfig,
+    committed: CommittedRecord | None,
+    lineage: int = 0,
 ) -> UpdatePlan:
-    """Validate ``request`` against the config and the committed state."""
+    """Validate ``request`` against the config and the committed state, in the
+    adapter's ``lineage`` (how many times its committed state was reset)."""
     if not request.update_id or len(request.update_id) > 128:
         raise BadRequest("update_id must be 1-128 characters")
     if not _NAME.match(request.adapter) or ".." in request.adapter or "//" in request.adapter:
@@ -49,10 +58,15 @@ def plan_update(
             f"adapter name {request.adapter!r} is not valid: use letters, digits and "
             "'.', '_', '-', '/' (not at either end), at most 128 characters"
         )
+    if _LINEAGE_SUFFIX.search(request.adapter):
+        raise BadRequest(
+            f"adapter name {request.adapter!r} ends like a reset lineage (-r<number>), "
+            "which served names use after a reset: choose another name"
+        )
     path = _checked_path(request.path, config.adapter_roots)
     version = _checked_version(request, committed, path)
     if config.naming is Naming.VERSIONED:
-        served_name, replace = f"{request.adapter}-v{version}", False
+        served_name, replace = versioned_name(request.adapter, lineage, version), False
     else:
         served_name, replace = request.adapter, True
     return UpdatePlan(
@@ -62,7 +76,37 @@ def plan_update(
         path=path,
         served_name=served_name,
         replace=replace,
+        lineage=lineage,
     )
+
+
+def versioned_name(adapter: str, lineage: int, version: int) -> str:
+    """``<adapter>-v<version>``; after a reset ``<adapter>-r<lineage>-v<version>``,
+    so no name of a new lineage is one an engine may still hold from before."""
+    if lineage:
+        return f"{adapter}-r{lineage}-v{version}"
+    return f"{adapter}-v{version}"
+
+
+async def plan_update_off_loop(
+    request: UpdateRequest,
+    config: CoordinatorConfig,
+    committed: CommittedRecord | None,
+    lineage: int = 0,
+) -> UpdatePlan:
+    """:func:`plan_update`, with its look at the filesystem (made only when
+    roots are set) in a thread under a deadline: a hung network mount must
+    not stall the coordinator's event loop, nor an update forever."""
+    if not config.adapter_roots:
+        return plan_update(request, config, committed, lineage)
+    try:
+        async with asyncio.timeout(RESOLVE_DEADLINE_S):
+            return await asyncio.to_thread(plan_update, request, config, committed, lineage)
+    except TimeoutError:
+        raise BadRequest(
+            f"could not resolve adapter path {request.path!r} within {RESOLVE_DEADLINE_S:g} s "
+            "on the coordinator's host (a hung filesystem?)"
+        ) from None
 
 
 def is_already_committed(plan: UpdatePlan, committed: CommittedRecord | None) -> bool:
@@ -72,12 +116,18 @@ def is_already_committed(plan: UpdatePlan, committed: CommittedRecord | None) ->
 
 
 def retired_names(adapter: str, loaded: set[str], keep: int) -> list[str]:
-    """Versioned names of ``adapter`` beyond the newest ``keep``, to unload."""
-    pattern = re.compile(rf"^{re.escape(adapter)}-v(\d+)$")
+    """Versioned names of ``adapter`` beyond the newest ``keep``, to unload;
+    every version of an earlier lineage is older than any of a later one."""
+    pattern = re.compile(rf"^{re.escape(adapter)}-(?:r(\d+)-)?v(\d+)\Z")
     versions = sorted(
-        ((int(m.group(1)), name) for name in loaded if (m := pattern.match(name))), reverse=True
+        (
+            (int(m.group(1) or 0), int(m.group(2)), name)
+            for name in loaded
+            if (m := pattern.match(name))
+        ),
+        reverse=True,
     )
-    return [name for _, name in versions[keep:]]
+    return [name for _, _, name in versions[keep:]]
 
 
 def _checked_path(path: str, roots: list[str]) -> str:

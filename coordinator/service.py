@@ -53,7 +53,12 @@ from lorabus.coordinator.leader import LeaderElection
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
-from lorabus.coordinator.plan import UpdatePlan, is_already_committed, plan_update, retired_names
+from lorabus.coordinator.plan import (
+    UpdatePlan,
+    is_already_committed,
+    plan_update_off_loop,
+    retired_names,
+)
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BadRequest, LeadershipLost, LorabusError, StoreUnavailable
 from lorabus.rate_limit import PerSecond
@@ -64,12 +69,16 @@ from lorabus.schemas import (
     BadPayload,
     CommittedNotice,
     CommittedRecord,
+    CommittedReset,
     ErrorCode,
     ErrorInfo,
     FleetStatus,
     InflightRecord,
     LeaderElected,
     MemberStatus,
+    ResetRecord,
+    ResetRequest,
+    ResetResult,
     Subjects,
     UpdateFinished,
     UpdateRequest,
@@ -77,6 +86,7 @@ from lorabus.schemas import (
     WorkerIdConflict,
     build_rank_map,
     encode,
+    reset_request_decoder,
     update_request_decoder,
 )
 from lorabus.signing import CommandSigner
@@ -105,6 +115,9 @@ class Coordinator:
         self.epoch = 0
         self._bad_events = PerSecond(_BAD_EVENTS_PER_S)
         self._acks: AckRouter | None = None
+        self._serial = asyncio.Lock()
+        """Held by each update while it runs and by each reset: a reset never
+        lands in the middle of an update."""
         self.leading = asyncio.Event()
         """Set while this coordinator holds the fleet's lease."""
 
@@ -201,6 +214,10 @@ class Coordinator:
                     cb=self._make_request_cb(replies, bus, store),
                 ),
                 await nc.subscribe(self.subjects.status_request(), cb=self._on_status),
+                await nc.subscribe(
+                    self.subjects.reset_request(),
+                    cb=self._make_reset_cb(replies, bus, store),
+                ),
             ]
             self.leading.set()
             self.metrics.leading.set(1)
@@ -244,6 +261,7 @@ class Coordinator:
             adapter=committed.served_name,
             version=committed.version,
             rank_map=committed.rank_map,
+            path=committed.path,
         )
         await _quietly(store.write_result(result))
         await runner.bus.emit(self._finished(result))
@@ -262,6 +280,7 @@ class Coordinator:
             served_name=committed.served_name,
             path=committed.path,
             version=committed.version,
+            lineage=committed.lineage,
         )
         try:
             await bus.broadcast(notice)
@@ -303,6 +322,7 @@ class Coordinator:
             adapter=in_flight.served_name,
             version=in_flight.version,
             error=error,
+            path=in_flight.path,
         )
         await _quietly(store.write_result(result))
         await runner.bus.emit(self._finished(result))
@@ -328,7 +348,8 @@ class Coordinator:
             raise_if_cancelled()
             request = await self.book.next_request()
             started = now()
-            result = await self._execute(request, runner, bus, store)
+            async with self._serial:
+                result = await self._execute(request, runner, bus, store)
             self.metrics.update_seconds.observe(now() - started)
             self.metrics.updates.labels(result.status).inc()
             persisted = await _quietly(store.write_result(result))
@@ -354,7 +375,8 @@ class Coordinator:
             committed = self.book.committed.get(request.adapter)
             if committed is None:
                 committed = await _or_none(store.read_committed(request.adapter))
-            plan = plan_update(request, self.config, committed)
+            lineage = await self._lineage(store, request.adapter, committed)
+            plan = await plan_update_off_loop(request, self.config, committed, lineage)
             if committed is not None and is_already_committed(plan, committed):
                 return _already_committed(request, committed)
             result = await runner.run(plan)
@@ -374,6 +396,7 @@ class Coordinator:
                     path=plan.path,
                     served_name=plan.served_name,
                     rank_map=result.rank_map,
+                    lineage=plan.lineage,
                 )
                 self.book.commit(record)
                 await _quietly(store.write_committed(record))
@@ -386,6 +409,7 @@ class Coordinator:
                         path=plan.path,
                         version=plan.version,
                         retire=self._retired(plan, result),
+                        lineage=plan.lineage,
                     )
                 )
             return result
@@ -396,6 +420,20 @@ class Coordinator:
             return failed_result(
                 request, ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
             )
+
+    async def _lineage(
+        self, store: FleetStore, adapter: str, committed: CommittedRecord | None
+    ) -> int:
+        """The lineage ``adapter``'s next commit belongs to. Without a committed
+        record, the reset record decides, and an unreadable one fails the
+        update: guessing lineage 0 could reuse a served name from before a reset."""
+        if committed is not None:
+            return committed.lineage
+        known = self.book.lineages.get(adapter)
+        if known is None:
+            reset = await store.read_reset(adapter)
+            known = self.book.lineages[adapter] = reset.lineage if reset is not None else 0
+        return known
 
     async def _still_leading(self, store: FleetStore) -> bool:
         """Whether the leader record still names this term: a coordinator that
@@ -437,9 +475,107 @@ class Coordinator:
 
         return on_request
 
+    def _make_reset_cb(
+        self, replies: set[asyncio.Task[None]], bus: CoordinatorBus, store: FleetStore
+    ) -> Callable[[Msg], Awaitable[None]]:
+        async def on_reset(msg: Msg) -> None:
+            try:
+                request = reset_request_decoder.decode(msg.data)
+            except BadPayload as exc:
+                error = f"malformed reset request: {exc}"[:1024]
+                await self._report_malformed(msg, bus, error)
+                await _reply(msg, ResetResult(adapter="", ok=False, error=BadRequest(error).info()))
+                return
+            reply = asyncio.create_task(self._answer_reset(msg, request, bus, store))
+            replies.add(reply)
+            reply.add_done_callback(replies.discard)
+
+        return on_reset
+
+    async def _answer_reset(
+        self, msg: Msg, request: ResetRequest, bus: CoordinatorBus, store: FleetStore
+    ) -> None:
+        try:
+            async with self._serial:
+                result = await self._reset(request, bus, store)
+        except LorabusError as exc:
+            result = ResetResult(adapter=request.adapter, ok=False, error=exc.info())
+        except Exception as exc:
+            log.exception("epoch=%d reset of %r crashed", self.epoch, request.adapter)
+            error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+            result = ResetResult(adapter=request.adapter, ok=False, error=error)
+        await _reply(msg, result)
+
+    async def _reset(
+        self, request: ResetRequest, bus: CoordinatorBus, store: FleetStore
+    ) -> ResetResult:
+        """Forget what is committed for the request's adapter (between updates)."""
+        adapter = request.adapter
+        committed = self.book.committed.get(adapter) or await store.read_committed(adapter)
+        if committed is None:
+            raise BadRequest(f"nothing is committed for adapter {adapter!r}: nothing to reset")
+        if request.expected_version is not None and request.expected_version != committed.version:
+            raise BadRequest(
+                f"adapter {adapter!r} has version {committed.version} committed, not "
+                f"{request.expected_version}: nothing was reset"
+            )
+        if not self.leading.is_set() or not await self._still_leading(store):
+            raise LeadershipLost(f"epoch {self.epoch} no longer leads: nothing was reset")
+        previous = await store.read_reset(adapter)
+        lineage = max(committed.lineage, previous.lineage if previous else 0) + 1
+        await store.reset_committed(
+            ResetRecord(
+                adapter=adapter,
+                lineage=lineage,
+                previous_version=committed.version,
+                previous_path=committed.path,
+                reason=request.reason,
+                ts=time.time(),
+            )
+        )
+        self.book.reset(adapter, lineage)
+        log.warning(
+            "epoch=%d reset the committed state of %r (was version %d from %s), lineage %d: %s",
+            self.epoch,
+            adapter,
+            committed.version,
+            committed.path,
+            lineage,
+            request.reason,
+        )
+        await bus.emit(
+            CommittedReset(
+                ts=time.time(),
+                source="coordinator",
+                epoch=self.epoch,
+                adapter=adapter,
+                lineage=lineage,
+                previous_version=committed.version,
+                previous_path=committed.path,
+                previous_served_name=committed.served_name,
+                reason=request.reason,
+            )
+        )
+        return ResetResult(
+            adapter=adapter,
+            ok=True,
+            lineage=lineage,
+            previous_version=committed.version,
+            previous_path=committed.path,
+        )
+
     async def _malformed(self, msg: Msg, bus: CoordinatorBus, exc: BadPayload) -> None:
         """Answer and report a request that does not decode; nothing it says is used."""
         error = f"malformed update request: {exc}"[:1024]
+        await self._report_malformed(msg, bus, error)
+        info = BadRequest(error).info()
+        await _reply(
+            msg, UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info)
+        )
+
+    async def _report_malformed(self, msg: Msg, bus: CoordinatorBus, error: str) -> None:
+        """Log a request that does not decode, and emit ``bad_message`` at most
+        ``_BAD_EVENTS_PER_S`` times a second."""
         log.warning("epoch=%d %s (%d bytes on %s)", self.epoch, error, len(msg.data), msg.subject)
         if self._bad_events.take():
             await bus.emit(
@@ -452,10 +588,6 @@ class Coordinator:
                     size=len(msg.data),
                 )
             )
-        info = BadRequest(error).info()
-        await _reply(
-            msg, UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info)
-        )
 
     async def _answer(
         self,
@@ -479,7 +611,7 @@ class Coordinator:
                 )
             if previous is not None:
                 await previous.wait()
-            future = self._admit(request, stored, committed)
+            future = await self._admit(request, stored, committed)
         except Exception as exc:
             log.exception("epoch=%d update=%s could not be admitted", self.epoch, request.update_id)
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
@@ -490,7 +622,7 @@ class Coordinator:
         await self._save_settled(store, bus)
         await _reply(msg, await asyncio.shield(future))
 
-    def _admit(
+    async def _admit(
         self, request: UpdateRequest, stored: UpdateResult | None, committed: CommittedRecord | None
     ) -> asyncio.Future[UpdateResult]:
         """The future result of ``request``, answered at once unless it must run."""
@@ -498,19 +630,19 @@ class Coordinator:
         if known is not None:
             return known
         committed = self.book.committed.get(request.adapter) or committed
-        refusal = self._refusal(request, committed)
+        refusal = await self._refusal(request, committed)
         if refusal is not None:
             return self.book.settle(request, refusal)
         return self.book.enqueue(request)
 
-    def _refusal(
+    async def _refusal(
         self, request: UpdateRequest, committed: CommittedRecord | None
     ) -> UpdateResult | None:
         """The answer to a new request that needs no engine: invalid as given,
         older than the committed version, or exactly what is committed (checked
         again when it runs: the committed state may have moved on by then)."""
         try:
-            plan = plan_update(request, self.config, committed)
+            plan = await plan_update_off_loop(request, self.config, committed)
         except LorabusError as exc:
             return failed_result(request, exc.info())
         if committed is not None and is_already_committed(plan, committed):
@@ -590,6 +722,7 @@ def _already_committed(request: UpdateRequest, committed: CommittedRecord) -> Up
         adapter=committed.served_name,
         version=committed.version,
         rank_map=committed.rank_map,
+        path=committed.path,
     )
 
 

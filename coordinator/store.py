@@ -2,7 +2,8 @@
 
 What a successor must find when the active coordinator dies lives here: the
 leader record (holder and epoch), the committed adapter (per adapter and the
-latest, which agents read to converge), the update in flight (written before
+latest, which agents read to converge), each adapter's latest reset (its
+lineage), the update in flight (written before
 each phase starts), and every result by update id (kept a day, so a requester
 retrying an id after a failover still gets the outcome).
 
@@ -31,6 +32,7 @@ from lorabus.schemas import (
     CommittedRecord,
     InflightRecord,
     LeaderRecord,
+    ResetRecord,
     Subjects,
     UpdateResult,
     update_result_decoder,
@@ -45,6 +47,7 @@ RESULTS_KEPT_S = 24 * 3600.0
 LEADER = "leader"
 COMMITTED = "committed"
 INFLIGHT = "inflight"
+RESET = "reset"
 
 
 class FleetStore:
@@ -105,6 +108,19 @@ class FleetStore:
         await self._put(self._state, f"{COMMITTED}.{record.adapter}", payload)
         await self._put(self._state, COMMITTED, payload)
 
+    async def read_reset(self, adapter: str) -> ResetRecord | None:
+        return (await self._read(self._state, f"{RESET}.{adapter}", ResetRecord))[0]
+
+    async def reset_committed(self, record: ResetRecord) -> None:
+        """Record the reset, then remove what was committed for its adapter (and
+        the latest record, if it is that adapter's): the lineage is written
+        first, so no later commit can reuse a name of an earlier lineage."""
+        await self._put(self._state, f"{RESET}.{record.adapter}", msgspec.json.encode(record))
+        latest = await self.read_committed()
+        await self._delete(self._state, f"{COMMITTED}.{record.adapter}")
+        if latest is not None and latest.adapter == record.adapter:
+            await self._delete(self._state, COMMITTED)
+
     async def read_inflight(self) -> InflightRecord | None:
         return (await self._read(self._state, INFLIGHT, InflightRecord))[0]
 
@@ -116,13 +132,7 @@ class FleetStore:
         await self.write_inflight(in_flight)
 
     async def clear_inflight(self) -> None:
-        try:
-            async with asyncio.timeout(_CALL_DEADLINE_S):
-                await self._state.delete(INFLIGHT)
-        except nats.js.errors.KeyNotFoundError:
-            return
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise StoreUnavailable(f"cannot clear the update in flight: {exc!r}") from exc
+        await self._delete(self._state, INFLIGHT)
 
     # -- results ----------------------------------------------------------------
 
@@ -157,6 +167,15 @@ class FleetStore:
         if entry.value is None:  # an expired key can come back without a value
             return None, int(entry.revision or 0)
         return msgspec.json.decode(entry.value, type=kind), int(entry.revision or 0)
+
+    async def _delete(self, kv: KeyValue, key: str) -> None:
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                await kv.delete(key)
+        except nats.js.errors.KeyNotFoundError:
+            return
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot delete {key}: {exc!r}") from exc
 
     async def _put(self, kv: KeyValue, key: str, payload: bytes) -> None:
         try:

@@ -2,7 +2,8 @@
 
 Least privilege, one identity per process:
 
-- **coordinator**: publishes commands and its own events, replies to requests,
+- **coordinator**: publishes commands and its own events, replies to requests
+  (update, status and reset),
   reads and writes the fleet's two KV buckets; hears heartbeats, acks and
   requests.
 - **agent** of worker ``w``: publishes only its own ack, heartbeat and event
@@ -12,7 +13,8 @@ Least privilege, one identity per process:
 - **orchestrator**: sends update and status requests, hears their replies.
 - **auditor**: reads the audit stream through consumers of its own.
 - **operator**: creates the buckets and the audit stream, and changes their
-  limits. The stream refuses delete and purge, so no role can erase the
+  limits; asks the coordinator to reset an adapter's committed state (and for
+  the fleet's status). The stream refuses delete and purge, so no role can erase the
   trail, and no running role may change its limits.
 
 Everyone hears only its own inbox (its own inbox prefix), so no role reads
@@ -79,6 +81,7 @@ def permissions(
                     subjects.ack_any(),
                     subjects.update_request(),
                     subjects.status_request(),
+                    subjects.reset_request(),
                     *inbox,
                 ),
                 allow_responses=True,
@@ -120,6 +123,8 @@ def permissions(
                 publish=(
                     "$JS.API.INFO",
                     *(f"$JS.API.STREAM.{verb}.{s}" for verb in _STREAM_ADMIN for s in streams),
+                    subjects.reset_request(),
+                    subjects.status_request(),
                 ),
                 subscribe=inbox,
             )

@@ -19,6 +19,8 @@ from lorabus.schemas.messages import (
     Event,
     FleetStatus,
     Heartbeat,
+    ResetRequest,
+    ResetResult,
     StatusRequest,
     UpdateRequest,
     UpdateResult,
@@ -70,6 +72,8 @@ heartbeat_decoder: Reader[Heartbeat] = Reader(Heartbeat)
 update_request_decoder: Reader[UpdateRequest] = Reader(UpdateRequest)
 update_result_decoder: Reader[UpdateResult] = Reader(UpdateResult)
 status_request_decoder: Reader[StatusRequest] = Reader(StatusRequest)
+reset_request_decoder: Reader[ResetRequest] = Reader(ResetRequest)
+reset_result_decoder: Reader[ResetResult] = Reader(ResetResult)
 fleet_status_decoder: Reader[FleetStatus] = Reader(FleetStatus)
 event_decoder: Reader[Event] = Reader(Event)
 
@@ -93,6 +97,8 @@ def json_schema() -> dict[str, Any]:
         "update_result": UpdateResult,
         "status_request": StatusRequest,
         "fleet_status": FleetStatus,
+        "reset_request": ResetRequest,
+        "reset_result": ResetResult,
         "event": Event,
     }
     names = list(families)

@@ -130,6 +130,10 @@ class CommittedNotice(_Command, frozen=True, kw_only=True, tag="committed"):
     """Older versions beyond the coordinator's ``keep``: an agent unloads those
     its engine holds, after the update has been answered (not acked; a
     ``command_handled`` event of phase ``unload`` reports it)."""
+    lineage: Epoch = 0
+    """How many times an operator reset this adapter's committed state: a
+    notice of a later lineage replaces one of an earlier, whatever the
+    versions (see ``ResetRequest``)."""
 
 
 Command = (
@@ -241,6 +245,10 @@ class UpdateResult(_Message, frozen=True, kw_only=True, tag="update_result"):
     """Seconds spent in each phase that ran."""
     workers: dict[str, WorkerOutcome] = {}
     error: ErrorInfo | None = None
+    path: str = ""
+    """The adapter directory the update was for, normalized ("" where unknown:
+    a request that did not decode, or a result stored by an older version),
+    so a repeated update id is checked against the whole first content."""
 
     @property
     def committed(self) -> bool:
@@ -253,6 +261,38 @@ FAILED = "failed"
 
 class StatusRequest(_Message, frozen=True, kw_only=True, tag="status_request"):
     pass
+
+
+# -- operator <-> coordinator ---------------------------------------------------
+
+
+class ResetRequest(_Message, frozen=True, kw_only=True, tag="reset_request"):
+    """Forget what is committed for ``adapter``, so that any version may come
+    next: the way out after a bogus version (a huge one, a wrong step count)
+    was committed. Only the operator role may send it; the coordinator runs it
+    between updates and records it in the trail (``committed_reset``).
+
+    Engines keep what they hold. Versions committed after the reset belong to
+    the next lineage: their served names differ from every earlier one
+    (``<adapter>-r<lineage>-v<version>``), and the earlier ones are retired
+    first, so an engine never mistakes an old version's bytes for a new one."""
+
+    adapter: Name
+    reason: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    """Why, in the operator's words: it goes into the trail."""
+    expected_version: Version | None = None
+    """Reset only if this is the committed version (a guard against resetting
+    what another operator just changed); None: whatever is committed."""
+
+
+class ResetResult(_Message, frozen=True, kw_only=True, tag="reset_result"):
+    adapter: str
+    ok: bool
+    lineage: Epoch = 0
+    """The adapter's lineage from now on."""
+    previous_version: Version | None = None
+    previous_path: str = ""
+    error: ErrorInfo | None = None
 
 
 class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -396,6 +436,17 @@ class WorkerConflict(_Event, frozen=True, kw_only=True, tag="worker_conflict"):
     """The holder's and the newcomer's world sizes."""
 
 
+class CommittedReset(_Event, frozen=True, kw_only=True, tag="committed_reset"):
+    """An operator reset what was committed for ``adapter`` (``ResetRequest``)."""
+
+    adapter: str
+    lineage: Epoch
+    previous_version: Version
+    previous_path: str
+    previous_served_name: str
+    reason: str
+
+
 class LeaderElected(_Event, frozen=True, kw_only=True, tag="leader_elected"):
     holder: str
     epoch: Epoch
@@ -415,6 +466,7 @@ Event = (
     | LeaderElected
     | EngineResumed
     | WorkerConflict
+    | CommittedReset
 )
 
 
@@ -434,6 +486,20 @@ class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     served_name: str
     rank_map: RankMap
+    lineage: Epoch = 0
+    """The adapter's lineage when this was committed (see ``ResetRequest``)."""
+
+
+class ResetRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The latest reset of an adapter's committed state: its lineage outlives
+    the committed record it removed, for the next commit and a successor."""
+
+    adapter: str
+    lineage: Epoch
+    previous_version: Version
+    previous_path: str
+    reason: str
+    ts: float
 
 
 class InflightRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -445,3 +511,5 @@ class InflightRecord(msgspec.Struct, frozen=True, kw_only=True):
     version: Version
     members: dict[str, int]
     """The membership snapshot: everyone here may have been told to pause."""
+    path: str = ""
+    """The adapter directory, for the result a successor records."""

@@ -70,6 +70,10 @@ class Subjects(msgspec.Struct, frozen=True):
         """Anyone -> coordinator, request/reply; the reply is the fleet status."""
         return f"{self._base}.req.status"
 
+    def reset_request(self) -> str:
+        """Operator -> coordinator, request/reply; the reply is a ``ResetResult``."""
+        return f"{self._base}.req.reset"
+
     def coordinator_event(self, kind: str) -> str:
         """A coordinator's audit event: a subject only coordinators may publish on."""
         return f"{self._base}.evt.coordinator.{kind}"

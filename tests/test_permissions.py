@@ -16,6 +16,7 @@ from secured import watched
 
 from lorabus.audit import TrailRecord
 from lorabus.bus import close
+from lorabus.operator import reset_committed
 from lorabus.roles import Role
 from lorabus.schemas import PauseCommand, Subjects, encode
 from lorabus.tap import Tap
@@ -49,6 +50,7 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
                 s.agent_event("w001", "lease_expired"),
                 s.coordinator_event("leader_elected"),
                 s.update_request(),
+                s.reset_request(),
                 *kv_write,
                 *erase,
             ],
@@ -61,6 +63,7 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
                 s.heartbeat("w000"),
                 s.agent_event("w000", "reconciled"),
                 s.update_request(),
+                s.reset_request(),
                 f"$JS.API.STREAM.UPDATE.{audit}",
                 *erase,
             ],
@@ -73,6 +76,7 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
             s.heartbeat("w000"),
             s.coordinator_event("update_finished"),
             *([] if role is Role.ORCHESTRATOR else [s.update_request()]),
+            *([] if role is Role.OPERATOR else [s.reset_request()]),
             *kv_write,
             *erase,
         ],
@@ -148,4 +152,9 @@ async def test_each_role_can_do_its_own_work(
     async with watched(stack.bus_as(Role.OPERATOR)) as operator:
         info = await operator.nc.jetstream().stream_info(subjects.audit_stream())
         assert info.config.deny_delete and info.config.deny_purge
+        # ... and reset an adapter's committed state (the coordinator answers).
+        reset = await reset_committed(
+            operator.nc, subjects, "policy", "permissions test", expected_version=0
+        )
+        assert reset.error is not None and "not 0" in reset.error.message, reset
         assert operator.refusals() == []

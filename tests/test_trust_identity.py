@@ -170,6 +170,8 @@ async def test_a_second_agent_with_a_held_worker_id_is_refused_and_exits(
 
     assert code == 1
     assert "held by another live agent" in impostor.describe()
+    # Started without --coordinator-key or --trust-file: it says it checks no signatures.
+    assert "checks no command signatures" in impostor.describe()
     conflict = conflicts[0]
     assert isinstance(conflict, WorkerConflict)
     assert conflict.worker_id == "w000" and conflict.world_sizes == [1, 2]

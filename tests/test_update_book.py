@@ -165,3 +165,26 @@ async def _run_one(book: UpdateBook) -> None:
     """Make the book busy with a running update, so that others queue."""
     book.submit(_request("running", adapter="running", version=1))
     await book.next_request()
+
+
+async def test_a_stored_result_carries_its_path_once_the_version_is_no_longer_committed() -> None:
+    """After a failover the book knows a first request only from its stored
+    result: its path is checked even when another version is committed now
+    (or none, after a reset), and a served name of a later lineage matches."""
+    stored = UpdateResult(
+        update_id="step-3",
+        status=COMMITTED,
+        adapter="policy-r1-v3",
+        version=3,
+        path="/adapters/step_3",
+    )
+
+    def look_up(request: UpdateRequest) -> asyncio.Future[UpdateResult] | None:
+        return UpdateBook().look_up(request, stored=stored, committed=None)
+
+    same = look_up(_request("step-3", path="/adapters/step_3", version=3))
+    other_path = look_up(_request("step-3", path="/adapters/step_4", version=3))
+
+    assert same is not None and same.result() == stored
+    assert other_path is not None and _code(other_path) == ErrorCode.BAD_REQUEST
+    assert "/adapters/step_3" in other_path.result().error.message  # type: ignore[union-attr]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.coordinator.plan import plan_update, retired_names
+from lorabus.coordinator.plan import plan_update, plan_update_off_loop, retired_names
 from lorabus.errors import BadRequest, StaleVersion
 from lorabus.schemas import CommittedRecord, Naming, UpdateRequest, build_rank_map
 from lorabus.testbed.trainer import write_adapter
@@ -123,6 +123,49 @@ def test_retired_names_keep_the_newest_versions_of_that_adapter_only() -> None:
 
     assert sorted(retired_names("policy", loaded, keep=2)) == ["policy-v1"]
     assert sorted(retired_names("policy", loaded, keep=1)) == ["policy-v1", "policy-v2"]
+
+
+def test_after_a_reset_names_carry_the_lineage_and_every_earlier_one_retires_first() -> None:
+    loaded = {"policy-v9000", "policy-v9001", "policy-r1-v2", "policy-r2-v1", "policy-r2-v2"}
+
+    assert plan_update(_request(version=3), CONFIG, None, lineage=2).served_name == ("policy-r2-v3")
+    assert plan_update(_request(version=3), CONFIG, None).served_name == "policy-v3"
+    assert retired_names("policy", loaded, keep=2) == [
+        "policy-r1-v2",
+        "policy-v9001",
+        "policy-v9000",
+    ]
+
+
+def test_an_adapter_name_that_ends_like_a_lineage_is_refused() -> None:
+    with pytest.raises(BadRequest, match="lineage"):
+        plan_update(_request(adapter="policy-r1"), CONFIG, None)
+    assert plan_update(_request(adapter="policy-rl"), CONFIG, None).adapter == "policy-rl"
+
+
+async def test_a_path_the_coordinator_cannot_resolve_in_time_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung mount must not stall the event loop: the look runs in a thread
+    under a deadline (here a filesystem call that never returns in time)."""
+    import threading
+
+    from lorabus.coordinator import plan
+
+    release = threading.Event()
+    monkeypatch.setattr(plan, "RESOLVE_DEADLINE_S", 0.2)
+    monkeypatch.setattr(plan, "_visible_realpath", lambda path: release.wait(5) and None)
+    rooted = CoordinatorConfig(
+        fleet="f",
+        frontend_url="http://127.0.0.1:1",
+        expected_world_size=1,
+        adapter_roots=[str(tmp_path)],
+    )
+    try:
+        with pytest.raises(BadRequest, match="could not resolve"):
+            await plan_update_off_loop(_request(path=str(tmp_path / "a")), rooted, None)
+    finally:
+        release.set()
 
 
 def test_bad_settings_are_refused_with_the_setting_named() -> None:

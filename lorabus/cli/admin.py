@@ -1,5 +1,6 @@
-"""Setting a fleet up: ``lorabus auth init`` (identities and the server's
-configuration) and ``lorabus provision`` (the KV buckets and the audit stream)."""
+"""The operator's commands: ``lorabus auth init`` (identities and the server's
+configuration), ``lorabus provision`` (the KV buckets and the audit stream)
+and ``lorabus reset`` (an adapter's committed state)."""
 
 from __future__ import annotations
 
@@ -128,5 +129,73 @@ def provision(nats_url: str, bus: BusOptions, fleet: str, **settings: Any) -> No
             await close(nc)
         click.echo(f"fleet {fleet!r}: KV buckets and audit stream ready")
         return 0
+
+    sys.exit(run(go))
+
+
+@click.command()
+@bus_options()
+@fleet_option
+@click.option("--adapter", required=True, help="The adapter whose committed state to forget.")
+@click.option("--reason", required=True, help="Why, for the audit trail (for example a ticket id).")
+@click.option(
+    "--expected-version",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Reset only if this version is the committed one.",
+)
+@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def reset(
+    nats_url: str,
+    bus: BusOptions,
+    fleet: str,
+    adapter: str,
+    reason: str,
+    expected_version: int | None,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    """Forget what is committed for an adapter, so that any version may come
+    next (after a bogus version was committed). Engines keep serving what
+    they hold; the next update starts a new lineage of served names. Run as
+    the fleet's operator; recorded in the trail as committed_reset."""
+    import json
+
+    from lorabus.bus import close
+    from lorabus.operator import reset_committed
+    from lorabus.render import printable
+    from lorabus.schemas import to_builtins
+
+    subjects = subjects_of(fleet)
+
+    async def go() -> int:
+        nc = await Bus(nats_url, bus).connect(f"lorabus-operator-{fleet}")
+        try:
+            result = await reset_committed(
+                nc,
+                subjects,
+                adapter,
+                reason,
+                expected_version=expected_version,
+                timeout_s=timeout_s,
+            )
+        finally:
+            await close(nc)
+        if as_json:
+            click.echo(json.dumps(to_builtins(result)))
+        elif result.ok:
+            click.echo(
+                f"reset {printable(adapter)}: version {result.previous_version} from "
+                f"{printable(result.previous_path)} is no longer committed; the next "
+                f"update starts lineage {result.lineage}"
+            )
+        else:
+            error = result.error
+            click.echo(
+                f"error: {error.code}: {printable(error.message)}" if error else "error",
+                err=True,
+            )
+        return 0 if result.ok else 1
 
     sys.exit(run(go))

@@ -55,6 +55,7 @@ for command in (
     audit.audit,
     admin.auth,
     admin.provision,
+    admin.reset,
     demo.up,
     demo.sim,
     measure.bench,

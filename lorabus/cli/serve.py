@@ -84,6 +84,12 @@ async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
     metrics = AgentMetrics()
     driver = InstrumentedDriver(driver_for(config), metrics)
     agent = Agent.from_config(config, driver)
+    if not agent.verifier.required:
+        log.warning(
+            "worker=%s checks no command signatures: any client allowed to publish on its "
+            "command subjects can drive its engine (give --coordinator-key or --trust-file)",
+            config.worker_id,
+        )
     try:
         with serving(metrics.registry, metrics_port):
             try:
