@@ -18,6 +18,17 @@ cannot reach another route. The segments ``.`` and ``..`` are refused, since
 HTTP clients resolve them away (httpx sends ``DELETE /v1/loras/..`` as
 ``DELETE /v1``).
 
+Retries: a failed call is retried only when asking again may succeed: no
+answer (a connection error, a timeout), a 5xx (502, 503 and 504 from a proxy
+or a worker starting up; a 500 from a handler, e.g. "Local LoRA not found"
+while a shared filesystem does not show a fresh directory yet), a 408 or 429,
+or an older release's status-200 error body. The rest is final and fails the
+call at once: any other 4xx (a bad request, a refused token, a route the
+worker does not serve), and an answer that says the directory holds no
+adapter (vLLM's "No adapter found for <path>" when ``adapter_config.json`` is
+missing, in a 500) or that the worker has no LoRA support: asking again gets
+the same answer while every engine of the update waits paused.
+
 Pause asks for ``keep`` mode (in-flight requests are held, then continue).
 Dynamo 1.6.1's vLLM backend refuses ``keep`` while requests for a LoRA
 adapter are in flight; the driver then pauses in ``wait`` mode, which lets
@@ -51,6 +62,25 @@ PAUSE_BODY = {"mode": "keep", "clear_cache": False}
 PAUSE_WAIT_BODY = {"mode": "wait", "clear_cache": False}
 #: How Dynamo's vLLM handler refuses a keep-mode pause (dynamo/vllm/handlers.py).
 KEEP_REFUSED = "Cannot pause generation in keep mode with active LoRA requests"
+#: Words of an engine error that asking again cannot fix. vLLM raises
+#: ``LoRAAdapterNotFoundError`` ("Loading lora <name> failed: No adapter found
+#: for <path>", vllm/exceptions.py) when the directory has no readable
+#: ``adapter_config.json``, and Dynamo's vLLM handler answers it in a 500 as
+#: "Failed to add LoRA '<name>': <that>"; a worker whose backend has no LoRA
+#: support answers "LoRA management not available: ..." (seen on Dynamo 1.6.1).
+FINAL_ERROR_WORDS = ("No adapter found for", "LoRA management not available")
+#: Client errors that mean "not now" rather than "never".
+TRANSIENT_CLIENT_STATUSES = frozenset({408, 429})
+
+
+def _is_transient(status: int | None, message: str) -> bool:
+    """Whether an engine call that failed with ``status`` (None: no answer) and
+    ``message`` may succeed if asked again (the module docstring says which)."""
+    if any(words in message for words in FINAL_ERROR_WORDS):
+        return False
+    if status is None or status < 400 or status >= 500:
+        return True
+    return status in TRANSIENT_CLIENT_STATUSES
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -105,8 +135,9 @@ class DynamoDriver:
         except ValueError as exc:
             raise EngineError(f"adapter path {path!r} is not absolute") from exc
         body = {"lora_name": name, "source": {"uri": uri}}
-        # A shared filesystem can show a fresh adapter directory late: the engine
-        # then answers 404/5xx, which is worth retrying; other 4xx are final.
+        # A shared filesystem can show a fresh adapter directory late ("Local
+        # LoRA not found", a 500): retried. A directory the engine read and
+        # found no adapter in is final, and so is a 4xx (see _is_transient).
         await self._retrying(lambda: self._call("POST", "/v1/loras", body), budget_s)
 
     async def unload_adapter(self, name: str) -> None:
@@ -120,15 +151,26 @@ class DynamoDriver:
         return sorted(loras)
 
     async def _retrying(self, call: Any, budget_s: float) -> None:
+        """Run ``call``, again while it fails transiently, within ``budget_s``
+        and the driver's attempts; the error says whether it was retried."""
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._attempts) | stop_after_delay(max(budget_s, 0.0)),
             wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.1),
             retry=retry_if_exception(_is_retryable),
             reraise=True,
         )
-        async for attempt in retrying:
-            with attempt:
-                await call()
+        attempts = 0
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    await call()
+        except EngineError as exc:
+            if exc.retryable:
+                note = f"gave up after {attempts} attempt{'s' if attempts > 1 else ''}"
+            else:
+                note = "final: not retried" if attempts == 1 else f"final at attempt {attempts}"
+            raise type(exc)(f"{exc} ({note})", retryable=exc.retryable, status=exc.status) from exc
 
     async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         what = f"{method} {self.system_url}{path}"
@@ -141,17 +183,19 @@ class DynamoDriver:
         payload = _json_or_none(response)
         status = response.status_code
         if status >= 400:
+            message = _message(payload, response.text)
             raise EngineError(
-                f"{what} answered {status}: {_message(payload, response.text)}",
-                retryable=status == 404 or status >= 500,
+                f"{what} answered {status}: {message}",
+                retryable=_is_transient(status, message),
                 status=status,
             )
         if isinstance(payload, dict) and payload.get("status") == "error":
             # Engine routes report every failure this way, and older releases
             # a failed load too (the same failure as a later 500: retry alike).
+            message = _message(payload, response.text)
             raise EngineError(
-                f"{what} answered {status} with an error: {_message(payload, response.text)}",
-                retryable=True,
+                f"{what} answered {status} with an error: {message}",
+                retryable=_is_transient(status, message),
                 status=status,
             )
         return payload if isinstance(payload, dict) else {}

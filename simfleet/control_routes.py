@@ -26,6 +26,7 @@ class _FaultsPatch(msgspec.Struct, forbid_unknown_fields=True):
 
     latency_s: dict[str, float] | msgspec.UnsetType = msgspec.UNSET
     fail_next_loads: int | msgspec.UnsetType = msgspec.UNSET
+    load_failure_status: int | msgspec.UnsetType = msgspec.UNSET
     fail_next_unloads: int | msgspec.UnsetType = msgspec.UNSET
     hang: bool | msgspec.UnsetType = msgspec.UNSET
     status_error_quirk: bool | msgspec.UnsetType = msgspec.UNSET

@@ -8,8 +8,10 @@ a local directory (:func:`resolve_local`, failing with
 accepts only ``file://`` URIs (like a worker without S3 or Hugging Face
 credentials) and never reads the weights. The downloader's messages copy the
 real runtime's (observed in the ``real_dynamo`` tier), because agents and
-operators match on them; the engine's message is the simulator's own, since
-it depends on the engine behind Dynamo.
+operators match on them. The engine's message depends on the engine behind
+Dynamo: the simulator answers with vLLM's words (``LoRAAdapterNotFoundError``:
+"No adapter found for <path>"), which agents take as final, and adds the file
+it found missing.
 """
 
 from __future__ import annotations
@@ -39,7 +41,13 @@ class SourceNotFound(LoraSourceError):
 
 
 class NotAnAdapter(LoraSourceError):
-    """Raised when the directory exists but holds no PEFT adapter."""
+    """Raised when the directory exists but holds no PEFT adapter; ``str()`` is
+    vLLM's words plus what is missing, ``No adapter found for <path> (<missing>)``."""
+
+    def __init__(self, path: str, missing: str):
+        super().__init__(f"No adapter found for {path} ({missing})")
+        self.path = path
+        self.missing = missing
 
 
 def resolve_local(uri: str) -> str:
@@ -66,7 +74,7 @@ def check_adapter_dir(path: str) -> None:
     """Raise NotAnAdapter unless ``path`` is a directory with the adapter files."""
     directory = Path(path)
     if not directory.is_dir():
-        raise NotAnAdapter(f"not a LoRA adapter: {path} is not a directory")
+        raise NotAnAdapter(path, "not a directory")
     for name in ADAPTER_FILES:
         if not (directory / name).is_file():
-            raise NotAnAdapter(f"not a LoRA adapter: {path} has no {name}")
+            raise NotAnAdapter(path, f"no {name}")

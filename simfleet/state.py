@@ -41,6 +41,9 @@ class WorkerFaults:
     latency_s: dict[str, float] = field(default_factory=dict)
     #: The next N loads that would succeed answer an injected error instead.
     fail_next_loads: int = 0
+    #: HTTP status of an injected load error: 500 (a handler failure), or e.g.
+    #: 503 (a worker or proxy not ready), or a 4xx (a refusal agents do not retry).
+    load_failure_status: int = 500
     #: The next N unloads of a name the worker has answer an injected error instead.
     fail_next_unloads: int = 0
     #: Every request to the worker waits until this is cleared.
@@ -61,6 +64,11 @@ class WorkerFaults:
         for name in ("fail_next_loads", "fail_next_unloads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 400 <= self.load_failure_status <= 599:
+            raise ValueError(
+                f"load_failure_status must be an HTTP error (400-599), "
+                f"got {self.load_failure_status}"
+            )
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,12 @@ def _lora_success(name: str, lora_id: int, message: str) -> web.Response:
     return web.json_response(body)
 
 
-def _load_error(worker: SimWorker, message: str, name: str | None = None) -> web.Response:
+def _load_error(
+    worker: SimWorker, message: str, name: str | None = None, *, status: int = 500
+) -> web.Response:
     """A failed load; only the engine's own failures name the adapter, as in Dynamo."""
-    status = 200 if worker.faults.status_error_quirk else 500
+    if worker.faults.status_error_quirk:
+        status = 200
     body = {"status": "error", "message": message}
     if name is not None:
         body["lora_name"] = name
@@ -181,9 +184,12 @@ async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Resp
     try:
         check_adapter_dir(path)
     except NotAnAdapter as exc:
-        return _load_error(worker, f"Failed to add LoRA '{name}': {exc}", name)
+        # Dynamo's vLLM handler around vLLM's LoRAAdapterNotFoundError.
+        message = f"Failed to add LoRA '{name}': Loading lora {name} failed: {exc}"
+        return _load_error(worker, message, name)
     if worker.take_injected_load_failure():
-        return _load_error(worker, f"Failed to add LoRA '{name}': injected load failure", name)
+        message = f"Failed to add LoRA '{name}': injected load failure"
+        return _load_error(worker, message, name, status=worker.faults.load_failure_status)
     lora_id = worker.add_adapter(name)
     return _lora_success(name, lora_id, f"LoRA adapter '{name}' loaded successfully")
 

@@ -88,8 +88,8 @@ async def test_directory_without_config_is_not_an_adapter(client, adapter_uri):
     path = uri.removeprefix("file://")
     assert reply.json() == {
         "status": "error",
-        "message": f"Failed to add LoRA 'bad': not a LoRA adapter: {path} has no "
-        "adapter_config.json",
+        "message": "Failed to add LoRA 'bad': Loading lora bad failed: "
+        f"No adapter found for {path} (no adapter_config.json)",
         "lora_name": "bad",
     }
 
@@ -100,7 +100,7 @@ async def test_directory_without_weights_is_not_an_adapter(client, adapter_uri):
     reply = await client.post(f"{W0}/v1/loras", json=load_body("bad", uri))
 
     assert reply.status_code == 500
-    assert reply.json()["message"].endswith("has no adapter_model.safetensors")
+    assert reply.json()["message"].endswith("(no adapter_model.safetensors)")
 
 
 async def test_unsupported_scheme_is_not_found_in_any_source(client):

@@ -24,6 +24,7 @@ async def test_control_lists_worker_states(client):
         "faults": {
             "latency_s": {},
             "fail_next_loads": 0,
+            "load_failure_status": 500,
             "fail_next_unloads": 0,
             "hang": False,
             "status_error_quirk": False,
