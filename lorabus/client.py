@@ -7,12 +7,23 @@
 
 A lost answer is harmless: asking again with the same ``update_id`` (and the
 same adapter, path and version) returns the first result without touching the
-engines. A reply that does not decode (a responder that is not a coordinator
-of this wire version, or lies) raises :class:`~lorabus.errors.MalformedReply`.
+engines, and joins the update while it still runs. ``update()`` leans on that
+to ride out a failover by itself: a leader that took the request can die,
+freeze or be cut off without a word, so until an answer comes it asks again
+every few seconds with the same id, on one reply inbox, and takes the first
+answer to any of its asks. A successor answers from the results its
+predecessor or its own roll-back left, or runs the update if nobody had
+started it. ``not_leader`` (the coordinator stopped or lost its lease before
+the update ended) is no answer either: it asks again while time is left.
+
+A reply that does not decode (a responder that is not a coordinator of this
+wire version, or lies) raises :class:`~lorabus.errors.MalformedReply`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
 from typing import TypeVar
@@ -21,6 +32,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -55,8 +67,30 @@ _T = TypeVar("_T")
 UPDATE_TIMEOUT_S = 300.0
 """How long ``update()`` waits for a result unless told otherwise."""
 STATUS_TIMEOUT_S = 5.0
-REASK_S = 5.0
-"""Seconds without an answer after which ``update()`` asks again (same update id)."""
+REASK_S = 3.0
+"""Seconds without an answer after which ``update()`` asks again (same update id).
+
+A few seconds: short beside a leader lease (5 s by default), so a successor
+hears the request soon after it takes over, and long beside a reply's round
+trip (milliseconds). Not shorter: while an update runs, each ask joins it and
+the leader answers every one when it ends with the whole result (an entry per
+member, about 0.5 MB at 1024 members); the client keeps only the first.
+"""
+NO_COORDINATOR_WAIT_S = 10.0
+"""Seconds ``update()`` keeps asking while no coordinator listens at all before
+it reports ``no_coordinator``: a killed leader's whole lease (5 s by default),
+a standby's next look at the record (a quarter lease) and its recovery, so
+that a request sent just after the leader died waits for the standby."""
+STATUS_NO_COORDINATOR_WAIT_S = 2.0
+"""The same for ``status()``: an operator wants to hear soon that nobody answers."""
+_NO_RESPONDERS_PAUSE_S = 0.25
+"""Pause before asking again when nobody listens: the server says so at once
+and at no cost, and a successor subscribes only once it has recovered."""
+_CLEANUP_S = 1.0
+_STATUS_HEADER = "Status"
+_NO_RESPONDERS_STATUS = "503"
+"""How the server answers a request nobody listens to (what nats-py's own
+``request()`` checks for ``NoRespondersError``)."""
 
 
 class UpdateClient:
@@ -68,7 +102,7 @@ class UpdateClient:
         fleet: str,
         *,
         owns_connection: bool = False,
-        no_coordinator_wait_s: float = 2.0,
+        no_coordinator_wait_s: float = NO_COORDINATOR_WAIT_S,
         reask_s: float = REASK_S,
     ) -> None:
         if reask_s <= 0:
@@ -129,13 +163,15 @@ class UpdateClient:
         """Request an update and wait for its result (committed or failed).
 
         A request can reach a leader that dies before it answers (killed,
-        frozen, cut off); the coordinators cannot tell the requester, so while
-        no answer comes the request is sent again every ``reask_s`` seconds
-        with the same ``update_id``, which a leader answers with that update's
-        one result, its successor too. Failing to hear back is reported as a
-        ``failed`` result with code ``no_coordinator`` or ``timeout``; the
-        update may still finish, and the same ``update_id`` fetches its result
-        later.
+        frozen, cut off), or that stops leading and answers ``not_leader``;
+        the coordinators cannot tell the requester, so until a final answer
+        comes the request is sent again every ``reask_s`` seconds with the
+        same ``update_id`` (a new random one per call if none is given),
+        which a leader answers with that update's one result, its successor
+        too. All within ``timeout_s``. Failing to hear back is reported as a
+        ``failed`` result with code ``no_coordinator`` (nobody listened for
+        ``no_coordinator_wait_s``) or ``timeout``; the update may still
+        finish, and the same ``update_id`` fetches its result later.
 
         Every request with one ``update_id`` must ask for the same adapter,
         path and version (or no version): other content is answered
@@ -148,36 +184,71 @@ class UpdateClient:
             update_id=update_id or uuid.uuid4().hex, adapter=adapter, path=path, version=version
         )
         subject = self.subjects.update_request()
-        deadline = now() + timeout_s
-        taken = False
-        """Whether a coordinator has had the request: its silence is then a failover."""
-        while (remaining := deadline - now()) > 0:
-            # Once taken, nobody listening means a successor is on its way.
-            patience = remaining if taken else self.no_coordinator_wait_s
-            try:
-                reply = await self._request(
-                    subject, request, min(remaining, self.reask_s), no_responders_s=patience
-                )
-            except nats.errors.NoRespondersError:
-                if taken:
-                    break
-                return self._unanswered(
-                    request,
-                    ErrorCode.NO_COORDINATOR,
-                    f"no coordinator is listening on fleet {self.subjects.fleet!r} "
-                    f"(waited {self.no_coordinator_wait_s:.1f}s for one)",
-                )
-            except TimeoutError:
-                taken = True
-                log.info("update=%s no answer yet: asking again", request.update_id)
-                continue
-            return _decoded(reply, update_result_decoder, f"update result on {subject}")
+        started = now()
+        asking = _Asking(request, started, deadline=started + timeout_s)
+        # One inbox for every ask: an answer to an earlier ask counts as well.
+        replies = await self.nc.subscribe(self.nc.new_inbox())
+        try:
+            while not asking.over():
+                await self.nc.publish(subject, encode(request), reply=replies.subject)
+                result = await self._answer_to_ask(replies, asking)
+                if result is not None:
+                    return result
+        finally:
+            await _unsubscribe(replies)
+        if asking.nobody_listened and not asking.taken:
+            return self._unanswered(
+                request,
+                ErrorCode.NO_COORDINATOR,
+                f"no coordinator is listening on fleet {self.subjects.fleet!r} "
+                f"(waited {now() - started:.1f}s for one)",
+            )
+        last = f" (last answer: {asking.let_go.message})" if asking.let_go is not None else ""
         return self._unanswered(
             request,
             ErrorCode.TIMEOUT,
-            f"no result within {timeout_s:.1f}s; ask again with "
+            f"no result within {timeout_s:.1f}s{last}; ask again with "
             f"update_id {request.update_id} for the outcome",
         )
+
+    async def _answer_to_ask(self, replies: Subscription, asking: _Asking) -> UpdateResult | None:
+        """The final answer heard before it is time to ask again, if any."""
+        ask_again_at = min(now() + self.reask_s, asking.deadline)
+        refused = False
+        while (wait := ask_again_at - now()) > 0:
+            try:
+                reply = await replies.next_msg(timeout=wait)
+            except TimeoutError:
+                break
+            if _is_no_responders(reply):
+                # Nobody holds the fleet's request subject right now (the leader
+                # died, a successor is recovering, or there is no coordinator).
+                refused = asking.nobody_listened = True
+                if not asking.taken and now() - asking.started >= self.no_coordinator_wait_s:
+                    asking.nobody_came = True
+                    return None
+                ask_again_at = min(ask_again_at, now() + _NO_RESPONDERS_PAUSE_S)
+                continue
+            result = _decoded(
+                reply, update_result_decoder, f"update result on {self.subjects.update_request()}"
+            )
+            if result.error is not None and result.error.code == ErrorCode.NOT_LEADER:
+                # The coordinator that had it let go: its successor will know.
+                if asking.let_go != result.error:  # every ask that joined says it
+                    log.info("update=%s %s: asking again", asking.update_id, result.error.message)
+                asking.taken = True
+                asking.let_go = result.error
+                continue
+            return result
+        if not refused:
+            asking.taken = True
+            if not asking.over():  # a long update looks the same: not worth an INFO line
+                log.debug(
+                    "update=%s no answer within %.1fs: asking again",
+                    asking.update_id,
+                    self.reask_s,
+                )
+        return None
 
     async def status(self, *, timeout_s: float = STATUS_TIMEOUT_S) -> FleetStatus:
         try:
@@ -190,20 +261,12 @@ class UpdateClient:
             reply, fleet_status_decoder, f"fleet status on {self.subjects.status_request()}"
         )
 
-    async def _request(
-        self,
-        subject: str,
-        message: msgspec.Struct,
-        timeout_s: float,
-        *,
-        no_responders_s: float | None = None,
-    ) -> Msg:
+    async def _request(self, subject: str, message: msgspec.Struct, timeout_s: float) -> Msg:
         # "No responders" is answered at once, also while a coordinator is
         # restarting, and a just-connected client can be told so for its first
         # request although the coordinator has subscribed: ask again briefly.
-        patience = self.no_coordinator_wait_s if no_responders_s is None else no_responders_s
         retrying = AsyncRetrying(
-            stop=stop_after_delay(patience),
+            stop=stop_after_delay(min(self.no_coordinator_wait_s, STATUS_NO_COORDINATOR_WAIT_S)),
             wait=wait_exponential(multiplier=0.05, max=0.5),
             retry=retry_if_exception_type(nats.errors.NoRespondersError),
             reraise=True,
@@ -233,3 +296,38 @@ def _decoded(reply: Msg, reader: Reader[_T], what: str) -> _T:
             f"the reply is not a valid {what} ({len(reply.data)} bytes: {str(exc)[:200]}); "
             "is something other than a lorabus coordinator of this version answering there?"
         ) from None
+
+
+class _Asking:
+    """Where one ``update()`` call stands: its deadline and what it has heard."""
+
+    def __init__(self, request: UpdateRequest, started: float, deadline: float) -> None:
+        self.update_id = request.update_id
+        self.started = started
+        self.deadline = deadline
+        self.taken = False
+        """Whether a coordinator has had the request: nobody listening is then a
+        failover in progress, not a fleet without a coordinator."""
+        self.let_go: ErrorInfo | None = None
+        """The last ``not_leader`` answer: a coordinator stopped leading before
+        the update ended."""
+        self.nobody_listened = False
+        """Whether some ask found no coordinator listening."""
+        self.nobody_came = False
+        """Set when no coordinator listened for ``no_coordinator_wait_s``."""
+
+    def over(self) -> bool:
+        return self.nobody_came or now() >= self.deadline
+
+
+def _is_no_responders(reply: Msg) -> bool:
+    return not reply.data and (reply.headers or {}).get(_STATUS_HEADER) == _NO_RESPONDERS_STATUS
+
+
+async def _unsubscribe(sub: Subscription) -> None:
+    """Drop the reply inbox, so that later answers to earlier asks are not
+    delivered; under its own short deadline, and nothing to undo on a closed
+    connection."""
+    with contextlib.suppress(nats.errors.Error, TimeoutError):
+        async with asyncio.timeout(_CLEANUP_S):
+            await sub.unsubscribe()
