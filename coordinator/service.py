@@ -322,7 +322,7 @@ class Coordinator:
             adapter=in_flight.served_name,
             version=in_flight.version,
             error=error,
-            path=in_flight.path,
+            path=in_flight.path or None,
         )
         await _quietly(store.write_result(result))
         await runner.bus.emit(self._finished(result))

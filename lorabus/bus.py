@@ -158,6 +158,9 @@ def _refusal(exc: BaseException, where: str) -> BusError | None:
     return None
 
 
+_FLUSH_ON_CLOSE_S = 0.5
+
+
 def is_auth_refusal(exc: BaseException) -> bool:
     """Whether NATS refused the credentials (a wrong password, an unknown user)."""
     text = str(exc).lower()
@@ -175,15 +178,27 @@ def redact(url: str) -> str:
 
 
 async def close(nc: NatsClient) -> None:
-    """Drain (so queued publishes go out) with a deadline, then close."""
-    try:
-        await asyncio.wait_for(nc.drain(), timeout=5)
-    except Exception as exc:
-        log.debug("drain of %s failed (%s); closing", nc.connected_url, exc)
-    if not nc.is_closed:
+    """Flush what was published (bounded), then close; never waits on a bus
+    that is gone.
+
+    Not ``drain()``: when nats-server stops at the same moment as this
+    process (a node drain stops everything together), drain waits out its
+    whole deadline on a connection that is reconnecting, and its cancelled
+    inner futures are logged as never retrieved. What a stopping process
+    needs is that its last acks and events reach the server: a flush does it.
+    """
+    if nc.is_connected:
         try:
+            async with asyncio.timeout(_FLUSH_ON_CLOSE_S):
+                await nc.flush()
+        except Exception as exc:
+            log.debug("flush of %s before closing failed: %r", nc.connected_url, exc)
+    if nc.is_closed:
+        return
+    try:
+        async with asyncio.timeout(_FLUSH_ON_CLOSE_S):
             await nc.close()
-        except OSError as exc:
-            # nats-py flushes publishes buffered during a reconnect into the
-            # dead connection and raises: the connection is gone either way.
-            log.debug("closing %s: %r", nc.connected_url, exc)
+    except (OSError, TimeoutError) as exc:
+        # nats-py flushes publishes buffered during a reconnect into the
+        # dead connection and raises: the connection is gone either way.
+        log.debug("closing %s: %r", nc.connected_url, exc)

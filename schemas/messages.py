@@ -245,8 +245,8 @@ class UpdateResult(_Message, frozen=True, kw_only=True, tag="update_result"):
     """Seconds spent in each phase that ran."""
     workers: dict[str, WorkerOutcome] = {}
     error: ErrorInfo | None = None
-    path: str = ""
-    """The adapter directory the update was for, normalized ("" where unknown:
+    path: Path | None = None
+    """The adapter directory the update was for, normalized (None where unknown:
     a request that did not decode, or a result stored by an older version),
     so a repeated update id is checked against the whole first content."""
 
@@ -286,12 +286,12 @@ class ResetRequest(_Message, frozen=True, kw_only=True, tag="reset_request"):
 
 
 class ResetResult(_Message, frozen=True, kw_only=True, tag="reset_result"):
-    adapter: str
+    adapter: Name
     ok: bool
     lineage: Epoch = 0
     """The adapter's lineage from now on."""
     previous_version: Version | None = None
-    previous_path: str = ""
+    previous_path: Annotated[str, msgspec.Meta(max_length=4096)] = ""
     error: ErrorInfo | None = None
 
 
@@ -439,12 +439,12 @@ class WorkerConflict(_Event, frozen=True, kw_only=True, tag="worker_conflict"):
 class CommittedReset(_Event, frozen=True, kw_only=True, tag="committed_reset"):
     """An operator reset what was committed for ``adapter`` (``ResetRequest``)."""
 
-    adapter: str
+    adapter: Name
     lineage: Epoch
     previous_version: Version
-    previous_path: str
-    previous_served_name: str
-    reason: str
+    previous_path: Annotated[str, msgspec.Meta(max_length=4096)]
+    previous_served_name: Name
+    reason: Annotated[str, msgspec.Meta(max_length=1024)]
 
 
 class LeaderElected(_Event, frozen=True, kw_only=True, tag="leader_elected"):

@@ -25,6 +25,7 @@ from lorabus.schemas import (
     CommandHandled,
     CommandRefused,
     CommittedNotice,
+    CommittedReset,
     EngineResumed,
     ErrorCode,
     ErrorInfo,
@@ -42,6 +43,8 @@ from lorabus.schemas import (
     Reconciled,
     RefuseInstance,
     RenewLeaseCommand,
+    ResetRequest,
+    ResetResult,
     ResumeCommand,
     StatusRequest,
     UnloadCommand,
@@ -59,6 +62,8 @@ from lorabus.schemas import (
     event_decoder,
     fleet_status_decoder,
     heartbeat_decoder,
+    reset_request_decoder,
+    reset_result_decoder,
     status_request_decoder,
     update_request_decoder,
     update_result_decoder,
@@ -143,6 +148,7 @@ FAMILIES = (
                 path="/adapters/1",
                 version=1,
                 retire=["policy-v0"],
+                lineage=1,
             ),
             RefuseInstance(**_COMMAND, instance="a1b2", holder="c3d4"),
         ),
@@ -209,6 +215,28 @@ FAMILIES = (
                     )
                 },
                 error=_ERROR,
+                path="/adapters/1",
+            ),
+        ),
+    ),
+    Family(
+        "reset_request",
+        reset_request_decoder,
+        (ResetRequest,),
+        (ResetRequest(adapter="policy", reason="ticket 42", expected_version=9),),
+    ),
+    Family(
+        "reset_result",
+        reset_result_decoder,
+        (ResetResult,),
+        (
+            ResetResult(
+                adapter="policy",
+                ok=False,
+                lineage=1,
+                previous_version=9,
+                previous_path="/adapters/9",
+                error=_ERROR,
             ),
         ),
     ),
@@ -267,6 +295,7 @@ FAMILIES = (
             LeaderElected,
             EngineResumed,
             WorkerConflict,
+            CommittedReset,
         ),
         (
             UpdateStarted(
@@ -315,6 +344,15 @@ FAMILIES = (
             WorkerConflict(
                 **_EVENT, worker_id="w000", holder="a1", refused="b2", world_sizes=[2, 1]
             ),
+            CommittedReset(
+                **_EVENT,
+                adapter="policy",
+                lineage=1,
+                previous_version=9,
+                previous_path="/adapters/9",
+                previous_served_name="policy-v9",
+                reason="ticket 42",
+            ),
         ),
     ),
     Family(
@@ -341,7 +379,15 @@ match before a final newline)."""
 WORKER_ID_FIELDS = {"worker_id"}
 WORKER_ID_LISTS = {"targets", "excluded"}
 NAME_LISTS = {"adapters", "names", "retire"}
-INT64_FIELDS = {"version", "epoch", "epoch_seen", "committed_version"}
+INT64_FIELDS = {
+    "version",
+    "epoch",
+    "epoch_seen",
+    "committed_version",
+    "lineage",
+    "previous_version",
+    "expected_version",
+}
 SECONDS_FIELDS = {"budget_s", "lease_s", "duration_s"}
 
 
@@ -399,7 +445,7 @@ def _broken_bound(name: str, value: Any) -> str | None:
             return f"at most {MAX_NAMES} entries"
         if any(len(item) > MAX_NAME for item in value):
             return f"names are at most {MAX_NAME} characters"
-    if name == "path" and not 1 <= len(value) <= MAX_PATH:
+    if name == "path" and value is not None and not 1 <= len(value) <= MAX_PATH:
         return f"a path is 1 to {MAX_PATH} characters"
     return None
 

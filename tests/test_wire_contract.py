@@ -71,6 +71,8 @@ def test_json_schema_covers_every_message_family() -> None:
         "update_result",
         "status_request",
         "fleet_status",
+        "reset_request",
+        "reset_result",
         "event",
     }
     for tag in ("pause", "load", "resume", "unload", "update_started", "bad_message"):
