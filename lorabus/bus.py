@@ -8,6 +8,7 @@ after two minutes of pings. Every lorabus process connects through this module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import ssl
@@ -132,7 +133,9 @@ async def connect(
     except BaseException:
         connecting.cancel()
         await asyncio.gather(connecting, return_exceptions=True)
-        await nc.close()
+        # A client that never connected cannot close cleanly (nats-py asserts).
+        with contextlib.suppress(Exception):
+            await nc.close()
         raise
     return nc
 

@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+CONNECT_TIMEOUT_S = 10.0
+"""How long connecting to NATS may take before ``BusUnreachable``."""
 UPDATE_TIMEOUT_S = 300.0
 """How long ``update()`` waits for a result unless told otherwise."""
 STATUS_TIMEOUT_S = 5.0
@@ -120,7 +122,7 @@ class UpdateClient:
         fleet: str,
         *,
         options: BusOptions | None = None,
-        connect_timeout_s: float = 10.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
         reask_s: float = REASK_S,
     ) -> UpdateClient:
         """A client of ``fleet`` on its own connection to ``url``, closed with it,

@@ -3,6 +3,7 @@ apart, quickly, by name, and no password appears in what is printed."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -98,3 +99,28 @@ async def test_a_password_in_the_url_works_but_is_warned_about_and_never_printed
 )
 def test_urls_are_printed_without_their_user_and_password(url: str, shown: str) -> None:
     assert redact(url) == shown
+
+
+@pytest.mark.parametrize("bad", ["localhost:abc", "http://localhost:4222", "nats://"])
+async def test_a_malformed_nats_url_is_a_usage_error_not_a_traceback(bad: str) -> None:
+    finished = await run_lorabus("status", "--nats", bad, "--fleet", "f")
+
+    assert finished.returncode == 2, finished
+    assert "Invalid value for '--nats'" in finished.stderr and bad in finished.stderr
+    assert "Traceback" not in finished.stderr
+
+
+async def test_update_json_against_an_unreachable_bus_prints_its_error_as_json() -> None:
+    """--timeout covers connecting too: a 2 s timeout against a port nobody
+    listens on ends with the bus_unreachable result, as one JSON object."""
+    url = f"nats://127.0.0.1:{free_port()}"
+    finished = await run_lorabus(
+        "update", "--nats", url, "--fleet", "f", "--adapter", "a", "--path", "/a/1",
+        "--json", "--timeout", "2", "--update-id", "step-1",
+    )  # fmt: skip
+
+    assert finished.returncode == 1, finished
+    result = json.loads(finished.stdout)
+    assert (result["update_id"], result["status"]) == ("step-1", "failed")
+    assert result["error"]["code"] == "bus_unreachable"
+    assert "within 2s" in result["error"]["message"]

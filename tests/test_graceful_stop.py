@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+
+from processes import Processes
 
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
@@ -53,3 +56,38 @@ async def _until_running(coordinator: Coordinator) -> None:
     """
     while coordinator.book.running is None:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
+
+
+async def test_an_interrupted_update_says_which_update_runs_on_and_how_to_fetch_it(
+    nats_url: str, fleet_name: str, processes: Processes
+) -> None:
+    config = CoordinatorConfig(
+        fleet=fleet_name,
+        frontend_url="http://127.0.0.1:9",
+        expected_world_size=4,
+        quorum_timeout_s=60,
+    )
+    coordinator = Coordinator(config)
+    coordinator_nc = await connect(nats_url, name="test-coordinator")
+    ready = asyncio.Event()
+    serving = asyncio.create_task(coordinator.run(coordinator_nc, ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        update = await processes.start(
+            "update",
+            ["update", "--nats", nats_url, "--fleet", fleet_name, "--adapter", "policy",
+             "--path", "/a/step_1", "--version", "1", "--update-id", "step-1"],
+        )  # fmt: skip
+        await asyncio.wait_for(_until_running(coordinator), 10)
+        update.ended_on_purpose = True
+        update.process.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(update.process.wait(), 10)
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await close(coordinator_nc)
+
+    assert code == 130, update.describe()
+    said = update.log_tail(50)
+    assert "interrupted: update step-1 may still run" in said, said
+    assert "--update-id step-1 --adapter policy --path /a/step_1 --version 1" in said

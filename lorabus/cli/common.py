@@ -8,6 +8,7 @@ import functools
 import logging
 import signal
 import typing
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -50,6 +51,29 @@ def bus_options(*, required: bool = True) -> Callable[[_F], _F]:
     return decorate
 
 
+_NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def _checked_nats_urls(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse a malformed ``--nats`` here, with the part at fault named, rather
+    than as the NATS client's error from deep inside a connect."""
+    if value is None:
+        return None
+    for part in (p.strip() for p in value.split(",")):
+        url = part if "://" in part else f"nats://{part}"
+        try:
+            parsed = urllib.parse.urlsplit(url)
+            parsed.port  # noqa: B018 (parsing the port is the check)
+        except ValueError as exc:
+            raise click.BadParameter(f"{part!r}: {exc}") from None
+        if parsed.scheme not in _NATS_SCHEMES or not parsed.hostname:
+            raise click.BadParameter(
+                f"{part!r}: give nats://HOST:PORT (or tls://, ws://, wss://), "
+                "several separated by commas"
+            )
+    return value
+
+
 _BUS_FIELDS = (
     "creds_file",
     "nkey_seed_file",
@@ -71,6 +95,7 @@ def _bus_option_list(required: bool) -> list[Callable[[Any], Any]]:
             envvar="LORABUS_NATS_URL",
             required=required,
             show_envvar=True,
+            callback=_checked_nats_urls,
             help="NATS server URL (a comma-separated list for the nodes of a cluster).",
         ),
         click.option(

@@ -63,18 +63,48 @@ def update(
     as_json: bool,
 ) -> None:
     """Request an update and wait for its result (exit 0 committed, 1 failed: refused,
-    superseded, busy or failed; the error's code and message are printed)."""
-    from lorabus.client import UpdateClient
+    superseded, busy or failed; the error's code and message are printed).
+    ``--timeout`` covers connecting too; with ``--json`` every exit prints one
+    JSON object, an error's code included."""
+    import uuid
+
+    from lorabus.client import CONNECT_TIMEOUT_S, UpdateClient
+    from lorabus.errors import LorabusError
     from lorabus.render import result_text
-    from lorabus.schemas import to_builtins
+    from lorabus.schemas import FAILED, UpdateResult, to_builtins
 
     subjects_of(fleet)
+    # Chosen here, so that an interrupted wait can say which update to ask about.
+    the_id = update_id or uuid.uuid4().hex
 
     async def request() -> int:
-        async with await UpdateClient.connect(nats_url, fleet, options=bus) as client:
-            result = await client.update(
-                adapter, path, version=version, update_id=update_id, timeout_s=timeout
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            async with await UpdateClient.connect(
+                nats_url, fleet, options=bus, connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout)
+            ) as client:
+                left = max(0.1, deadline - asyncio.get_running_loop().time())
+                result = await client.update(
+                    adapter, path, version=version, update_id=the_id, timeout_s=left
+                )
+        except LorabusError as exc:
+            if not as_json:
+                raise
+            result = UpdateResult(
+                update_id=the_id,
+                status=FAILED,
+                adapter=adapter,
+                version=version,
+                error=exc.info(),
             )
+        except asyncio.CancelledError:
+            click.echo(
+                f"interrupted: update {the_id} may still run on the coordinator; its outcome: "
+                f"lorabus update --update-id {the_id} --adapter {adapter} --path {path}"
+                + (f" --version {version}" if version is not None else ""),
+                err=True,
+            )
+            raise
         click.echo(json.dumps(to_builtins(result)) if as_json else result_text(result))
         return 0 if result.committed else EXIT_FAILED
 
