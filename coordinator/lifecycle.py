@@ -503,7 +503,8 @@ class UpdateRunner:
                     break
                 if await gather.wait(min(deadline, next_resend, at + _LIVENESS_TICK_S) - at):
                     break
-                gather.give_up_on([w for w in gather.waiting if not self.membership.is_live(w)])
+                gone, rejoined = self.membership.triage(gather.waiting, sent_at)
+                gather.give_up_on(gone)
                 at = now()
                 if at >= deadline or not gather.waiting:
                     continue
@@ -512,7 +513,7 @@ class UpdateRunner:
                     resend_gap *= 2
                     next_resend = at + resend_gap
                 else:
-                    again_to = [w for w in sorted(gather.waiting) if self._joined_since(w, sent_at)]
+                    again_to = sorted(rejoined)
                 if again_to:
                     # By name: a restarted agent has forgotten which pauses it took.
                     again = msgspec.structs.replace(
@@ -530,10 +531,6 @@ class UpdateRunner:
             duration_s=now() - started,
             timeout_s=timeout_s,
         )
-
-    def _joined_since(self, worker_id: str, sent_at: dict[str, float]) -> bool:
-        joined = self.membership.joined_at(worker_id)
-        return joined is not None and joined > sent_at.get(worker_id, 0.0)
 
     async def _send_to_each(self, command: PhasedCommand, worker_ids: list[str]) -> None:
         """Each member on its own subject, named alone: a broadcast naming N

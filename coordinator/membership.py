@@ -22,7 +22,7 @@ event loop's thread change it halfway).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 
@@ -171,6 +171,24 @@ class Membership:
         """The instance that holds ``worker_id``, if it is known."""
         member = self._members.get(worker_id)
         return None if member is None else member.heartbeat.instance
+
+    def triage(
+        self, worker_ids: Iterable[str], sent_at: Mapping[str, float]
+    ) -> tuple[list[str], list[str]]:
+        """(gone, rejoined) among ``worker_ids``: those not live, and those live
+        that (re)joined after ``sent_at[worker]``. One pass and one clock read:
+        a phase asks this for up to every member four times a second."""
+        at = self._clock()
+        members = self._members
+        gone: list[str] = []
+        rejoined: list[str] = []
+        for worker_id in worker_ids:
+            member = members.get(worker_id)
+            if member is None or not _alive(member, at):
+                gone.append(worker_id)
+            elif member.joined_at > sent_at.get(worker_id, 0.0):
+                rejoined.append(worker_id)
+        return gone, rejoined
 
     def joined_at(self, worker_id: str) -> float | None:
         """When ``worker_id``'s agent (re)joined (see :attr:`Member.joined_at`)."""

@@ -185,3 +185,8 @@ def test_a_member_rejoins_when_first_heard_after_a_missed_beat_or_as_a_new_insta
     clock.now += MISSED_BEATS * BEAT_S
     membership.observe(_instance_beat("restarted"))
     assert membership.joined_at("w0") == clock.now, "a new instance"
+    sent = clock.now - 1.0
+    assert membership.triage(["w0", "w9"], {"w0": sent}) == (["w9"], ["w0"])
+    assert membership.triage(["w0"], {"w0": clock.now}) == ([], []), "sent after it joined"
+    clock.now += MISSED_BEATS * BEAT_S
+    assert membership.triage(["w0"], {}) == (["w0"], []), "silent: gone"
