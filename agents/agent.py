@@ -473,6 +473,15 @@ class Agent:
                     self.lease.arm(command.update_id, self._lease_length(lease_s))
                 case ResumeCommand() if ack.ok and not self.executor.maybe_paused:
                     self.lease.release()
+            if isinstance(command, ResumeCommand):
+                # One line per update: its end, as this engine saw it.
+                log.info(
+                    "worker=%s update=%s %s; engine serves %s",
+                    self.worker_id,
+                    command.update_id,
+                    "resumed" if ack.ok else f"resume failed: {ack.error}",
+                    ", ".join(self.executor.adapters) or "no adapter",
+                )
                 # After an unanswered pause the lease runs on past the resume:
                 # when it runs out, one more resume undoes a pause that landed late.
             # The ack is the record: the audit stream keeps it, and the

@@ -154,6 +154,11 @@ class Coordinator:
             await nc.flush(timeout=5)
             if ready is not None:
                 ready.set()
+            log.info(
+                "coordinator %s ready on fleet %s: following heartbeats, leading when it can",
+                self.holder,
+                self.config.fleet,
+            )
             while True:
                 raise_if_cancelled()
                 self.epoch = await election.campaign()

@@ -40,6 +40,15 @@ def main(log_level: str, identity: str | None) -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if log_level.upper() != "DEBUG":
+        # One line per HTTP request would be most of an agent's log at INFO.
+        for chatty in ("httpx", "httpcore"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
+    context = click.get_current_context()
+    context.obj = {
+        "log_level_given": context.get_parameter_source("log_level")
+        is not click.core.ParameterSource.DEFAULT
+    }
     if identity is not None:
         # The command's options read these variables when it is parsed, after this.
         os.environ.update(identity_env(Path(identity)))

@@ -6,6 +6,7 @@ Both run until SIGTERM or SIGINT, and take their settings from the tables in
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -66,6 +67,10 @@ def serving_command(
                 fleet=fleet,
                 headers=headers_from(api_key_env, headers),
             )
+            if not (click.get_current_context().find_root().obj or {}).get("log_level_given"):
+                # A service says when it is ready and what each update did;
+                # the other commands stay quiet unless asked.
+                logging.getLogger("lorabus").setLevel(logging.INFO)
             sys.exit(run(lambda: serve(config, Bus(nats_url, bus), metrics_port)))
 
         return command
