@@ -113,6 +113,9 @@ _LEADER_READ_TIMEOUT_S = 2.0
 _LEADER_REREAD_S = 0.5
 """The leader record is read at most once per this, whoever asks: a flood of
 forged epochs costs one KV read per interval."""
+_STUCK_AFTER_FAILURES = 3
+"""Failed reloads of the committed adapter after which the agent says, in its
+heartbeat, that its engine will not converge on its own."""
 _RETIRE_BUDGET_S = 10.0
 """Retiring is housekeeping: it must not hold the next pause up for long."""
 
@@ -186,6 +189,10 @@ class Agent:
         self.verifier = verifier or CommandVerifier()
         self._leader_keys: dict[int, str] = {}
         """The signing key of each epoch's leader record this agent has read."""
+        self._reconcile_failures = 0
+        """Failed reloads of the committed adapter in a row."""
+        self._reconcile_error = ("", "")
+        """(served name, why) of the last failed reload."""
         self._held: dict[str, Msg] = {}
         """Per subject, the newest command of an epoch the leader record did not
         show yet, checked once more after the next read of the record."""
@@ -501,6 +508,12 @@ class Agent:
         if work.internal == "reconcile":
             self._reconciled.set()
             assert isinstance(work.command, LoadCommand)
+            if ack.ok:
+                self._reconcile_failures = 0
+            else:
+                self._reconcile_failures += 1
+                message = ack.error.message if ack.error else "unknown error"
+                self._reconcile_error = (work.command.served_name, message)
             await self._emit(
                 Reconciled(
                     ts=time.time(),
@@ -680,9 +693,23 @@ class Agent:
                     # Tell the coordinator now; the heartbeat loop beats on its own.
                     await self._beat()
 
-    def _reported(self) -> tuple[list[str], bool]:
+    def _unready_reason(self) -> str:
+        """Why the engine will not converge, once reloading the committed
+        adapter has failed ``_STUCK_AFTER_FAILURES`` times in a row."""
+        if self.ready or self._reconcile_failures < _STUCK_AFTER_FAILURES:
+            return ""
+        return (
+            f"loading the committed {self._reconcile_error[0]} failed "
+            f"{self._reconcile_failures} times: {self._reconcile_error[1]}"
+        )[:4096]
+
+    def _reported(self) -> tuple[list[str], bool, str]:
         """What a heartbeat says of the engine that a check can change."""
-        return list(self.executor.adapters), self.ready and not self._reconciling
+        return (
+            list(self.executor.adapters),
+            self.ready and not self._reconciling,
+            self._unready_reason(),
+        )
 
     async def _beat(self) -> None:
         ex = self.executor
@@ -699,6 +726,7 @@ class Agent:
                     ready=self.ready and not self._reconciling,
                     epoch_seen=self.epoch_seen,
                     instance=self.instance,
+                    unready_reason=self._unready_reason(),
                 )
             ),
         )

@@ -83,10 +83,11 @@ class Membership:
             and _alive(known, at)
         ):
             return self._contend(known, heartbeat, at)
-        if known is None or (known.heartbeat.world_size, known.heartbeat.ready) != (
-            heartbeat.world_size,
-            heartbeat.ready,
-        ):
+        if known is None or (
+            known.heartbeat.world_size,
+            known.heartbeat.ready,
+            known.heartbeat.unready_reason,
+        ) != (heartbeat.world_size, heartbeat.ready, heartbeat.unready_reason):
             self._changed.set()
         rejoined = (
             known is None
@@ -215,6 +216,15 @@ class Membership:
         """World sizes of live members that are ready (serve the committed state)."""
         return {wid: m.heartbeat.world_size for wid, m in self.live().items() if m.heartbeat.ready}
 
+    def stuck(self) -> dict[str, tuple[int, str]]:
+        """Live members that report they cannot load the committed adapter:
+        ``{worker_id: (world_size, reason)}``."""
+        return {
+            wid: (m.heartbeat.world_size, m.heartbeat.unready_reason)
+            for wid, m in self.live().items()
+            if not m.heartbeat.ready and m.heartbeat.unready_reason
+        }
+
     async def wait_quorum(
         self,
         expected_world_size: int,
@@ -234,6 +244,10 @@ class Membership:
             total = sum(sizes.values())
             if total == expected_world_size:
                 return sizes
+            stuck = self.stuck()
+            if stuck and expected_world_size - sum(s for s, _ in stuck.values()) < needed:
+                # Whoever else comes, these keep the quorum out of reach.
+                raise QuorumNotReached(_stuck_message(stuck, total, expected_world_size, needed))
             if needed <= total < expected_world_size and self._clock() - started >= grace_s:
                 return sizes
             remaining = deadline - self._clock()
@@ -260,6 +274,18 @@ def _alive(member: Member, at: float) -> bool:
 
 def _contending(contender: Contender, at: float) -> bool:
     return at - contender.last_seen < MISSED_BEATS * contender.heartbeat.interval_s
+
+
+def _stuck_message(
+    stuck: dict[str, tuple[int, str]], total: int, expected: int, needed: int
+) -> str:
+    named = "; ".join(
+        f"{wid} (world size {size}): {reason}" for wid, (size, reason) in sorted(stuck.items())
+    )
+    return (
+        f"quorum cannot be reached (ready world size {total} of {expected}, {needed} needed): "
+        f"these members cannot load the committed adapter: {named}"
+    )
 
 
 def _quorum_message(

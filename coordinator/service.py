@@ -683,6 +683,7 @@ class Coordinator:
                 heartbeat_age_s=round(self.membership.age_of(m), 3),
                 rank_offset=offsets.get(wid),
                 ready=m.heartbeat.ready,
+                unready_reason=m.heartbeat.unready_reason,
             )
             for wid, m in sorted(live.items())
         ]

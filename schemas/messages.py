@@ -213,6 +213,10 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
     """The highest coordinator term this agent has seen."""
     instance: Annotated[str, msgspec.Meta(max_length=64)] = ""
     """Random per agent process: two live agents with one worker id differ here."""
+    unready_reason: Text = ""
+    """Why the engine cannot load the committed adapter, once loading it has
+    failed repeatedly ("" while it converges or is ready): a member that will
+    not become ready on its own."""
 
 
 # -- orchestrator <-> coordinator ---------------------------------------------
@@ -304,6 +308,8 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_age_s: float
     rank_offset: int | None = None
     ready: bool = True
+    unready_reason: str = ""
+    """From its last heartbeat: why it cannot load the committed adapter."""
 
 
 class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Callable
 
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver
@@ -85,3 +86,31 @@ async def test_an_update_does_not_count_an_agent_that_is_not_ready(
         result = await stack.client.update("policy", make_adapter(2), version=2)
 
     assert result.error is not None and result.error.code == "quorum_timeout"
+
+
+async def test_a_member_that_cannot_reload_the_committed_adapter_is_named_at_once(
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """Its directory was deleted, then its engine restarted: the agent cannot
+    converge, says why in its heartbeat, and a --quorum all update fails at
+    once naming it, instead of waiting out the quorum timeout."""
+    async with make_stack([1, 1], quorum_timeout_s=120) as stack:
+        assert stack.client is not None and stack.sim is not None
+        committed_dir = make_adapter(1)
+        assert (await stack.client.update("policy", committed_dir, version=1)).committed
+        shutil.rmtree(committed_dir)
+        stack.sim.workers["w001"].remove_adapter("policy-v1")  # as an engine restart would
+
+        async with asyncio.timeout(60):
+            while not (status := await stack.client.status()).members[1].unready_reason:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+            # Well inside the 120 s quorum timeout: the test fails if it waits that out.
+            result = await stack.client.update("policy", make_adapter(2), version=2)
+
+    stuck = status.members[1]
+    assert (stuck.worker_id, stuck.ready) == ("w001", False)
+    assert "policy-v1" in stuck.unready_reason and "failed 3 times" in stuck.unready_reason
+    assert result.error is not None and result.error.code == "quorum_timeout"
+    assert "w001" in result.error.message
+    assert "cannot load the committed adapter" in result.error.message
