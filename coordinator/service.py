@@ -357,8 +357,14 @@ class Coordinator:
                 result = await self._execute(request, runner, bus, store)
             self.metrics.update_seconds.observe(now() - started)
             self.metrics.updates.labels(result.status).inc()
-            persisted = await _quietly(store.write_result(result))
-            await _quietly(store.clear_inflight())
+            if result.committed or await self._still_leading(store):
+                persisted = await _quietly(store.write_result(result))
+                await _quietly(store.clear_inflight())
+            else:
+                # Deposed while it ran (stopped, cut off): the successor rolled
+                # this update back, recorded that result and may have an update
+                # of its own in flight; neither may be overwritten from here.
+                persisted = False
             self.book.finish(request, result, persisted=persisted)
             await bus.emit(self._finished(result))
             log.info(
