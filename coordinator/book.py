@@ -46,6 +46,7 @@ from collections import OrderedDict
 from lorabus.errors import BadRequest, Busy
 from lorabus.schemas import (
     FAILED,
+    PENDING,
     CommittedRecord,
     ErrorCode,
     ErrorInfo,
@@ -94,6 +95,24 @@ class UpdateBook:
     def queued(self) -> int:
         """Requests waiting behind the one running."""
         return len(self._queue)
+
+    def outcome(self, update_id: str) -> UpdateResult | None:
+        """The id's result if this term has it; ``pending`` while it is queued
+        or running; None when this term does not know the id."""
+        result = self._results.get(update_id) or self._unpersisted.get(update_id)
+        if result is not None:
+            return result
+        pending = self._pending.get(update_id)
+        if pending is None:
+            return None
+        request = pending[0]
+        return UpdateResult(
+            update_id=update_id,
+            status=PENDING,
+            adapter=request.adapter,
+            version=request.version,
+            path=posixpath.normpath(request.path),
+        )
 
     def knows(self, update_id: str) -> bool:
         """Whether the id's result, or the future of it, is here (else it may be

@@ -65,6 +65,7 @@ from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
     COMMITTED,
     FAILED,
+    UNKNOWN,
     BadMessage,
     BadPayload,
     CommittedNotice,
@@ -87,6 +88,7 @@ from lorabus.schemas import (
     build_rank_map,
     encode,
     reset_request_decoder,
+    result_request_decoder,
     update_request_decoder,
 )
 from lorabus.signing import CommandSigner
@@ -219,6 +221,10 @@ class Coordinator:
                     cb=self._make_request_cb(replies, bus, store),
                 ),
                 await nc.subscribe(self.subjects.status_request(), cb=self._on_status),
+                await nc.subscribe(
+                    self.subjects.result_request(),
+                    cb=self._make_result_cb(replies, bus, store),
+                ),
                 await nc.subscribe(
                     self.subjects.reset_request(),
                     cb=self._make_reset_cb(replies, bus, store),
@@ -485,6 +491,49 @@ class Coordinator:
             reply.add_done_callback(replies.discard)
 
         return on_request
+
+    def _make_result_cb(
+        self, replies: set[asyncio.Task[None]], bus: CoordinatorBus, store: FleetStore
+    ) -> Callable[[Msg], Awaitable[None]]:
+        async def on_result(msg: Msg) -> None:
+            try:
+                request = result_request_decoder.decode(msg.data)
+            except BadPayload as exc:
+                error = f"malformed result request: {exc}"[:1024]
+                await self._report_malformed(msg, bus, error)
+                info = BadRequest(error).info()
+                await _reply(
+                    msg,
+                    UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info),
+                )
+                return
+            reply = asyncio.create_task(self._answer_result(msg, request.update_id, store))
+            replies.add(reply)
+            reply.add_done_callback(replies.discard)
+
+        return on_result
+
+    async def _answer_result(self, msg: Msg, update_id: str, store: FleetStore) -> None:
+        """The id's outcome: this term's, else the results bucket's, else unknown
+        (a store that cannot be read says so, rather than "unknown")."""
+        outcome = self.book.outcome(update_id)
+        if outcome is None:
+            try:
+                outcome = await store.read_result(update_id)
+            except StoreUnavailable as exc:
+                outcome = UpdateResult(
+                    update_id=update_id,
+                    status=FAILED,
+                    adapter="",
+                    version=None,
+                    error=ErrorInfo(code=ErrorCode.INTERNAL, message=str(exc)),
+                )
+            except BadPayload:
+                outcome = None
+        await _reply(
+            msg,
+            outcome or UpdateResult(update_id=update_id, status=UNKNOWN, adapter="", version=None),
+        )
 
     def _make_reset_cb(
         self, replies: set[asyncio.Task[None]], bus: CoordinatorBus, store: FleetStore

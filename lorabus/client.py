@@ -51,6 +51,7 @@ from lorabus.schemas import (
     ErrorInfo,
     FleetStatus,
     Reader,
+    ResultRequest,
     StatusRequest,
     Subjects,
     UpdateRequest,
@@ -262,6 +263,20 @@ class UpdateClient:
         return _decoded(
             reply, fleet_status_decoder, f"fleet status on {self.subjects.status_request()}"
         )
+
+    async def result(self, update_id: str, *, timeout_s: float = STATUS_TIMEOUT_S) -> UpdateResult:
+        """The outcome of an earlier update, by its id alone: its result
+        (``committed`` or ``failed``), ``pending`` while it is queued or runs,
+        ``unknown`` when no coordinator record of it is left (results are
+        kept a day). Runs nothing; raises NoCoordinator when nobody answers."""
+        request = ResultRequest(update_id=update_id)
+        try:
+            reply = await self._request(self.subjects.result_request(), request, timeout_s)
+        except (nats.errors.NoRespondersError, TimeoutError) as exc:
+            raise NoCoordinator(
+                f"no coordinator answered on fleet {self.subjects.fleet!r}"
+            ) from exc
+        return _decoded(reply, update_result_decoder, "update result")
 
     async def _request(self, subject: str, message: msgspec.Struct, timeout_s: float) -> Msg:
         # "No responders" is answered at once, also while a coordinator is

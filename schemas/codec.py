@@ -21,6 +21,7 @@ from lorabus.schemas.messages import (
     Heartbeat,
     ResetRequest,
     ResetResult,
+    ResultRequest,
     StatusRequest,
     UpdateRequest,
     UpdateResult,
@@ -73,6 +74,7 @@ update_request_decoder: Reader[UpdateRequest] = Reader(UpdateRequest)
 update_result_decoder: Reader[UpdateResult] = Reader(UpdateResult)
 status_request_decoder: Reader[StatusRequest] = Reader(StatusRequest)
 reset_request_decoder: Reader[ResetRequest] = Reader(ResetRequest)
+result_request_decoder: Reader[ResultRequest] = Reader(ResultRequest)
 reset_result_decoder: Reader[ResetResult] = Reader(ResetResult)
 fleet_status_decoder: Reader[FleetStatus] = Reader(FleetStatus)
 event_decoder: Reader[Event] = Reader(Event)
@@ -97,6 +99,7 @@ def json_schema() -> dict[str, Any]:
         "update_result": UpdateResult,
         "status_request": StatusRequest,
         "fleet_status": FleetStatus,
+        "result_request": ResultRequest,
         "reset_request": ResetRequest,
         "reset_result": ResetResult,
         "event": Event,

@@ -261,6 +261,19 @@ class UpdateResult(_Message, frozen=True, kw_only=True, tag="update_result"):
 
 COMMITTED = "committed"
 FAILED = "failed"
+PENDING = "pending"
+"""Only in answer to a ``result_request``: the update is queued or running."""
+UNKNOWN = "unknown"
+"""Only in answer to a ``result_request``: no coordinator record of that id
+(never asked, or its result expired after a day)."""
+
+
+class ResultRequest(_Message, frozen=True, kw_only=True, tag="result_request"):
+    """The outcome of an earlier update, by its id alone (``lorabus result``);
+    the reply is an ``update_result``, of status ``pending`` or ``unknown``
+    when it has none yet."""
+
+    update_id: UpdateId
 
 
 class StatusRequest(_Message, frozen=True, kw_only=True, tag="status_request"):

@@ -70,6 +70,10 @@ class Subjects(msgspec.Struct, frozen=True):
         """Anyone -> coordinator, request/reply; the reply is the fleet status."""
         return f"{self._base}.req.status"
 
+    def result_request(self) -> str:
+        """Orchestrator -> coordinator, request/reply: an update's outcome by id."""
+        return f"{self._base}.req.result"
+
     def reset_request(self) -> str:
         """Operator -> coordinator, request/reply; the reply is a ``ResetResult``."""
         return f"{self._base}.req.reset"

@@ -45,6 +45,7 @@ from lorabus.schemas import (
     RenewLeaseCommand,
     ResetRequest,
     ResetResult,
+    ResultRequest,
     ResumeCommand,
     StatusRequest,
     UnloadCommand,
@@ -64,6 +65,7 @@ from lorabus.schemas import (
     heartbeat_decoder,
     reset_request_decoder,
     reset_result_decoder,
+    result_request_decoder,
     status_request_decoder,
     update_request_decoder,
     update_result_decoder,
@@ -218,6 +220,12 @@ FAMILIES = (
                 path="/adapters/1",
             ),
         ),
+    ),
+    Family(
+        "result_request",
+        result_request_decoder,
+        (ResultRequest,),
+        (ResultRequest(update_id="u-1"),),
     ),
     Family(
         "reset_request",

@@ -71,6 +71,7 @@ def test_json_schema_covers_every_message_family() -> None:
         "update_result",
         "status_request",
         "fleet_status",
+        "result_request",
         "reset_request",
         "reset_result",
         "event",
