@@ -193,6 +193,12 @@ def bench(
     help=f"Seconds of updates under faults, then every fault is healed and checked "
     f"[default: {_CHAOS.duration_s:g}].",
 )
+@click.option(
+    "--faults",
+    type=click.IntRange(min=1),
+    help="Instead of --duration: run until this many faults have been injected "
+    "(about N x --fault-gap seconds).",
+)
 @click.option("--seed", type=int, help=f"Seeds the fault schedule [default: {_CHAOS.seed}].")
 @click.option(
     "--workers",
@@ -206,8 +212,9 @@ def bench(
 )
 @click.option(
     "--fault-gap",
-    type=click.FloatRange(min=0.5),
-    help=f"Mean seconds between the starts of two faults [default: {_CHAOS.mean_gap_s:g}].",
+    type=click.FloatRange(min=0.1),
+    help="Mean seconds between the starts of two faults (one fault per target at a time) "
+    f"[default: {_CHAOS.mean_gap_s:g}].",
 )
 @click.option(
     "--out", "out_path", type=click.Path(dir_okay=False), help="Write the run's figures as JSON."
@@ -219,6 +226,7 @@ def bench(
 )
 def chaos(
     duration: float | None,
+    faults: int | None,
     seed: int | None,
     workers: int | None,
     world_sizes: list[int] | None,
@@ -231,6 +239,11 @@ def chaos(
     from lorabus.testbed.chaos import ChaosReport, report_json
     from lorabus.testbed.chaos.runner import run_chaos
 
+    if duration is not None and faults is not None:
+        raise click.UsageError(
+            "give --duration or --faults, not both: with --faults the run lasts until "
+            "that many faults have been injected"
+        )
     if logging.getLogger().level > logging.INFO:
         # Its own connection's warnings while the nats-server restarts on purpose.
         logging.getLogger("lorabus.bus").setLevel(logging.ERROR)
@@ -238,6 +251,7 @@ def chaos(
     count = workers or len(sizes)
     given: dict[str, Any] = {
         "duration_s": duration,
+        "faults": faults,
         "seed": seed,
         "mean_gap_s": fault_gap,
         "run_dir": Path(run_dir) if run_dir else None,
@@ -266,5 +280,7 @@ def chaos(
         click.echo(f"logs kept in {report.run_dir}")
     if out_path:
         Path(out_path).write_bytes(report_json(report) + b"\n")
+    for line in report.figure_lines():
+        click.echo(line)
     click.echo(report.summary_line())
     sys.exit(0 if report.ok else EXIT_FAILED)

@@ -1,8 +1,8 @@
-"""A short seeded chaos run: every kind of fault lands, updates commit, no invariant breaks.
+"""Short seeded chaos runs: every kind of fault lands, updates commit, no invariant breaks.
 
 Agents and coordinators run as real processes on a real nats-server, which
 the run itself stops and starts again; the simulated engines run in this
-process. Seed 20 schedules every kind of fault within the first 18 seconds.
+process. Seed 7 schedules every kind of fault within the first 24 seconds.
 The run's logs stay under the test's tmp dir, and a failure prints every
 violation with its details.
 """
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from lorabus.errors import NatsServerMissing
-from lorabus.testbed.chaos import ALL_KINDS, ChaosConfig, build_schedule
+from lorabus.testbed.chaos import ALL_KINDS, ChaosConfig, FaultKind, build_schedule
 from lorabus.testbed.chaos.runner import run_chaos
 from lorabus.testbed.natsserver import find_nats_server
 
-SEED = 20
+SEED = 7
 DURATION_S = 24.0
 MEAN_GAP_S = 2.5
 WORLD_SIZES = (2, 1, 4, 1)
@@ -61,3 +61,32 @@ async def test_a_short_chaos_run_breaks_no_invariant(tmp_path: Path) -> None:
     )
     assert report.committed > 0, story
     assert report.attempted == report.committed + report.failed_cleanly, story
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+async def test_one_call_made_while_the_leader_is_frozen_gets_a_terminal_result(
+    tmp_path: Path,
+) -> None:
+    lines: list[str] = []
+    config = ChaosConfig(
+        faults=2,
+        seed=1,
+        world_sizes=WORLD_SIZES,
+        mean_gap_s=3.0,
+        kinds=(FaultKind.FROZEN_LEADER_REQUEST,),
+        run_dir=tmp_path / "run",
+    )
+
+    report = await run_chaos(config, out=lines.append)
+
+    story = "\n".join(lines)
+    assert report.violations == [], (
+        "\n".join(str(v) for v in report.violations) + f"\n\n{story}\nlogs: {report.run_dir}"
+    )
+    assert report.faults_by_kind == {"frozen_leader_request": 2}, story
+    calls = report.one_call_requests
+    assert calls["made"] == 2, story
+    assert not any(what.startswith("unanswered") for what in calls["outcomes"]), calls
+    assert calls["call_s"]["max"] <= calls["timeout_s"], calls
+    assert report.violations_by_invariant["frozen_leader_request"] == 0

@@ -24,6 +24,7 @@ from lorabus.testbed.chaos.invariants import (
     check_committed_served,
     check_fencing,
     check_final_state,
+    check_one_call_requests,
     check_pause_leases,
     check_rank_maps,
     check_recovery,
@@ -426,3 +427,71 @@ def test_a_process_that_exits_on_its_own_is_a_violation() -> None:
     t.crashes.append("agent-a (pid 42) exited 1; log /tmp/agent-a.1.log:\nTraceback ...")
 
     assert [(v.invariant, v.subject) for v in check_all(t, BOUNDS)] == [("crash", "agent-a")]
+
+
+# -- 8. one call rides out a frozen leader ------------------------------------------------
+
+
+def asked_once(outcome: UpdateResult, call_s: float = 6.0) -> UpdateRecord:
+    """u2, asked with one client call (timeout 70 s) while leader c1 was frozen."""
+    terminal = (
+        outcome.committed
+        or outcome.error is None
+        or outcome.error.code
+        not in (
+            ErrorCode.TIMEOUT,
+            ErrorCode.NO_COORDINATOR,
+        )
+    )
+    status = "committed" if outcome.committed else f"failed:{outcome.error and outcome.error.code}"
+    return UpdateRecord(
+        update_id="u2",
+        version=2,
+        path="/adapters/step_2",
+        requested_at=3.0,
+        answered_at=3.0 + call_s if terminal else None,
+        attempts=[status],
+        result=outcome if terminal else None,
+        one_call_timeout_s=70.0,
+        frozen_leader="c1",
+        call_s=call_s,
+    )
+
+
+def test_a_frozen_leader_request_that_times_out_is_a_violation() -> None:
+    t = clean()
+    t.updates.append(asked_once(failed("u2", ErrorCode.TIMEOUT), call_s=70.0))
+
+    violations = check_all(t, BOUNDS)
+
+    assert [(v.invariant, v.subject) for v in violations] == [("frozen_leader_request", "u2")]
+    assert "leader c1 frozen" in violations[0].detail
+    assert "failed:timeout" in violations[0].detail
+
+
+def test_a_frozen_leader_request_failed_with_a_code_of_its_own_is_terminal() -> None:
+    t = clean()
+    t.updates.append(asked_once(failed("u2", ErrorCode.SUPERSEDED)))
+
+    assert check_one_call_requests(t) == []
+    assert check_terminal_results(t) == []
+
+
+def test_a_frozen_leader_request_that_returns_past_its_timeout_is_a_violation() -> None:
+    t = clean()
+    t.updates.append(asked_once(failed("u2", ErrorCode.PHASE_TIMEOUT), call_s=75.0))
+
+    [violation] = check_one_call_requests(t)
+
+    assert "past its timeout of 70.0s" in violation.detail
+
+
+def test_a_hung_frozen_leader_request_is_a_violation() -> None:
+    t = clean()
+    record = asked_once(failed("u2", ErrorCode.TIMEOUT), call_s=80.0)
+    record.attempts = ["hung: no return within 80s"]
+    t.updates.append(record)
+
+    [violation] = check_one_call_requests(t)
+
+    assert "hung" in violation.detail

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from lorabus.testbed.chaos import ALL_KINDS, FaultKind, build_schedule
 from lorabus.testbed.chaos.schedule import CONTROL, CONTROL_KINDS
 
@@ -54,3 +58,19 @@ def test_targets_and_parameters_fit_their_kind() -> None:
 def test_a_schedule_can_be_limited_to_some_kinds() -> None:
     kinds = [FaultKind.AGENT_KILL, FaultKind.ENGINE_HANG]
     assert {f.kind for f in build_schedule(2, 300, WORKERS, kinds=kinds)} == set(kinds)
+
+
+def test_a_schedule_can_be_counted_instead_of_timed() -> None:
+    counted = build_schedule(4, math.inf, WORKERS, mean_gap_s=0.5, count=1000)
+    assert len(counted) == 1000
+    assert counted[:20] == build_schedule(4, counted[19].at_s + 0.01, WORKERS, mean_gap_s=0.5)
+
+
+def test_an_endless_schedule_needs_a_count() -> None:
+    with pytest.raises(ValueError, match="count"):
+        build_schedule(4, math.inf, WORKERS)
+
+
+def test_a_frozen_leader_request_occupies_the_control_target() -> None:
+    [first, *_] = build_schedule(1, 30, WORKERS, kinds=[FaultKind.FROZEN_LEADER_REQUEST])
+    assert first.target == CONTROL and first.occupies == CONTROL

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorabus.client import REASK_S
 from lorabus.testbed.chaos.invariants import Bounds
 from lorabus.testbed.chaos.schedule import ALL_KINDS, FaultKind
 
@@ -35,6 +36,8 @@ class FleetSettings:
 class ChaosConfig:
     duration_s: float = 60.0
     """Seconds of updates under faults (then every fault is healed and checked)."""
+    faults: int | None = None
+    """Instead of ``duration_s``: run until this many faults have been injected."""
     seed: int = 1
     """Seeds the fault schedule: the same seed, the same faults."""
     world_sizes: Sequence[int] = (2, 1, 4, 1)
@@ -57,6 +60,17 @@ class ChaosConfig:
     def fleet_settings(self) -> FleetSettings:
         settings = self.fleet or FleetSettings(world_sizes=self.world_sizes)
         return dataclasses.replace(settings, world_sizes=tuple(self.world_sizes))
+
+    def one_call_timeout_s(self) -> float:
+        """The timeout of the one call a frozen-leader request makes: the leader
+        lease (until a standby takes over), the client's interval between asks
+        (until it asks the new leader) and 2 s to spare, then the successor's
+        roll-back of what the frozen leader left in flight (a resume: one phase)
+        and two whole updates at their deadlines: at most one queued ahead of it
+        (the update loop asks one at a time), and its own."""
+        s = self.fleet_settings()
+        update_s = s.quorum_timeout_s + 3 * s.phase_timeout_s + s.verify_timeout_s
+        return s.leader_lease_s + REASK_S + 2.0 + s.phase_timeout_s + 2 * update_s
 
     def bounds(self) -> Bounds:
         s = self.fleet_settings()

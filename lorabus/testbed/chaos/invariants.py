@@ -33,6 +33,13 @@ and returns the violations it found, each with the details a bug report needs.
    epoch; any epoch when the event carries none, as older agents send).
 6. ``recovery``: once every fault is healed, an update commits.
 7. ``crash``: no agent or coordinator process exits unless a fault killed it.
+8. ``frozen_leader_request``: an update asked with ONE client call while the
+   leader was frozen (SIGSTOP, a standby running) got a terminal result from
+   that call, within its timeout: committed, or failed with a code of its own
+   (``superseded``, ``phase_timeout``, ...), never the requester-side
+   ``timeout`` / ``no_coordinator``; the call neither raised nor hung. Such a
+   request is judged here and not by ``terminal_result``'s retries (its other
+   rules, and every other invariant, apply to it as to any update).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ INVARIANTS = (
     "fencing",
     "recovery",
     "crash",
+    "frozen_leader_request",
 )
 
 
@@ -101,6 +109,7 @@ def check_all(timeline: Timeline, bounds: Bounds) -> list[Violation]:
         *check_fencing(timeline),
         *check_recovery(timeline),
         *check_crashes(timeline),
+        *check_one_call_requests(timeline),
     ]
 
 
@@ -384,6 +393,8 @@ def check_terminal_results(timeline: Timeline) -> list[Violation]:
     violations = []
     for update in timeline.updates:
         result = update.result
+        if result is None and update.one_call:
+            continue  # asked once on purpose: see check_one_call_requests
         if result is None:
             violations.append(
                 Violation(
@@ -505,6 +516,45 @@ def check_crashes(timeline: Timeline) -> list[Violation]:
         Violation(invariant="crash", subject=crash.split(" ", 1)[0], detail=crash)
         for crash in timeline.crashes
     ]
+
+
+# -- 8. one call rides out a frozen leader -------------------------------------------
+
+_LATE_S = 1.0
+"""How far past its own timeout a call may return (scheduling on a busy machine)."""
+
+
+def check_one_call_requests(timeline: Timeline) -> list[Violation]:
+    violations = []
+    for update in timeline.updates:
+        if update.one_call_timeout_s is None:
+            continue
+        timeout = update.one_call_timeout_s
+        outcome = update.attempts[-1] if update.attempts else "the call never returned"
+        frozen = f"leader {update.frozen_leader or '?'} frozen"
+        took = "" if update.call_s is None else f" after {update.call_s:.1f}s"
+        asked = timeline.at(update.requested_at)
+        if update.result is None:
+            violations.append(
+                Violation(
+                    invariant="frozen_leader_request",
+                    subject=update.update_id,
+                    detail=f"one UpdateClient.update call made at {asked} "
+                    f"({frozen}, timeout {timeout:.1f}s) ended without a terminal result{took}: "
+                    f"{outcome}",
+                )
+            )
+        elif update.call_s is not None and update.call_s > timeout + _LATE_S:
+            violations.append(
+                Violation(
+                    invariant="frozen_leader_request",
+                    subject=update.update_id,
+                    detail=f"one UpdateClient.update call made at {asked} "
+                    f"({frozen}) returned {_code(update.result)}{took}, past its timeout of "
+                    f"{timeout:.1f}s",
+                )
+            )
+    return violations
 
 
 def count_by_invariant(violations: Iterable[Violation]) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """The figures of a chaos run: counts, latencies, what was injected and found.
 
-Built from the timeline after the run; printed as the summary line the CLI
-ends with, and written as JSON with ``--out``.
+Built from the timeline after the run; printed as a few lines of figures
+(:meth:`ChaosReport.figure_lines`) and the summary line the CLI ends with,
+and written as JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class ChaosReport(msgspec.Struct, kw_only=True):
     faults_injected: int
     faults_by_kind: dict[str, int]
     faults_skipped: list[str]
+    one_call_requests: dict[str, Any]
+    """The frozen-leader requests, each one client call: how many, how they
+    ended, how long the call took, against what timeout."""
     schedule: list[str]
     violations_by_invariant: dict[str, int]
     violations: list[Violation]
@@ -45,6 +49,30 @@ class ChaosReport(msgspec.Struct, kw_only=True):
     @property
     def ok(self) -> bool:
         return not self.violations
+
+    def figure_lines(self) -> list[str]:
+        """Faults by kind, updates by outcome, and the one-call requests."""
+        kinds = ", ".join(f"{kind} {n}" for kind, n in self.faults_by_kind.items()) or "none"
+        codes = ", ".join(f"{code} {n}" for code, n in self.failed_by_code.items())
+        lines = [
+            f"faults: {self.faults_injected} injected ({kinds}); "
+            f"{len(self.faults_skipped)} skipped",
+            f"updates: attempted {self.attempted}, committed {self.committed}, "
+            f"failed {self.attempted - self.committed - self.no_terminal_result}"
+            + (f" ({codes})" if codes else "")
+            + f", without a terminal result {self.no_terminal_result}; "
+            f"{self.retried} needed the same id asked again",
+        ]
+        calls = self.one_call_requests
+        if calls.get("made"):
+            outcomes = ", ".join(f"{what} {n}" for what, n in calls["outcomes"].items())
+            took = calls["call_s"]
+            lines.append(
+                f"frozen-leader requests (one client call each): {calls['made']} ({outcomes}); "
+                f"call p50 {took.get('p50', 0):.1f}s, max {took.get('max', 0):.1f}s, "
+                f"timeout {calls['timeout_s']:.0f}s"
+            )
+        return lines
 
     def summary_line(self) -> str:
         return (
@@ -88,6 +116,7 @@ def build_report(
         faults_injected=len(injected),
         faults_by_kind=dict(sorted(Counter(str(f.kind) for f in injected).items())),
         faults_skipped=[f"{f.describe()}: {why}" for f, why in skipped],
+        one_call_requests=_one_calls(timeline),
         schedule=[f.describe() for f in schedule],
         violations_by_invariant=count_by_invariant(violations),
         violations=violations,
@@ -105,6 +134,27 @@ def _spread(values: list[float]) -> dict[str, float]:
         "p50": round(statistics.median(ordered), 4),
         "p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 4),
         "max": round(ordered[-1], 4),
+    }
+
+
+def _one_calls(timeline: Timeline) -> dict[str, Any]:
+    calls = [u for u in timeline.updates if u.one_call]
+    if not calls:
+        return {"made": 0}
+    outcomes = Counter(
+        f"unanswered ({u.attempts[-1][:40]})"
+        if u.result is None
+        else str(u.result.error.code)
+        if u.result.error
+        else u.result.status
+        for u in calls
+        if u.attempts
+    )
+    return {
+        "made": len(calls),
+        "outcomes": dict(sorted(outcomes.items())),
+        "call_s": _spread([u.call_s for u in calls if u.call_s is not None]),
+        "timeout_s": max(u.one_call_timeout_s or 0.0 for u in calls),
     }
 
 

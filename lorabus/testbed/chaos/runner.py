@@ -2,9 +2,10 @@
 
 The run, in order: start NATS and the simulated engines, start listening
 (engines and bus), start the coordinators and agents, wait until the fleet is
-ready; then for ``duration_s`` run the update loop while the injector applies
-the schedule; then heal every fault, ask for a recovery update, let the
-engines converge, ask again for every update id, and judge the timeline.
+ready; then for ``duration_s`` (or until ``faults`` faults have been
+injected) run the update loop while the injector applies the schedule; then
+heal every fault, ask for a recovery update, let the engines converge, ask
+again for every update id, and judge the timeline.
 Every process is stopped on the way out, also on Ctrl-C.
 """
 
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import shutil
 import tempfile
 import uuid
@@ -42,6 +44,11 @@ log = logging.getLogger(__name__)
 _RECOVERY_ATTEMPTS = 3
 
 
+def _spare(faults: int) -> int:
+    """Faults scheduled beyond ``faults``, for those skipped (no leader found)."""
+    return max(10, faults // 10)
+
+
 async def run_chaos(config: ChaosConfig, out: Callable[[str], None] = print) -> ChaosReport:
     """Run the chaos described by ``config``; return its report (violations included)."""
     started = now()
@@ -50,23 +57,26 @@ async def run_chaos(config: ChaosConfig, out: Callable[[str], None] = print) -> 
     settings = config.fleet_settings()
     timeline = Timeline()
     worker_ids = [f"w{i:03d}" for i in range(len(config.world_sizes))]
-    schedule = build_schedule(
-        config.seed, config.duration_s, worker_ids, mean_gap_s=config.mean_gap_s, kinds=config.kinds
+    schedule, run_s = _schedule(config, worker_ids)
+    planned = (
+        f"{len(schedule)} faults scheduled"
+        if config.faults is None
+        else f"until {config.faults} faults have been injected (about {run_s:.0f}s)"
     )
     out(
-        f"chaos: seed {config.seed}, {config.duration_s:.0f}s, {len(worker_ids)} workers "
-        f"(world sizes {', '.join(map(str, config.world_sizes))}), {len(schedule)} faults "
-        f"scheduled; run dir {run_dir}"
+        f"chaos: seed {config.seed}, {run_s:.0f}s, {len(worker_ids)} workers "
+        f"(world sizes {', '.join(map(str, config.world_sizes))}), {planned}, "
+        f"fault gap {config.mean_gap_s:g}s; run dir {run_dir}"
     )
     async with ChaosFleet(settings, run_dir, timeline, out) as fleet:
-        injector = await _run(config, fleet, timeline, schedule, run_dir, out)
+        injector = await _run(config, fleet, timeline, schedule, run_s, run_dir, out)
     violations = check_all(timeline, config.bounds())
     (run_dir / "timeline.json").write_bytes(
         msgspec.json.format(msgspec.json.encode(timeline.dump()), indent=1)
     )
     report = build_report(
         seed=config.seed,
-        duration_s=config.duration_s,
+        duration_s=run_s,
         elapsed_s=now() - started,
         settings={
             **dataclasses.asdict(settings),
@@ -74,6 +84,8 @@ async def run_chaos(config: ChaosConfig, out: Callable[[str], None] = print) -> 
             "converge_s": config.converge_s,
             "mean_gap_s": config.mean_gap_s,
             "idle_chance": config.idle_chance,
+            "faults": config.faults,
+            "one_call_timeout_s": config.one_call_timeout_s(),
         },
         timeline=timeline,
         schedule=schedule,
@@ -87,11 +99,34 @@ async def run_chaos(config: ChaosConfig, out: Callable[[str], None] = print) -> 
     return report
 
 
+def _schedule(config: ChaosConfig, worker_ids: list[str]) -> tuple[list[Fault], float]:
+    """The run's faults, and how long it runs: ``duration_s``, or with ``faults``
+    until the last of those is due (the run goes on until they have all landed)."""
+    if config.faults is None:
+        horizon, count = config.duration_s, None
+    else:
+        horizon, count = math.inf, config.faults + _spare(config.faults)
+    schedule = build_schedule(
+        config.seed,
+        horizon,
+        worker_ids,
+        mean_gap_s=config.mean_gap_s,
+        kinds=config.kinds,
+        count=count,
+    )
+    if config.faults is None or not schedule:
+        return schedule, config.duration_s
+    if not schedule:
+        return schedule, config.duration_s
+    return schedule, schedule[min(config.faults, len(schedule)) - 1].at_s
+
+
 async def _run(
     config: ChaosConfig,
     fleet: ChaosFleet,
     timeline: Timeline,
     schedule: list[Fault],
+    run_s: float,
     run_dir: Path,
     out: Callable[[str], None],
 ) -> FaultInjector:
@@ -101,7 +136,26 @@ async def _run(
     observer = BusObserver(Subjects(fleet=settings.fleet), timeline)
     watcher = asyncio.create_task(EngineWatcher(fleet.sim, timeline).run(), name="engine-watcher")
     client = UpdateClient(nc, settings.fleet)
-    injector = FaultInjector(fleet, schedule, client, out)
+    loop = UpdateLoop(
+        client,
+        timeline,
+        run_dir / "adapters",
+        seed=config.seed,
+        run_id=f"chaos{config.seed}-{uuid.uuid4().hex[:6]}",
+        attempt_timeout_s=config.attempt_timeout_s,
+        retry_bound_s=config.retry_bound_s,
+        idle_chance=config.idle_chance,
+        idle_s=bounds.pause_lease_s + bounds.grace_s + 2.0,
+        out=out,
+    )
+    one_call_timeout_s = config.one_call_timeout_s()
+
+    async def request_once(frozen_leader: str) -> object:
+        return await loop.request_once(one_call_timeout_s, frozen_leader=frozen_leader)
+
+    injector = FaultInjector(
+        fleet, schedule, client, out, request_once=request_once, stop_after=config.faults
+    )
     try:
         await observer.start(nc)
         await fleet.start_services()
@@ -110,23 +164,11 @@ async def _run(
             raise RuntimeError(
                 f"the fleet did not become ready within 30s; logs in {run_dir / 'logs'}\n{crashes}"
             )
-        loop = UpdateLoop(
-            client,
-            timeline,
-            run_dir / "adapters",
-            seed=config.seed,
-            run_id=f"chaos{config.seed}-{uuid.uuid4().hex[:6]}",
-            attempt_timeout_s=config.attempt_timeout_s,
-            retry_bound_s=config.retry_bound_s,
-            idle_chance=config.idle_chance,
-            idle_s=bounds.pause_lease_s + bounds.grace_s + 2.0,
-            out=out,
-        )
         began = timeline.origin = now()
         injecting = asyncio.create_task(injector.run(began), name="injector")
         try:
             # Until the run's time is up and every scheduled fault has landed.
-            await loop.run_until(began + config.duration_s, also=injecting)
+            await loop.run_until(began + run_s, also=injecting)
             await injecting
         finally:
             injecting.cancel()

@@ -41,6 +41,11 @@ class FaultKind(enum.StrEnum):
     """Every request to one worker's engine waits until the fault clears."""
     ENGINE_RESTART = "engine_restart"
     """One worker's engine restarts: it loses its adapters and is not paused."""
+    FROZEN_LEADER_REQUEST = "frozen_leader_request"
+    """SIGSTOP of the leading coordinator, then one update asked with ONE
+    ``UpdateClient.update`` call (its own update id, never retried by the run)
+    while it is frozen; SIGCONT after ``hold_s``. The call must end with a
+    terminal result: the client, not the run, rides out the failover."""
 
 
 ALL_KINDS: tuple[FaultKind, ...] = tuple(FaultKind)
@@ -48,7 +53,12 @@ ALL_KINDS: tuple[FaultKind, ...] = tuple(FaultKind)
 CONTROL = "control"
 """The target of coordinator kills and stops and nats-server restarts."""
 CONTROL_KINDS = frozenset(
-    {FaultKind.COORDINATOR_KILL, FaultKind.COORDINATOR_STOP, FaultKind.NATS_RESTART}
+    {
+        FaultKind.COORDINATOR_KILL,
+        FaultKind.COORDINATOR_STOP,
+        FaultKind.NATS_RESTART,
+        FaultKind.FROZEN_LEADER_REQUEST,
+    }
 )
 
 _HOLD_S: dict[FaultKind, tuple[float, float]] = {
@@ -61,6 +71,7 @@ _HOLD_S: dict[FaultKind, tuple[float, float]] = {
     FaultKind.ENGINE_ERROR: (2.0, 8.0),
     FaultKind.ENGINE_HANG: (0.5, 5.0),
     FaultKind.ENGINE_RESTART: (0.0, 0.0),
+    FaultKind.FROZEN_LEADER_REQUEST: (1.5, 4.0),
 }
 _LATENCY_OPS = ("pause", "resume", "load", "unload", "list")
 _IN_PAUSE_CHANCE = 0.5
@@ -73,6 +84,7 @@ _IN_PAUSE_KINDS = frozenset(
         FaultKind.NATS_RESTART,
         FaultKind.ENGINE_HANG,
         FaultKind.ENGINE_RESTART,
+        FaultKind.FROZEN_LEADER_REQUEST,
     }
 )
 _LATENCY_S = (0.3, 8.0)
@@ -122,17 +134,22 @@ def build_schedule(
     mean_gap_s: float = 4.0,
     warmup_s: float = 3.0,
     kinds: Sequence[FaultKind] = ALL_KINDS,
+    count: int | None = None,
 ) -> list[Fault]:
     """The faults of a run of ``duration_s`` seconds, in order of ``at_s``.
 
     Faults start ``mean_gap_s`` apart on average (uniformly 0.5x-1.5x), from
-    ``warmup_s`` on and no later than ``duration_s``.
+    ``warmup_s`` on and no later than ``duration_s``; with ``count``, at most
+    that many (``duration_s`` may then be ``math.inf``). The first faults of
+    a seed are the same whatever ``duration_s`` and ``count`` are.
     """
     if not worker_ids:
         raise ValueError("a chaos schedule needs at least one worker")
     if mean_gap_s <= 0:
         raise ValueError("the mean gap between faults must be > 0")
-    if not kinds:
+    if count is None and duration_s == float("inf"):
+        raise ValueError("an endless chaos schedule needs a count of faults")
+    if not kinds or count == 0:
         return []
     rng = random.Random(seed)
     workers = sorted(worker_ids)
@@ -151,6 +168,8 @@ def build_schedule(
             busy_until[fault.occupies] = fault.at_s + fault.hold_s
             if fault.kind in pending:
                 pending.remove(fault.kind)
+            if count is not None and len(faults) >= count:
+                break
         at += rng.uniform(0.5, 1.5) * mean_gap_s
     return faults
 

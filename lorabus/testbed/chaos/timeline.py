@@ -97,6 +97,17 @@ class UpdateRecord:
     """The terminal result, if one came within the retry bound."""
     asked_again: UpdateResult | None = None
     """The answer to asking once more for the same id at the end of the run."""
+    one_call_timeout_s: float | None = None
+    """Set for a request made with one client call, never retried by the run
+    (the frozen-leader fault): that call's timeout."""
+    frozen_leader: str = ""
+    """The coordinator that was frozen (SIGSTOP) when that one call was made."""
+    call_s: float | None = None
+    """How long that one call took to return, whatever it returned."""
+
+    @property
+    def one_call(self) -> bool:
+        return self.one_call_timeout_s is not None
 
 
 @dataclass
@@ -290,6 +301,15 @@ class Timeline:
                     "asked_again": None
                     if u.asked_again is None
                     else msgspec.to_builtins(u.asked_again),
+                    **(
+                        {
+                            "one_call_timeout_s": u.one_call_timeout_s,
+                            "frozen_leader": u.frozen_leader,
+                            "call_s": None if u.call_s is None else round(u.call_s, 3),
+                        }
+                        if u.one_call
+                        else {}
+                    ),
                 }
                 for u in self.updates
             ],

@@ -7,6 +7,14 @@ with the same id, as an orchestrator would, until a terminal result or the
 retry bound. Steps are spaced by a seeded gap, now and then (often after a
 failed step) one longer than the pause lease and its grace, so that an engine
 left paused is not hidden by the next update resuming it.
+
+The frozen-leader fault asks for one more update through :meth:`UpdateLoop.
+request_once`: one client call, never repeated here, while the loop's own
+step may be running. The loop stays one step at a time; that request is a
+second requester (an operator's ``lorabus update`` beside the trainer), which
+the coordinator queues like any other. Its version is the loop's next step,
+so versions keep rising in the order they are asked, and whichever of two
+queued requests is older is answered ``superseded``: a terminal result.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from pathlib import Path
 import nats.errors
 
 from lorabus.client import UpdateClient
+from lorabus.errors import LorabusError
 from lorabus.schemas import UpdateResult
 from lorabus.testbed.chaos.invariants import is_terminal
 from lorabus.testbed.chaos.timeline import Timeline, UpdateRecord, now
@@ -32,6 +41,8 @@ ADAPTER = "policy"
 _KEEP_ADAPTER_DIRS = 8
 _RETRY_PAUSE_S = 0.2
 _IDLE_AFTER_FAILURE = 0.75
+_HUNG_AFTER_S = 10.0
+"""Past its own timeout, a call still not returned is given up on as hung."""
 
 
 class UpdateLoop:
@@ -110,6 +121,42 @@ class UpdateLoop:
         self._report(record)
         return record
 
+    async def request_once(self, timeout_s: float, *, frozen_leader: str) -> UpdateRecord:
+        """Ask for the next version with ONE ``UpdateClient.update`` call and record
+        what it returned: whatever it is, it is not asked again here (the
+        invariant ``frozen_leader_request`` judges it)."""
+        self.step += 1
+        step = self.step
+        update_id = f"{self.run_id}-once-{step}"
+        path = str(write_adapter(self.adapter_root, step))
+        record = UpdateRecord(
+            update_id=update_id,
+            version=step,
+            path=path,
+            requested_at=now(),
+            one_call_timeout_s=timeout_s,
+            frozen_leader=frozen_leader,
+        )
+        self.timeline.updates.append(record)
+        try:
+            async with asyncio.timeout(timeout_s + _HUNG_AFTER_S):
+                result = await self.client.update(
+                    ADAPTER, path, version=step, update_id=update_id, timeout_s=timeout_s
+                )
+        except TimeoutError:
+            record.attempts.append(f"hung: no return within {timeout_s + _HUNG_AFTER_S:.0f}s")
+        except (nats.errors.Error, LorabusError) as exc:
+            record.attempts.append(f"raised {type(exc).__name__}: {exc}")
+        else:
+            record.attempts.append(_attempt_text(result))
+            if is_terminal(result):
+                record.result, record.answered_at = result, now()
+                if result.committed:
+                    self._committed_version = max(self._committed_version, step)
+        record.call_s = now() - record.requested_at
+        self._report(record)
+        return record
+
     async def ask_again(self, record: UpdateRecord) -> None:
         """Ask once more for a finished update's id: the answer must not change."""
         if record.result is None:
@@ -144,6 +191,8 @@ class UpdateLoop:
     def _report(self, record: UpdateRecord) -> None:
         result = record.result
         tries = f" after {len(record.attempts)} attempts" if len(record.attempts) > 1 else ""
+        if record.one_call:
+            tries = f" from one call in {record.call_s or 0.0:.1f}s"
         if result is None:
             self.out(f"update {record.update_id}: NO TERMINAL RESULT{tries}")
         elif result.committed:
