@@ -7,7 +7,13 @@ through :func:`printable` before it reaches a terminal.
 
 from __future__ import annotations
 
-from lorabus.schemas import FleetStatus, Phase, RankMap, UpdateResult
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from lorabus.schemas import FleetStatus, MemberStatus, Phase, RankMap, UpdateResult
+
+if TYPE_CHECKING:
+    from lorabus.heartbeat_view import HeartbeatView
 
 _PHASE_ORDER = [p.value for p in Phase]
 
@@ -79,11 +85,57 @@ def status_text(status: FleetStatus) -> str:
             waiting = f" (waiting for {', '.join(status.waiting)})" if status.waiting else ""
             progress = f": {status.in_flight_phase}, {len(status.acked)}/{total} acked{waiting}"
         lines.append(f"update in flight: {status.in_flight}{progress}")
-    lines.append(
+    lines.extend(_member_table(status.members))
+    lines.extend(member_warnings(status.members, update_in_flight=status.in_flight is not None))
+    for c in status.conflicts:
+        lines.append(
+            f"CONFLICT: worker id {c.worker_id} is claimed by a second agent (instance "
+            f"{c.refused}, heard {c.age_s:.1f}s ago); instance {c.holder} keeps it"
+        )
+    return "\n".join(printable(line) for line in lines)
+
+
+def heartbeat_view_text(view: HeartbeatView) -> str:
+    """The fleet as its heartbeats say, under a first line that says no coordinator
+    answered, so nobody takes it for the coordinator's status."""
+    lines = [
+        f"NO COORDINATOR ANSWERED on fleet {view.fleet}: this view comes from the agents' "
+        "heartbeats only (no committed version, no rank offsets, no update in flight)",
+        f"heard {len(view.members)} member(s) on {view.subject} in {view.listened_s:.1f}s; "
+        f"live world size {view.live_world_size}"
+        + (f"; {view.ignored} heartbeat(s) ignored (malformed or forged)" if view.ignored else ""),
+    ]
+    lines.extend(_member_table(view.members))
+    # No coordinator, so no update is in flight: any paused engine is paused outside one.
+    lines.extend(member_warnings(view.members, update_in_flight=False))
+    return "\n".join(printable(line) for line in lines)
+
+
+def member_warnings(members: Sequence[MemberStatus], *, update_in_flight: bool) -> list[str]:
+    """One ``WARNING`` line per member that needs a look: an engine paused while no
+    update is in flight (nobody will resume it but its agent's pause lease), and
+    an engine not ready (its agent has not brought it to the committed state)."""
+    lines = []
+    for m in members:
+        if m.paused and not update_in_flight:
+            lines.append(
+                f"WARNING: {m.worker_id} is paused outside any update (its agent resumes it "
+                "when its pause lease ends; until then it serves nothing)"
+            )
+        if not m.ready:
+            lines.append(
+                f"WARNING: {m.worker_id} is not ready (its agent has not brought the engine "
+                "to the committed state)"
+            )
+    return lines
+
+
+def _member_table(members: Sequence[MemberStatus]) -> list[str]:
+    lines = [
         f"{'worker':<12} {'world':>5} {'offset':>6} {'engine':<8} {'paused':<6} "
         f"{'ready':<5} {'beat':>6}  adapters"
-    )
-    for m in status.members:
+    ]
+    for m in members:
         offset = "-" if m.rank_offset is None else str(m.rank_offset)
         lines.append(
             f"{m.worker_id:<12} {m.world_size:>5} {offset:>6} {m.engine:<8} "
@@ -91,9 +143,4 @@ def status_text(status: FleetStatus) -> str:
             f"{m.heartbeat_age_s:>5.1f}s  "
             f"{', '.join(m.adapters) or '-'}"
         )
-    for c in status.conflicts:
-        lines.append(
-            f"CONFLICT: worker id {c.worker_id} is claimed by a second agent (instance "
-            f"{c.refused}, heard {c.age_s:.1f}s ago); instance {c.holder} keeps it"
-        )
-    return "\n".join(printable(line) for line in lines)
+    return lines

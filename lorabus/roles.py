@@ -10,14 +10,16 @@ Least privilege, one identity per process:
   subjects, reads the state bucket (the committed adapter, the leader's
   epoch) and writes nothing; hears only the broadcast and its own command
   subject.
-- **orchestrator**: sends update and status requests, hears their replies.
+- **orchestrator**: sends update and status requests, hears their replies
+  and the agents' heartbeats (for a status when no coordinator answers).
 - **auditor**: reads the audit stream through consumers of its own.
 - **operator**: creates the buckets and the audit stream, and changes their
   limits; asks the coordinator to reset an adapter's committed state (and for
-  the fleet's status). The stream refuses delete and purge, so no role can erase the
-  trail, and no running role may change its limits.
+  the fleet's status, and hears the heartbeats as the orchestrator does). The
+  stream refuses delete and purge, so no role can erase the trail, and no
+  running role may change its limits.
 
-Everyone hears only its own inbox (its own inbox prefix), so no role reads
+Of the inboxes, everyone hears only its own (its own inbox prefix), so no role reads
 another's replies. These permissions are what ``lorabus auth init`` writes
 into a server configuration, and what an operator of an existing NATS
 deployment grants by hand (docs/security.md lists them).
@@ -101,7 +103,7 @@ def permissions(
         case Role.ORCHESTRATOR:
             return Permissions(
                 publish=(subjects.update_request(), subjects.status_request()),
-                subscribe=inbox,
+                subscribe=(*_heartbeats(subjects), *inbox),
             )
         case Role.AUDITOR:
             return Permissions(
@@ -126,12 +128,20 @@ def permissions(
                     subjects.reset_request(),
                     subjects.status_request(),
                 ),
-                subscribe=inbox,
+                subscribe=(*_heartbeats(subjects), *inbox),
             )
     raise ValueError(f"unknown role {role!r}")
 
 
 _STREAM_ADMIN = ("CREATE", "UPDATE", "INFO")
+
+
+def _heartbeats(subjects: Subjects) -> tuple[str, ...]:
+    """What ``lorabus status`` hears when no coordinator answers. Heartbeats hold
+    no secrets (world size, engine kind, paused and ready flags, adapter names,
+    beat period, epoch seen, a random instance id), and hearing them changes
+    nothing, so the roles that ask for the fleet's status may hear them too."""
+    return (subjects.heartbeat_any(),)
 
 
 def _kv_stream(bucket: str) -> str:

@@ -80,8 +80,18 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
             *kv_write,
             *erase,
         ],
-        "subscription": [s.cmd(), s.update_request(), s.heartbeat_any(), *others],
+        # The orchestrator and the operator may hear heartbeats (``lorabus status``
+        # without a coordinator); the auditor may not.
+        "subscription": [
+            s.cmd(),
+            s.update_request(),
+            *([] if role in _HEAR_HEARTBEATS else [s.heartbeat_any()]),
+            *others,
+        ],
     }
+
+
+_HEAR_HEARTBEATS = (Role.ORCHESTRATOR, Role.OPERATOR)
 
 
 @pytest.mark.parametrize(
@@ -149,6 +159,14 @@ async def test_each_role_can_do_its_own_work(
         await agent.nc.publish(subjects.heartbeat("w000"), b"{}")
         await agent.nc.flush()
         assert agent.refusals() == []
+    # The orchestrator and the operator may hear heartbeats (``lorabus status``
+    # when no coordinator answers).
+    for role in _HEAR_HEARTBEATS:
+        async with watched(stack.bus_as(role)) as listener:
+            await listener.nc.subscribe(subjects.heartbeat_any())
+            await listener.nc.flush()
+            await listener.nc.request(subjects.status_request(), b"{}", timeout=10)
+            assert listener.refusals() == [], role
     async with watched(stack.bus_as(Role.OPERATOR)) as operator:
         info = await operator.nc.jetstream().stream_info(subjects.audit_stream())
         assert info.config.deny_delete and info.config.deny_purge

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
@@ -13,6 +15,9 @@ from lorabus.bus_options import BusOptions
 from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.client import UPDATE_TIMEOUT_S
 from lorabus.schemas import UPDATE_ID_PATTERN
+
+if TYPE_CHECKING:
+    from lorabus.heartbeat_view import HeartbeatListener
 
 
 def _update_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -126,37 +131,89 @@ def update(
 def status(
     nats_url: str, bus: BusOptions, fleet: str, as_json: bool, watch: bool, interval: float
 ) -> None:
-    """Show members, world sizes, rank offsets, paused state, adapters, the update in flight."""
+    """Show members, world sizes, rank offsets, paused state, adapters, the update in flight.
+
+    When no coordinator answers, shows what the agents' heartbeats say instead
+    (members, world sizes, paused, ready, adapters), saying so on the first
+    line; exit 1 if no heartbeat is heard either. Engines paused outside any
+    update, or not ready, get a WARNING line each."""
     from lorabus.client import UpdateClient
     from lorabus.errors import NoCoordinator
+    from lorabus.heartbeat_view import HeartbeatListener
     from lorabus.render import status_text
     from lorabus.schemas import to_builtins
 
-    subjects_of(fleet)
+    subjects = subjects_of(fleet)
 
     async def ask() -> int:
         async with await UpdateClient.connect(nats_url, fleet, options=bus) as client:
-            while True:
-                try:
-                    fleet_status = await client.status()
-                    text = (
-                        json.dumps(to_builtins(fleet_status))
-                        if as_json
-                        else status_text(fleet_status)
-                    )
-                except NoCoordinator as exc:
+            # Opened at the first unanswered request and kept open while watching,
+            # so a redraw without a coordinator shows beats heard all along.
+            async with contextlib.AsyncExitStack() as listening:
+                listener: HeartbeatListener | None = None
+                while True:
+                    try:
+                        fleet_status = await client.status()
+                    except NoCoordinator as exc:
+                        if listener is None:
+                            listener = await listening.enter_async_context(
+                                HeartbeatListener(client.nc, subjects)
+                            )
+                        await listener.wait_window()
+                        text, heard = _without_coordinator(listener, str(exc), as_json)
+                    else:
+                        if listener is not None:
+                            await listening.aclose()
+                            listener = None
+                        heard = True
+                        text = (
+                            json.dumps(to_builtins(fleet_status))
+                            if as_json
+                            else status_text(fleet_status)
+                        )
                     if not watch:
-                        raise
-                    text = f"waiting for a coordinator: {exc}"
-                if not watch:
+                        click.echo(text, err=not heard and not as_json)
+                        return 0 if heard else EXIT_FAILED
+                    if not as_json:
+                        click.clear()
                     click.echo(text)
-                    return 0
-                if not as_json:
-                    click.clear()
-                click.echo(text)
-                await asyncio.sleep(interval)
+                    await asyncio.sleep(interval)
 
     sys.exit(run(ask))
+
+
+def _without_coordinator(
+    listener: HeartbeatListener, no_coordinator: str, as_json: bool
+) -> tuple[str, bool]:
+    """What ``status`` prints when no coordinator answered, and whether any agent
+    was heard. The JSON is built here, not as a wire message: it is not one, and
+    its ``type`` and ``coordinator_answered`` keep it from passing for a
+    ``fleet_status``."""
+    from lorabus.render import heartbeat_view_text, member_warnings, printable
+    from lorabus.schemas import ErrorCode, to_builtins
+
+    view = listener.view()
+    heard = bool(view.members)
+    unheard = (
+        f"{no_coordinator}, and no agent heartbeat was heard on {view.subject} within "
+        f"{view.listened_s:.1f}s (no agents running, another fleet, or this identity may "
+        "not subscribe to heartbeats)"
+    )
+    if as_json:
+        shown: dict[str, object] = {
+            "type": "heartbeat_view",
+            "coordinator_answered": False,
+            "fleet": view.fleet,
+            "live_world_size": view.live_world_size,
+            "members": [to_builtins(m) for m in view.members],
+            "listened_s": view.listened_s,
+            "ignored_heartbeats": view.ignored,
+            "warnings": member_warnings(view.members, update_in_flight=False),
+        }
+        if not heard:
+            shown["error"] = {"code": str(ErrorCode.NO_COORDINATOR), "message": unheard}
+        return json.dumps(shown), heard
+    return (heartbeat_view_text(view) if heard else f"error: {printable(unheard)}"), heard
 
 
 @click.command()
