@@ -1,9 +1,12 @@
-"""A coordinator that is stopped answers everyone still waiting for a result."""
+"""A coordinator that is stopped answers everyone still waiting for a result,
+and a requester that is interrupted says which update runs on."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+from collections.abc import AsyncIterator
 
 from processes import Processes
 
@@ -12,40 +15,77 @@ from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
 
 
-async def test_a_stopped_coordinator_answers_pending_requests_instead_of_dropping_them(
+@contextlib.asynccontextmanager
+async def _waiting_coordinator(
     nats_url: str, fleet_name: str
-) -> None:
-    config = CoordinatorConfig(
-        fleet=fleet_name,
-        frontend_url="http://127.0.0.1:9",
-        expected_world_size=4,
-        quorum_timeout_s=60,
+) -> AsyncIterator[tuple[Coordinator, asyncio.Task[None]]]:
+    """A coordinator of a fleet whose quorum never comes: an update it takes
+    runs (waiting) until the test is done. Yields it and its serving task."""
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            fleet=fleet_name,
+            frontend_url="http://127.0.0.1:9",
+            expected_world_size=4,
+            quorum_timeout_s=60,
+        )
     )
-    coordinator = Coordinator(config)
-    coordinator_nc = await connect(nats_url, name="test-coordinator")
-    client_nc = await connect(nats_url, name="test-client")
+    nc = await connect(nats_url, name="test-coordinator")
     ready = asyncio.Event()
-    serving = asyncio.create_task(coordinator.run(coordinator_nc, ready))
+    serving = asyncio.create_task(coordinator.run(nc, ready))
     try:
         await asyncio.wait_for(ready.wait(), 10)
-        client = UpdateClient(client_nc, fleet_name)
-        # With no other coordinator, the client asks again until its timeout,
-        # then answers with what the stopped one said.
-        running = asyncio.create_task(client.update("policy", "/a/step_1", version=1, timeout_s=3))
-        queued = asyncio.create_task(client.update("other", "/a/step_2", version=2, timeout_s=3))
-        await asyncio.wait_for(_until_running(coordinator), 10)
-        serving.cancel()
-        results = await asyncio.wait_for(asyncio.gather(running, queued), 10)
+        yield coordinator, serving
     finally:
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
+        await close(nc)
+
+
+async def test_a_stopped_coordinator_answers_pending_requests_instead_of_dropping_them(
+    nats_url: str, fleet_name: str
+) -> None:
+    client_nc = await connect(nats_url, name="test-client")
+    try:
+        async with _waiting_coordinator(nats_url, fleet_name) as (coordinator, serving):
+            client = UpdateClient(client_nc, fleet_name)
+            # With no other coordinator, the client asks again until its timeout,
+            # then answers with what the stopped one said.
+            running = asyncio.create_task(
+                client.update("policy", "/a/step_1", version=1, timeout_s=3)
+            )
+            queued = asyncio.create_task(
+                client.update("other", "/a/step_2", version=2, timeout_s=3)
+            )
+            await asyncio.wait_for(_until_running(coordinator), 10)
+            serving.cancel()
+            results = await asyncio.wait_for(asyncio.gather(running, queued), 10)
+    finally:
         await close(client_nc)
-        await close(coordinator_nc)
 
     for result in results:
         assert result.status == "failed"
         assert result.error is not None
         assert "coordinator stopped" in result.error.message
+
+
+async def test_an_interrupted_update_says_which_update_runs_on_and_how_to_fetch_it(
+    nats_url: str, fleet_name: str, processes: Processes
+) -> None:
+    async with _waiting_coordinator(nats_url, fleet_name) as (coordinator, _):
+        update = await processes.start(
+            "update",
+            ["update", "--nats", nats_url, "--fleet", fleet_name, "--adapter", "policy",
+             "--path", "/a/step_1", "--version", "1", "--update-id", "step-1"],
+        )  # fmt: skip
+        await asyncio.wait_for(_until_running(coordinator), 10)
+        update.ended_on_purpose = True
+        update.process.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(update.process.wait(), 10)
+
+    assert code == 130, update.describe()
+    said = update.log_tail(50)
+    assert "interrupted: update step-1 may still run" in said, said
+    assert "lorabus result step-1" in said, said
 
 
 async def _until_running(coordinator: Coordinator) -> None:
@@ -56,38 +96,3 @@ async def _until_running(coordinator: Coordinator) -> None:
     """
     while coordinator.book.running is None:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
-
-
-async def test_an_interrupted_update_says_which_update_runs_on_and_how_to_fetch_it(
-    nats_url: str, fleet_name: str, processes: Processes
-) -> None:
-    config = CoordinatorConfig(
-        fleet=fleet_name,
-        frontend_url="http://127.0.0.1:9",
-        expected_world_size=4,
-        quorum_timeout_s=60,
-    )
-    coordinator = Coordinator(config)
-    coordinator_nc = await connect(nats_url, name="test-coordinator")
-    ready = asyncio.Event()
-    serving = asyncio.create_task(coordinator.run(coordinator_nc, ready))
-    try:
-        await asyncio.wait_for(ready.wait(), 10)
-        update = await processes.start(
-            "update",
-            ["update", "--nats", nats_url, "--fleet", fleet_name, "--adapter", "policy",
-             "--path", "/a/step_1", "--version", "1", "--update-id", "step-1"],
-        )  # fmt: skip
-        await asyncio.wait_for(_until_running(coordinator), 10)
-        update.ended_on_purpose = True
-        update.process.send_signal(signal.SIGINT)
-        code = await asyncio.wait_for(update.process.wait(), 10)
-    finally:
-        serving.cancel()
-        await asyncio.gather(serving, return_exceptions=True)
-        await close(coordinator_nc)
-
-    assert code == 130, update.describe()
-    said = update.log_tail(50)
-    assert "interrupted: update step-1 may still run" in said, said
-    assert "--update-id step-1 --adapter policy --path /a/step_1 --version 1" in said

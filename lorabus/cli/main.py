@@ -59,6 +59,7 @@ for command in (
     serve.coordinator,
     orchestrate.update,
     orchestrate.status,
+    orchestrate.result,
     orchestrate.schema,
     audit.tap,
     audit.audit,

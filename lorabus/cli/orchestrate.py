@@ -105,8 +105,7 @@ def update(
         except asyncio.CancelledError:
             click.echo(
                 f"interrupted: update {the_id} may still run on the coordinator; its outcome: "
-                f"lorabus update --update-id {the_id} --adapter {adapter} --path {path}"
-                + (f" --version {version}" if version is not None else ""),
+                f"lorabus result {the_id}",
                 err=True,
             )
             raise
@@ -222,3 +221,31 @@ def schema() -> None:
     from lorabus.schemas import json_schema
 
     click.echo(json.dumps(json_schema(), indent=2))
+
+
+@click.command()
+@bus_options()
+@fleet_option
+@click.argument("update_id", callback=_update_id)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def result(nats_url: str, bus: BusOptions, fleet: str, update_id: str, as_json: bool) -> None:
+    """Show an earlier update's outcome by its id; runs nothing (exit 0 committed,
+    1 failed, pending or unknown)."""
+    from lorabus.client import UpdateClient
+    from lorabus.render import result_text
+    from lorabus.schemas import to_builtins
+
+    subjects_of(fleet)
+
+    async def ask() -> int:
+        async with await UpdateClient.connect(nats_url, fleet, options=bus) as client:
+            outcome = await client.result(update_id)
+        if as_json:
+            click.echo(json.dumps(to_builtins(outcome)))
+        elif outcome.status in ("pending", "unknown"):
+            click.echo(f"update {update_id}: {outcome.status}")
+        else:
+            click.echo(result_text(outcome))
+        return 0 if outcome.committed else EXIT_FAILED
+
+    sys.exit(run(ask))
