@@ -15,6 +15,7 @@ from lorabus.bus_options import BusOptions
 from lorabus.cli.common import bus_options, fleet_option, run, subjects_of
 from lorabus.cli.flags import COORDINATOR_FLAGS, build_config, config_options
 from lorabus.coordinator.config import StorageConfig
+from lorabus.operator import RESET_TIMEOUT_S
 
 STORAGE_FLAGS = tuple(f for f in COORDINATOR_FLAGS if f.field in StorageConfig.__struct_fields__)
 
@@ -144,7 +145,14 @@ def provision(nats_url: str, bus: BusOptions, fleet: str, **settings: Any) -> No
     default=None,
     help="Reset only if this version is the committed one.",
 )
-@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0.1),
+    default=RESET_TIMEOUT_S,
+    show_default=True,
+    help="Seconds to wait for the answer (a reset waits for the update running).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def reset(
     nats_url: str,

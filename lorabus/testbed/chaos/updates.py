@@ -109,11 +109,7 @@ class UpdateLoop:
             if result is None:
                 record.attempts.append("bus_error")
             else:
-                record.attempts.append(_attempt_text(result))
-                if is_terminal(result):
-                    record.result, record.answered_at = result, now()
-                    if result.committed:
-                        self._committed_version = max(self._committed_version, step)
+                if self._take(record, result):
                     break
             if now() >= give_up_at:
                 break
@@ -148,14 +144,20 @@ class UpdateLoop:
         except (nats.errors.Error, LorabusError) as exc:
             record.attempts.append(f"raised {type(exc).__name__}: {exc}")
         else:
-            record.attempts.append(_attempt_text(result))
-            if is_terminal(result):
-                record.result, record.answered_at = result, now()
-                if result.committed:
-                    self._committed_version = max(self._committed_version, step)
+            self._take(record, result)
         record.call_s = now() - record.requested_at
         self._report(record)
         return record
+
+    def _take(self, record: UpdateRecord, result: UpdateResult) -> bool:
+        """Record an attempt's answer; True when it is the update's terminal one."""
+        record.attempts.append(_attempt_text(result))
+        if not is_terminal(result):
+            return False
+        record.result, record.answered_at = result, now()
+        if result.committed:
+            self._committed_version = max(self._committed_version, record.version)
+        return True
 
     async def ask_again(self, record: UpdateRecord) -> None:
         """Ask once more for a finished update's id: the answer must not change."""
