@@ -3,14 +3,14 @@
 Least privilege, one identity per process:
 
 - **coordinator**: publishes commands and its own events, replies to requests
-  (update, status and reset),
+  (update, status, result and reset),
   reads and writes the fleet's two KV buckets; hears heartbeats, acks and
   requests.
 - **agent** of worker ``w``: publishes only its own ack, heartbeat and event
   subjects, reads the state bucket (the committed adapter, the leader's
   epoch) and writes nothing; hears only the broadcast and its own command
   subject.
-- **orchestrator**: sends update and status requests, hears their replies
+- **orchestrator**: sends update, status and result requests, hears their replies
   and the agents' heartbeats (for a status when no coordinator answers).
 - **auditor**: reads the audit stream through consumers of its own.
 - **operator**: creates the buckets and the audit stream, and changes their
@@ -83,6 +83,7 @@ def permissions(
                     subjects.ack_any(),
                     subjects.update_request(),
                     subjects.status_request(),
+                    subjects.result_request(),
                     subjects.reset_request(),
                     *inbox,
                 ),
@@ -102,7 +103,11 @@ def permissions(
             )
         case Role.ORCHESTRATOR:
             return Permissions(
-                publish=(subjects.update_request(), subjects.status_request()),
+                publish=(
+                    subjects.update_request(),
+                    subjects.status_request(),
+                    subjects.result_request(),
+                ),
                 subscribe=(*_heartbeats(subjects), *inbox),
             )
         case Role.AUDITOR:

@@ -140,6 +140,9 @@ async def test_each_role_can_do_its_own_work(
     assert result.committed, result.error
     status = await stack.client.status()
     assert [m.worker_id for m in status.members] == list(WORKERS)
+    # ... and fetch that update's outcome by its id (``lorabus result``).
+    outcome = await stack.client.result(result.update_id, timeout_s=10)
+    assert outcome.status == "committed", outcome
 
     # The auditor reads the trail of that update.
     records: list[TrailRecord] = []
