@@ -53,6 +53,34 @@ def result_text(result: UpdateResult) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
+def update_progress_text(update_id: str, status: FleetStatus | None) -> str:
+    """One line on where update ``update_id`` stands, from the fleet's status
+    (``None``: no coordinator answered the status request)."""
+    if status is None:
+        line = "no coordinator answers status requests right now; still asking for the result"
+    elif status.in_flight is None:
+        line = "waiting for a coordinator to run it"
+    elif status.in_flight != update_id:
+        line = f"queued behind update {status.in_flight}"
+    elif status.in_flight_phase is None:
+        line = (
+            f"quorum: live world size {status.live_world_size} of "
+            f"{status.expected_world_size} ({len(status.members)} member(s) live)"
+        )
+    else:
+        acked = len(status.acked)
+        line = f"{status.in_flight_phase}: {acked} of {acked + len(status.waiting)} acked"
+        if status.waiting:
+            line += "; waiting for " + _names(status.waiting)
+    return printable(f"update {update_id}: {line}")
+
+
+def _names(names: Sequence[str], shown: int = 8) -> str:
+    """``names``, cut to ``shown`` of them so one line stays one line."""
+    head = ", ".join(names[:shown])
+    return head if len(names) <= shown else f"{head} and {len(names) - shown} more"
+
+
 def rank_map_text(rank_map: RankMap, indent: str = "") -> str:
     lines = [
         f"{indent}rank map: group world size {rank_map.world_size} "

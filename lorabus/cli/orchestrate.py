@@ -17,7 +17,11 @@ from lorabus.client import UPDATE_TIMEOUT_S
 from lorabus.schemas import UPDATE_ID_PATTERN
 
 if TYPE_CHECKING:
+    from lorabus.client import UpdateClient
     from lorabus.heartbeat_view import HeartbeatListener
+
+PROGRESS_INTERVAL_S = 1.0
+"""How often ``lorabus update`` asks where its update stands (at a terminal)."""
 
 
 def _update_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -70,7 +74,8 @@ def update(
     """Request an update and wait for its result (exit 0 committed, 1 failed: refused,
     superseded, busy or failed; the error's code and message are printed).
     ``--timeout`` covers connecting too; with ``--json`` every exit prints one
-    JSON object, an error's code included."""
+    JSON object, an error's code included. At a terminal, where the update
+    stands (quorum, each phase, who is still awaited) is shown on stderr."""
     import uuid
 
     from lorabus.client import CONNECT_TIMEOUT_S, UpdateClient
@@ -89,9 +94,20 @@ def update(
                 nats_url, fleet, options=bus, connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout)
             ) as client:
                 left = max(0.1, deadline - asyncio.get_running_loop().time())
-                result = await client.update(
-                    adapter, path, version=version, update_id=the_id, timeout_s=left
+                # Progress is for a person at a terminal: scripts read stdout
+                # (the result) and must not get stderr chatter with it.
+                show_progress = not as_json and sys.stdout.isatty()
+                progress = asyncio.create_task(
+                    _show_progress(client, the_id) if show_progress else asyncio.sleep(0)
                 )
+                try:
+                    result = await client.update(
+                        adapter, path, version=version, update_id=the_id, timeout_s=left
+                    )
+                finally:
+                    progress.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await progress
         except LorabusError as exc:
             if not as_json:
                 raise
@@ -113,6 +129,27 @@ def update(
         return 0 if result.committed else EXIT_FAILED
 
     sys.exit(run(request))
+
+
+async def _show_progress(client: UpdateClient, update_id: str) -> None:
+    """Print where the update stands on stderr whenever that changes, from the
+    fleet's status asked every PROGRESS_INTERVAL_S (until cancelled)."""
+    import nats.errors
+
+    from lorabus.errors import LorabusError
+    from lorabus.render import update_progress_text
+
+    shown = ""
+    while True:
+        await asyncio.sleep(PROGRESS_INTERVAL_S)
+        try:
+            status = await client.status(timeout_s=PROGRESS_INTERVAL_S * 2)
+        except (LorabusError, TimeoutError, nats.errors.Error):
+            status = None
+        line = update_progress_text(update_id, status)
+        if line != shown:
+            click.echo(line, err=True)
+            shown = line
 
 
 @click.command()
