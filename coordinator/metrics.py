@@ -12,13 +12,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from lorabus.coordinator.alerts import MemberAlerts
 from lorabus.coordinator.membership import Membership
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class CoordinatorMetrics:
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, alerts: MemberAlerts) -> None:
         self.registry = CollectorRegistry()
         self.update_seconds = Histogram(
             "lorabus_update_duration_seconds",
@@ -63,14 +64,15 @@ class CoordinatorMetrics:
             "The epoch of this coordinator's latest term as leader (0: never led).",
             registry=self.registry,
         )
-        self.registry.register(_MembershipCollector(membership))
+        self.registry.register(_MembershipCollector(membership, alerts))
 
 
 class _MembershipCollector(Collector):
     """Read at scrape time, so ages are current without a ticking task."""
 
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, alerts: MemberAlerts) -> None:
         self.membership = membership
+        self.alerts = alerts
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         live = self.membership.live()
@@ -87,3 +89,12 @@ class _MembershipCollector(Collector):
         for worker_id, member in sorted(live.items()):
             age.add_metric([worker_id], self.membership.age_of(member))
         yield age
+        alerts = GaugeMetricFamily(
+            "lorabus_member_alerts",
+            "Members the leader has raised a member_alert for, by condition "
+            "(paused_outside_update, not_ready); 0 on a coordinator not leading.",
+            labels=["condition"],
+        )
+        for condition, count in self.alerts.counts().items():
+            alerts.add_metric([str(condition)], count)
+        yield alerts

@@ -44,6 +44,7 @@ from nats.aio.subscription import Subscription
 
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
+from lorabus.coordinator.alerts import MemberAlerts
 from lorabus.coordinator.book import UpdateBook, failed_result
 from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.config import CoordinatorConfig
@@ -76,6 +77,7 @@ from lorabus.schemas import (
     FleetStatus,
     InflightRecord,
     LeaderElected,
+    MemberAlert,
     MemberStatus,
     ResetRecord,
     ResetRequest,
@@ -96,6 +98,8 @@ from lorabus.signing import CommandSigner
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+ALERT_CHECK_S = 1.0
+"""How often the leader looks for members that need a person's look."""
 _BAD_EVENTS_PER_S = 10
 """Malformed requests are all answered and logged; this many a second are also
 ``bad_message`` events, so junk cannot flood the audit trail."""
@@ -112,7 +116,8 @@ class Coordinator:
         self.signer = (
             CommandSigner.from_file(config.signing_key_file) if config.signing_key_file else None
         )
-        self.metrics = CoordinatorMetrics(self.membership)
+        self.alerts = MemberAlerts()
+        self.metrics = CoordinatorMetrics(self.membership, self.alerts)
         self.book = UpdateBook(max_queued=config.max_queued)
         self.epoch = 0
         self._bad_events = PerSecond(_BAD_EVENTS_PER_S)
@@ -171,6 +176,7 @@ class Coordinator:
                     async with asyncio.TaskGroup() as term:
                         term.create_task(election.hold())
                         term.create_task(self._lead(nc, store, runner, bus))
+                        term.create_task(self._watch_members(bus))
                 except* LeadershipLost as lost:
                     log.warning("epoch=%d stepped down: %s", self.epoch, lost.exceptions[0])
                     # Python 3.11's TaskGroup cancels this task to abort the term
@@ -253,6 +259,41 @@ class Coordinator:
                 )
             )
             await _settle(replies, timeout_s=2.0)
+
+    async def _watch_members(self, bus: CoordinatorBus) -> None:
+        """For one term: raise and clear member alerts (``member_alert`` events,
+        a WARNING line each, and the metrics) every ALERT_CHECK_S."""
+        try:
+            while True:
+                await asyncio.sleep(ALERT_CHECK_S)
+                if not self.leading.is_set():
+                    continue  # still recovering: the book is not this term's yet
+                changes = self.alerts.evaluate(
+                    self.membership.live(), update_running=self.book.running is not None, at=now()
+                )
+                for change in changes:
+                    if change.cleared:
+                        log.info("worker=%s no longer %s", change.worker_id, change.condition)
+                    else:
+                        log.warning(
+                            "worker=%s needs a look: %s (%s)",
+                            change.worker_id,
+                            change.condition,
+                            change.reason,
+                        )
+                    await bus.emit(
+                        MemberAlert(
+                            ts=time.time(),
+                            source="coordinator",
+                            epoch=self.epoch,
+                            worker_id=change.worker_id,
+                            condition=change.condition,
+                            reason=change.reason,
+                            cleared=change.cleared,
+                        )
+                    )
+        finally:
+            self.alerts.forget()
 
     async def _record_committed(
         self,

@@ -91,6 +91,8 @@ _COORDINATOR_EVENTS = frozenset(
         "bad_message",
         "leader_elected",
         "worker_conflict",
+        "committed_reset",
+        "member_alert",
     }
 )
 _BROADCAST_ONLY = frozenset({"committed", "renew_lease"})

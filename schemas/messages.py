@@ -466,6 +466,18 @@ class CommittedReset(_Event, frozen=True, kw_only=True, tag="committed_reset"):
     reason: Annotated[str, msgspec.Meta(max_length=1024)]
 
 
+class MemberAlert(_Event, frozen=True, kw_only=True, tag="member_alert"):
+    """The leader raises (or clears) a member that needs a person's look: an
+    engine paused while no update is in flight, or one not ready."""
+
+    worker_id: WorkerId
+    condition: Annotated[str, msgspec.Meta(max_length=32)]
+    """``paused_outside_update`` or ``not_ready``."""
+    reason: Text
+    cleared: bool = False
+    """True: the condition no longer holds."""
+
+
 class LeaderElected(_Event, frozen=True, kw_only=True, tag="leader_elected"):
     holder: str
     epoch: Epoch
@@ -486,6 +498,7 @@ Event = (
     | EngineResumed
     | WorkerConflict
     | CommittedReset
+    | MemberAlert
 )
 
 

@@ -30,6 +30,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from lorabus.coordinator.alerts import MemberAlerts
 from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.gather import AckRouter
@@ -211,7 +212,7 @@ class _Fleet:
             self.frontend,
             self.bus,
             self.journal(),
-            CoordinatorMetrics(self.membership),
+            CoordinatorMetrics(self.membership, MemberAlerts()),
         )
         runner.epoch = 1
         return runner

@@ -34,6 +34,7 @@ from lorabus.schemas import (
     LeaderElected,
     LeaseExpired,
     LoadCommand,
+    MemberAlert,
     MemberStatus,
     PauseCommand,
     Phase,
@@ -304,6 +305,7 @@ FAMILIES = (
             EngineResumed,
             WorkerConflict,
             CommittedReset,
+            MemberAlert,
         ),
         (
             UpdateStarted(
@@ -360,6 +362,9 @@ FAMILIES = (
                 previous_path="/adapters/9",
                 previous_served_name="policy-v9",
                 reason="ticket 42",
+            ),
+            MemberAlert(
+                **_EVENT, worker_id="w000", condition="not_ready", reason="gone", cleared=True
             ),
         ),
     ),

@@ -6,12 +6,14 @@ disagrees with its subject is a violation, and is not replayed."""
 from __future__ import annotations
 
 import asyncio
+import typing
 from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
 from processes import Processes, wait_live_workers
 
+from lorabus import audit
 from lorabus.audit import TrailRecord, Violation, decode_message, origin_of, verify
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
@@ -21,6 +23,7 @@ from lorabus.schemas import (
     CommandRefused,
     CommittedNotice,
     EngineResumed,
+    Event,
     LeaseExpired,
     PauseCommand,
     Phase,
@@ -131,6 +134,13 @@ def _clean_update(update: str = "u1") -> list[msgspec.Struct]:
 
 def _rules(*messages: msgspec.Struct) -> list[str]:
     return [violation.rule for violation in verify(_trail(*messages))]
+
+
+def test_every_event_type_is_known_to_come_from_its_sender() -> None:
+    """A type missing here would make every such event a ``subject_mismatch``."""
+    tags = {cls.__struct_config__.tag for cls in typing.get_args(Event)}
+
+    assert tags == audit._AGENT_EVENTS | audit._COORDINATOR_EVENTS
 
 
 def test_a_clean_trail_has_no_violations() -> None:
