@@ -96,13 +96,7 @@ class Tap:
         """Write records to ``sink`` until caught up (or, following, until cancelled)."""
         js = self.nc.jetstream()
         stream = self.subjects.audit_stream()
-        try:
-            await js.stream_info(stream)
-        except nats.js.errors.NotFoundError as exc:
-            raise AuditStreamMissing(
-                f"fleet {self.subjects.fleet!r} has no audit stream {stream!r} yet: "
-                "a coordinator creates it when it starts"
-            ) from exc
+        await self._until_stream(js, stream, follow)
         sub = await js.pull_subscribe_bind(
             stream=stream,
             durable=self.durable,
@@ -113,6 +107,38 @@ class Tap:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _until_stream(self, js: Any, stream: str, follow: bool) -> None:
+        """Return once ``stream`` exists. A tap that follows waits for it (started
+        beside a fleet, it may come up before the coordinator or the operator's
+        set-up has created it, or before JetStream answers); a replay raises
+        AuditStreamMissing at once."""
+        pause = 0.2
+        waiting_said = False
+        while True:
+            raise_if_cancelled()
+            try:
+                await js.stream_info(stream)
+                if waiting_said:
+                    log.info("tap: the audit stream %s is there: following it", stream)
+                return
+            except nats.js.errors.NotFoundError as exc:
+                missing = AuditStreamMissing(
+                    f"fleet {self.subjects.fleet!r} has no audit stream {stream!r} yet: "
+                    "a coordinator (or lorabus provision) creates it"
+                )
+                if not follow:
+                    raise missing from exc
+                reason = str(missing)
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                if not follow:
+                    raise
+                reason = f"cannot read the audit stream's info yet: {exc or type(exc).__name__}"
+            if not waiting_said:
+                log.warning("tap: %s; waiting for it", reason)
+                waiting_said = True
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
     async def _drain_into(self, sub: Any, sink: Sink, follow: bool) -> int:
         written = 0

@@ -57,6 +57,40 @@ async def test_tap_writes_a_trail_that_audit_verify_passes(
     assert "-- update" in timeline.stdout and "update_finished" in timeline.stdout, timeline
 
 
+async def test_a_following_tap_started_before_the_fleet_waits_for_its_stream(
+    nats_url: str,
+    fleet_name: str,
+    tmp_path: Path,
+    processes: Processes,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """Started beside a fleet (compose starts everything at once), a tap may come
+    up before the coordinator has created the audit stream: it waits for it. A
+    replay of a fleet without one says so at once."""
+    common = ["--nats", nats_url, "--fleet", fleet_name]
+    trail = tmp_path / "trail.jsonl"
+    replay = await run_lorabus("tap", *common, "--no-follow")
+    tap = await processes.start("tap", ["tap", *common, "--follow", "--out", str(trail)])
+    async with asyncio.timeout(DEADLINE_S):
+        while "waiting for it" not in tap.log_tail(50):
+            processes.check_alive()
+            await asyncio.sleep(0.1)
+    async with make_stack([1]) as stack:
+        assert stack.client is not None
+        result = await stack.client.update("policy", make_adapter(1), version=1)
+        async with asyncio.timeout(DEADLINE_S):
+            while "update_finished" not in (trail.read_text() if trail.exists() else ""):  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+    tap.ended_on_purpose = True
+    tap.request_stop()
+
+    assert replay.returncode == 1, replay
+    assert "has no audit stream" in replay.stderr, replay
+    assert result.committed, result.error
+    assert result.update_id in trail.read_text()
+
+
 async def test_audit_verify_exits_1_and_names_a_planted_violation(tmp_path: Path) -> None:
     from lorabus.schemas import Ack
 
