@@ -32,6 +32,7 @@ from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.errors import NoCoordinator
 from lorabus.schemas import FleetStatus
+from lorabus.simfleet import SimFleet
 from lorabus.testbed.child_processes import LORABUS, ChildGroup, ChildProcess, child_env
 
 
@@ -101,6 +102,32 @@ class Processes(ChildGroup[ChildProcess]):
         """``lorabus coordinator`` for ``config``; ``extra`` carries auth and metrics flags."""
         args = coordinator_args(config, nats_url=nats_url, extra=extra)
         return await self.start(f"coordinator-{config.holder or config.fleet}", args, env=env)
+
+    async def start_failover_fleet(
+        self,
+        sim: SimFleet,
+        world_sizes: Mapping[str, int],
+        *,
+        fleet: str,
+        nats_url: str,
+        leader_lease_s: float,
+    ) -> dict[str, ChildProcess]:
+        """A fleet that can fail over: coordinators ``c1`` and ``c2`` (one leads,
+        the other stands by) and one agent per worker of ``sim``."""
+        coordinators = {}
+        for holder in ("c1", "c2"):
+            config = CoordinatorConfig(
+                fleet=fleet,
+                frontend_url=sim.url,
+                expected_world_size=sum(world_sizes.values()),
+                holder=holder,
+                leader_lease_s=leader_lease_s,
+                phase_timeout_s=20,
+                pause_lease_s=10,
+            )
+            coordinators[holder] = await self.start_coordinator(config, nats_url=nats_url)
+        await self.start_agents(world_sizes, sim.system_url, fleet=fleet, nats_url=nats_url)
+        return coordinators
 
     def check_alive(self) -> None:
         """Fail with its stderr if a child died that the test did not stop."""

@@ -20,7 +20,6 @@ from processes import Processes, wait_live_workers
 
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
-from lorabus.coordinator import CoordinatorConfig
 from lorabus.schemas import ErrorCode, FleetStatus, UpdateResult
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.child_processes import ChildProcess
@@ -44,20 +43,9 @@ async def sim(start_sim: Callable[..., Awaitable[SimFleet]]) -> SimFleet:
 async def _start_fleet(
     processes: Processes, sim: SimFleet, nats_url: str, fleet_name: str
 ) -> dict[str, ChildProcess]:
-    coordinators = {}
-    for holder in ("c1", "c2"):
-        config = CoordinatorConfig(
-            fleet=fleet_name,
-            frontend_url=sim.url,
-            expected_world_size=sum(WORLD_SIZES.values()),
-            holder=holder,
-            leader_lease_s=LEADER_LEASE_S,
-            phase_timeout_s=20,
-            pause_lease_s=10,
-        )
-        coordinators[holder] = await processes.start_coordinator(config, nats_url=nats_url)
-    await processes.start_agents(WORLD_SIZES, sim.system_url, fleet=fleet_name, nats_url=nats_url)
-    return coordinators
+    return await processes.start_failover_fleet(
+        sim, WORLD_SIZES, fleet=fleet_name, nats_url=nats_url, leader_lease_s=LEADER_LEASE_S
+    )
 
 
 async def _ready(processes: Processes, client: UpdateClient) -> tuple[FleetStatus, str]:
