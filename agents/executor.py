@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from lorabus.adapter_digest import adapter_digest
 from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
 from lorabus.agents.engine import EngineDriver
 from lorabus.clock import now
-from lorabus.errors import BadRequest, EngineError, LorabusError, NotListed
+from lorabus.errors import BadRequest, DigestMismatch, EngineError, LorabusError, NotListed
 from lorabus.schemas import (
     Ack,
     ErrorCode,
@@ -57,6 +58,8 @@ class CommandExecutor:
         self.paused = False
         self.maybe_paused = False
         """A pause went unanswered: the engine may pause late, after a resume."""
+        self._seen_digest = ""
+        """The digest the load being run saw (for its ack)."""
         self.adapters: list[str] = []
         self.last_contact = 0.0
         """When a command last talked to the engine (monotonic seconds)."""
@@ -76,6 +79,7 @@ class CommandExecutor:
         """
         started = now()
         error: ErrorInfo | None = None
+        self._seen_digest = ""
         try:
             async with asyncio.timeout(max(budget_s, 0.0)):
                 await self._run(command, budget_s, retire=retire)
@@ -113,6 +117,7 @@ class CommandExecutor:
             error=error,
             duration_s=now() - started,
             epoch=command.epoch,
+            digest=self._seen_digest,
         )
 
     async def _run(self, command: PhasedCommand, budget_s: float, *, retire: bool) -> None:
@@ -130,9 +135,10 @@ class CommandExecutor:
             case ResumeCommand():
                 await self.driver.resume()
                 self.paused = False
-            case LoadCommand(served_name=name, path=path, replace=replace):
+            case LoadCommand(served_name=name, path=path, replace=replace, digest=asked):
                 self._check_names([name])
                 real = await self._adapter_dir(path, command.update_id)
+                await self._check_digest(real, asked)
                 await self._load(name, real, replace=replace, budget_s=budget_s)
             case UnloadCommand(names=names) if retire:
                 self._check_names(names)
@@ -172,6 +178,26 @@ class CommandExecutor:
                 real,
             )
         return real
+
+    async def _check_digest(self, path: str, asked: str | None) -> None:
+        """Hash what this host shows at ``path`` (for the ack), and refuse the load
+        when it is not what the request asked for. An agent that cannot read the
+        directory (the engine's files are not mounted here) says so in the ack
+        with an empty digest, which passes only when no digest was asked for."""
+        try:
+            # Reads every file: off the loop, under the command's budget.
+            self._seen_digest = await asyncio.to_thread(adapter_digest, path)
+        except (OSError, ValueError) as exc:
+            if asked is not None:
+                raise DigestMismatch(
+                    f"{self.worker_id} cannot check the digest of {path}: {exc}"
+                ) from exc
+            log.debug("worker=%s no digest of %s: %s", self.worker_id, path, exc)
+            return
+        if asked is not None and self._seen_digest != asked:
+            raise DigestMismatch(
+                f"{self.worker_id} sees {self._seen_digest} at {path}, not the requested {asked}"
+            )
 
     async def _load(self, name: str, path: str, *, replace: bool, budget_s: float) -> None:
         if replace and name in await self.driver.list_adapters():

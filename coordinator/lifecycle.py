@@ -26,6 +26,7 @@ import msgspec
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
 from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.digests import agreed_digest, digest_problem
 from lorabus.coordinator.gather import AckRouter
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
@@ -265,10 +266,16 @@ class UpdateRunner:
                 served_name=plan.served_name,
                 path=plan.path,
                 replace=plan.replace,
+                digest=plan.digest,
             ),
             paused,
             phases,
         )
+        mismatch = digest_problem(plan.digest, load.acks)
+        if mismatch is not None:
+            # Whatever the quorum allows: replicas serving other bytes under one
+            # name is the failure this check exists for, not a member to drop.
+            return mismatch, left_out | load.worker_errors(), load, []
         serving = self._survivors(load, paused, members, left_out)
         if serving is None:
             return load.summary(), left_out | load.worker_errors(), load, []
@@ -570,4 +577,9 @@ class UpdateRunner:
             workers=workers,
             error=error,
             path=plan.path,
+            digest=(
+                agreed_digest(plan.digest, acks, [e.worker_id for e in rank_map.entries])
+                if rank_map is not None
+                else ""
+            ),
         )

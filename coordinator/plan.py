@@ -41,6 +41,8 @@ class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
     served_name: str
     replace: bool
     lineage: int = 0
+    digest: str | None = None
+    """The content digest every member must see at ``path`` (None: they must agree)."""
 
 
 def plan_update(
@@ -77,6 +79,7 @@ def plan_update(
         served_name=served_name,
         replace=replace,
         lineage=lineage,
+        digest=request.digest,
     )
 
 

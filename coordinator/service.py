@@ -516,6 +516,8 @@ class Coordinator:
     ) -> Callable[[Msg], Awaitable[None]]:
         last_joined: asyncio.Event | None = None
         """Set once the latest request to arrive has joined the book."""
+        answering: dict[tuple[str, str], asyncio.Task[None]] = {}
+        """(reply subject, update id) -> the task that will answer it."""
 
         async def on_request(msg: Msg) -> None:
             nonlocal last_joined
@@ -524,12 +526,21 @@ class Coordinator:
             except BadPayload as exc:
                 await self._malformed(msg, bus, exc)
                 return
+            key = (msg.reply, request.update_id)
+            if msg.reply and key in answering:
+                # A requester asks again on the inbox of its first ask: one answer
+                # reaches it. More would also break a server's one-response-per-
+                # request permission (allow_responses) of a secured coordinator.
+                return
             previous, last_joined = last_joined, asyncio.Event()
             reply = asyncio.create_task(
                 self._answer(msg, request, store, bus, previous, last_joined)
             )
             replies.add(reply)
             reply.add_done_callback(replies.discard)
+            if msg.reply:
+                answering[key] = reply
+                reply.add_done_callback(lambda _: answering.pop(key, None))
 
         return on_request
 

@@ -162,8 +162,14 @@ class UpdateClient:
         version: int | None = None,
         update_id: str | None = None,
         timeout_s: float = UPDATE_TIMEOUT_S,
+        digest: str | None = None,
     ) -> UpdateResult:
         """Request an update and wait for its result (committed or failed).
+
+        ``digest`` (``sha256:...``, see :func:`lorabus.adapter_digest`) is what
+        every member must see at ``path`` on its own host, or the update fails
+        with ``digest_mismatch``; without it the members must agree among
+        themselves. A committed result carries the digest they saw.
 
         A request can reach a leader that dies before it answers (killed,
         frozen, cut off), or that stops leading and answers ``not_leader``;
@@ -184,7 +190,11 @@ class UpdateClient:
         does not decode.
         """
         request = UpdateRequest(
-            update_id=update_id or uuid.uuid4().hex, adapter=adapter, path=path, version=version
+            update_id=update_id or uuid.uuid4().hex,
+            adapter=adapter,
+            path=path,
+            version=version,
+            digest=digest,
         )
         subject = self.subjects.update_request()
         started = now()

@@ -16,6 +16,7 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     ├── NoCoordinator             nobody answered on the fleet's request subjects
     ├── Busy                      the coordinator's queue of waiting requests is full
     ├── MalformedReply            a reply to a request was not a valid answer
+    ├── DigestMismatch            a worker sees other adapter bytes than the request's digest
     ├── DuplicateWorker           another live agent holds this agent's worker id
     ├── AuditStreamMissing        the fleet has no audit stream yet
     ├── QuorumNotReached          live world sizes did not reach the expected sum in time
@@ -158,6 +159,13 @@ class MalformedReply(LorabusError):
     whatever answered is not a coordinator of this wire version, or lies."""
 
     code = ErrorCode.INTERNAL
+
+
+class DigestMismatch(LorabusError):
+    """An agent's host shows other bytes at the adapter path than the request's
+    digest (or the coordinator found members that disagree)."""
+
+    code = ErrorCode.DIGEST_MISMATCH
 
 
 class DuplicateWorker(LorabusError):

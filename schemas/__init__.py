@@ -4,6 +4,7 @@ Depends on msgspec only; every other part imports it, it imports no other part.
 """
 
 from lorabus.schemas.bounds import (
+    DIGEST_PATTERN,
     INT64_MAX,
     MAX_WORLD_SIZE,
     UPDATE_ID_PATTERN,
@@ -86,6 +87,7 @@ from lorabus.schemas.subjects import Subjects, check_token
 
 __all__ = [
     "COMMITTED",
+    "DIGEST_PATTERN",
     "FAILED",
     "INT64_MAX",
     "MAX_MESSAGE_BYTES",

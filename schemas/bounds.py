@@ -20,11 +20,17 @@ MAX_SECONDS = 86400.0
 
 WORKER_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}\Z"
 UPDATE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z"
+DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}\Z"
 
 WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_PATTERN)]
 """A subject token: 1-64 letters, digits, '_' or '-'."""
 UpdateId = Annotated[str, msgspec.Meta(pattern=UPDATE_ID_PATTERN)]
 """1-128 letters, digits, '_', '.', ':' or '-', starting with a letter or digit."""
+Digest = Annotated[str, msgspec.Meta(pattern=DIGEST_PATTERN)]
+"""An adapter directory's content digest: ``sha256:`` and 64 lowercase hex
+digits (docs/protocol.md defines what is hashed)."""
+SeenDigest = Annotated[str, msgspec.Meta(max_length=71)]
+"""A digest as an agent saw it, or "" when it could not read the directory."""
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 """An adapter or served name as an engine reports it."""
 Text = Annotated[str, msgspec.Meta(max_length=4096)]

@@ -24,6 +24,9 @@ class ErrorCode(enum.StrEnum):
     PATH_REFUSED = "path_refused"
     """An agent refused the adapter path: outside its adapter roots after
     resolving symlinks, not a directory, or without an adapter config."""
+    DIGEST_MISMATCH = "digest_mismatch"
+    """Members see other bytes at the adapter path than the request's digest, or
+    than each other: a stale or half-synced shared filesystem."""
     DUPLICATE_WORKER = "duplicate_worker"
     """Another live agent already holds this worker id."""
     QUORUM_TIMEOUT = "quorum_timeout"

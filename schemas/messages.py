@@ -15,12 +15,14 @@ from typing import Annotated
 import msgspec
 
 from lorabus.schemas.bounds import (
+    Digest,
     Epoch,
     Interval,
     Name,
     Names,
     Path,
     Seconds,
+    SeenDigest,
     Text,
     UpdateId,
     Version,
@@ -92,6 +94,9 @@ class LoadCommand(_Command, frozen=True, kw_only=True, tag="load"):
     path: Path
     replace: bool = False
     """Unload ``served_name`` first if the engine has it (fixed naming)."""
+    digest: Digest | None = None
+    """The content digest the request asked for: the agent refuses to load a
+    directory whose digest differs (``digest_mismatch``)."""
 
 
 class ResumeCommand(_Command, frozen=True, kw_only=True, tag="resume"):
@@ -195,6 +200,9 @@ class Ack(_Message, frozen=True, kw_only=True, tag="ack"):
     instance: Annotated[str, msgspec.Meta(max_length=64)] = ""
     """The agent process's instance id (as in its heartbeats): the coordinator
     counts only the acks of the instance that holds the worker id."""
+    digest: SeenDigest = ""
+    """A load's ack: the content digest of the directory as this agent's host
+    shows it ("" when it could not read it, or for other phases)."""
 
 
 class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
@@ -228,6 +236,9 @@ class UpdateRequest(_Message, frozen=True, kw_only=True, tag="update_request"):
     path: Path
     version: Version | None = None
     """Policy version (trainer step); None means one past the committed version."""
+    digest: Digest | None = None
+    """The adapter's content digest: every member must see exactly these bytes
+    at ``path`` (None: members must agree among themselves)."""
 
 
 class WorkerOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -253,6 +264,9 @@ class UpdateResult(_Message, frozen=True, kw_only=True, tag="update_result"):
     """The adapter directory the update was for, normalized (None where unknown:
     a request that did not decode, or a result stored by an older version),
     so a repeated update id is checked against the whole first content."""
+    digest: SeenDigest = ""
+    """Committed: the content digest every serving member saw ("" when none
+    could read the directory)."""
 
     @property
     def committed(self) -> bool:

@@ -44,10 +44,16 @@ class Processes(ChildGroup[ChildProcess]):
         self.log_dir = log_dir
 
     async def start(
-        self, name: str, args: Sequence[str], *, env: Mapping[str, str | None] | None = None
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str | None] | None = None,
+        launcher: Sequence[str] = (),
     ) -> ChildProcess:
-        """Start ``lorabus --log-level INFO <args>``; stderr goes to ``<log_dir>/<name>.log``."""
-        argv = [LORABUS, "--log-level", "INFO", *args]
+        """Start ``lorabus --log-level INFO <args>``; stderr goes to ``<log_dir>/<name>.log``.
+        ``launcher`` runs before it and must exec it (so signals reach lorabus)."""
+        argv = [*launcher, LORABUS, "--log-level", "INFO", *args]
         child = await ChildProcess.spawn(
             name, argv, self.log_dir / f"{name}.log", env=child_env(env)
         )
@@ -60,10 +66,11 @@ class Processes(ChildGroup[ChildProcess]):
         nats_url: str,
         extra: Sequence[str] = (),
         env: Mapping[str, str | None] | None = None,
+        launcher: Sequence[str] = (),
     ) -> ChildProcess:
         """``lorabus agent`` for ``config``; ``extra`` carries auth and metrics flags."""
         args = agent_args(config, nats_url=nats_url, extra=extra)
-        return await self.start(f"agent-{config.worker_id}", args, env=env)
+        return await self.start(f"agent-{config.worker_id}", args, env=env, launcher=launcher)
 
     async def start_agents(
         self,

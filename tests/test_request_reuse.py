@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from processes import run_lorabus
 
-from lorabus.schemas import ErrorCode, UpdateResult
+from lorabus.schemas import ErrorCode, UpdateRequest, UpdateResult, encode, update_result_decoder
 from lorabus.testbed.stack import EmbeddedStack
 
 LEASE_S = 0.5
@@ -136,3 +136,32 @@ async def test_the_cli_exits_1_with_the_refusal_when_an_update_id_is_reused(
     assert f"'policy' version 1 from {step_1}" in reused.stdout, reused
     assert asked_again.returncode == 0 and "COMMITTED" in asked_again.stdout, asked_again
     assert bad_id.returncode == 2 and "--update-id" in bad_id.stderr, bad_id
+
+
+async def test_asks_on_one_inbox_get_one_answer(
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """A requester asks again on the inbox of its first ask while the update runs:
+    it gets one answer, not one per ask (a secured coordinator may send only one
+    response per request it heard: more are permission violations)."""
+    async with make_stack([1, 1]) as stack:
+        assert stack.client is not None and stack.sim is not None
+        stack.sim.workers["w001"].set_faults(latency_s={"load": 2.0})
+        nc = stack.client.nc
+        subjects = stack.client.subjects
+        inbox = nc.new_inbox()
+        answers = await nc.subscribe(inbox)
+        request = UpdateRequest(update_id="step-1", adapter="policy", path=make_adapter(1))
+        for _ in range(3):
+            await nc.publish(subjects.update_request(), encode(request), reply=inbox)
+            await asyncio.sleep(0.3)
+        first = update_result_decoder.decode((await answers.next_msg(timeout=30)).data)
+        # Every answer was sent when the update finished: by the time the
+        # coordinator answers a status request after it, all would be here.
+        await stack.client.status()
+        await nc.flush()
+
+        assert first.committed, first.error
+        assert answers.pending_msgs == 0, "more than one answer to one inbox"
+        await answers.unsubscribe()

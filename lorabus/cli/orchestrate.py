@@ -14,7 +14,7 @@ import click
 from lorabus.bus_options import BusOptions
 from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.client import UPDATE_TIMEOUT_S
-from lorabus.schemas import UPDATE_ID_PATTERN
+from lorabus.schemas import DIGEST_PATTERN, UPDATE_ID_PATTERN
 
 if TYPE_CHECKING:
     from lorabus.client import UpdateClient
@@ -31,6 +31,23 @@ def _update_id(ctx: click.Context, param: click.Parameter, value: str | None) ->
             "starting with a letter or digit"
         )
     return value
+
+
+def _digest(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and value != "auto" and not re.fullmatch(DIGEST_PATTERN, value):
+        raise click.BadParameter(f"{value!r}: give 'auto' or 'sha256:' and 64 lowercase hex digits")
+    return value
+
+
+async def _digest_of(path: str) -> str:
+    """``--digest auto``: the digest of the directory as this host shows it."""
+    from lorabus.adapter_digest import adapter_digest
+    from lorabus.errors import BadRequest
+
+    try:
+        return await asyncio.to_thread(adapter_digest, path)
+    except (OSError, ValueError) as exc:
+        raise BadRequest(f"--digest auto cannot hash {path}: {exc}") from exc
 
 
 @click.command()
@@ -59,6 +76,14 @@ def _update_id(ctx: click.Context, param: click.Parameter, value: str | None) ->
     show_default=True,
     help="Seconds to wait for the result.",
 )
+@click.option(
+    "--digest",
+    default=None,
+    callback=_digest,
+    help="The adapter's content digest every worker must see at --path: 'auto' computes "
+    "it from the directory here, or give 'sha256:<64 hex>'. Default: the workers "
+    "must agree among themselves.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def update(
     nats_url: str,
@@ -69,6 +94,7 @@ def update(
     version: int | None,
     update_id: str | None,
     timeout: float,
+    digest: str | None,
     as_json: bool,
 ) -> None:
     """Request an update and wait for its result (exit 0 committed, 1 failed: refused,
@@ -102,7 +128,12 @@ def update(
                 )
                 try:
                     result = await client.update(
-                        adapter, path, version=version, update_id=the_id, timeout_s=left
+                        adapter,
+                        path,
+                        version=version,
+                        update_id=the_id,
+                        timeout_s=left,
+                        digest=await _digest_of(path) if digest == "auto" else digest,
                     )
                 finally:
                     progress.cancel()

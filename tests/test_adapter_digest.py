@@ -1,0 +1,208 @@
+"""Replicas load the same bytes: the content digest of an adapter directory,
+each agent's digest of what its own host shows at the update's path, and the
+coordinator refusing to commit when they differ.
+
+The stale shared filesystem is reproduced for real: one agent runs in a mount
+namespace of its own where an older copy of the adapter is bind-mounted over
+the update's path, so at the same path it reads other bytes, exactly as a
+host with a stale NFS cache or a half-finished rsync would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from processes import Processes, run_lorabus, wait_live_workers
+
+from lorabus.adapter_digest import MAX_FILES, adapter_digest
+from lorabus.agents import AgentConfig
+from lorabus.client import UpdateClient
+from lorabus.coordinator import CoordinatorConfig
+from lorabus.coordinator.digests import digest_problem
+from lorabus.schemas import Ack, ErrorCode, ErrorInfo, Phase
+from lorabus.simfleet import SimFleet
+from lorabus.testbed.trainer import write_adapter
+
+WORKERS = {"w000": 1, "w001": 2}
+
+
+def _by_the_definition(root: Path) -> str:
+    """docs/protocol.md's definition, written out again independently."""
+    files = sorted(
+        (p.relative_to(root).as_posix().encode(), p.read_bytes())
+        for p in root.rglob("*")
+        if p.is_file()
+    )
+    digest = hashlib.sha256()
+    for relative, content in files:
+        digest.update(relative + b"\0" + len(content).to_bytes(8, "big") + content)
+    return "sha256:" + digest.hexdigest()
+
+
+def test_the_digest_follows_its_definition_and_sees_every_byte(tmp_path: Path) -> None:
+    adapter = write_adapter(tmp_path / "a", 1)
+    (adapter / "nested").mkdir()
+    (adapter / "nested" / "extra.bin").write_bytes(b"\x00" * 3)
+    first = adapter_digest(adapter)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(adapter, copy)
+    same_elsewhere = adapter_digest(copy)
+    (copy / "nested" / "extra.bin").write_bytes(b"\x00" * 2 + b"\x01")
+    one_byte_changed = adapter_digest(copy)
+    (copy / "nested" / "extra.bin").rename(copy / "nested" / "other.bin")
+    renamed = adapter_digest(copy)
+
+    assert first == _by_the_definition(adapter)
+    assert first.startswith("sha256:") and len(first) == 71
+    assert same_elsewhere == first, "the directory's own path is not part of it"
+    assert len({first, one_byte_changed, renamed}) == 3
+
+
+def test_what_cannot_be_hashed_is_refused(tmp_path: Path) -> None:
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(MAX_FILES + 1):
+        (many / f"f{i}").touch()
+
+    with pytest.raises(ValueError, match="not a directory"):
+        adapter_digest(tmp_path / "missing")
+    with pytest.raises(ValueError, match="more than"):
+        adapter_digest(many)
+
+
+def _ack(worker: str, digest: str, *, ok: bool = True, code: ErrorCode | None = None) -> Ack:
+    return Ack(
+        update_id="u", phase=Phase.LOAD, worker_id=worker, ok=ok, world_size=1, adapters=[],
+        paused=True, digest=digest,
+        error=None if code is None else ErrorInfo(code=code, message="x"),
+    )  # fmt: skip
+
+
+def test_the_coordinators_rule() -> None:
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    agree = {"w0": _ack("w0", a), "w1": _ack("w1", a), "w2": _ack("w2", "")}
+    differ = {"w0": _ack("w0", a), "w1": _ack("w1", b)}
+    refused = {"w0": _ack("w0", a), "w1": _ack("w1", b, ok=False, code=ErrorCode.DIGEST_MISMATCH)}
+
+    assert digest_problem(None, agree) is None, "an agent that cannot read the path is not counted"
+    assert digest_problem(a, {"w0": agree["w0"], "w1": agree["w1"]}) is None
+    unreadable = digest_problem(a, agree)
+    disagree = digest_problem(None, differ)
+    wrong = digest_problem(a, refused)
+    assert unreadable is not None and "w2 sees unreadable" in unreadable.message
+    assert disagree is not None and disagree.code == ErrorCode.DIGEST_MISMATCH
+    assert f"w0 see {a}" in disagree.message and f"w1 see {b}" in disagree.message
+    assert wrong is not None and f"w1 sees {b}" in wrong.message and a in wrong.message
+
+
+@pytest.fixture
+def can_mount() -> None:
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True
+    )
+    if os.geteuid() != 0 or probe.returncode != 0:
+        pytest.skip(f"needs root and mount namespaces (unshare): {probe.stderr.decode()[:200]}")
+
+
+async def test_a_member_on_a_stale_filesystem_keeps_the_update_from_committing(
+    can_mount: None,
+    nats_url: str,
+    fleet_name: str,
+    tmp_path: Path,
+    processes: Processes,
+    start_sim: Callable[..., Awaitable[SimFleet]],
+) -> None:
+    sim = await start_sim(WORKERS)
+    current = write_adapter(tmp_path / "shared", 2)
+    stale = write_adapter(tmp_path / "stale-copy", 1)
+    await processes.start_coordinator(
+        CoordinatorConfig(
+            fleet=fleet_name, frontend_url=sim.url, expected_world_size=sum(WORKERS.values())
+        ),
+        nats_url=nats_url,
+    )
+    for worker_id, world_size in WORKERS.items():
+        # w001's host shows the older copy at the current adapter's path.
+        launcher = (
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             'mount --bind "$1" "$2" && shift 2 && exec "$@"',
+                "sh", str(stale), str(current)]
+            if worker_id == "w001"
+            else []
+        )  # fmt: skip
+        await processes.start_agent(
+            _agent(fleet_name, worker_id, world_size, sim),
+            nats_url=nats_url,
+            launcher=launcher,
+        )
+    async with await UpdateClient.connect(nats_url, fleet_name) as client:
+        await wait_live_workers(client, WORKERS, processes=processes)
+        asked = await client.update(
+            "policy", str(current), version=2, digest=adapter_digest(current), timeout_s=60
+        )
+        among_themselves = await client.update("policy", str(current), version=3, timeout_s=60)
+        shown = await run_lorabus(
+            "update", "--nats", nats_url, "--fleet", fleet_name, "--adapter", "policy",
+            "--path", str(current), "--version", "4", "--digest", "auto", "--json",
+        )  # fmt: skip
+
+    want, old = adapter_digest(current), adapter_digest(stale)
+    assert want != old
+    assert asked.error is not None and asked.error.code == ErrorCode.DIGEST_MISMATCH, asked
+    assert f"w001 sees {old}" in asked.error.message and want in asked.error.message
+    assert among_themselves.error is not None, among_themselves
+    assert among_themselves.error.code == ErrorCode.DIGEST_MISMATCH
+    assert f"w000 see {want}" in among_themselves.error.message
+    assert f"w001 see {old}" in among_themselves.error.message
+    assert shown.returncode == 1 and '"digest_mismatch"' in shown.stdout, shown
+    # Nothing committed, every engine resumed, and no engine serves any of them.
+    for worker in sim.workers.values():
+        assert not worker.paused, worker.worker_id
+        assert not [a for a in worker.adapters if a.startswith("policy")], worker.adapters
+
+
+async def test_members_that_see_the_same_bytes_commit_with_the_digest(
+    nats_url: str,
+    fleet_name: str,
+    tmp_path: Path,
+    processes: Processes,
+    start_sim: Callable[..., Awaitable[SimFleet]],
+) -> None:
+    sim = await start_sim(WORKERS)
+    current = write_adapter(tmp_path / "shared", 1)
+    await processes.start_coordinator(
+        CoordinatorConfig(
+            fleet=fleet_name, frontend_url=sim.url, expected_world_size=sum(WORKERS.values())
+        ),
+        nats_url=nats_url,
+    )
+    for worker_id, world_size in WORKERS.items():
+        await processes.start_agent(
+            _agent(fleet_name, worker_id, world_size, sim), nats_url=nats_url
+        )
+    async with await UpdateClient.connect(nats_url, fleet_name) as client:
+        await wait_live_workers(client, WORKERS, processes=processes)
+        asked = await client.update(
+            "policy", str(current), version=1, digest=adapter_digest(current), timeout_s=60
+        )
+        agreed = await client.update("policy", str(current), version=2, timeout_s=60)
+
+    assert asked.committed and agreed.committed, (asked.error, agreed.error)
+    assert asked.digest == agreed.digest == adapter_digest(current)
+
+
+def _agent(fleet: str, worker_id: str, world_size: int, sim: SimFleet) -> AgentConfig:
+    return AgentConfig(
+        fleet=fleet,
+        worker_id=worker_id,
+        system_url=sim.system_url(worker_id),
+        world_size=world_size,
+        heartbeat_s=0.2,
+    )
