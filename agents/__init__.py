@@ -9,6 +9,8 @@ from lorabus.agents.dynamo import DynamoDriver
 from lorabus.agents.engine import EngineDriver
 from lorabus.agents.engines import ENGINE_KINDS, driver_for
 from lorabus.agents.executor import CommandExecutor
+from lorabus.agents.sglang import SglangDriver
+from lorabus.agents.vllm import VllmDriver
 
 __all__ = [
     "ENGINE_KINDS",
@@ -17,5 +19,7 @@ __all__ = [
     "CommandExecutor",
     "DynamoDriver",
     "EngineDriver",
+    "SglangDriver",
+    "VllmDriver",
     "driver_for",
 ]

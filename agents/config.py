@@ -11,6 +11,9 @@ import msgspec
 from lorabus.schemas import MAX_WORLD_SIZE, check_token
 from lorabus.schemas.bounds import MAX_SECONDS
 
+ENGINE_KINDS = ("dynamo", "vllm", "sglang")
+"""The engines an agent can drive (``--engine``); :mod:`lorabus.agents.engines`
+maps each to its driver."""
 ENGINE_TIMEOUT_S = 30.0
 """Seconds one engine HTTP call may take (a driver built without a config uses it too)."""
 MAX_PAUSE_LEASE_S = 300.0
@@ -24,9 +27,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str
     """Stable identity: a subject token, and the key that orders the rank map."""
     system_url: str
-    """Base URL of the engine's control API (a Dynamo worker's system server)."""
+    """Base URL of the engine's control API (a Dynamo worker's system server, a
+    vLLM or SGLang server)."""
     engine: str = "dynamo"
-    """Which engine driver talks to ``system_url``."""
+    """Which engine driver talks to ``system_url``: one of ``ENGINE_KINDS``."""
     world_size: int = 1
     """The engine's world size (tensor x pipeline parallel)."""
     heartbeat_s: float = 1.0
@@ -50,6 +54,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         check_token("worker id", self.worker_id)
         check_token("fleet", self.fleet)
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(
+                f"unknown engine {self.engine!r}: use one of {', '.join(ENGINE_KINDS)}"
+            )
         if self.heartbeat_s < 0.05:
             raise ValueError(f"heartbeat interval must be >= 0.05s, got {self.heartbeat_s}")
         if self.engine_timeout_s < 0.1:

@@ -1,23 +1,26 @@
-"""A simulated NVIDIA Dynamo fleet over real HTTP, for tests, demo and benchmarks.
+"""A simulated inference fleet over real HTTP, for tests, demo and benchmarks.
 
 One aiohttp server plays the Dynamo frontend (``/v1/models``,
 ``/v1/rl/workers``, ``/v1/chat/completions``) and the system server of every
-worker (under ``/workers/{id}``), with faults that tests inject per worker
+worker (under ``/workers/{id}``: a Dynamo system server by default, or a
+vLLM or SGLang server, per worker), with faults that tests inject per worker
 (latency, hang, failed loads, the old status-200 error quirk) and a control API
 under ``/sim`` for driving a fleet in another process.
 
 Modules: ``identity`` (deterministic ids), ``state`` (worker state and waits),
 ``lora_source`` (load URI checks), ``http_utils`` (shared replies and auth),
-``worker_routes``, ``frontend_routes``, ``control_routes`` (one route table
-each), ``fleet`` (server lifecycle), ``serve`` (run until cancelled).
+``worker_routes`` (with the ``vllm_routes`` and ``sglang_routes`` personalities),
+``frontend_routes``, ``control_routes`` (one route table each), ``fleet`` (server
+lifecycle), ``serve`` (run until cancelled).
 """
 
 from .fleet import SimFleet
 from .identity import instance_id_for, lora_id_for
 from .serve import serve_forever
-from .state import RecordedRequest, SimWorker, WorkerFaults
+from .state import ENGINES, RecordedRequest, SimWorker, WorkerFaults
 
 __all__ = [
+    "ENGINES",
     "RecordedRequest",
     "SimFleet",
     "SimWorker",

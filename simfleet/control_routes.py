@@ -45,6 +45,7 @@ def worker_state(worker: SimWorker) -> dict[str, Any]:
         "worker_id": worker.worker_id,
         "instance_id": worker.instance_id,
         "world_size": worker.world_size,
+        "engine": worker.engine,
         "paused": worker.paused,
         "adapters": sorted(worker.adapters),
         "faults": dataclasses.asdict(worker.faults),

@@ -1,9 +1,12 @@
-"""A whole simulated Dynamo fleet behind one aiohttp server on one port.
+"""A whole simulated fleet behind one aiohttp server on one port.
 
 :class:`SimFleet` owns the workers' state and the server's lifecycle. The
 frontend answers at the root, each worker's system server under
 ``/workers/{id}`` and the simulator's control API under ``/sim``; one port and
-one process hold a thousand workers.
+one process hold a thousand workers. Each worker plays one engine kind
+(Dynamo by default; vLLM or SGLang with ``engines``), and a fleet may mix
+them: the frontend lists the union of every worker's adapters whatever its
+kind, as a router in front of a mixed fleet would.
 
 Stopping first releases every request held by a ``hang``, a latency or a pause
 (they answer 503), so the server's graceful shutdown does not wait on them.
@@ -34,7 +37,7 @@ _SHUTDOWN_GRACE_S = 5.0
 
 
 class SimFleet:
-    """Simulated Dynamo workers plus frontend, served over real HTTP."""
+    """Simulated workers (Dynamo, vLLM or SGLang) plus frontend, served over real HTTP."""
 
     def __init__(
         self,
@@ -45,8 +48,12 @@ class SimFleet:
         base_model: str = "sim-base",
         load_latency_s: float = 0.0,
         paused_wait_s: float = PAUSED_WAIT_S,
+        engines: Sequence[str] = ("dynamo",),
     ):
+        """``engines`` is cycled over the workers, like world sizes in :meth:`of_size`."""
         ids, sizes = list(worker_ids), list(world_sizes)
+        if not engines:
+            raise ValueError("engines must not be empty")
         if len(ids) != len(sizes):
             raise ValueError(f"{len(ids)} worker ids but {len(sizes)} world sizes")
         duplicates = sorted(i for i, count in Counter(ids).items() if count > 1)
@@ -54,8 +61,14 @@ class SimFleet:
             raise ValueError(f"duplicate worker ids: {duplicates}")
         load_latency = {"load": load_latency_s} if load_latency_s else {}
         self.workers: dict[str, SimWorker] = {
-            worker_id: SimWorker(worker_id, size, faults=WorkerFaults(latency_s=dict(load_latency)))
-            for worker_id, size in zip(ids, sizes, strict=True)
+            worker_id: SimWorker(
+                worker_id,
+                size,
+                faults=WorkerFaults(latency_s=dict(load_latency)),
+                engine=engines[i % len(engines)],
+                base_model=base_model,
+            )
+            for i, (worker_id, size) in enumerate(zip(ids, sizes, strict=True))
         }
         self.api_key = api_key
         self.base_model = base_model

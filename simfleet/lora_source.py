@@ -25,6 +25,7 @@ __all__ = [
     "NotAnAdapter",
     "SourceNotFound",
     "check_adapter_dir",
+    "check_local_adapter",
     "resolve_local",
 ]
 
@@ -78,3 +79,13 @@ def check_adapter_dir(path: str) -> None:
     for name in ADAPTER_FILES:
         if not (directory / name).is_file():
             raise NotAnAdapter(path, f"no {name}")
+
+
+def check_local_adapter(path: str) -> None:
+    """Raise NotAnAdapter unless ``path`` is an absolute path to an adapter
+    directory: how vLLM and SGLang take a load's ``lora_path``, with no
+    downloader in front (a path that is not a local directory would be looked
+    up on a model hub, which the simulator has no access to)."""
+    if not Path(path).is_absolute():
+        raise NotAnAdapter(path, "not an absolute path")
+    check_adapter_dir(path)

@@ -1,4 +1,7 @@
-"""The mutable state of one simulated Dynamo worker, and how to wait on it.
+"""The mutable state of one simulated worker, and how to wait on it.
+
+Each worker plays one engine kind (``engine``: Dynamo, vLLM or SGLang); its
+routes answer as that engine does, and its state is the same whatever the kind.
 
 Routes change a worker (adapters, pause flag, faults) and tests observe it. All
 changes go through :class:`SimWorker` methods so that each one wakes whoever
@@ -23,7 +26,24 @@ from typing import Any
 
 from .identity import instance_id_for, lora_id_for
 
-__all__ = ["OPERATIONS", "REQUEST_LOG_LIMIT", "RecordedRequest", "SimWorker", "WorkerFaults"]
+__all__ = [
+    "ENGINES",
+    "LOAD_ROUTES",
+    "OPERATIONS",
+    "REQUEST_LOG_LIMIT",
+    "RecordedRequest",
+    "SimWorker",
+    "WorkerFaults",
+]
+
+#: Engine kinds a simulated worker can play (the agent's ``--engine`` choices).
+ENGINES = ("dynamo", "vllm", "sglang")
+#: Each engine kind's load request, as the worker's request log records it.
+LOAD_ROUTES = {
+    "dynamo": ("POST", "/v1/loras"),
+    "vllm": ("POST", "/v1/load_lora_adapter"),
+    "sglang": ("POST", "/load_lora_adapter"),
+}
 
 #: Requests a worker remembers: the most recent ones, so that a long run (the
 #: benchmark, the chaos suite) does not grow without bound.
@@ -90,7 +110,17 @@ class RecordedRequest:
 class SimWorker:
     """One simulated worker: its adapters, pause flag, faults and request log."""
 
-    def __init__(self, worker_id: str, world_size: int, *, faults: WorkerFaults | None = None):
+    def __init__(
+        self,
+        worker_id: str,
+        world_size: int,
+        *,
+        faults: WorkerFaults | None = None,
+        engine: str = "dynamo",
+        base_model: str = "sim-base",
+    ):
+        if engine not in ENGINES:
+            raise ValueError(f"engine of {worker_id} must be one of {ENGINES}, got {engine!r}")
         if not worker_id or "/" in worker_id:
             raise ValueError(f"worker id must be non-empty and without '/': {worker_id!r}")
         if world_size < 1:
@@ -98,8 +128,14 @@ class SimWorker:
         self.worker_id = worker_id
         self.world_size = world_size
         self.instance_id = instance_id_for(worker_id)
+        #: The engine kind this worker plays: which routes it serves, how it answers.
+        self.engine = engine
+        #: The model the engine serves (vLLM and SGLang list it, and adapters' parent).
+        self.base_model = base_model
         #: Loaded adapters: name -> lora_id.
         self.adapters: dict[str, int] = {}
+        #: Where each loaded adapter was loaded from (vLLM and SGLang list it as ``root``).
+        self.adapter_paths: dict[str, str] = {}
         self.faults = faults if faults is not None else WorkerFaults()
         #: The most recent requests, oldest first (at most ``REQUEST_LOG_LIMIT``).
         self.requests: list[RecordedRequest] = []
@@ -112,7 +148,9 @@ class SimWorker:
         self._released = asyncio.Event()
 
     def __repr__(self) -> str:
-        return f"SimWorker({self.worker_id!r}, world_size={self.world_size})"
+        return (
+            f"SimWorker({self.worker_id!r}, world_size={self.world_size}, engine={self.engine!r})"
+        )
 
     @property
     def paused(self) -> bool:
@@ -151,13 +189,15 @@ class SimWorker:
         self.set_faults(fail_next_unloads=self.faults.fail_next_unloads - 1)
         return True
 
-    def add_adapter(self, lora_name: str) -> int:
+    def add_adapter(self, lora_name: str, path: str = "") -> int:
         lora_id = self.adapters[lora_name] = lora_id_for(lora_name)
+        self.adapter_paths[lora_name] = path
         self._notify()
         return lora_id
 
     def remove_adapter(self, lora_name: str) -> int | None:
         lora_id = self.adapters.pop(lora_name, None)
+        self.adapter_paths.pop(lora_name, None)
         self._notify()
         return lora_id
 
@@ -176,8 +216,9 @@ class SimWorker:
 
     @property
     def loads_received(self) -> int:
-        """Load requests among the remembered ones (tried or not)."""
-        return self.count_requests("POST", "/v1/loras")
+        """Load requests among the remembered ones (tried or not), on this
+        worker's engine's load route."""
+        return self.count_requests(*LOAD_ROUTES[self.engine])
 
     async def wait_until(self, condition: Callable[[], bool]) -> bool:
         """Wait until ``condition()`` holds; False if the worker is released first.

@@ -1,9 +1,14 @@
-"""The system status server of each simulated worker, under ``/workers/{id}``.
+"""The control server of each simulated worker, under ``/workers/{id}``.
 
 One aiohttp route table serves every worker: the worker id is a path segment,
-so a thousand workers share one port. Paths, payloads, status codes, content
-types and messages follow a real Dynamo 1.6.1 worker as the ``real_dynamo``
-test tier observes it, request for request, quirks included:
+so a thousand workers share one port. Each worker plays one engine kind
+(``SimWorker.engine``) and answers only that engine's routes, the way that
+engine does: the vLLM and SGLang personalities live in :mod:`.vllm_routes` and
+:mod:`.sglang_routes`; a path another kind serves gets this kind's 404. The
+Dynamo personality, here, is a Dynamo worker's system status server. Its
+paths, payloads, status codes, content types and messages follow a real
+Dynamo 1.6.1 worker as the ``real_dynamo`` test tier observes it, request for
+request, quirks included:
 
 - ``/v1/loras`` answers ``application/json``; a failed load is a JSON 500 (or,
   with ``status_error_quirk``, a 200 whose body says ``"status":"error"``); a
@@ -16,30 +21,33 @@ test tier observes it, request for request, quirks included:
   unknown path a plain-text 404.
 
 Every request is first recorded in the worker's log, then waits out an
-injected ``hang`` and latency, then is checked for the bearer token, then
-handled.
+injected ``hang`` and latency, then is checked for the bearer token (on the
+paths its engine guards), then handled.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from . import sglang_routes, vllm_routes
 from .http_utils import UNAUTHORIZED, error_reply, is_authorized, json_or_none, plain_text_reply
 from .lora_source import NotAnAdapter, SourceNotFound, check_adapter_dir, resolve_local
 from .state import RecordedRequest, SimWorker
 
-__all__ = ["WORKER_PREFIX", "WorkerRoutes"]
+__all__ = ["PERSONALITIES", "WORKER_PREFIX", "Personality", "WorkerRoutes"]
 
 WORKER_PREFIX = "/workers/{worker_id}"
 
 _Handler = Callable[[web.Request, SimWorker, bytes], Awaitable[web.Response]]
 _Route = Callable[[web.Request], Awaitable[web.Response]]
+_Entry = tuple[str | None, _Handler]
 
 
 class _LoraSource(msgspec.Struct):
@@ -119,29 +127,33 @@ class WorkerRoutes:
         self._api_key = api_key
 
     def routes(self) -> list[web.RouteDef]:
+        # One aiohttp route per (method, path) that any engine serves; the
+        # worker's engine picks the handler when a request arrives.
+        table: dict[tuple[str, str], dict[str, _Entry]] = {}
+        for engine, personality in PERSONALITIES.items():
+            for method, path, op, handler in personality.routes:
+                table.setdefault((method, path), {})[engine] = (op, handler)
         p = WORKER_PREFIX
-        return [
-            web.get(f"{p}/health", self._operation("health", _health)),
-            web.post(f"{p}/v1/loras", self._operation("load", _load)),
-            web.get(f"{p}/v1/loras", self._operation("list", _list)),
-            web.delete(f"{p}/v1/loras/{{lora_name:.*}}", self._operation("unload", _unload)),
-            web.post(f"{p}/engine/pause_generation", self._operation("pause", _pause)),
-            web.post(f"{p}/engine/resume_generation", self._operation("resume", _resume)),
-            # Registered last: anything else under a worker, e.g. /engine/<unknown>.
-            web.route("*", f"{p}/{{tail:.*}}", self._operation(None, _route_not_found)),
+        defs = [
+            web.route(method, f"{p}{path}", self._dispatch(by_engine))
+            for (method, path), by_engine in table.items()
         ]
+        # Registered last: anything else under a worker, e.g. /engine/<unknown>.
+        defs.append(web.route("*", f"{p}/{{tail:.*}}", self._dispatch({})))
+        return defs
 
-    def _operation(self, op: str | None, handler: _Handler) -> _Route:
+    def _dispatch(self, by_engine: Mapping[str, _Entry]) -> _Route:
         async def handle(request: web.Request) -> web.Response:
             worker_id = request.match_info["worker_id"]
             worker = self._workers.get(worker_id)
             if worker is None:
                 return error_reply(404, "unknown worker")
             raw = await request.read()
+            path = request.path.removeprefix(f"/workers/{worker_id}")
             worker.record(
                 RecordedRequest(
                     method=request.method,
-                    path=request.path.removeprefix(f"/workers/{worker_id}"),
+                    path=path,
                     headers={name.lower(): value for name, value in request.headers.items()},
                     body=json_or_none(raw),
                     ts=time.time(),
@@ -150,12 +162,14 @@ class WorkerRoutes:
             )
             if not await worker.wait_until(lambda: not worker.faults.hang):
                 return error_reply(503, "simulated fleet is stopping")
+            personality = PERSONALITIES[worker.engine]
+            op, handler = by_engine.get(worker.engine, (None, personality.not_found))
             if op is not None:
                 await worker.delay(worker.faults.latency_s.get(op, 0.0))
             if worker.released:
                 return error_reply(503, "simulated fleet is stopping")
-            if not is_authorized(request, self._api_key):
-                return web.json_response(UNAUTHORIZED, status=401)
+            if personality.is_guarded(path) and not is_authorized(request, self._api_key):
+                return personality.unauthorized()
             return await handler(request, worker, raw)
 
         return handle
@@ -190,7 +204,7 @@ async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Resp
     if worker.take_injected_load_failure():
         message = f"Failed to add LoRA '{name}': injected load failure"
         return _load_error(worker, message, name, status=worker.faults.load_failure_status)
-    lora_id = worker.add_adapter(name)
+    lora_id = worker.add_adapter(name, path)
     return _lora_success(name, lora_id, f"LoRA adapter '{name}' loaded successfully")
 
 
@@ -241,8 +255,50 @@ async def _resume(request: web.Request, worker: SimWorker, raw: bytes) -> web.Re
 
 
 async def _route_not_found(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
-    tail = request.match_info["tail"]
+    tail = request.path.removeprefix(f"/workers/{worker.worker_id}/")
     if tail.startswith("engine/"):
         message = f"Route /{tail} not found"
         return _engine_reply({"error": "Route not found", "message": message}, status=404)
     return plain_text_reply(404, "Route not found")
+
+
+def _dynamo_unauthorized() -> web.Response:
+    return web.json_response(UNAUTHORIZED, status=401)
+
+
+#: (method, path under the worker, operation for injected latency, handler).
+_DYNAMO_ROUTES = (
+    ("GET", "/health", "health", _health),
+    ("POST", "/v1/loras", "load", _load),
+    ("GET", "/v1/loras", "list", _list),
+    ("DELETE", "/v1/loras/{lora_name:.*}", "unload", _unload),
+    ("POST", "/engine/pause_generation", "pause", _pause),
+    ("POST", "/engine/resume_generation", "resume", _resume),
+)
+
+
+@dataclass(frozen=True)
+class Personality:
+    """How one engine kind serves a worker: its routes, which paths need the
+    API key, and its 401 and 404 answers."""
+
+    routes: Sequence[tuple[str, str, str | None, _Handler]]
+    is_guarded: Callable[[str], bool]
+    unauthorized: Callable[[], web.Response]
+    not_found: _Handler
+
+
+PERSONALITIES = {
+    "dynamo": Personality(
+        _DYNAMO_ROUTES, lambda _path: True, _dynamo_unauthorized, _route_not_found
+    ),
+    "vllm": Personality(
+        vllm_routes.ROUTES, vllm_routes.is_guarded, vllm_routes.unauthorized, vllm_routes.not_found
+    ),
+    "sglang": Personality(
+        sglang_routes.ROUTES,
+        sglang_routes.is_guarded,
+        sglang_routes.unauthorized,
+        sglang_routes.not_found,
+    ),
+}

@@ -6,8 +6,19 @@ import sys
 
 import click
 
+from lorabus.agents.config import ENGINE_KINDS
 from lorabus.cli.common import EXIT_FAILED, INT_LIST, run
 from lorabus.cli.extras import require_sim_extra
+
+
+def _engine_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    engines = [part.strip() for part in value.split(",") if part.strip()]
+    unknown = sorted(set(engines) - set(ENGINE_KINDS))
+    if not engines or unknown:
+        raise click.BadParameter(
+            f"use a comma-separated list of {', '.join(ENGINE_KINDS)}, got {value!r}"
+        )
+    return engines
 
 
 @click.command()
@@ -39,6 +50,13 @@ def up(steps: int, world_sizes: list[int]) -> None:
     show_default=True,
     help="World sizes, cycled over the workers.",
 )
+@click.option(
+    "--engines",
+    default="dynamo",
+    show_default=True,
+    callback=_engine_list,
+    help="Engine kinds the workers play (dynamo, vllm, sglang), cycled over the workers.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True)
 @click.option("--api-key-env", metavar="VAR", help="Require 'Authorization: Bearer $VAR'.")
@@ -57,20 +75,23 @@ def up(steps: int, world_sizes: list[int]) -> None:
 def sim(
     workers: int,
     world_sizes: list[int],
+    engines: list[str],
     host: str,
     port: int,
     api_key_env: str | None,
     status_error_quirk: bool,
     load_latency: float,
 ) -> None:
-    """Serve a simulated Dynamo fleet: workers' system servers and a frontend."""
+    """Serve a simulated fleet: workers' control servers (Dynamo, vLLM or SGLang) and a frontend."""
     require_sim_extra()
     import os
 
     from lorabus.simfleet import SimFleet, serve_forever
 
     api_key = os.environ.get(api_key_env) if api_key_env else None
-    fleet = SimFleet.of_size(workers, world_sizes, api_key=api_key, load_latency_s=load_latency)
+    fleet = SimFleet.of_size(
+        workers, world_sizes, api_key=api_key, load_latency_s=load_latency, engines=engines
+    )
     if status_error_quirk:
         for worker in fleet.workers.values():
             worker.set_faults(status_error_quirk=True)
@@ -80,7 +101,7 @@ def sim(
         for worker in started.workers.values():
             click.echo(
                 f"worker {worker.worker_id} world_size={worker.world_size} "
-                f"system_url={started.system_url(worker.worker_id)}"
+                f"engine={worker.engine} system_url={started.system_url(worker.worker_id)}"
             )
         sys.stdout.flush()
 

@@ -19,6 +19,7 @@ async def test_control_lists_worker_states(client):
         "worker_id": "w001",
         "instance_id": simfleet.instance_id_for("w001"),
         "world_size": 2,
+        "engine": "dynamo",
         "paused": False,
         "adapters": [],
         "faults": {

@@ -1,0 +1,202 @@
+"""What every engine driver shares: one HTTP client, one retry policy, one error reading.
+
+The Dynamo, vLLM and SGLang drivers differ in paths, payloads and how an
+answer says it failed; they agree on everything here, so that an update sees
+the same behaviour from every engine kind of a mixed fleet:
+
+- One ``httpx.AsyncClient`` per driver, with the agent's headers (auth) on
+  every call and a timeout on every call.
+- Errors: every failure is an :class:`~lorabus.errors.EngineError` that says
+  whether asking again may succeed (``retryable``) and carries the HTTP status.
+- Retries (:meth:`HttpEngine.retrying`): only transient failures are retried,
+  within the caller's budget and the driver's attempts. Transient: no answer
+  (a connection error, a timeout), a 5xx (502, 503 and 504 from a proxy or an
+  engine starting up; a 500 from a handler, e.g. Dynamo's "Local LoRA not
+  found" while a shared filesystem does not show a fresh directory yet), a 408
+  or 429, or an answer that says it failed in a 2xx (older Dynamo). Final, so
+  failing the call at once: any other 4xx (a bad request, a refused token, a
+  route the engine does not serve, vLLM's 404 for a directory without an
+  adapter, every SGLang refusal), and an answer whose words say the directory
+  holds no adapter or the engine has no LoRA support: asking again gets the
+  same answer while every engine of the update waits paused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_random,
+)
+
+from lorabus.agents.config import ENGINE_TIMEOUT_S
+from lorabus.errors import BadRequest, EngineError
+
+__all__ = [
+    "FINAL_ERROR_WORDS",
+    "TRANSIENT_CLIENT_STATUSES",
+    "HttpEngine",
+    "error_message",
+    "is_transient",
+    "json_or_none",
+    "url_segment",
+]
+
+#: Words of an engine error that asking again cannot fix. vLLM raises
+#: ``LoRAAdapterNotFoundError`` ("Loading lora <name> failed: No adapter found
+#: for <path>", vllm/exceptions.py) when the directory has no readable
+#: ``adapter_config.json`` (Dynamo's vLLM handler answers it in a 500, vLLM's
+#: own server in a 404); a Dynamo worker whose backend has no LoRA support
+#: answers "LoRA management not available: ..." (seen on Dynamo 1.6.1).
+FINAL_ERROR_WORDS = ("No adapter found for", "LoRA management not available")
+#: Client errors that mean "not now" rather than "never".
+TRANSIENT_CLIENT_STATUSES = frozenset({408, 429})
+
+
+def is_transient(status: int | None, message: str) -> bool:
+    """Whether an engine call that failed with ``status`` (None: no answer) and
+    ``message`` may succeed if asked again (the module docstring says which)."""
+    if any(words in message for words in FINAL_ERROR_WORDS):
+        return False
+    if status is None or status < 400 or status >= 500:
+        return True
+    return status in TRANSIENT_CLIENT_STATUSES
+
+
+def _is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, EngineError) and exc.retryable
+
+
+class HttpEngine:
+    """The HTTP side of a driver: a client on ``base_url`` and the retry policy.
+
+    Subclasses add the engine's routes and read its answers; :meth:`send`
+    turns a missing answer or an HTTP error status into an ``EngineError``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float = ENGINE_TIMEOUT_S,
+        attempts: int = 5,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._attempts = attempts
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=dict(headers or {}),
+            timeout=httpx.Timeout(timeout_s),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        """``method path`` with ``body`` as JSON; the answer if its status is
+        below 400, else an EngineError classified by status and message."""
+        what = f"{method} {self.base_url}{path}"
+        try:
+            response = await self._http.request(method, path, json=body, params=params)
+        except httpx.TransportError as exc:
+            raise EngineError(
+                f"{what} failed: {type(exc).__name__}: {exc}", retryable=True
+            ) from exc
+        status = response.status_code
+        if status >= 400:
+            message = error_message(json_or_none(response), response.text)
+            raise EngineError(
+                f"{what} answered {status}: {message}",
+                retryable=is_transient(status, message),
+                status=status,
+            )
+        return response
+
+    async def served_adapters(self) -> dict[str, str]:
+        """``GET /v1/models`` of an OpenAI-compatible server (vLLM, SGLang): each
+        adapter's name and the path it was loaded from. Adapters are the
+        entries with a ``parent`` (the base model); their ``root`` is the path."""
+        response = await self.send("GET", "/v1/models")
+        payload = json_or_none(response)
+        data = payload.get("data") if isinstance(payload, dict) else None
+        if not isinstance(data, list):
+            raise EngineError(
+                f"GET {self.base_url}/v1/models answered an unexpected body: {payload!r}"
+            )
+        adapters = {}
+        for entry in data:
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+                raise EngineError(
+                    f"GET {self.base_url}/v1/models listed an entry without an id: {entry!r}"
+                )
+            if entry.get("parent"):
+                root = entry.get("root")
+                adapters[entry["id"]] = root if isinstance(root, str) else ""
+        return adapters
+
+    async def retrying(self, call: Callable[[], Awaitable[object]], budget_s: float) -> None:
+        """Run ``call``, again while it fails transiently, within ``budget_s``
+        and the driver's attempts; the error says whether it was retried."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self._attempts) | stop_after_delay(max(budget_s, 0.0)),
+            wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.1),
+            retry=retry_if_exception(_is_retryable),
+            reraise=True,
+        )
+        attempts = 0
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    await call()
+        except EngineError as exc:
+            if exc.retryable:
+                note = f"gave up after {attempts} attempt{'s' if attempts > 1 else ''}"
+            else:
+                note = "final: not retried" if attempts == 1 else f"final at attempt {attempts}"
+            raise type(exc)(f"{exc} ({note})", retryable=exc.retryable, status=exc.status) from exc
+
+
+def url_segment(value: str) -> str:
+    """``value`` as exactly one URL path segment: every reserved character
+    percent-encoded, and no segment that a client or server would resolve."""
+    if value in ("", ".", ".."):
+        raise BadRequest(f"{value!r} cannot stand as a URL path segment")
+    return quote(value, safe="")
+
+
+def json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def error_message(payload: Any, text: str) -> str:
+    """What an error answer says: Dynamo's ``message``/``error``, vLLM's nested
+    ``{"error": {"message": ...}}``, SGLang's ``error_message``, FastAPI's
+    ``detail``, else the text itself."""
+    if isinstance(payload, dict):
+        for key in ("message", "error_message", "error", "detail"):
+            value = payload.get(key)
+            if isinstance(value, dict):
+                value = value.get("message")
+            if isinstance(value, str) and value:
+                return value
+    return text.strip()[:500] or "(empty body)"

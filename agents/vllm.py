@@ -1,0 +1,137 @@
+"""Driver for a vLLM OpenAI-compatible server with runtime LoRA updating.
+
+Every path and payload of vLLM's LoRA and pause API lives here and nowhere
+else. Checked against the source of vLLM 0.33.0 (the release the package index
+offers here): ``vllm/entrypoints/serve/lora/api_router.py`` (the LoRA routes,
+only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``),
+``vllm/entrypoints/openai/models/serving.py`` (their answers and
+``/v1/models``), ``vllm/entrypoints/rl/online/api_router.py`` (``/pause``,
+``/resume``, ``/is_paused``, only with ``VLLM_SERVER_DEV_MODE=1``) and
+``vllm/entrypoints/serve/middleware/authenticate.py``. Older releases served
+the same routes from ``vllm/entrypoints/openai/api_server.py``; before 0.10
+their error body was flat (``{"object": "error", "message": ...}``), which
+the driver reads as well.
+
+What vLLM answers:
+
+- ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``: 200 with **plain
+  text** ("Success: LoRA adapter '<name>' added successfully.", sent without
+  a JSON content type); a directory without an adapter: 404
+  ``{"error": {"message": "Loading lora <name> failed: No adapter found for
+  <path>", "type": "NotFoundError", "code": 404}}``; a name already loaded: 400
+  "The lora adapter '<name>' has already been loaded..."; any other failure of
+  the engine: 500.
+- ``POST /v1/unload_lora_adapter {"lora_name"}``: plain text, or 404 "The lora
+  adapter '<name>' cannot be found.".
+- ``GET /v1/models``: the base model and one entry per adapter with ``root``
+  (the path it was loaded from) and ``parent`` (the base model).
+- ``POST /pause?mode=keep`` -> ``{"status": "paused"}``; ``POST /resume`` ->
+  ``{"status": "resumed"}``.
+- With an API key, every ``/v1/...`` path needs ``Authorization: Bearer``
+  (401 ``{"error": "Unauthorized"}``); ``/pause`` and ``/resume`` are not
+  guarded by vLLM, so the agent's headers are sent anyway and a proxy in
+  front may check them.
+
+Pause uses ``mode=keep``: vLLM freezes in-flight requests in its queue and
+continues them on ``/resume``, and keeps accepting new ones meanwhile, while
+``abort`` and ``wait`` answer new requests 503 until the resume (and
+``abort``, vLLM's default, drops the running ones). A pause for a LoRA load
+lasts as long as the load, so holding requests costs less than failing them.
+
+A load whose name vLLM already holds is refused (400) instead of answered
+"already loaded" as Dynamo does; the driver then reads ``/v1/models`` back and
+takes the load as done when that name was loaded from the same path (a retry
+after a lost answer, an agent restarted mid-update), and as a final error when
+it was loaded from another path: those are other weights under the same name.
+
+Names travel only in JSON bodies, never in URLs, so no name reaches another
+route. Retries follow :mod:`lorabus.agents.http_engine`: vLLM's 404 for a
+directory without an adapter, its 400s and a refused token are final; no
+answer, a 5xx, 408 or 429 are retried within the load's budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from lorabus.agents.config import ENGINE_TIMEOUT_S
+from lorabus.agents.http_engine import HttpEngine, json_or_none
+from lorabus.errors import EngineError
+
+__all__ = ["VllmDriver"]
+
+log = logging.getLogger(__name__)
+
+PAUSE_PARAMS = {"mode": "keep"}
+#: How vLLM refuses a load of a name it holds (vllm/entrypoints/openai/models/serving.py).
+ALREADY_LOADED = "has already been loaded"
+
+
+class VllmDriver(HttpEngine):
+    """Drives one vLLM server at ``base_url`` (its OpenAI API root, without ``/v1``)."""
+
+    kind = "vllm"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float = ENGINE_TIMEOUT_S,
+        attempts: int = 5,
+    ) -> None:
+        super().__init__(base_url, headers=headers, timeout_s=timeout_s, attempts=attempts)
+
+    async def pause(self) -> None:
+        response = await self.send("POST", "/pause", params=PAUSE_PARAMS)
+        _expect_status(response, "paused")
+
+    async def resume(self) -> None:
+        async def call() -> None:
+            _expect_status(await self.send("POST", "/resume"), "resumed")
+
+        # A lost resume leaves an engine paused: retry transient failures (the
+        # caller's command budget bounds the whole).
+        await self.retrying(call, float("inf"))
+
+    async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        body = {"lora_name": name, "lora_path": path}
+        try:
+            await self.retrying(lambda: self.send("POST", "/v1/load_lora_adapter", body), budget_s)
+        except EngineError as exc:
+            if exc.status != 400 or ALREADY_LOADED not in str(exc):
+                raise
+            await self._check_loaded_from(name, path, exc)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.send("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+
+    async def list_adapters(self) -> list[str]:
+        return sorted(await self.served_adapters())
+
+    async def _check_loaded_from(self, name: str, path: str, refusal: EngineError) -> None:
+        root = (await self.served_adapters()).get(name)
+        if root == path:
+            log.info("%s already serves %s from %s: loaded", self.base_url, name, path)
+            return
+        raise EngineError(
+            f"{refusal}; it serves {name!r} from {root!r}, not {path!r}",
+            retryable=False,
+            status=refusal.status,
+        ) from refusal
+
+
+def _expect_status(response: httpx.Response, status: str) -> None:
+    """vLLM's pause and resume answer ``{"status": <status>}``; anything else
+    is not the route this driver was written for."""
+    payload: Any = json_or_none(response)
+    if not isinstance(payload, dict) or payload.get("status") != status:
+        raise EngineError(
+            f"{response.request.method} {response.request.url} answered "
+            f"{response.status_code} {response.text[:200]!r}, not status {status!r}",
+            status=response.status_code,
+        )

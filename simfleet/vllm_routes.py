@@ -1,0 +1,190 @@
+"""The vLLM personality of a simulated worker: its LoRA, model-list and pause routes.
+
+Paths, status codes, content types and bodies follow the source of vLLM
+0.33.0 (``vllm/entrypoints/serve/lora/api_router.py``,
+``vllm/entrypoints/openai/models/serving.py``,
+``vllm/entrypoints/rl/online/api_router.py``, the validation and auth
+middleware), as a server runs with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
+and ``VLLM_SERVER_DEV_MODE=1``:
+
+- A load or unload that succeeds answers 200 with **plain text**, sent (like
+  Starlette's ``Response`` without a media type) with no ``Content-Type``.
+- Errors are ``{"error": {"message", "type", "param", "code"}}``: 404
+  ``NotFoundError`` for a directory without an adapter ("Loading lora <name>
+  failed: No adapter found for <path>") and for an unload of an unknown name,
+  400 ``InvalidUserInput`` for a name already loaded, 400 ``BadRequestError``
+  for a body that does not validate or is not ``application/json``, 500
+  ``InternalServerError`` for the engine's other failures.
+- ``POST /pause?mode=abort|wait|keep`` (vLLM's default: abort) answers
+  ``{"status": "paused"}``, ``/resume`` ``{"status": "resumed"}``,
+  ``GET /is_paused`` ``{"is_paused": bool}``.
+- Only ``/v1/...`` paths need the API key (401 ``{"error": "Unauthorized"}``);
+  an unknown path is FastAPI's 404 ``{"detail": "Not Found"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from .lora_source import NotAnAdapter, check_local_adapter
+from .state import SimWorker
+
+__all__ = ["ROUTES", "is_guarded", "not_found", "unauthorized"]
+
+_PAUSE_MODES = ("abort", "wait", "keep")
+_CREATED = int(time.time())
+#: vLLM's AuthenticationMiddleware guards only these prefixes.
+_GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def _error(status: int, message: str, err_type: str) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _text(text: str) -> web.Response:
+    response = web.Response(body=text.encode())
+    # Starlette's Response(content=str) without a media type sends none.
+    response.headers.popall("Content-Type", None)
+    return response
+
+
+def _json_body(request: web.Request, raw: bytes, *fields: str) -> dict[str, Any] | web.Response:
+    """The body of a LoRA route, checked as vLLM's ``validate_json_request`` and
+    its pydantic model do (each failure a 400)."""
+    if request.content_type != "application/json":
+        return _error(
+            400, "Unsupported Media Type: Only 'application/json' is allowed", "BadRequestError"
+        )
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        return _error(400, f"JSON decode error: {exc}", "BadRequestError")
+    if not isinstance(body, dict):
+        return _error(400, "Input should be a valid dictionary", "BadRequestError")
+    for name in fields:
+        if not isinstance(body.get(name), str):
+            return _error(400, f"body.{name}: Field required", "BadRequestError")
+    return body
+
+
+def is_guarded(path: str) -> bool:
+    """Whether vLLM asks for the API key on ``path`` (relative to the server)."""
+    return path.startswith(_GUARDED_PREFIX)
+
+
+def unauthorized() -> web.Response:
+    return web.json_response({"error": "Unauthorized"}, status=401)
+
+
+async def not_found(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    return web.json_response({"detail": "Not Found"}, status=404)
+
+
+async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    body = _json_body(request, raw, "lora_name", "lora_path")
+    if isinstance(body, web.Response):
+        return body
+    name, path = body["lora_name"], body["lora_path"]
+    if not name or not path:
+        return _error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+    if name == worker.base_model:
+        message = f"The lora adapter '{name}' conflicts with a served base model."
+        return _error(400, message, "InvalidUserInput")
+    if name in worker.adapters and not body.get("load_inplace"):
+        message = (
+            f"The lora adapter '{name}' has already been loaded. If you want to load "
+            "the adapter in place, set 'load_inplace' to True."
+        )
+        return _error(400, message, "InvalidUserInput")
+    try:
+        # vLLM reads a local directory, else tries the hub; a path that is
+        # neither, or a directory without the adapter files, is "not found".
+        check_local_adapter(path)
+    except NotAnAdapter:
+        message = f"Loading lora {name} failed: No adapter found for {path}"
+        return _error(404, message, "NotFoundError")
+    if worker.take_injected_load_failure():
+        status = worker.faults.load_failure_status
+        err_type = "InternalServerError" if status >= 500 else "BadRequestError"
+        return _error(status, f"injected load failure of {name}", err_type)
+    worker.add_adapter(name, path)
+    return _text(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _unload(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    body = _json_body(request, raw, "lora_name")
+    if isinstance(body, web.Response):
+        return body
+    name = body["lora_name"]
+    if not name:
+        message = "'lora_name' needs to be provided to unload a LoRA adapter."
+        return _error(400, message, "InvalidUserInput")
+    if name not in worker.adapters:
+        return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+    if worker.take_injected_unload_failure():
+        return _error(500, f"injected unload failure of {name}", "InternalServerError")
+    worker.remove_adapter(name)
+    return _text(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _card(
+    model_id: str, root: str, parent: str | None, max_model_len: int | None
+) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": _CREATED,
+        "owned_by": "vllm",
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_model_len,
+        "permission": [{"object": "model_permission", "allow_sampling": True, "allow_view": True}],
+    }
+
+
+async def _models(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    base = worker.base_model
+    data = [_card(base, base, None, 4096)]
+    data += [_card(n, worker.adapter_paths.get(n, ""), base, None) for n in worker.adapters]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _pause(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    mode = request.query.get("mode", "abort")
+    if mode not in _PAUSE_MODES:
+        message = f"query.mode: Input should be 'abort', 'wait' or 'keep', got {mode!r}"
+        return _error(400, message, "BadRequestError")
+    if mode != "keep" and worker.faults.busy_loras:
+        worker.set_faults(busy_loras=[])  # waited for or aborted
+    worker.paused = True
+    return web.json_response({"status": "paused"})
+
+
+async def _resume(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    worker.paused = False
+    return web.json_response({"status": "resumed"})
+
+
+async def _is_paused(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    return web.json_response({"is_paused": worker.paused})
+
+
+async def _health(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    return web.Response(status=200)
+
+
+#: (method, path under the worker, operation for injected latency, handler).
+ROUTES = (
+    ("POST", "/v1/load_lora_adapter", "load", _load),
+    ("POST", "/v1/unload_lora_adapter", "unload", _unload),
+    ("GET", "/v1/models", "list", _models),
+    ("POST", "/pause", "pause", _pause),
+    ("POST", "/resume", "resume", _resume),
+    ("GET", "/is_paused", None, _is_paused),
+    ("GET", "/health", "health", _health),
+)
