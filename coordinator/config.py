@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lorabus.schemas import Naming, check_token
+from lorabus.schemas import Naming, UpdateMode, check_token
 
 
 class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +46,9 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     keep: int = 2
     """Versions of an adapter kept loaded after a commit (versioned naming)."""
     naming: Naming = Naming.VERSIONED
+    mode: UpdateMode = UpdateMode.PAUSE
+    """How an update runs unless its request says: ``pause`` (the fleet pauses
+    around the load) or ``live`` (nothing pauses; needs versioned naming)."""
     headers: dict[str, str] = {}
     """Sent with every frontend call (auth)."""
     http_timeout_s: float = 10.0
@@ -92,6 +95,11 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
             raise ValueError("max queued must be >= 1")
         if not 0 < self.min_heartbeat_s <= self.max_heartbeat_s:
             raise ValueError("heartbeat range must satisfy 0 < min <= max")
+        if self.mode is UpdateMode.LIVE and self.naming is not Naming.VERSIONED:
+            raise ValueError(
+                "live mode needs versioned naming: a fixed name cannot be "
+                "replaced while engines serve it"
+            )
         if self.keep < 1:
             raise ValueError("keep must be >= 1: the committed version is always kept")
         if not self.frontend_url.startswith(("http://", "https://")):

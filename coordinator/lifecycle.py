@@ -194,6 +194,9 @@ class UpdateRunner:
             )
         )
 
+        if plan.live:
+            return await self._run_live(plan, members, phases)
+
         targets = sorted(members)
         """The pause's targets: every later command of this update addresses them."""
         errors: dict[str, ErrorInfo] = {}
@@ -237,6 +240,53 @@ class UpdateRunner:
             return self._result(plan, FAILED, phases, members, load, error, errors)
         rank_map = build_rank_map({wid: members[wid] for wid in serving})
         return self._result(plan, COMMITTED, phases, members, load, None, errors, rank_map)
+
+    async def _run_live(
+        self, plan: UpdatePlan, members: dict[str, int], phases: dict[str, float]
+    ) -> UpdateResult:
+        """Load and verify the new versioned name on every member while engines
+        keep serving: nothing pauses, so there is nothing to resume; what did
+        not commit is unloaded where it loaded, as in pause mode."""
+        targets = sorted(members)
+        self._in_flight = InflightRecord(
+            update_id=plan.update_id,
+            epoch=self.epoch,
+            phase=Phase.LOAD,
+            adapter=plan.adapter,
+            served_name=plan.served_name,
+            version=plan.version,
+            members=members,
+            path=plan.path,
+        )
+        left_out: dict[str, ErrorInfo] = {}
+        # Named targets, not a pause's cohort: no agent took a pause to join one.
+        load = await self._phase(
+            self._command(
+                LoadCommand,
+                plan,
+                targets,
+                served_name=plan.served_name,
+                path=plan.path,
+                replace=False,
+                digest=plan.digest,
+            ),
+            targets,
+            phases,
+        )
+        serving: list[str] | None = None
+        error = digest_problem(plan.digest, load.acks)
+        if error is None:
+            serving = self._survivors(load, targets, members, left_out)
+            if serving is None:
+                error = load.summary()
+            else:
+                error = await self._verify(plan, load, serving, phases)
+        if error is not None or serving is None:
+            await self._withdraw_uncommitted(plan, load, phases)
+            errors = left_out | load.worker_errors()
+            return self._result(plan, FAILED, phases, members, load, error, errors)
+        rank_map = build_rank_map({wid: members[wid] for wid in serving})
+        return self._result(plan, COMMITTED, phases, members, load, None, left_out, rank_map)
 
     async def _pause_load_verify(
         self, plan: UpdatePlan, members: dict[str, int], phases: dict[str, float]

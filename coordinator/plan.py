@@ -26,7 +26,7 @@ import msgspec
 
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.errors import BadRequest, StaleVersion
-from lorabus.schemas import CommittedRecord, Naming, UpdateRequest
+from lorabus.schemas import CommittedRecord, Naming, UpdateMode, UpdateRequest
 
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
 _LINEAGE_SUFFIX = re.compile(r"-r\d+\Z")
@@ -43,6 +43,8 @@ class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
     lineage: int = 0
     digest: str | None = None
     """The content digest every member must see at ``path`` (None: they must agree)."""
+    live: bool = False
+    """Load and verify without pausing any engine (``UpdateMode.LIVE``)."""
 
 
 def plan_update(
@@ -67,6 +69,12 @@ def plan_update(
         )
     path = _checked_path(request.path, config.adapter_roots)
     version = _checked_version(request, committed, path)
+    live = (request.mode or config.mode) is UpdateMode.LIVE
+    if live and config.naming is not Naming.VERSIONED:
+        raise BadRequest(
+            "live mode needs versioned naming: this coordinator serves fixed names, "
+            "which cannot be replaced while engines serve them"
+        )
     if config.naming is Naming.VERSIONED:
         served_name, replace = versioned_name(request.adapter, lineage, version), False
     else:
@@ -80,6 +88,7 @@ def plan_update(
         replace=replace,
         lineage=lineage,
         digest=request.digest,
+        live=live,
     )
 
 

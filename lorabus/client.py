@@ -54,6 +54,7 @@ from lorabus.schemas import (
     ResultRequest,
     StatusRequest,
     Subjects,
+    UpdateMode,
     UpdateRequest,
     UpdateResult,
     encode,
@@ -163,6 +164,7 @@ class UpdateClient:
         update_id: str | None = None,
         timeout_s: float = UPDATE_TIMEOUT_S,
         digest: str | None = None,
+        mode: UpdateMode | str | None = None,
     ) -> UpdateResult:
         """Request an update and wait for its result (committed or failed).
 
@@ -170,6 +172,11 @@ class UpdateClient:
         every member must see at ``path`` on its own host, or the update fails
         with ``digest_mismatch``; without it the members must agree among
         themselves. A committed result carries the digest they saw.
+
+        ``mode`` ``live`` loads and verifies the new version on every member
+        without pausing any engine: they keep serving the previous version
+        until requests name the result's served name; ``pause`` pauses the
+        fleet around the load; None leaves it to the coordinator's ``--mode``.
 
         A request can reach a leader that dies before it answers (killed,
         frozen, cut off), or that stops leading and answers ``not_leader``;
@@ -195,6 +202,7 @@ class UpdateClient:
             path=path,
             version=version,
             digest=digest,
+            mode=None if mode is None else UpdateMode(mode),
         )
         subject = self.subjects.update_request()
         started = now()

@@ -50,6 +50,15 @@ class Phase(enum.StrEnum):
     UNLOAD = "unload"
 
 
+class UpdateMode(enum.StrEnum):
+    PAUSE = "pause"
+    """Pause every member, load, verify, resume: the new version is the only one
+    served once the update commits."""
+    LIVE = "live"
+    """Load and verify the new versioned name on every member while engines keep
+    serving; the orchestrator switches to it from the result."""
+
+
 class Naming(enum.StrEnum):
     VERSIONED = "versioned"
     """Serve ``<adapter>-v<version>``: a new name per version, nothing replaced."""
@@ -239,6 +248,8 @@ class UpdateRequest(_Message, frozen=True, kw_only=True, tag="update_request"):
     digest: Digest | None = None
     """The adapter's content digest: every member must see exactly these bytes
     at ``path`` (None: members must agree among themselves)."""
+    mode: UpdateMode | None = None
+    """``pause`` or ``live``; None: the coordinator's ``--mode``."""
 
 
 class WorkerOutcome(msgspec.Struct, frozen=True, kw_only=True):

@@ -22,7 +22,7 @@ import msgspec
 from lorabus.agents.config import AgentConfig
 from lorabus.agents.engines import ENGINE_KINDS
 from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.schemas import Naming
+from lorabus.schemas import Naming, UpdateMode
 from lorabus.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, TRUST_FILE_ENV
 
 _Config = TypeVar("_Config", bound=msgspec.Struct)
@@ -170,6 +170,14 @@ COORDINATOR_FLAGS = (
     ),
     Flag("naming", "--naming", "Served names.", click.Choice([n.value for n in Naming])),
     Flag(
+        "mode",
+        "--mode",
+        "How updates run unless a request says: pause (the fleet pauses around the "
+        "load) or live (nothing pauses: the new versioned name is loaded beside the "
+        "served one).",
+        click.Choice([m.value for m in UpdateMode]),
+    ),
+    Flag(
         "adapter_roots",
         "--adapter-root",
         "Accept adapter paths only under this directory (repeatable).",
@@ -227,6 +235,8 @@ def build_config(
             fields[flag.field] = list(fields[flag.field])
     if "naming" in fields:
         fields["naming"] = Naming(fields["naming"])
+    if "mode" in fields:
+        fields["mode"] = UpdateMode(fields["mode"])
     try:
         return config_type(**fields, **fixed)
     except ValueError as exc:

@@ -84,6 +84,13 @@ async def _digest_of(path: str) -> str:
     "it from the directory here, or give 'sha256:<64 hex>'. Default: the workers "
     "must agree among themselves.",
 )
+@click.option(
+    "--mode",
+    type=click.Choice(["pause", "live"]),
+    default=None,
+    help="live: load the new version beside the served one without pausing any "
+    "engine; pause: pause the fleet around the load. Default: the coordinator's --mode.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def update(
     nats_url: str,
@@ -95,6 +102,7 @@ def update(
     update_id: str | None,
     timeout: float,
     digest: str | None,
+    mode: str | None,
     as_json: bool,
 ) -> None:
     """Request an update and wait for its result (exit 0 committed, 1 failed: refused,
@@ -134,6 +142,7 @@ def update(
                         update_id=the_id,
                         timeout_s=left,
                         digest=await _digest_of(path) if digest == "auto" else digest,
+                        mode=mode,
                     )
                 finally:
                     progress.cancel()
