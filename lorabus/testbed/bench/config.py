@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-MODES = ("floor", "null", "http", "baseline")
+MODES = ("floor", "null", "http", "live", "baseline")
 CONNECTIONS = ("own", "shared")
 FULL_SIZES = (8, 64, 256, 1024)
 QUICK_SIZES = (8, 64, 256)

@@ -19,6 +19,7 @@ import msgspec
 FLOOR = "floor"
 NULL = "lorabus-null"
 HTTP = "lorabus-http"
+LIVE = "lorabus-live"
 BASELINE = "baseline"
 
 

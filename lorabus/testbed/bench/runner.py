@@ -44,7 +44,7 @@ from lorabus.coordinator.config import CoordinatorConfig, StorageConfig
 from lorabus.coordinator.store import provision
 from lorabus.errors import NoCoordinator
 from lorabus.roles import Role
-from lorabus.schemas import Subjects
+from lorabus.schemas import Subjects, UpdateMode
 from lorabus.simfleet.identity import numbered_worker_ids
 from lorabus.testbed.bench.children import Child, ChildFailed, Children
 from lorabus.testbed.bench.config import BenchConfig
@@ -61,6 +61,7 @@ from lorabus.testbed.bench.report import (
     BASELINE,
     FLOOR,
     HTTP,
+    LIVE,
     NULL,
     BenchReport,
     ModeResult,
@@ -183,11 +184,11 @@ class _SizeRun:
 
     async def run(self, modes: Sequence[str], unmeasured: list[str]) -> list[ModeResult]:
         plan: list[tuple[str, str]] = []
-        for mode in ("floor", "null", "http", "baseline"):
+        for mode in ("floor", "null", "http", "live", "baseline"):
             if mode not in modes:
                 continue
             layouts = {"floor": self.config.connections, "null": self.config.connections}.get(
-                mode, self.config.http_connections if mode == "http" else ("-",)
+                mode, self.config.http_connections if mode in ("http", "live") else ("-",)
             )
             if self.case == "window" and layouts != ("-",):
                 layouts = ("own",)
@@ -195,7 +196,7 @@ class _SizeRun:
         results: list[ModeResult] = []
         async with NatsServer() as nats, self.children, ListingFrontend() as listing:
             self.nats, self.listing = nats, listing
-            if {"http", "baseline"} & set(modes):
+            if {"http", "live", "baseline"} & set(modes):
                 await self._start_sim()
             for mode, layout in plan:
                 label = mode if layout == "-" else f"{mode}/{layout}"
@@ -220,12 +221,12 @@ class _SizeRun:
             return await self._baseline()
         engine = "null" if mode == "null" else "http"
         fleet = (
-            f"floor-{layout}-n{self.n}" if mode == "floor" else f"bench-{engine}-{layout}-n{self.n}"
+            f"floor-{layout}-n{self.n}" if mode == "floor" else f"bench-{mode}-{layout}-n{self.n}"
         )
         async with self._bus_for(fleet):
             if mode == "floor":
                 return await self._floor(fleet, layout)
-            return await self._lorabus(fleet, engine, layout)
+            return await self._lorabus(fleet, engine, layout, live=mode == "live")
 
     @contextlib.asynccontextmanager
     async def _bus_for(self, fleet: str) -> AsyncIterator[None]:
@@ -394,9 +395,11 @@ class _SizeRun:
 
     # -- lorabus ------------------------------------------------------------------
 
-    async def _lorabus(self, fleet: str, engine: str, layout: str) -> ModeResult:
+    async def _lorabus(
+        self, fleet: str, engine: str, layout: str, *, live: bool = False
+    ) -> ModeResult:
         assert self.nats is not None and self.listing is not None
-        adapter = f"bench-{engine}-{layout}"
+        adapter = f"bench-{'live' if live else engine}-{layout}"
         frontend_url = self.sim_url if engine == "http" else self.listing.url
         setup_started = time.monotonic()
         coordinator_config = CoordinatorConfig(
@@ -407,6 +410,7 @@ class _SizeRun:
             phase_timeout_s=60,
             verify_timeout_s=30,
             keep=self.config.keep_versions(),
+            mode=UpdateMode.LIVE if live else UpdateMode.PAUSE,
         )
         coordinator = await self.children.lorabus(
             f"{fleet}-coordinator",
@@ -481,6 +485,8 @@ class _SizeRun:
                     phases.setdefault(name, []).append(seconds)
                 phases.setdefault("other", []).append(wall - sum(result.phases.values()))
                 window = _window(engines)
+                if window is None and live:
+                    window = 0.0  # no engine paused: the pause window is nil
                 if window is not None:
                     windows.append(window)
                     if drawn > 0:
@@ -497,7 +503,7 @@ class _SizeRun:
                 "sim": (cpu_seconds(self.sim.pid) if self.sim else 0.0) - counters["sim"],
             }
             return self._result(
-                NULL if engine == "null" else HTTP,
+                NULL if engine == "null" else LIVE if live else HTTP,
                 layout,
                 updates=count,
                 failed=len(errors),
