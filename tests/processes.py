@@ -31,7 +31,7 @@ from lorabus.cli.flags import agent_args, coordinator_args
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.errors import NoCoordinator
-from lorabus.schemas import FleetStatus
+from lorabus.schemas import FleetStatus, UpdateMode
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.child_processes import LORABUS, ChildGroup, ChildProcess, child_env
 
@@ -118,6 +118,7 @@ class Processes(ChildGroup[ChildProcess]):
         fleet: str,
         nats_url: str,
         leader_lease_s: float,
+        mode: UpdateMode = UpdateMode.PAUSE,
     ) -> dict[str, ChildProcess]:
         """A fleet that can fail over: coordinators ``c1`` and ``c2`` (one leads,
         the other stands by) and one agent per worker of ``sim``."""
@@ -131,6 +132,7 @@ class Processes(ChildGroup[ChildProcess]):
                 leader_lease_s=leader_lease_s,
                 phase_timeout_s=20,
                 pause_lease_s=10,
+                mode=mode,
             )
             coordinators[holder] = await self.start_coordinator(config, nats_url=nats_url)
         await self.start_agents(world_sizes, sim.system_url, fleet=fleet, nats_url=nats_url)

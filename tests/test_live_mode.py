@@ -5,15 +5,18 @@ does not commit is unloaded where it loaded. Real NATS, real HTTP engines."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
-from processes import run_lorabus
+from processes import Processes, run_lorabus, wait_live_workers
 
+from lorabus.client import UpdateClient
 from lorabus.schemas import ErrorCode, Naming, UpdateMode
+from lorabus.simfleet import SimFleet
 from lorabus.testbed.stack import EmbeddedStack
 
 PAUSE = ("POST", "/engine/pause_generation")
+WORLD_SIZES = {"w000": 2, "w001": 1}
 
 
 def _pauses(stack: EmbeddedStack) -> int:
@@ -109,3 +112,43 @@ async def test_live_mode_needs_versioned_names_and_the_cli_asks_for_it(
     assert "versioned naming" in refused.error.message
     assert shown.returncode == 0 and '"status": "committed"' in shown.stdout, shown
     assert pauses == 0
+
+
+async def test_a_standby_withdraws_the_live_update_of_a_killed_leader(
+    processes: Processes,
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    start_sim: Callable[..., Awaitable[SimFleet]],
+) -> None:
+    """Failover as in pause mode: the leader dies while every member loads; the
+    standby takes over, unloads the version that never committed, and answers
+    the retried id ``failover``; nothing was paused at any time."""
+    sim = await start_sim(WORLD_SIZES)
+    coordinators = await processes.start_failover_fleet(
+        sim, WORLD_SIZES, fleet=fleet_name, nats_url=nats_url, leader_lease_s=2.0,
+        mode=UpdateMode.LIVE,
+    )  # fmt: skip
+    async with await UpdateClient.connect(nats_url, fleet_name) as client:
+        before = await wait_live_workers(client, WORLD_SIZES, processes=processes)
+        for worker in sim.workers.values():
+            worker.set_faults(latency_s={"load": 3.0})
+        path = make_adapter(1)
+        first_try = asyncio.create_task(
+            client.update("policy", path, version=1, update_id="step-1", timeout_s=2)
+        )
+        await asyncio.wait_for(
+            asyncio.gather(
+                *(w.wait_until(lambda w=w: w.loads_received >= 1) for w in sim.workers.values())
+            ),
+            30,
+        )
+        await coordinators[before.leader].kill()
+        await first_try
+        retried = await client.update("policy", path, version=1, update_id="step-1", timeout_s=60)
+
+    assert retried.error is not None and retried.error.code == ErrorCode.FAILOVER, retried
+    for worker in sim.workers.values():
+        assert worker.count_requests(*PAUSE) == 0, worker.worker_id
+        assert not worker.paused, worker.worker_id
+        assert "policy-v1" not in worker.adapters, worker.worker_id
