@@ -8,17 +8,24 @@ and the new ranks join the new group, and ``b``'s two ranks that still hold
 the old map are refused. Each process reports what it saw as JSON lines; the
 tests compare those reports with what the map and the tensors say.
 
-Run as a script, this file is one of those processes (``_member``).
+Run as a script, this file imports torch once and forks those processes
+(``_launch``, ``_member``); the test kills the script's whole process group
+when it ends, so none outlives it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,7 +83,7 @@ def _describe(tensors: dict[str, Any]) -> dict[str, list[Any]]:
     }
 
 
-def _member(spec: dict[str, Any]) -> None:
+def _member(spec: dict[str, Any], *, prefix: str) -> None:
     """One process: join each phase's group with the map it holds, report, leave."""
     worker_id, local_rank = spec["worker_id"], spec["local_rank"]
     for index, phase in enumerate(spec["phases"]):
@@ -105,46 +112,79 @@ def _member(spec: dict[str, Any]) -> None:
                     membership_version=group.membership_version,
                     tensors=_describe(received),
                 )
-        print(json.dumps(report), flush=True)
+        # One write per line, under the pipe's atomic size: members share stdout.
+        print(f"{prefix} {json.dumps(report)}", flush=True)
+
+
+def _launch(specs: dict[str, dict[str, Any]], logs: Path) -> None:
+    """Fork one process per spec from this one, which has imported torch once
+    (eight fresh interpreters would each spend seconds importing it); each writes
+    its reports as ``<name> <json>`` lines and its stderr to ``<logs>/<name>.log``."""
+    children = {}
+    for name, spec in specs.items():
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                log = os.open(logs / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 2)
+                _member(spec, prefix=name)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                # _exit: the parent's atexit handlers and buffers are not this child's.
+                os._exit(code)
+        children[pid] = name
+    failed = [children[pid] for pid in children if os.waitpid(pid, 0)[1] != 0]
+    sys.exit(f"failed: {failed}" if failed else 0)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str | None, int], list[Any]]:
-    """Start the eight processes for both phases; return each one's reports."""
+    """Run the eight processes through both phases; return each one's reports."""
     logs = tmp_path_factory.mktemp("rank-group")
     ports = free_port(), free_port()
-    phases_of: dict[tuple[str | None, int], list[dict[str, Any]]] = {}
+    specs: dict[str, dict[str, Any]] = {}
     for worker, local in ROLES:
         in_new = worker is None or local < NEW[worker]
-        phases_of[(worker, local)] = [
+        phases = [
             {"holds": OLD, "port": ports[0], "seed": 1},
             # b's ranks 2 and 3 are gone from the new membership but still hold the old map.
             {"holds": NEW if in_new else OLD, "port": ports[1], "seed": 2},
         ]
-    children: dict[tuple[str | None, int], subprocess.Popen[str]] = {}
+        specs[f"{worker or 'trainer'}-{local}"] = {
+            "worker_id": worker,
+            "local_rank": local,
+            "phases": phases,
+        }
+    # Its own session, so that killing its process group stops every forked member too.
+    launcher = subprocess.Popen(
+        [sys.executable, __file__, str(logs), json.dumps(specs)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        for (worker, local), phases in phases_of.items():
-            spec = {"worker_id": worker, "local_rank": local, "phases": phases}
-            name = f"{worker or 'trainer'}-{local}"
-            with (logs / f"{name}.log").open("w") as stderr:
-                children[(worker, local)] = subprocess.Popen(
-                    [sys.executable, __file__, json.dumps(spec)],
-                    stdout=subprocess.PIPE,
-                    stderr=stderr,
-                    text=True,
-                )
-        deadline = time.monotonic() + RUN_DEADLINE_S
-        reports = {}
-        for role, child in children.items():
-            out, _ = child.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            assert child.returncode == 0, (role, (logs / f"{role[0] or 'trainer'}-{role[1]}.log"))
-            reports[role] = [json.loads(line) for line in out.splitlines()]
-        return reports
+        out, err = launcher.communicate(timeout=RUN_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the members did not finish in {RUN_DEADLINE_S} s; their logs: {logs}")
     finally:
-        for child in children.values():
-            if child.poll() is None:
-                child.kill()
-            child.wait()
+        # A launcher that exited 0 has reaped every member; otherwise stop them all.
+        if launcher.poll() != 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+    assert launcher.returncode == 0, (err, sorted(logs.iterdir()))
+    reports: dict[tuple[str | None, int], list[Any]] = {role: [] for role in ROLES}
+    for line in out.splitlines():
+        name, _, report = line.partition(" ")
+        spec = specs[name]
+        reports[(spec["worker_id"], spec["local_rank"])].append(json.loads(report))
+    assert {role: len(r) for role, r in reports.items()} == dict.fromkeys(ROLES, 2), out
+    return reports
 
 
 def _expected_rank(rank_map: dict[str, int], worker: str | None, local: int) -> int:
@@ -280,4 +320,4 @@ def test_without_torch_joining_says_which_extra_to_install() -> None:
 
 
 if __name__ == "__main__":
-    _member(json.loads(sys.argv[1]))
+    _launch(json.loads(sys.argv[2]), Path(sys.argv[1]))
