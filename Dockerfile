@@ -51,8 +51,8 @@ RUN wheel="$(ls /tmp/dist/lorabus-*.whl)" \
 # on them is writable by it (the engine copies their ownership into the volume).
 RUN groupadd --gid 10001 lorabus \
     && useradd --uid 10001 --gid 10001 --home-dir /var/lib/lorabus --create-home lorabus \
-    && mkdir -p /data /trail /adapters /auth \
-    && chown lorabus:lorabus /data /trail /adapters /auth
+    && mkdir -p /data /trail /adapters /auth /provisioned \
+    && chown lorabus:lorabus /data /trail /adapters /auth /provisioned
 
 USER lorabus
 WORKDIR /var/lib/lorabus

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from lorabus.testbed.natsserver import free_port
@@ -58,11 +59,24 @@ def runtime_missing() -> str | None:
 
 
 class ComposeStack:
-    """One project of compose.yaml, with its own name and host ports."""
+    """One project of compose.yaml (and any overlays), with its own name and host ports.
 
-    def __init__(self, image: str, *, sim_load_latency: float = 0.0) -> None:
+    ``files`` are the compose files in order (``-f`` each, later ones overlay
+    earlier ones); ``profiles`` the profiles enabled (``--profile`` each), so
+    that a profile's services are also taken down with the rest."""
+
+    def __init__(
+        self,
+        image: str,
+        *,
+        sim_load_latency: float = 0.0,
+        files: Sequence[str] = ("compose.yaml",),
+        profiles: Sequence[str] = (),
+    ) -> None:
         self.project = f"lbtest{uuid.uuid4().hex[:8]}"
         self.image = image
+        self.files = tuple(files)
+        self.profiles = tuple(profiles)
         self.nats_ports = [free_port() for _ in range(3)]
         self.sim_port = free_port()
         self.env = {
@@ -85,10 +99,18 @@ class ComposeStack:
     def sim_url(self) -> str:
         return f"http://127.0.0.1:{self.sim_port}"
 
-    def compose(self, *args: str, timeout: float = 120.0) -> str:
-        argv = [sys.executable, "-m", "podman_compose", "-p", self.project, *args]
-        done = subprocess.run(
-            argv,
+    def compose_argv(self, *args: str) -> list[str]:
+        argv = [sys.executable, "-m", "podman_compose", "-p", self.project]
+        for file in self.files:
+            argv += ["-f", file]
+        for profile in self.profiles:
+            argv += ["--profile", profile]
+        return [*argv, *args]
+
+    def compose_run(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+        """``podman-compose <args>`` to completion (or the deadline), whatever its exit."""
+        return subprocess.run(
+            self.compose_argv(*args),
             cwd=REPO,
             env=self.env,
             capture_output=True,
@@ -96,6 +118,9 @@ class ComposeStack:
             timeout=timeout,
             check=False,
         )
+
+    def compose(self, *args: str, timeout: float = 120.0) -> str:
+        done = self.compose_run(*args, timeout=timeout)
         if done.returncode != 0:
             raise AssertionError(
                 f"podman-compose {' '.join(args)} exited {done.returncode}:\n"
@@ -127,6 +152,25 @@ class ComposeStack:
     def logs(self, service: str) -> str:
         return podman("logs", "--tail", "40", self.container(service), check=False)
 
+    def full_logs(self) -> dict[str, str]:
+        """Every container's whole log (stdout and stderr, across restarts): service -> text."""
+        logs = {}
+        for service, c in sorted(self.containers().items()):
+            done = subprocess.run(
+                ["podman", "logs", c["name"]],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            logs[service] = done.stdout + done.stderr
+        return logs
+
+    def copy_out(self, service: str, path: str, dest: Path) -> Path:
+        """Copy ``path`` (a file or folder) out of ``service``'s container to ``dest``."""
+        podman("cp", f"{self.container(service)}:{path}", str(dest))
+        return dest
+
     def all_logs(self) -> str:
         """The tail of every service's log, for a failure message."""
         return "\n".join(
@@ -141,6 +185,17 @@ class ComposeStack:
 
     def down(self) -> None:
         self.compose("down", "-v", "--timeout", "5", timeout=180)
+
+    def remove_leftovers(self) -> None:
+        """Force away whatever ``down`` left of the project (a ``run`` container a
+        deadline cut short, a volume still in use), so no failed test leaves any."""
+        label = f"label={PROJECT_LABEL}={self.project}"
+        for name in podman("ps", "-a", "--filter", label, "--format", "{{.Names}}").split():
+            podman("rm", "-f", "--time", "2", name, check=False)
+        for kind_and_name in self.leftovers():
+            kind, name = kind_and_name.split(" ", 1)
+            if kind != "container":
+                podman(kind, "rm", "-f", name, check=False)
 
     def leftovers(self) -> list[str]:
         """Containers, networks and volumes of the project that still exist."""

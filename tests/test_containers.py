@@ -7,6 +7,11 @@ failover test leaves one coordinator, the NATS test two nodes). The last test
 takes the stack down and checks nothing of it is left; the fixture takes it
 down too when a test fails first.
 
+Then compose.yaml with compose.auth.yaml, a project of its own: every service
+as its own identity over mutual TLS, an update through the ``orchestrator``
+service, no NATS permissions or authorization violation in any log, a client
+without an identity refused, and nothing left after ``down -v``.
+
 Everything crosses the boundaries a user crosses: ``lorabus`` on the host
 through the published NATS ports, the simulated fleet through its published
 HTTP port, podman for stopping containers. Skipped, with the reason, where
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -66,7 +72,10 @@ def stack(built: ComposeStack) -> Iterator[ComposeStack]:
         wait_fleet_ready(built)
         yield built
     finally:
-        built.down()
+        try:
+            built.down()
+        finally:
+            built.remove_leftovers()
 
 
 def lorabus_json(stack: ComposeStack, *args: str, timeout: float = 60.0) -> dict[str, Any]:
@@ -225,6 +234,148 @@ def test_down_leaves_no_container_network_or_volume(stack: ComposeStack) -> None
     stack.down()
 
     assert stack.leftovers() == []
+
+
+# compose.yaml with compose.auth.yaml: every service as its own identity of
+# ``lorabus auth init``, over mutual TLS, and updates through the ``orchestrator``
+# service of the ``tools`` profile, as the README says. Its own project, after
+# the plain stack is down, so the two never share the machine's two cores.
+
+AUTH_FILES = ("compose.yaml", "compose.auth.yaml")
+#: What NATS (the server's log) and lorabus (a client's error callback) say when
+#: a connection is refused a subject or its credentials.
+VIOLATIONS = re.compile(
+    r"permissions violation|authorization violation|publish violation|subscription violation",
+    re.IGNORECASE,
+)
+
+IDENTITY_VARIABLES = ("LORABUS_IDENTITY", "LORABUS_NATS_", "LORABUS_TLS_", "LORABUS_INBOX_PREFIX")
+
+
+@pytest.fixture(scope="module")
+def auth_stack(built: ComposeStack) -> Iterator[ComposeStack]:
+    """The credentialed stack, up, with every agent live and a coordinator leading."""
+    stack = ComposeStack(built.image, sim_load_latency=0.0, files=AUTH_FILES, profiles=("tools",))
+    try:
+        stack.up()
+        wait_auth_fleet_ready(stack)
+        yield stack
+    finally:
+        try:
+            stack.down()
+        finally:
+            stack.remove_leftovers()
+
+
+def orchestrate(stack: ComposeStack, *args: str, timeout: float = 120.0) -> dict[str, Any]:
+    """``run --rm orchestrator lorabus <args> --json`` in the stack; its JSON answer
+    (or the exit and stderr when it printed none)."""
+    done = stack.compose_run(
+        "run", "--rm", "orchestrator", "lorabus", *args, "--json", timeout=timeout
+    )
+    start = done.stdout.find("{")
+    try:
+        return dict(json.loads(done.stdout[start:])) if start >= 0 else {}
+    except json.JSONDecodeError:
+        pass
+    return {
+        "error": {
+            "exit": done.returncode,
+            "stdout": done.stdout[-800:],
+            "stderr": done.stderr[-800:],
+        }
+    }
+
+
+def wait_auth_fleet_ready(stack: ComposeStack) -> None:
+    give_up = time.monotonic() + READY_DEADLINE_S
+    status: dict[str, Any] = {}
+    while time.monotonic() < give_up:
+        status = orchestrate(stack, "status", timeout=60)
+        ready = [m for m in status.get("members", []) if m.get("ready")]
+        if status.get("leader") and len(ready) == len(FLEET_WORLD_SIZES):
+            return
+        time.sleep(1)
+    raise AssertionError(
+        f"the credentialed compose fleet was not ready within {READY_DEADLINE_S:.0f}s; "
+        f"last status: {status}\n{stack.all_logs()}"
+    )
+
+
+def test_with_credentials_an_update_through_the_orchestrator_service_commits(
+    auth_stack: ComposeStack,
+) -> None:
+    result = orchestrate(
+        auth_stack, "update", "--adapter", "policy", "--path", "/adapters/step_1", "--timeout", "90"
+    )
+
+    assert result.get("status") == "committed", f"{result}\n{auth_stack.all_logs()}"
+    assert [
+        (e["worker_id"], e["world_size"], e["rank_offset"]) for e in result["rank_map"]["entries"]
+    ] == [("w000", 2, 1), ("w001", 4, 3), ("w002", 1, 7)]
+    assert result["rank_map"]["world_size"] == 1 + sum(FLEET_WORLD_SIZES.values())
+    served = served_by_each_worker(auth_stack)
+    assert all(result["adapter"] in adapters for adapters in served.values()), served
+
+
+def test_with_credentials_no_service_was_refused_a_subject(auth_stack: ComposeStack) -> None:
+    """Every role's permissions cover what it does: no NATS node and no lorabus
+    service logged a violation during the start and the update above."""
+    logs = auth_stack.full_logs()
+    found = {
+        service: [line for line in text.splitlines() if VIOLATIONS.search(line)]
+        for service, text in logs.items()
+    }
+
+    assert set(logs) >= {"nats-1", "nats-2", "nats-3", "coordinator-a", "agent-w000", "tap"}
+    violations = "\n".join(f"{s}: {line}" for s, lines in found.items() for line in lines)
+    assert violations == "", f"refused subjects or credentials:\n{violations}"
+
+
+def test_with_credentials_a_client_without_an_identity_is_refused(
+    auth_stack: ComposeStack, tmp_path: Path
+) -> None:
+    """From the host, through a published port: no identity at all fails the TLS
+    check of the server; the fleet's CA but no client certificate is refused by
+    mutual TLS; a client certificate but no nkey is refused as unauthorized."""
+    url = f"tls://127.0.0.1:{auth_stack.nats_ports[0]}"
+    orchestrator = auth_stack.copy_out("nats-1", "/auth/orchestrator", tmp_path / "orchestrator")
+    ca = auth_stack.copy_out("nats-1", "/auth/ca.pem", tmp_path / "ca.pem")
+    # The host's environment without any identity lorabus would pick up.
+    bare = {k: v for k, v in auth_stack.env.items() if not k.startswith(IDENTITY_VARIABLES)}
+
+    def status(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [LORABUS, "status", "--nats", url],
+            env={**bare, "LORABUS_FLEET": FLEET, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    nothing = status()
+    no_certificate = status(LORABUS_TLS_CA=str(ca))
+    no_nkey = status(
+        LORABUS_TLS_CA=str(ca),
+        LORABUS_TLS_CERT=str(orchestrator / "client-cert.pem"),
+        LORABUS_TLS_KEY=str(orchestrator / "client-key.pem"),
+    )
+
+    assert nothing.returncode != 0
+    assert "TLS: cannot verify the certificate" in nothing.stderr, nothing.stderr
+    assert no_certificate.returncode != 0
+    assert "TLS: NATS at" in no_certificate.stderr, no_certificate.stderr
+    assert no_nkey.returncode != 0
+    assert "authorization violation" in no_nkey.stderr.lower(), no_nkey.stderr
+
+
+def test_with_credentials_down_leaves_no_container_network_or_volume(
+    auth_stack: ComposeStack,
+) -> None:
+    auth_stack.down()
+
+    assert auth_stack.leftovers() == []
 
 
 def set_on_message(event: asyncio.Event) -> Callable[[Msg], Awaitable[None]]:
