@@ -6,7 +6,9 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
 
     LorabusError                  root; ``code`` and ``info()`` on every one
     ├── BadRequest                a request or an option that cannot be used as given
-    │   └── StaleVersion          a version older than the committed one
+    │   ├── StaleVersion          a version older than the committed one
+    │   │   └── StaleMembership   a rank map older than the one to join (lorabus.rank_group)
+    │   └── TorchMissing          a rank group joined without torch installed
     ├── EngineError               an engine call failed, or the engine did not answer
     │   └── NotListed             the engine accepted a load its own list does not show
     ├── BusError                  NATS could not be used
@@ -97,6 +99,15 @@ class StaleVersion(BadRequest):
     """Raised when a request asks for a version older than the committed one."""
 
     code = ErrorCode.STALE_VERSION
+
+
+class StaleMembership(StaleVersion):
+    """Raised, before joining a rank group, when a rank map's membership_version
+    is not the expected one or not the trainer's: fetch the newest result's rank map."""
+
+
+class TorchMissing(BadRequest):
+    """A rank group was joined without torch installed (``lorabus[torch]``)."""
 
 
 class EngineError(LorabusError):

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from lorabus.errors import BadRequest, LorabusError, StaleVersion
+from lorabus.errors import BadRequest, LorabusError, StaleMembership, TorchMissing
 from lorabus.schemas import RankMap, UpdateResult
 
 if TYPE_CHECKING:
@@ -61,15 +61,6 @@ TRAINER_RANK = 0
 
 #: The raw store key where the trainer publishes the membership it joins with.
 _MEMBERSHIP_KEY = "lorabus/membership_version"
-
-
-class StaleMembership(StaleVersion):
-    """Raised, before joining, when a rank map's membership_version is not the
-    expected one or not the trainer's: fetch the newest result's rank map."""
-
-
-class TorchMissing(LorabusError):
-    """Raised when a group is joined without torch installed."""
 
 
 def _require_torch() -> None:

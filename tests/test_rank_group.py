@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -112,8 +113,12 @@ def _member(spec: dict[str, Any], *, prefix: str) -> None:
                     membership_version=group.membership_version,
                     tensors=_describe(received),
                 )
-        # One write per line, under the pipe's atomic size: members share stdout.
-        print(f"{prefix} {json.dumps(report)}", flush=True)
+        # One write(2) per line, under the pipe's atomic size: members share
+        # stdout (print may write the text and its newline apart, as it does
+        # when PYTHONUNBUFFERED is set, and another member's line gets between).
+        line = f"{prefix} {json.dumps(report)}\n".encode()
+        assert len(line) <= select.PIPE_BUF, len(line)
+        os.write(sys.stdout.fileno(), line)
 
 
 def _launch(specs: dict[str, dict[str, Any]], logs: Path) -> None:
