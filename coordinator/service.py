@@ -99,10 +99,6 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 ALERT_CHECK_S = 1.0
-_ANSWERED_KEPT_S = 10.0
-"""How long asks of an answered update on the same inbox go unanswered: a client
-re-asks every 3 s until it hears the answer, and one answer per inbox is also
-all a secured coordinator may send (allow_responses)."""
 """How often the leader looks for members that need a person's look."""
 _BAD_EVENTS_PER_S = 10
 """Malformed requests are all answered and logged; this many a second are also
@@ -544,13 +540,7 @@ class Coordinator:
             reply.add_done_callback(replies.discard)
             if msg.reply:
                 answering[key] = reply
-                # Kept a while after the answer: a re-ask sent before the answer
-                # reached the requester may be handled after it went out.
-                reply.add_done_callback(
-                    lambda _: asyncio.get_running_loop().call_later(
-                        _ANSWERED_KEPT_S, answering.pop, key, None
-                    )
-                )
+                reply.add_done_callback(lambda _: answering.pop(key, None))
 
         return on_request
 
