@@ -44,12 +44,10 @@ Names travel only in JSON bodies, never in URLs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
-from lorabus.agents.config import ENGINE_TIMEOUT_S
 from lorabus.agents.http_engine import HttpEngine, error_message, is_transient, json_or_none
 from lorabus.errors import EngineError
 
@@ -67,16 +65,6 @@ class SglangDriver(HttpEngine):
     """Drives one SGLang server at ``base_url`` (the server root)."""
 
     kind = "sglang"
-
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        headers: Mapping[str, str] | None = None,
-        timeout_s: float = ENGINE_TIMEOUT_S,
-        attempts: int = 5,
-    ) -> None:
-        super().__init__(base_url, headers=headers, timeout_s=timeout_s, attempts=attempts)
 
     async def pause(self) -> None:
         _expect_ok(await self.send("POST", "/pause_generation", PAUSE_BODY))

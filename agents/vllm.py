@@ -53,12 +53,10 @@ answer, a 5xx, 408 or 429 are retried within the load's budget.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
-from lorabus.agents.config import ENGINE_TIMEOUT_S
 from lorabus.agents.http_engine import HttpEngine, json_or_none
 from lorabus.errors import EngineError
 
@@ -75,16 +73,6 @@ class VllmDriver(HttpEngine):
     """Drives one vLLM server at ``base_url`` (its OpenAI API root, without ``/v1``)."""
 
     kind = "vllm"
-
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        headers: Mapping[str, str] | None = None,
-        timeout_s: float = ENGINE_TIMEOUT_S,
-        attempts: int = 5,
-    ) -> None:
-        super().__init__(base_url, headers=headers, timeout_s=timeout_s, attempts=attempts)
 
     async def pause(self) -> None:
         response = await self.send("POST", "/pause", params=PAUSE_PARAMS)

@@ -203,16 +203,7 @@ class UpdateRunner:
         error: ErrorInfo | None = None
         load: PhaseOutcome | None = None
         serving: list[str] = []
-        self._in_flight = InflightRecord(
-            update_id=plan.update_id,
-            epoch=self.epoch,
-            phase=Phase.PAUSE,
-            adapter=plan.adapter,
-            served_name=plan.served_name,
-            version=plan.version,
-            members=members,
-            path=plan.path,
-        )
+        self._in_flight = self._in_flight_record(plan, members, Phase.PAUSE)
         renewing = asyncio.create_task(self._renew_pause_leases(plan.update_id))
         paused_at = now()
         try:
@@ -241,6 +232,21 @@ class UpdateRunner:
         rank_map = build_rank_map({wid: members[wid] for wid in serving})
         return self._result(plan, COMMITTED, phases, members, load, None, errors, rank_map)
 
+    def _in_flight_record(
+        self, plan: UpdatePlan, members: dict[str, int], phase: Phase
+    ) -> InflightRecord:
+        """What a successor needs to undo this update, as of its first phase."""
+        return InflightRecord(
+            update_id=plan.update_id,
+            epoch=self.epoch,
+            phase=phase,
+            adapter=plan.adapter,
+            served_name=plan.served_name,
+            version=plan.version,
+            members=members,
+            path=plan.path,
+        )
+
     async def _run_live(
         self, plan: UpdatePlan, members: dict[str, int], phases: dict[str, float]
     ) -> UpdateResult:
@@ -248,16 +254,7 @@ class UpdateRunner:
         keep serving: nothing pauses, so there is nothing to resume; what did
         not commit is unloaded where it loaded, as in pause mode."""
         targets = sorted(members)
-        self._in_flight = InflightRecord(
-            update_id=plan.update_id,
-            epoch=self.epoch,
-            phase=Phase.LOAD,
-            adapter=plan.adapter,
-            served_name=plan.served_name,
-            version=plan.version,
-            members=members,
-            path=plan.path,
-        )
+        self._in_flight = self._in_flight_record(plan, members, Phase.LOAD)
         left_out: dict[str, ErrorInfo] = {}
         # Named targets, not a pause's cohort: no agent took a pause to join one.
         load = await self._phase(
