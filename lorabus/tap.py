@@ -30,6 +30,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from lorabus.audit import (
     TrailRecord,
@@ -113,32 +114,38 @@ class Tap:
         beside a fleet, it may come up before the coordinator or the operator's
         set-up has created it, or before JetStream answers); a replay raises
         AuditStreamMissing at once."""
-        pause = 0.2
-        waiting_said = False
-        while True:
-            raise_if_cancelled()
+        if not follow:
             try:
                 await js.stream_info(stream)
-                if waiting_said:
-                    log.info("tap: the audit stream %s is there: following it", stream)
-                return
             except nats.js.errors.NotFoundError as exc:
-                missing = AuditStreamMissing(
+                raise AuditStreamMissing(
                     f"fleet {self.subjects.fleet!r} has no audit stream {stream!r} yet: "
                     "a coordinator (or lorabus provision) creates it"
+                ) from exc
+            return
+        said = False
+
+        def say_once(state: RetryCallState) -> None:
+            nonlocal said
+            if not said and state.outcome is not None:
+                log.warning(
+                    "tap: cannot follow the audit stream %s yet (%s); waiting for it "
+                    "(a coordinator or lorabus provision creates it)",
+                    stream,
+                    state.outcome.exception() or "no answer",
                 )
-                if not follow:
-                    raise missing from exc
-                reason = str(missing)
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                if not follow:
-                    raise
-                reason = f"cannot read the audit stream's info yet: {exc or type(exc).__name__}"
-            if not waiting_said:
-                log.warning("tap: %s; waiting for it", reason)
-                waiting_said = True
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 2.0)
+                said = True
+
+        # No stop: following means waiting as long as it takes, until cancelled.
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type((nats.errors.Error, nats.js.errors.Error, TimeoutError)),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            before_sleep=say_once,
+        ):
+            with attempt:
+                await js.stream_info(stream)
+        if said:
+            log.info("tap: the audit stream %s is there: following it", stream)
 
     async def _drain_into(self, sub: Any, sink: Sink, follow: bool) -> int:
         written = 0

@@ -14,7 +14,7 @@ import click
 from lorabus.bus_options import BusOptions
 from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.client import UPDATE_TIMEOUT_S
-from lorabus.schemas import DIGEST_PATTERN, UPDATE_ID_PATTERN
+from lorabus.schemas import DIGEST_PATTERN, UPDATE_ID_PATTERN, UpdateMode
 
 if TYPE_CHECKING:
     from lorabus.client import UpdateClient
@@ -86,7 +86,7 @@ async def _digest_of(path: str) -> str:
 )
 @click.option(
     "--mode",
-    type=click.Choice(["pause", "live"]),
+    type=click.Choice([m.value for m in UpdateMode]),
     default=None,
     help="live: load the new version beside the served one without pausing any "
     "engine; pause: pause the fleet around the load. Default: the coordinator's --mode.",
@@ -130,9 +130,10 @@ def update(
                 left = max(0.1, deadline - asyncio.get_running_loop().time())
                 # Progress is for a person at a terminal: scripts read stdout
                 # (the result) and must not get stderr chatter with it.
-                show_progress = not as_json and sys.stdout.isatty()
-                progress = asyncio.create_task(
-                    _show_progress(client, the_id) if show_progress else asyncio.sleep(0)
+                progress = (
+                    asyncio.create_task(_show_progress(client, the_id))
+                    if not as_json and sys.stdout.isatty()
+                    else None
                 )
                 try:
                     result = await client.update(
@@ -145,9 +146,10 @@ def update(
                         mode=mode,
                     )
                 finally:
-                    progress.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await progress
+                    if progress is not None:
+                        progress.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await progress
         except LorabusError as exc:
             if not as_json:
                 raise
