@@ -139,6 +139,7 @@ class _CommittedView(msgspec.Struct):
     path: str
     version: int
     lineage: int = 0
+    digest: str = ""
 
 
 _COMMITTED_VIEW = msgspec.json.Decoder(_CommittedView)
@@ -622,6 +623,7 @@ class Agent:
                     path=committed.path,
                     version=committed.version,
                     lineage=committed.lineage,
+                    digest=committed.digest,
                 )
             )
         return True
@@ -641,6 +643,9 @@ class Agent:
             epoch=self.epoch_seen,
             served_name=target.served_name,
             path=target.path,
+            # The bytes that were committed, not whatever the path holds now:
+            # a directory rewritten since must not be served under the old name.
+            digest=target.digest or None,
         )
         self._queue.put_nowait(_Work(command=load, received=now(), internal="reconcile"))
 

@@ -314,6 +314,7 @@ class Coordinator:
             version=committed.version,
             rank_map=committed.rank_map,
             path=committed.path,
+            digest=committed.digest,
         )
         await _quietly(store.write_result(result))
         await runner.bus.emit(self._finished(result))
@@ -333,6 +334,7 @@ class Coordinator:
             path=committed.path,
             version=committed.version,
             lineage=committed.lineage,
+            digest=committed.digest,
         )
         try:
             await bus.broadcast(notice)
@@ -455,6 +457,7 @@ class Coordinator:
                     served_name=plan.served_name,
                     rank_map=result.rank_map,
                     lineage=plan.lineage,
+                    digest=result.digest,
                 )
                 self.book.commit(record)
                 await _quietly(store.write_committed(record))
@@ -468,6 +471,7 @@ class Coordinator:
                         version=plan.version,
                         retire=self._retired(plan, result),
                         lineage=plan.lineage,
+                        digest=result.digest,
                     )
                 )
             return result

@@ -29,7 +29,7 @@ UpdateId = Annotated[str, msgspec.Meta(pattern=UPDATE_ID_PATTERN)]
 Digest = Annotated[str, msgspec.Meta(pattern=DIGEST_PATTERN)]
 """An adapter directory's content digest: ``sha256:`` and 64 lowercase hex
 digits (docs/protocol.md defines what is hashed)."""
-SeenDigest = Annotated[str, msgspec.Meta(max_length=71)]
+SeenDigest = Annotated[str, msgspec.Meta(pattern=r"^(sha256:[0-9a-f]{64})?\Z")]
 """A digest as an agent saw it, or "" when it could not read the directory."""
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 """An adapter or served name as an engine reports it."""

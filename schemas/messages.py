@@ -148,6 +148,10 @@ class CommittedNotice(_Command, frozen=True, kw_only=True, tag="committed"):
     """How many times an operator reset this adapter's committed state: a
     notice of a later lineage replaces one of an earlier, whatever the
     versions (see ``ResetRequest``)."""
+    digest: SeenDigest = ""
+    """The content digest the members saw when it was committed ("" when none
+    could read the directory): an agent reloading it refuses a directory that
+    now holds other bytes (``digest_mismatch``)."""
 
 
 Command = (
@@ -545,6 +549,8 @@ class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
     rank_map: RankMap
     lineage: Epoch = 0
     """The adapter's lineage when this was committed (see ``ResetRequest``)."""
+    digest: str = ""
+    """The content digest the members saw (see ``UpdateResult.digest``)."""
 
 
 class ResetRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -17,6 +17,7 @@ import subprocess
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 from processes import Processes, run_lorabus, wait_live_workers
 
@@ -26,6 +27,7 @@ from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.coordinator.digests import digest_problem
 from lorabus.schemas import Ack, ErrorCode, ErrorInfo, Phase
+from lorabus.schemas.codec import BadPayload, ack_decoder
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.trainer import write_adapter
 
@@ -100,6 +102,22 @@ def test_the_coordinators_rule() -> None:
     assert disagree is not None and disagree.code == ErrorCode.DIGEST_MISMATCH
     assert f"w0 see {a}" in disagree.message and f"w1 see {b}" in disagree.message
     assert wrong is not None and f"w1 sees {b}" in wrong.message and a in wrong.message
+
+
+@pytest.mark.parametrize(
+    "claimed",
+    ["sha256:" + "A" * 64, "sha256:" + "a" * 63, "md5:" + "a" * 32, "sha256:" + "a" * 64 + "\n"],
+)
+def test_an_ack_claiming_a_malformed_digest_does_not_decode(claimed: str) -> None:
+    """A digest an agent reports may become the committed one that every
+    reloading agent checks against: only the defined form, or "", gets in."""
+    good = msgspec.json.encode(_ack("w0", "sha256:" + "a" * 64))
+    bad = good.replace(b"sha256:" + b"a" * 64, msgspec.json.encode(claimed)[1:-1])
+
+    assert ack_decoder.decode(good).digest == "sha256:" + "a" * 64
+    assert ack_decoder.decode(msgspec.json.encode(_ack("w0", ""))).digest == ""
+    with pytest.raises(BadPayload, match="digest"):
+        ack_decoder.decode(bad)
 
 
 @pytest.fixture

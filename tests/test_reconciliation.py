@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 
+from lorabus.adapter_digest import adapter_digest
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver
 from lorabus.bus import close, connect
 from lorabus.schemas import Subjects
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.stack import EmbeddedStack
+from lorabus.testbed.trainer import write_adapter
 
 DEADLINE_S = 15.0
 
@@ -114,3 +117,35 @@ async def test_a_member_that_cannot_reload_the_committed_adapter_is_named_at_onc
     assert result.error is not None and result.error.code == "quorum_timeout"
     assert "w001" in result.error.message
     assert "cannot load the committed adapter" in result.error.message
+
+
+async def test_a_member_does_not_reload_a_committed_directory_that_now_holds_other_bytes(
+    tmp_path: Path,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """The committed directory was rewritten in place after the commit (a
+    trainer reusing its output directory, a half-finished sync); then w001's
+    engine restarted. Reloading the path would serve other weights under the
+    committed name: the agent refuses, and says why."""
+    async with make_stack([1, 1], quorum_timeout_s=120) as stack:
+        assert stack.client is not None and stack.sim is not None
+        committed_dir = make_adapter(1)
+        committed = await stack.client.update("policy", committed_dir, version=1)
+        assert committed.committed, committed.error
+        other_bytes = write_adapter(tmp_path / "retrained", 1, seed=7)
+        shutil.copytree(other_bytes, committed_dir, dirs_exist_ok=True)
+        rewritten = adapter_digest(committed_dir)
+        stack.sim.workers["w001"].remove_adapter("policy-v1")  # as an engine restart would
+
+        async with asyncio.timeout(60):
+            while not (status := await stack.client.status()).members[1].unready_reason:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+
+    assert committed.digest.startswith("sha256:") and rewritten != committed.digest
+    stuck = status.members[1]
+    assert (stuck.worker_id, stuck.ready) == ("w001", False)
+    assert f"sees {rewritten}" in stuck.unready_reason, stuck.unready_reason
+    assert committed.digest in stuck.unready_reason
+    assert "policy-v1" not in stack.sim.workers["w001"].adapters
+    assert "policy-v1" in stack.sim.workers["w000"].adapters
