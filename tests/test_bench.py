@@ -146,6 +146,11 @@ def test_every_mode_is_measured_with_every_figure(
             assert lorabus.central_rss_growth_mb_per_update is not None
             assert lorabus.pause_window_s and lorabus.pause_window_s.p50 > 0
             assert {"pause", "load", "verify", "resume"} <= set(lorabus.phases_s)
+        live = _result(report, "lorabus-live", n, "own", "main")
+        _positive_stats(live)
+        assert live.failed == 0, live.errors
+        assert live.pause_window_s is not None and live.pause_window_s.max == 0
+        assert {"load", "verify"} <= set(live.phases_s) and "pause" not in live.phases_s
         assert http.single_agent_peak_rss_mb and http.single_agent_peak_rss_mb > 0
         assert http.sim_cpu_s_per_update and http.sim_cpu_s_per_update > 0
         assert baseline.central_cpu_s_per_update and baseline.central_cpu_s_per_update > 0
@@ -177,7 +182,9 @@ def test_ratios_and_targets_are_reported(bench_run: tuple[int, str, Path, list[i
         ):
             value = getattr(ratio, name)
             assert value is not None and value > 0, name
-    assert len(report.targets) == 7
+    assert len(report.targets) == 8
+    live = next(t for t in report.targets if "live mode" in t.target)
+    assert "bus-floor rounds" in live.target and live.met is not None
     assert all(target.measured != "not measured" for target in report.targets)
 
 

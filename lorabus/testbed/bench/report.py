@@ -221,6 +221,7 @@ def judge(results: Sequence[ModeResult], ratios: Sequence[SizeRatios]) -> list[T
         )
     else:
         add(f"N={n} null engines: lorabus p50 <= 3x the bus floor", None, None)
+    _judge_live(find(results, LIVE, n), floor, add)
     http, base = find(results, HTTP, n), find(results, BASELINE, n)
     if top and http and base and top.baseline_over_lorabus_central_cpu is not None:
         add(
@@ -309,6 +310,29 @@ def judge(results: Sequence[ModeResult], ratios: Sequence[SizeRatios]) -> list[T
         single < 60 if single else None,
     )
     return targets
+
+
+def _judge_live(
+    live: ModeResult | None,
+    floor: ModeResult | None,
+    add: Callable[[str, str | None, bool | None], None],
+) -> None:
+    """Live mode pauses nothing, and what it adds to the loads is at most two
+    rounds of the bare bus (the loads' own round, and the commit)."""
+    target = "live mode: no pause window, wall p50 - load phase p50 <= 2 bus-floor rounds"
+    load = live.phases_s.get("load") if live else None
+    round_s = floor.phases_s.get("round") if floor else None
+    if live is None or load is None or round_s is None or live.pause_window_s is None:
+        add(target, None, None)
+        return
+    overhead = live.wall_s.p50 - load.p50
+    window = live.pause_window_s.max
+    add(
+        f"N={live.n} {target}",
+        f"pause window max {_ms(window)}; {_ms(live.wall_s.p50)} - {_ms(load.p50)} = "
+        f"{_ms(overhead)} vs 2 x {_ms(round_s.p50)} = {_ms(2 * round_s.p50)}",
+        window == 0 and overhead <= 2 * round_s.p50,
+    )
 
 
 def _ms(seconds: float | None) -> str:
