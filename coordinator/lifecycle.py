@@ -545,6 +545,7 @@ class UpdateRunner:
         resend_gap = max(_FIRST_RESEND_S, timeout_s * _FIRST_RESEND_SHARE)
         next_resend = started + resend_gap
         sent_at = dict.fromkeys(expected, started)
+        looked_at = (-1, 0.0)  # membership generation, and quiet until when
         try:
             if command.cohort:
                 await self.bus.broadcast(command)
@@ -557,8 +558,13 @@ class UpdateRunner:
                     break
                 if await gather.wait(min(deadline, next_resend, at + _LIVENESS_TICK_S) - at):
                     break
-                gone, rejoined = self.membership.triage(gather.waiting, sent_at)
-                gather.give_up_on(gone)
+                if self.membership.still_quiet(*looked_at):
+                    rejoined: list[str] = []  # nothing changed that a look could see
+                else:
+                    generation = self.membership.generation
+                    gone, rejoined, quiet_until = self.membership.triage(gather.waiting, sent_at)
+                    looked_at = (generation, quiet_until)
+                    gather.give_up_on(gone)
                 at = now()
                 if at >= deadline or not gather.waiting:
                     continue

@@ -22,7 +22,9 @@ event loop's thread change it halfway).
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 import msgspec
 
@@ -63,6 +65,16 @@ class Conflict(msgspec.Struct, frozen=True, kw_only=True):
     refused: Heartbeat
 
 
+class Triage(NamedTuple):
+    gone: list[str]
+    """Not live."""
+    rejoined: list[str]
+    """Live, and (re)joined after the command was sent to them."""
+    quiet_until: float
+    """Until then none of those live can turn gone, and none can rejoin unless
+    :attr:`Membership.generation` moves: a phase need not look again before."""
+
+
 class Membership:
     def __init__(self, clock: Callable[[], float] = now) -> None:
         self._clock = clock
@@ -70,6 +82,10 @@ class Membership:
         self._contenders: dict[str, Contender] = {}
         self._changed = asyncio.Event()
         self._forget_checked_at = 0.0
+        self.generation = 0
+        """Moves whenever a member joins, rejoins, is forgotten or changes its
+        beat interval: the only changes that can end a :class:`Triage`'s quiet
+        before its ``quiet_until``."""
 
     def observe(self, heartbeat: Heartbeat) -> Conflict | None:
         """Take ``heartbeat`` in; return the conflict it settles, if any (a
@@ -94,6 +110,8 @@ class Membership:
             or known.heartbeat.instance != heartbeat.instance
             or at - known.seen_at > _REJOIN_AFTER_BEATS * known.heartbeat.interval_s
         )
+        if known is None or rejoined or known.heartbeat.interval_s != heartbeat.interval_s:
+            self.generation += 1
         member = self._members[worker_id] = Member(
             heartbeat=heartbeat,
             seen_at=at,
@@ -153,6 +171,8 @@ class Membership:
         ]
         for worker_id in silent:
             del self._members[worker_id]
+        if silent:
+            self.generation += 1
         for worker_id in [
             w for w, c in self._contenders.items() if at - c.last_seen >= CONFLICT_SHOWN_S
         ]:
@@ -173,23 +193,33 @@ class Membership:
         member = self._members.get(worker_id)
         return None if member is None else member.heartbeat.instance
 
-    def triage(
-        self, worker_ids: Iterable[str], sent_at: Mapping[str, float]
-    ) -> tuple[list[str], list[str]]:
-        """(gone, rejoined) among ``worker_ids``: those not live, and those live
-        that (re)joined after ``sent_at[worker]``. One pass and one clock read:
-        a phase asks this for up to every member four times a second."""
+    def triage(self, worker_ids: Iterable[str], sent_at: Mapping[str, float]) -> Triage:
+        """Those of ``worker_ids`` not live, and those live that (re)joined after
+        ``sent_at[worker]``. One pass and one clock read: a phase may ask this
+        for up to every member four times a second (less, by ``quiet_until``)."""
         at = self._clock()
         members = self._members
         gone: list[str] = []
         rejoined: list[str] = []
+        quiet_until = math.inf
         for worker_id in worker_ids:
             member = members.get(worker_id)
-            if member is None or not _alive(member, at):
+            if member is None:
                 gone.append(worker_id)
-            elif member.joined_at > sent_at.get(worker_id, 0.0):
+                continue
+            # A later beat only moves this later: it stays a lower bound.
+            expires = member.seen_at + MISSED_BEATS * member.heartbeat.interval_s
+            if at >= expires:
+                gone.append(worker_id)
+                continue
+            quiet_until = min(quiet_until, expires)
+            if member.joined_at > sent_at.get(worker_id, 0.0):
                 rejoined.append(worker_id)
-        return gone, rejoined
+        return Triage(gone, rejoined, quiet_until)
+
+    def still_quiet(self, generation: int, quiet_until: float) -> bool:
+        """Whether a :class:`Triage` taken at ``generation`` still holds."""
+        return generation == self.generation and self._clock() < quiet_until
 
     def joined_at(self, worker_id: str) -> float | None:
         """When ``worker_id``'s agent (re)joined (see :attr:`Member.joined_at`)."""

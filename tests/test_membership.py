@@ -4,6 +4,7 @@ reached, and that silent workers are forgotten."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import msgspec
@@ -186,7 +187,34 @@ def test_a_member_rejoins_when_first_heard_after_a_missed_beat_or_as_a_new_insta
     membership.observe(_instance_beat("restarted"))
     assert membership.joined_at("w0") == clock.now, "a new instance"
     sent = clock.now - 1.0
-    assert membership.triage(["w0", "w9"], {"w0": sent}) == (["w9"], ["w0"])
-    assert membership.triage(["w0"], {"w0": clock.now}) == ([], []), "sent after it joined"
+    expires = clock.now + MISSED_BEATS * BEAT_S
+    assert membership.triage(["w0", "w9"], {"w0": sent}) == (["w9"], ["w0"], expires)
+    assert membership.triage(["w0"], {"w0": clock.now})[:2] == ([], []), "sent after it joined"
     clock.now += MISSED_BEATS * BEAT_S
-    assert membership.triage(["w0"], {}) == (["w0"], []), "silent: gone"
+    assert membership.triage(["w0"], {}) == (["w0"], [], math.inf), "silent: gone"
+
+
+def test_a_triage_holds_until_a_member_could_expire_or_the_membership_moves() -> None:
+    """A phase skips looking at every waiting member while nothing it could
+    see has changed: no beat can make a member expire sooner, and every join,
+    rejoin, forgetting or change of beat interval moves the generation."""
+    clock = _Clock()
+    membership = Membership(clock)
+    membership.observe(_instance_beat("first"))
+    generation = membership.generation
+    _, _, quiet_until = membership.triage(["w0"], {"w0": clock.now})
+    assert quiet_until == clock.now + MISSED_BEATS * BEAT_S
+    clock.now += BEAT_S
+    membership.observe(_instance_beat("first"))
+    assert membership.still_quiet(generation, quiet_until), "a regular beat changes nothing"
+    clock.now = quiet_until
+    assert not membership.still_quiet(generation, quiet_until), "it could have expired by now"
+    clock.now -= 2 * BEAT_S
+    _, _, quiet_until = membership.triage(["w0"], {"w0": clock.now})
+    clock.now += 2.5 * BEAT_S
+    assert membership.still_quiet(generation, quiet_until)
+    membership.observe(_instance_beat("first"))
+    assert not membership.still_quiet(generation, quiet_until), "back after a missed beat"
+    generation = membership.generation
+    membership.observe(msgspec.structs.replace(_instance_beat("first"), interval_s=BEAT_S / 4))
+    assert not membership.still_quiet(generation, math.inf), "a shorter beat expires sooner"
