@@ -10,8 +10,11 @@ same adapter, path and version) returns the first result without touching the
 engines, and joins the update while it still runs. ``update()`` leans on that
 to ride out a failover by itself: a leader that took the request can die,
 freeze or be cut off without a word, so until an answer comes it asks again
-every few seconds with the same id, on one reply inbox, and takes the first
-answer to any of its asks. A successor answers from the results its
+every few seconds with the same id, and takes the first answer to any of its
+asks. Each ask has a reply subject of its own under one subscription: a
+secured server lets a coordinator send one response per request it heard,
+and a re-ask that reaches it just after its answer to the previous one is
+a request of its own, answered on its own subject. A successor answers from the results its
 predecessor or its own roll-back left, or runs the update if nobody had
 started it. ``not_leader`` (the coordinator stopped or lost its lease before
 the update ended) is no answer either: it asks again while time is left.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import uuid
 from typing import TypeVar
@@ -207,11 +211,13 @@ class UpdateClient:
         subject = self.subjects.update_request()
         started = now()
         asking = _Asking(request, started, deadline=started + timeout_s)
-        # One inbox for every ask: an answer to an earlier ask counts as well.
-        replies = await self.nc.subscribe(self.nc.new_inbox())
+        # One subscription for every ask: an answer to an earlier ask counts as well.
+        inbox = self.nc.new_inbox()
+        replies = await self.nc.subscribe(f"{inbox}.*")
+        asks = itertools.count(1)
         try:
             while not asking.over():
-                await self.nc.publish(subject, encode(request), reply=replies.subject)
+                await self.nc.publish(subject, encode(request), reply=f"{inbox}.{next(asks)}")
                 result = await self._answer_to_ask(replies, asking)
                 if result is not None:
                     return result

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from processes import run_lorabus
 
+from lorabus.client import UpdateClient
 from lorabus.schemas import ErrorCode, UpdateRequest, UpdateResult, encode, update_result_decoder
 from lorabus.testbed.stack import EmbeddedStack
 
@@ -165,3 +166,29 @@ async def test_asks_on_one_inbox_get_one_answer(
         assert first.committed, first.error
         assert answers.pending_msgs == 0, "more than one answer to one inbox"
         await answers.unsubscribe()
+
+
+async def test_each_ask_of_the_client_has_a_reply_subject_of_its_own(
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """The client asks again while a slow update runs. A re-ask can reach the
+    coordinator just after it answered the previous one, and it answers that
+    one too: on a secured server only a reply subject it has not answered yet
+    may take it, so every ask needs its own."""
+    async with make_stack([1, 1]) as stack:
+        assert stack.client is not None and stack.sim is not None
+        stack.sim.workers["w001"].set_faults(latency_s={"load": 1.5})
+        nc = stack.client.nc
+        heard = await nc.subscribe(stack.client.subjects.update_request())
+        client = UpdateClient(nc, stack.client.subjects.fleet, reask_s=0.2)
+        result = await client.update("policy", make_adapter(1), timeout_s=30)
+        asks = []
+        while heard.pending_msgs:
+            asks.append((await heard.next_msg(timeout=1)).reply)
+        await heard.unsubscribe()
+
+    assert result.committed, result.error
+    assert len(asks) >= 3, asks
+    assert len(set(asks)) == len(asks), f"a reply subject was used twice: {asks}"
+    assert len({reply.rsplit(".", 1)[0] for reply in asks}) == 1, "one subscription for all"
