@@ -3,6 +3,7 @@ from a real JetStream KV written as the predecessor left it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from lorabus.bus import close, connect
@@ -10,9 +11,14 @@ from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.store import FleetStore
 from lorabus.schemas import (
     CommittedRecord,
+    ErrorCode,
     InflightRecord,
+    LeaderRecord,
     Phase,
+    UpdateRequest,
     build_rank_map,
+    encode,
+    update_result_decoder,
 )
 from lorabus.testbed.stack import EmbeddedStack
 
@@ -86,3 +92,50 @@ async def test_an_update_that_had_not_committed_is_rolled_back(
 
     assert answer.status == "failed"
     assert answer.error is not None and answer.error.code == "failover"
+
+
+async def test_a_leader_deposed_while_its_update_runs_records_nothing(
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """Another coordinator took the leader record while the update was loading
+    (the leader was frozen or cut off, and has not renewed yet). Its agents
+    still obey its epoch, so the update runs to the end; but the successor
+    owns the store now: the deposed leader answers ``not_leader`` and writes
+    neither a committed record nor a result over the successor's."""
+    # A long lease: the leader does not look at its record again on its own
+    # before the update ends, so only the check before committing can see it.
+    async with make_stack([1, 1], leader_lease_s=120) as stack:
+        assert stack.client is not None and stack.sim is not None
+        stack.sim.workers["w001"].set_faults(latency_s={"load": 2.0})
+        nc = await connect(nats_url, name="test-usurper")
+        try:
+            store = await FleetStore.open(
+                nc,
+                CoordinatorConfig(
+                    fleet=fleet_name, frontend_url="http://frontend.invalid", expected_world_size=2
+                ),
+            )
+            inbox = nc.new_inbox()
+            answers = await nc.subscribe(inbox)
+            request = UpdateRequest(update_id="step-1", adapter="policy", path=make_adapter(1))
+            await nc.publish(stack.client.subjects.update_request(), encode(request), reply=inbox)
+            worker = stack.sim.workers["w001"]
+            await asyncio.wait_for(worker.wait_until(lambda: worker.paused), 10)
+            leader, revision = await store.read_leader()
+            assert leader is not None
+            usurper = LeaderRecord(holder="usurper", epoch=leader.epoch + 1)
+            await store.write_leader(usurper, revision)
+            answer = update_result_decoder.decode((await answers.next_msg(timeout=30)).data)
+            after = (await store.read_leader())[0]
+            committed = await store.read_committed("policy")
+            recorded = await store.read_result("step-1")
+        finally:
+            await close(nc)
+
+    assert answer.error is not None and answer.error.code == ErrorCode.NOT_LEADER, answer
+    assert "deposed before committing" in answer.error.message
+    assert after == usurper, "the deposed leader wrote over its successor's record"
+    assert committed is None and recorded is None, (committed, recorded)
