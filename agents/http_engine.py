@@ -56,7 +56,12 @@ __all__ = [
 #: ``adapter_config.json`` (Dynamo's vLLM handler answers it in a 500, vLLM's
 #: own server in a 404); a Dynamo worker whose backend has no LoRA support
 #: answers "LoRA management not available: ..." (seen on Dynamo 1.6.1).
-FINAL_ERROR_WORDS = ("No adapter found for", "LoRA management not available")
+FINAL_ERROR_WORDS = (
+    "No adapter found for",
+    "LoRA management not available",
+    # vLLM answers it 500, but the adapter's rank will not change on a retry.
+    "is greater than max_lora_rank",
+)
 #: Client errors that mean "not now" rather than "never".
 TRANSIENT_CLIENT_STATUSES = frozenset({408, 429})
 

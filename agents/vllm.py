@@ -33,10 +33,11 @@ What vLLM answers:
   front may check them.
 
 Pause uses ``mode=keep``: vLLM freezes in-flight requests in its queue and
-continues them on ``/resume``, and keeps accepting new ones meanwhile, while
-``abort`` and ``wait`` answer new requests 503 until the resume (and
-``abort``, vLLM's default, drops the running ones). A pause for a LoRA load
-lasts as long as the load, so holding requests costs less than failing them.
+continues them on ``/resume``; ``wait`` first lets them finish, and
+``abort``, vLLM's default, ends them at once (``finish_reason`` ``abort``,
+partial text). In every mode a request that arrives while paused is held
+and answered after the resume (seen on vLLM 0.32.0). A pause for a LoRA load
+lasts as long as the load, so freezing requests costs less than ending them.
 
 A load whose name vLLM already holds is refused (400) instead of answered
 "already loaded" as Dynamo does; the driver then reads ``/v1/models`` back and

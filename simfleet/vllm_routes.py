@@ -1,19 +1,23 @@
 """The vLLM personality of a simulated worker: its LoRA, model-list and pause routes.
 
-Paths, status codes, content types and bodies follow the source of vLLM
-0.33.0 (``vllm/entrypoints/serve/lora/api_router.py``,
+Paths, status codes, content types and bodies follow a real vLLM 0.32.0
+(``tests/real_vllm/test_vllm_vs_sim.py`` sends both the same requests) and the
+source of vLLM 0.33.0 (``vllm/entrypoints/serve/lora/api_router.py``,
 ``vllm/entrypoints/openai/models/serving.py``,
 ``vllm/entrypoints/rl/online/api_router.py``, the validation and auth
 middleware), as a server runs with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
 and ``VLLM_SERVER_DEV_MODE=1``:
 
-- A load or unload that succeeds answers 200 with **plain text**, sent (like
-  Starlette's ``Response`` without a media type) with no ``Content-Type``.
+- A load or unload that succeeds answers 200 with **plain text**; vLLM sends
+  it with no ``Content-Type``, the sim with ``application/octet-stream``
+  (aiohttp adds that to any body without one).
 - Errors are ``{"error": {"message", "type", "param", "code"}}``: 404
   ``NotFoundError`` for a directory without an adapter ("Loading lora <name>
-  failed: No adapter found for <path>") and for an unload of an unknown name,
-  400 ``InvalidUserInput`` for a name already loaded, 400 ``BadRequestError``
-  for a body that does not validate or is not ``application/json``, 500
+  failed: No adapter found for <path>", with that literal ``<path>``) and for
+  an unload of an unknown name, 400 ``InvalidUserInput`` for a name already
+  loaded, 400 ``Bad Request`` with pydantic's error and the field as
+  ``param`` for a body or query that does not validate or is not
+  ``application/json``, 500
   ``InternalServerError`` for the engine's other failures.
 - ``POST /pause?mode=abort|wait|keep`` (vLLM's default: abort) answers
   ``{"status": "paused"}``, ``/resume`` ``{"status": "resumed"}``,
@@ -41,34 +45,48 @@ _CREATED = int(time.time())
 _GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
 
 
-def _error(status: int, message: str, err_type: str) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return web.json_response(body, status=status)
 
 
+def _invalid(error: dict[str, Any] | str) -> web.Response:
+    """vLLM's answer to a request that fails validation: pydantic's error, as
+    its exception handler words it, with the failing field as ``param``."""
+    loc = error.get("loc") if isinstance(error, dict) else None
+    return _error(400, f"1 validation error:\n  {error}", "Bad Request", loc)
+
+
 def _text(text: str) -> web.Response:
-    response = web.Response(body=text.encode())
-    # Starlette's Response(content=str) without a media type sends none.
-    response.headers.popall("Content-Type", None)
-    return response
+    # vLLM sends none; aiohttp sends application/octet-stream for a body
+    # without one, which the driver treats alike: not JSON.
+    return web.Response(body=text.encode())
 
 
 def _json_body(request: web.Request, raw: bytes, *fields: str) -> dict[str, Any] | web.Response:
     """The body of a LoRA route, checked as vLLM's ``validate_json_request`` and
     its pydantic model do (each failure a 400)."""
     if request.content_type != "application/json":
-        return _error(
-            400, "Unsupported Media Type: Only 'application/json' is allowed", "BadRequestError"
-        )
+        return _invalid("Unsupported Media Type: Only 'application/json' is allowed")
     try:
         body = json.loads(raw)
-    except ValueError as exc:
-        return _error(400, f"JSON decode error: {exc}", "BadRequestError")
+    except json.JSONDecodeError as exc:
+        return _invalid(
+            {"type": "json_invalid", "loc": f"body.{exc.pos}", "msg": "JSON decode error",
+             "input": "<dict of 0 items>", "ctx": {"error": exc.msg}}
+        )  # fmt: skip
     if not isinstance(body, dict):
-        return _error(400, "Input should be a valid dictionary", "BadRequestError")
+        return _invalid(
+            {"type": "model_attributes_type", "loc": "body",
+             "msg": "Input should be a valid dictionary or object to extract fields from",
+             "input": body}
+        )  # fmt: skip
     for name in fields:
         if not isinstance(body.get(name), str):
-            return _error(400, f"body.{name}: Field required", "BadRequestError")
+            return _invalid(
+                {"type": "missing", "loc": f"body.{name}", "msg": "Field required",
+                 "input": f"<dict of {len(body)} items>"}
+            )  # fmt: skip
     return body
 
 
@@ -106,7 +124,8 @@ async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Resp
         # neither, or a directory without the adapter files, is "not found".
         check_local_adapter(path)
     except NotAnAdapter:
-        message = f"Loading lora {name} failed: No adapter found for {path}"
+        # vLLM puts the literal "<path>" in place of the path.
+        message = f"Loading lora {name} failed: No adapter found for <path>"
         return _error(404, message, "NotFoundError")
     if worker.take_injected_load_failure():
         status = worker.faults.load_failure_status
@@ -157,8 +176,11 @@ async def _models(request: web.Request, worker: SimWorker, raw: bytes) -> web.Re
 async def _pause(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
     mode = request.query.get("mode", "abort")
     if mode not in _PAUSE_MODES:
-        message = f"query.mode: Input should be 'abort', 'wait' or 'keep', got {mode!r}"
-        return _error(400, message, "BadRequestError")
+        expected = "'abort', 'wait' or 'keep'"
+        return _invalid(
+            {"type": "literal_error", "loc": "query.mode", "msg": f"Input should be {expected}",
+             "input": mode, "ctx": {"expected": expected}}
+        )  # fmt: skip
     if mode != "keep" and worker.faults.busy_loras:
         worker.set_faults(busy_loras=[])  # waited for or aborted
     worker.paused = True

@@ -196,13 +196,12 @@ async def test_loading_a_name_again_from_another_path_is_a_final_error(
     assert served["contract-other-v1"] == first
 
 
-async def test_a_rank_over_the_servers_maximum_is_a_500_the_driver_retries(
+async def test_a_rank_over_the_servers_maximum_is_a_final_error(
     server: VllmServer, driver: EngineDriver, http: httpx.AsyncClient, tmp_path: Path
 ) -> None:
-    """Disagreement: vLLM answers an adapter of a rank above ``--max-lora-rank``
-    with a 500, which the driver takes for transient and asks again (5
-    attempts) although the answer cannot change. The real answer is pinned
-    here; the driver's reading of it too, so that a change shows."""
+    """vLLM answers an adapter of a rank above ``--max-lora-rank`` with a 500,
+    which would read as transient; its words say the answer cannot change,
+    so the driver gives up after one request."""
     path = _adapter(tmp_path, 1, rank=16)
     loads = server.access_log("POST", "/v1/load_lora_adapter")
 
@@ -215,6 +214,6 @@ async def test_a_rank_over_the_servers_maximum_is_a_500_the_driver_retries(
         "answered 500: Call to add_lora method failed: Worker failed with error "
         "'LoRA rank 16 is greater than max_lora_rank 8.'"
     ) in str(error)
-    assert error.retryable and str(error).endswith("(gave up after 5 attempts)"), error
-    assert server.access_log("POST", "/v1/load_lora_adapter") == loads + 5
+    assert not error.retryable and str(error).endswith("(final: not retried)"), error
+    assert server.access_log("POST", "/v1/load_lora_adapter") == loads + 1
     assert "contract-rank16-v1" not in await served_adapters(http, server.url)

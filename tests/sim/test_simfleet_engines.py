@@ -62,7 +62,7 @@ async def test_vllm_answers_loads_in_plain_text_and_errors_as_nested_json(
     assert missing.status_code == 404
     assert missing.json() == {
         "error": {
-            "message": f"Loading lora q failed: No adapter found for {tmp_path / 'empty'}",
+            "message": "Loading lora q failed: No adapter found for <path>",
             "type": "NotFoundError",
             "param": None,
             "code": 404,
