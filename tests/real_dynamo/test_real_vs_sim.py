@@ -12,12 +12,12 @@ Dynamo's own prefix is compared.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from engine_answers import Case, ask
 from real_fleet import DynamoFleet
 
 from lorabus.simfleet import SimFleet
@@ -25,27 +25,6 @@ from lorabus.simfleet import SimFleet
 pytestmark = pytest.mark.real_dynamo
 
 JSON = {"content-type": "application/json"}
-
-
-@dataclass(frozen=True)
-class Case:
-    what: str
-    method: str
-    path: str
-    body: Any = None
-    raw: bytes | None = None
-    headers: Mapping[str, str] | None = None
-    #: Compare only the start of the message (or text) up to this many characters.
-    prefix: int | None = None
-    #: Compare only these fields of a JSON body.
-    only: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Answer:
-    status: int
-    mime: str
-    body: Any
 
 
 def normalize(body: Any, case: Case) -> Any:
@@ -61,21 +40,6 @@ def normalize(body: Any, case: Case) -> Any:
     if isinstance(body, str) and case.prefix is not None:
         return body[: case.prefix]
     return body
-
-
-async def ask(http: httpx.AsyncClient, base: str, case: Case) -> Answer:
-    content = case.raw
-    headers = dict(case.headers or {})
-    if case.body is not None:
-        content = httpx.Request("POST", "/", json=case.body).content
-        headers.setdefault("content-type", "application/json")
-    reply = await http.request(case.method, base + case.path, content=content, headers=headers)
-    try:
-        body: Any = reply.json()
-    except ValueError:
-        body = reply.text
-    mime = reply.headers.get("content-type", "").split(";")[0]
-    return Answer(reply.status_code, mime, normalize(body, case))
 
 
 def cases(adapter: Path, not_adapter: Path, missing: Path) -> list[Case]:
@@ -135,8 +99,8 @@ async def test_simulated_worker_answers_every_request_like_the_real_one(
     differences = []
 
     for case in cases(adapter, not_adapter, tmp_path / "missing"):
-        real = await ask(http, dynamo.system_url("w000"), case)
-        simulated = await ask(http, sim.system_url("w000"), case)
+        real = await ask(http, dynamo.system_url("w000"), case, normalize)
+        simulated = await ask(http, sim.system_url("w000"), case, normalize)
         if real != simulated:
             differences.append(
                 f"{case.what}: real {real}\n{' ' * len(case.what)}  sim  {simulated}"

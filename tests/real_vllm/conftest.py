@@ -2,7 +2,8 @@
 
 The tier needs what ``scripts/install-real-vllm`` builds; without its stamp
 file every test here is skipped with the reason. Two servers (workers w000
-and w001, the smallest real fleet) are shared by the whole session: a start
+and w001, the smallest real fleet) are shared by the tier's tests and
+stopped after the last of them, not held for the rest of the run: a start
 costs about 50 s, nearly all of it imports on one core, and about 3 GB, so
 two start side by side in the time of one on two cores, and are started
 once. Tests that share them use adapter names of their own. The servers
@@ -39,7 +40,7 @@ def vllm_install() -> Install:
     return install
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm(vllm_install: Install, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     """The shared servers, one per worker of ``MAX_LORA_RANKS``."""
     fleet = VllmFleet(vllm_install, tmp_path_factory.mktemp("vllm"), MAX_LORA_RANKS)

@@ -1,7 +1,7 @@
 """lorabus's vLLM driver keeps its contract against a real vLLM 0.32.0 server.
 
 The driver is built the way an agent builds it (``driver_for`` from an
-``AgentConfig`` with ``engine="vllm"``) and pointed at the session's server
+``AgentConfig`` with ``engine="vllm"``) and pointed at the tier's server
 w001 (``--max-lora-rank 8``). What is checked is what the real server says
 back: its ``GET /is_paused``, its ``GET /v1/models``, and its access log,
 which shows every request it answered. Adapters come from lorabus's own demo

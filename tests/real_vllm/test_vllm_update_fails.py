@@ -1,7 +1,7 @@
 """An update a real vLLM server refuses fails cleanly: the engine's reason in
 the result, every engine resumed, nothing new served anywhere.
 
-The session's two servers differ only in ``--max-lora-rank`` (w000: 16,
+The tier's two servers differ only in ``--max-lora-rank`` (w000: 16,
 w001: 8), so a rank-16 adapter loads on w000 and fails on w001: lorabus must
 unload it from w000 again. A directory without an adapter fails on both.
 """

