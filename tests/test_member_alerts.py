@@ -5,6 +5,7 @@ an engine paused while no update is in flight, an engine not ready."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 from collections.abc import Callable
 
@@ -162,5 +163,7 @@ async def test_a_member_that_cannot_converge_is_raised(
         await close(nc)
 
     assert (alert.worker_id, alert.condition, alert.cleared) == ("w001", "not_ready", False)
-    assert "policy-v1" in alert.reason and "failed 3 times" in alert.reason
+    # At least three failures in a row; more may pile up before the alert is read.
+    failures = re.search(r"failed (\d+) times", alert.reason)
+    assert "policy-v1" in alert.reason and failures and int(failures[1]) >= 3, alert.reason
     assert metric == 1
