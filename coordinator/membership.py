@@ -208,7 +208,7 @@ class Membership:
                 gone.append(worker_id)
                 continue
             # A later beat only moves this later: it stays a lower bound.
-            expires = member.seen_at + MISSED_BEATS * member.heartbeat.interval_s
+            expires = _expires_at(member)
             if at >= expires:
                 gone.append(worker_id)
                 continue
@@ -298,8 +298,13 @@ class Membership:
         return self._clock() - member.seen_at
 
 
+def _expires_at(member: Member) -> float:
+    """When ``member`` stops being live unless it beats again."""
+    return member.seen_at + MISSED_BEATS * member.heartbeat.interval_s
+
+
 def _alive(member: Member, at: float) -> bool:
-    return at - member.seen_at < MISSED_BEATS * member.heartbeat.interval_s
+    return at < _expires_at(member)
 
 
 def _contending(contender: Contender, at: float) -> bool:
