@@ -87,7 +87,9 @@ def start_lorabus(
                 worker_id=worker_id,
                 system_url=vllm.url(worker_id),
                 engine="vllm",
-                heartbeat_s=0.2,
+                # The default interval: each vLLM server's worker spins on a
+                # core of its own, so on a two-core machine an agent can wait
+                # longer than three short beats for the CPU.
             )
             await processes.start_agent(agent, nats_url=nats_url)
         await wait_live_workers(client, MAX_LORA_RANKS, processes=processes, deadline_s=30)
