@@ -15,12 +15,20 @@ from lorabus.schemas import Ack, Phase
 
 
 class PhaseGather:
-    def __init__(self, update_id: str, phase: Phase, members: Iterable[str]) -> None:
+    def __init__(
+        self,
+        update_id: str,
+        phase: Phase,
+        members: Iterable[str],
+        first_ok: asyncio.Event | None = None,
+    ) -> None:
         self.update_id = update_id
         self.phase = phase
         self.acks: dict[str, Ack] = {}
         self.waiting: set[str] = set(members)
         self.lost: set[str] = set()
+        self.first_ok = first_ok
+        """Set at the first ok ack, for work that may start once one member succeeded."""
         self._done = asyncio.Event()
         if not self.waiting:
             self._done.set()
@@ -38,6 +46,8 @@ class PhaseGather:
             return
         self.waiting.discard(ack.worker_id)
         self.acks[ack.worker_id] = ack
+        if ack.ok and self.first_ok is not None:
+            self.first_ok.set()
         if not self.waiting:
             self._done.set()
 
@@ -64,8 +74,14 @@ class AckRouter:
     def __init__(self) -> None:
         self._open: dict[tuple[str, Phase], PhaseGather] = {}
 
-    def expect(self, update_id: str, phase: Phase, members: Iterable[str]) -> PhaseGather:
-        gather = PhaseGather(update_id, phase, members)
+    def expect(
+        self,
+        update_id: str,
+        phase: Phase,
+        members: Iterable[str],
+        first_ok: asyncio.Event | None = None,
+    ) -> PhaseGather:
+        gather = PhaseGather(update_id, phase, members, first_ok)
         self._open[gather.key] = gather
         return gather
 

@@ -257,7 +257,7 @@ class UpdateRunner:
         self._in_flight = self._in_flight_record(plan, members, Phase.LOAD)
         left_out: dict[str, ErrorInfo] = {}
         # Named targets, not a pause's cohort: no agent took a pause to join one.
-        load = await self._phase(
+        load, listed = await self._load(
             self._command(
                 LoadCommand,
                 plan,
@@ -277,7 +277,7 @@ class UpdateRunner:
             if serving is None:
                 error = load.summary()
             else:
-                error = await self._verify(plan, load, serving, phases)
+                error = await self._verify(plan, load, serving, phases, listed)
         if error is not None or serving is None:
             await self._withdraw_uncommitted(plan, load, phases)
             errors = left_out | load.worker_errors()
@@ -304,7 +304,7 @@ class UpdateRunner:
         paused = self._survivors(pause, targets, members, left_out)
         if paused is None:
             return pause.summary(), pause.worker_errors(), None, []
-        load = await self._phase(
+        load, listed = await self._load(
             self._cohort_command(
                 LoadCommand,
                 plan,
@@ -326,7 +326,7 @@ class UpdateRunner:
         serving = self._survivors(load, paused, members, left_out)
         if serving is None:
             return load.summary(), left_out | load.worker_errors(), load, []
-        return await self._verify(plan, load, serving, phases), left_out, load, serving
+        return await self._verify(plan, load, serving, phases, listed), left_out, load, serving
 
     def _survivors(
         self,
@@ -369,9 +369,47 @@ class UpdateRunner:
     def _needed_world_size(self) -> int:
         return math.ceil(self.config.quorum * self.config.expected_world_size - 1e-9)
 
+    async def _load(
+        self, command: LoadCommand, expected: list[str], phases: dict[str, float]
+    ) -> tuple[PhaseOutcome, bool]:
+        """The load phase, and whether the frontend listed the new name by its
+        end. ``/v1/models`` is a union over workers, so the listing may be
+        looked for from the first successful load on, while the other loads
+        run, instead of after the last one."""
+        first_loaded = asyncio.Event()
+        looking = asyncio.create_task(self._listed_once(first_loaded, command.served_name))
+        try:
+            load = await self._phase(command, expected, phases, first_ok=first_loaded)
+        finally:
+            # A look still under way is dropped: verify looks again, in full.
+            listed = (
+                looking.done()
+                and not looking.cancelled()
+                and looking.exception() is None
+                and looking.result()
+            )
+            looking.cancel()
+            await asyncio.gather(looking, return_exceptions=True)
+        return load, listed
+
+    async def _listed_once(self, loaded: asyncio.Event, model: str) -> bool:
+        await loaded.wait()
+        try:
+            await self.frontend.wait_listed(model, self.config.verify_timeout_s)
+        except FrontendUnverified:
+            return False
+        return True
+
     async def _verify(
-        self, plan: UpdatePlan, load: PhaseOutcome, serving: list[str], phases: dict[str, float]
+        self,
+        plan: UpdatePlan,
+        load: PhaseOutcome,
+        serving: list[str],
+        phases: dict[str, float],
+        listed: bool,
     ) -> ErrorInfo | None:
+        """Every serving member's read-back names the new version, and the
+        frontend lists it (``listed``: it already did during the load)."""
         started = now()
         try:
             unlisted = [w for w in serving if plan.served_name not in load.acks[w].adapters]
@@ -380,6 +418,8 @@ class UpdateRunner:
                     code=ErrorCode.NOT_LISTED,
                     message=f"{plan.served_name!r} is missing from the read-back of {unlisted}",
                 )
+            if listed:
+                return None
             try:
                 await self.frontend.wait_listed(plan.served_name, self.config.verify_timeout_s)
             except FrontendUnverified as exc:
@@ -414,11 +454,15 @@ class UpdateRunner:
             )
 
     async def _phase(
-        self, command: PhasedCommand, expected: list[str], phases: dict[str, float]
+        self,
+        command: PhasedCommand,
+        expected: list[str],
+        phases: dict[str, float],
+        first_ok: asyncio.Event | None = None,
     ) -> PhaseOutcome:
         """Send ``command`` and gather the acks of ``expected`` (its addressees)."""
         await self._record_phase(phase_of(command))
-        outcome = await self._gather(command, expected)
+        outcome = await self._gather(command, expected, first_ok)
         phases[outcome.phase] = outcome.duration_s
         self._measure(outcome)
         await self.bus.emit(
@@ -536,10 +580,12 @@ class UpdateRunner:
             f"after {in_flight.phase}); epoch {self.epoch} rolled the update back ({resumed})",
         )
 
-    async def _gather(self, command: PhasedCommand, expected: list[str]) -> PhaseOutcome:
+    async def _gather(
+        self, command: PhasedCommand, expected: list[str], first_ok: asyncio.Event | None
+    ) -> PhaseOutcome:
         phase = phase_of(command)
         timeout_s = command.budget_s
-        gather = self.bus.acks.expect(command.update_id, phase, expected)
+        gather = self.bus.acks.expect(command.update_id, phase, expected, first_ok)
         started = now()
         deadline = started + timeout_s
         resend_gap = max(_FIRST_RESEND_S, timeout_s * _FIRST_RESEND_SHARE)

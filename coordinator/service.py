@@ -97,6 +97,10 @@ from lorabus.signing import CommandSigner
 
 log = logging.getLogger(__name__)
 
+_ANSWERS_FIRST_S = 1.0
+"""How long a finished update's notice waits for its answers to go out (a
+reply is one publish; this bounds a connection that stalls)."""
+
 _T = TypeVar("_T")
 ALERT_CHECK_S = 1.0
 """How often the leader looks for members that need a person's look."""
@@ -127,6 +131,9 @@ class Coordinator:
         lands in the middle of an update."""
         self.leading = asyncio.Event()
         """Set while this coordinator holds the fleet's lease."""
+        self._answering: dict[str, set[asyncio.Task[None]]] = {}
+        """Per update id, the tasks that will answer its askers once it finishes
+        (owned by the request subscription, which cancels them at the end)."""
 
     async def run(self, nc: NatsClient, ready: asyncio.Event | None = None) -> None:
         """Serve the fleet until cancelled; set ``ready`` once following the bus.
@@ -403,18 +410,30 @@ class Coordinator:
             request = await self.book.next_request()
             started = now()
             async with self._serial:
-                result = await self._execute(request, runner, bus, store)
-            self.metrics.update_seconds.observe(now() - started)
-            self.metrics.updates.labels(result.status).inc()
-            if result.committed or await self._still_leading(store):
-                persisted = await _quietly(store.write_result(result))
-                await _quietly(store.clear_inflight())
-            else:
-                # Deposed while it ran (stopped, cut off): the successor rolled
-                # this update back, recorded that result and may have an update
-                # of its own in flight; neither may be overwritten from here.
-                persisted = False
-            self.book.finish(request, result, persisted=persisted)
+                result, notice = await self._execute(request, runner, store)
+                self.metrics.update_seconds.observe(now() - started)
+                self.metrics.updates.labels(result.status).inc()
+                if result.committed or await self._still_leading(store):
+                    # At once: the answer waits for the result's write, and once
+                    # the record in flight is gone a successor has nothing to
+                    # undo, whether or not the result landed.
+                    persisted, _ = await asyncio.gather(
+                        _quietly(store.write_result(result)), _quietly(store.clear_inflight())
+                    )
+                else:
+                    # Deposed while it ran (stopped, cut off): the successor
+                    # rolled this update back, recorded that result and may
+                    # have an update of its own in flight; neither may be
+                    # overwritten from here.
+                    persisted = False
+                self.book.finish(request, result, persisted=persisted)
+                if notice is not None:
+                    # After the answers, which must not queue behind N agents
+                    # being handed the notice; an agent that misses it reads
+                    # the committed record when it reconnects, or hears the
+                    # next term's.
+                    await self._answers_sent(request.update_id)
+                    await bus.broadcast(notice)
             await bus.emit(self._finished(result))
             log.info(
                 "epoch=%d update=%s %s %s",
@@ -425,63 +444,55 @@ class Coordinator:
             )
 
     async def _execute(
-        self,
-        request: UpdateRequest,
-        runner: UpdateRunner,
-        bus: CoordinatorBus,
-        store: FleetStore,
-    ) -> UpdateResult:
+        self, request: UpdateRequest, runner: UpdateRunner, store: FleetStore
+    ) -> tuple[UpdateResult, CommittedNotice | None]:
+        """Run ``request``; a commit is recorded here, and the notice that tells
+        the agents of it is returned for the caller to send after the answer."""
         try:
-            committed = self.book.committed.get(request.adapter)
-            if committed is None:
-                committed = await _or_none(store.read_committed(request.adapter))
+            committed = await self._committed(store, request.adapter)
             lineage = await self._lineage(store, request.adapter, committed)
             plan = await plan_update_off_loop(request, self.config, committed, lineage)
             if committed is not None and is_already_committed(plan, committed):
-                return _already_committed(request, committed)
+                return _already_committed(request, committed), None
             result = await runner.run(plan)
             if result.committed and not await self._still_leading(store):
-                return failed_result(
-                    request,
-                    ErrorInfo(
-                        code=ErrorCode.NOT_LEADER,
-                        message=f"epoch {self.epoch} was deposed before committing "
-                        f"{plan.served_name}; the new leader rolls the update back",
-                    ),
+                deposed = ErrorInfo(
+                    code=ErrorCode.NOT_LEADER,
+                    message=f"epoch {self.epoch} was deposed before committing "
+                    f"{plan.served_name}; the new leader rolls the update back",
                 )
-            if result.committed and result.rank_map is not None:
-                record = CommittedRecord(
-                    adapter=plan.adapter,
-                    version=plan.version,
-                    path=plan.path,
-                    served_name=plan.served_name,
-                    rank_map=result.rank_map,
-                    lineage=plan.lineage,
-                    digest=result.digest,
-                )
-                self.book.commit(record)
-                await _quietly(store.write_committed(record))
-                await bus.broadcast(
-                    CommittedNotice(
-                        update_id=plan.update_id,
-                        budget_s=0.0,
-                        epoch=self.epoch,
-                        served_name=plan.served_name,
-                        path=plan.path,
-                        version=plan.version,
-                        retire=self._retired(plan, result),
-                        lineage=plan.lineage,
-                        digest=result.digest,
-                    )
-                )
-            return result
+                return failed_result(request, deposed), None
+            if not result.committed or result.rank_map is None:
+                return result, None
+            record = CommittedRecord(
+                adapter=plan.adapter,
+                version=plan.version,
+                path=plan.path,
+                served_name=plan.served_name,
+                rank_map=result.rank_map,
+                lineage=plan.lineage,
+                digest=result.digest,
+            )
+            self.book.commit(record)
+            await _quietly(store.write_committed(record))
+            notice = CommittedNotice(
+                update_id=plan.update_id,
+                budget_s=0.0,
+                epoch=self.epoch,
+                served_name=plan.served_name,
+                path=plan.path,
+                version=plan.version,
+                retire=self._retired(plan, result),
+                lineage=plan.lineage,
+                digest=result.digest,
+            )
+            return result, notice
         except LorabusError as exc:
-            return failed_result(request, exc.info())
+            return failed_result(request, exc.info()), None
         except Exception as exc:
             log.exception("update=%s crashed", request.update_id)
-            return failed_result(
-                request, ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
-            )
+            crashed = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+            return failed_result(request, crashed), None
 
     async def _lineage(
         self, store: FleetStore, adapter: str, committed: CommittedRecord | None
@@ -721,9 +732,9 @@ class Coordinator:
             committed: CommittedRecord | None = None
             if not self.book.knows(request.update_id):
                 # A predecessor may have finished (or rolled back) this update.
-                stored = await _stored_result(store, request.update_id)
-                committed = self.book.committed.get(request.adapter) or await _or_none(
-                    store.read_committed(request.adapter)
+                stored, committed = await asyncio.gather(
+                    _stored_result(store, request.update_id),
+                    self._committed(store, request.adapter),
                 )
             if previous is not None:
                 await previous.wait()
@@ -736,7 +747,30 @@ class Coordinator:
         finally:
             joined.set()
         await self._save_settled(store, bus)
-        await _reply(msg, await asyncio.shield(future))
+        if future.done():
+            await _reply(msg, future.result())
+            return
+        # Known as answering this update: its notice to the agents waits for us.
+        answering = self._answering.setdefault(request.update_id, set())
+        this = asyncio.current_task()
+        if this is not None:
+            answering.add(this)
+        try:
+            await _reply(msg, await asyncio.shield(future))
+        finally:
+            answering.discard(this)
+            if not answering:
+                self._answering.pop(request.update_id, None)
+
+    async def _answers_sent(self, update_id: str) -> None:
+        """Let the askers of a just-finished update have their answers sent."""
+        answering = self._answering.get(update_id)
+        if answering:
+            await asyncio.wait(set(answering), timeout=_ANSWERS_FIRST_S)
+
+    async def _committed(self, store: FleetStore, adapter: str) -> CommittedRecord | None:
+        """What is committed for ``adapter``: as this term knows it, else as stored."""
+        return self.book.committed.get(adapter) or await _or_none(store.read_committed(adapter))
 
     async def _admit(
         self, request: UpdateRequest, stored: UpdateResult | None, committed: CommittedRecord | None

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import pytest
-from fleet_doubles import MemoryFleet, NatsFleet, Script
+from fleet_doubles import ListingFrontend, MemoryFleet, NatsFleet, Script
 
 from lorabus.bus import close, connect
 from lorabus.coordinator.plan import UpdatePlan
@@ -145,6 +145,33 @@ async def test_a_member_that_missed_a_command_gets_it_again_on_its_own_subject(
     assert w0.phases_received() == [Phase.PAUSE, Phase.LOAD, Phase.RESUME]
     again = [c for c in w0.received if not isinstance(c, RenewLeaseCommand)][:2]
     assert [(c.targets, c.cohort) for c in again] == [(["w0"], False), (["w0"], False)]
+
+
+class LookRecordingFrontend(ListingFrontend):
+    """Lists what any agent holds; remembers who held the model at the first look."""
+
+    first_look: list[str] | None = None
+
+    async def wait_listed(self, model: str, timeout_s: float) -> float:
+        if self.first_look is None:
+            self.first_look = sorted(w for w, a in self.agents.items() if model in a.adapters)
+        return await super().wait_listed(model, timeout_s)
+
+
+async def test_the_frontend_is_looked_at_once_one_member_loaded_while_another_still_loads(
+    open_fleet: OpenFleet,
+) -> None:
+    # w2 misses the first load command and loads only when it is sent again:
+    # the listing, a union over workers, is looked for before that.
+    fleet = await open_fleet({"w2": Script(lose_first=frozenset({Phase.LOAD}))})
+    frontend = LookRecordingFrontend(fleet.agents)
+    fleet.frontend = frontend
+    result = await fleet.runner().run(PLAN)
+
+    assert result.committed, result.error
+    assert frontend.first_look is not None
+    assert frontend.first_look and "w2" not in frontend.first_look, frontend.first_look
+    assert all(a.adapters == ["policy-v1"] for a in fleet.agents.values())
 
 
 async def test_a_partial_quorum_commits_without_the_member_that_failed(
