@@ -182,9 +182,10 @@ def test_ratios_and_targets_are_reported(bench_run: tuple[int, str, Path, list[i
         ):
             value = getattr(ratio, name)
             assert value is not None and value > 0, name
-    assert len(report.targets) == 8
-    live = next(t for t in report.targets if "live mode" in t.target)
-    assert "bus-floor rounds" in live.target and live.met is not None
+    assert len(report.targets) == 7 + len(SIZES)
+    live = [t for t in report.targets if "live mode" in t.target]
+    assert [t.target.split()[0] for t in live] == [f"N={n}" for n in sorted(SIZES)]
+    assert all("bus-floor rounds" in t.target and t.met is not None for t in live)
     assert all(target.measured != "not measured" for target in report.targets)
 
 

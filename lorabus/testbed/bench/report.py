@@ -200,7 +200,8 @@ def _growth(
 
 
 def judge(results: Sequence[ModeResult], ratios: Sequence[SizeRatios]) -> list[Target]:
-    """A verdict on each performance target, for the largest size measured."""
+    """A verdict on each performance target, for the largest size measured
+    (live mode's, for every size)."""
     targets: list[Target] = []
     sizes = [r.n for r in ratios]
     n = max(sizes) if sizes else 0
@@ -221,7 +222,11 @@ def judge(results: Sequence[ModeResult], ratios: Sequence[SizeRatios]) -> list[T
         )
     else:
         add(f"N={n} null engines: lorabus p50 <= 3x the bus floor", None, None)
-    _judge_live(find(results, LIVE, n), floor, add)
+    # Live mode's target is about fixed costs, which weigh most on small
+    # fleets: it is judged at every size measured.
+    live_sizes = sorted(size for size in sizes if find(results, LIVE, size) is not None)
+    for size in live_sizes or [n]:
+        _judge_live(find(results, LIVE, size), find(results, FLOOR, size), add)
     http, base = find(results, HTTP, n), find(results, BASELINE, n)
     if top and http and base and top.baseline_over_lorabus_central_cpu is not None:
         add(
