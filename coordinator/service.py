@@ -343,10 +343,7 @@ class Coordinator:
             lineage=committed.lineage,
             digest=committed.digest,
         )
-        try:
-            await bus.broadcast(notice)
-        except Exception as exc:  # agents still learn the epoch from the first command
-            log.warning("epoch=%d could not announce the term: %s", self.epoch, exc)
+        await self._announce(bus, notice)  # if lost, agents learn the epoch from a command
 
     async def _recover(self, store: FleetStore, runner: UpdateRunner) -> str | None:
         """Load the committed state; roll back an update a predecessor left in flight."""
@@ -413,27 +410,23 @@ class Coordinator:
                 result, notice = await self._execute(request, runner, store)
                 self.metrics.update_seconds.observe(now() - started)
                 self.metrics.updates.labels(result.status).inc()
-                if result.committed or await self._still_leading(store):
-                    # At once: the answer waits for the result's write, and once
-                    # the record in flight is gone a successor has nothing to
-                    # undo, whether or not the result landed.
-                    persisted, _ = await asyncio.gather(
-                        _quietly(store.write_result(result)), _quietly(store.clear_inflight())
-                    )
-                else:
-                    # Deposed while it ran (stopped, cut off): the successor
-                    # rolled this update back, recorded that result and may
-                    # have an update of its own in flight; neither may be
-                    # overwritten from here.
-                    persisted = False
+                # Deposed while it ran (stopped, cut off), the successor rolled
+                # this update back, recorded that result and may have an
+                # update of its own in flight; neither may be overwritten.
+                recording = result.committed or await self._still_leading(store)
+                persisted = recording and await _quietly(store.write_result(result))
                 self.book.finish(request, result, persisted=persisted)
+                # The rest waits for the answers, which must not queue behind
+                # it: the record in flight goes only now that the result is
+                # stored (a successor rebuilds a missing result from it), and
+                # the notice to N agents last. An agent that misses the notice
+                # reads the committed record when it reconnects, or hears the
+                # next term's.
+                await self._answers_sent(request.update_id)
+                if recording:
+                    await _quietly(store.clear_inflight())
                 if notice is not None:
-                    # After the answers, which must not queue behind N agents
-                    # being handed the notice; an agent that misses it reads
-                    # the committed record when it reconnects, or hears the
-                    # next term's.
-                    await self._answers_sent(request.update_id)
-                    await bus.broadcast(notice)
+                    await self._announce(bus, notice)
             await bus.emit(self._finished(result))
             log.info(
                 "epoch=%d update=%s %s %s",
@@ -761,6 +754,12 @@ class Coordinator:
             answering.discard(this)
             if not answering:
                 self._answering.pop(request.update_id, None)
+
+    async def _announce(self, bus: CoordinatorBus, notice: CommittedNotice) -> None:
+        try:
+            await bus.broadcast(notice)
+        except Exception as exc:  # the next term's notice, or a reconnect's read, converges
+            log.warning("epoch=%d could not announce %s: %s", self.epoch, notice.served_name, exc)
 
     async def _answers_sent(self, update_id: str) -> None:
         """Let the askers of a just-finished update have their answers sent."""

@@ -105,17 +105,10 @@ class FleetStore:
 
     async def write_committed(self, record: CommittedRecord) -> None:
         payload = msgspec.json.encode(record)
-        # Both keys at once: the orchestrator waits for this write, and which
-        # of the two lands first does not matter to a successor, which rewrites
-        # both from the update in flight.
-        written = await asyncio.gather(
-            self._put(self._state, f"{COMMITTED}.{record.adapter}", payload),
-            self._put(self._state, COMMITTED, payload),
-            return_exceptions=True,
-        )
-        for outcome in written:
-            if isinstance(outcome, BaseException):
-                raise outcome
+        # The adapter's own key first: a successor checks an update left in
+        # flight against it, and nothing rewrites either key afterwards.
+        await self._put(self._state, f"{COMMITTED}.{record.adapter}", payload)
+        await self._put(self._state, COMMITTED, payload)
 
     async def read_reset(self, adapter: str) -> ResetRecord | None:
         return (await self._read(self._state, f"{RESET}.{adapter}", ResetRecord))[0]
