@@ -415,6 +415,9 @@ class Coordinator:
                 # update of its own in flight; neither may be overwritten.
                 recording = result.committed or await self._still_leading(store)
                 persisted = recording and await _quietly(store.write_result(result))
+                # Before the answer: a trail read once the answer is in holds
+                # the end of the update (one publish, to the audit stream only).
+                await bus.emit(self._finished(result))
                 self.book.finish(request, result, persisted=persisted)
                 # The rest waits for the answers, which must not queue behind
                 # it: the record in flight goes only now that the result is
@@ -427,7 +430,6 @@ class Coordinator:
                     await _quietly(store.clear_inflight())
                 if notice is not None:
                     await self._announce(bus, notice)
-            await bus.emit(self._finished(result))
             log.info(
                 "epoch=%d update=%s %s %s",
                 self.epoch,
