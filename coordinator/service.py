@@ -754,8 +754,8 @@ class Coordinator:
             await _reply(msg, await asyncio.shield(future))
         finally:
             answering.discard(this)
-            if not answering:
-                self._answering.pop(request.update_id, None)
+            if not answering and self._answering.get(request.update_id) is answering:
+                del self._answering[request.update_id]
 
     async def _announce(self, bus: CoordinatorBus, notice: CommittedNotice) -> None:
         try:
