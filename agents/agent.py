@@ -6,7 +6,8 @@ callback only decodes, fences and enqueues: engine calls take seconds and
 would stall every later message of that subscription. One worker task drains
 the queue, so commands for the engine run one at a time, in arrival order.
 
-Addressing: a pause comes on this agent's own subject, naming it; the later
+Addressing: a pause is broadcast to every agent it does not exclude by name
+(a re-sent one comes on this agent's own subject, naming it); the later
 commands of that update are broadcast to the agents that took its pause (its
 cohort), so no message grows with the fleet. Committed notices reach every
 agent.
@@ -179,6 +180,8 @@ class Agent:
         self._state_stale = False
         """The fleet state in KV must be read again (a reconnect, a failed read)."""
         self._pause_received_at = 0.0
+        self._announced = False
+        """Its first heartbeat is out: from then on the coordinator may count it."""
         self._nc: NatsClient | None = None
         self.instance = secrets.token_hex(8)
         """This process's identity among agents that share a worker id."""
@@ -248,6 +251,7 @@ class Agent:
             await self._reconcile_if_needed()
             await self._wait_reconciled()
             await self._beat()
+            self._announced = True
             if ready is not None:
                 ready.set()
             log.info("worker=%s agent ready on fleet %s", self.worker_id, self.subjects.fleet)
@@ -284,6 +288,11 @@ class Agent:
             )
             return
         if not is_addressed_to(command, self.worker_id, self._cohorts):
+            return
+        if isinstance(command, PauseCommand) and command.cohort and not self._countable():
+            # The coordinator counts only announced, ready members; a broadcast
+            # pause is not for a worker it cannot count (one starting up or
+            # converging), and a pause meant for it comes again by name.
             return
         if self.verifier.required:
             key = await self._signing_key_of(command.epoch)
@@ -697,6 +706,9 @@ class Agent:
                 if self._reported() != seen:
                     # Tell the coordinator now; the heartbeat loop beats on its own.
                     await self._beat()
+
+    def _countable(self) -> bool:
+        return self._announced and self.ready and not self._reconciling
 
     def _unready_reason(self) -> str:
         """Why the engine will not converge, once reloading the committed

@@ -1,12 +1,13 @@
 """The lifecycle of one update: quorum -> pause -> load -> verify -> resume.
 
-The pause goes to each member on its own subject, naming that member; every
-later phase is one small broadcast to the pause's cohort (the agents that took
-it, less the members left out). Acks are gathered against the membership
+Each phase is one small broadcast, signed once. The pause goes to every agent
+less the known workers that are not members of the update (not ready, or no
+longer live); every later phase goes to the pause's cohort (the agents that
+took it, less the members left out). Acks are gathered against the membership
 snapshot with a deadline, and members that have not acked get the command
-again on their own subject with a doubling interval (core NATS may have
-dropped it). No message lists the membership (only the few members left out),
-so what each agent reads stays the same at any fleet size.
+again on their own subject, naming them, with a doubling interval (core NATS
+may have dropped it). No message lists the membership (only the few workers
+left out), so what each agent reads stays the same at any fleet size.
 Members that stop heartbeating are given up on at once rather than at the
 deadline. Resume runs in a ``finally``: whatever failed, every member that may
 have paused is told to resume. Retiring versions beyond ``keep`` is not a
@@ -297,7 +298,15 @@ class UpdateRunner:
         left_out: dict[str, ErrorInfo] = {}
         targets = sorted(members)
         pause = await self._phase(
-            self._command(PauseCommand, plan, targets, lease_s=self.config.pause_lease_s),
+            # Broadcast, not sent by name: at N = 1024 the coordinator's 1024
+            # signed publishes were about a seventh of its CPU per update.
+            self._cohort_command(
+                PauseCommand,
+                plan,
+                targets,
+                self.membership.known(),
+                lease_s=self.config.pause_lease_s,
+            ),
             targets,
             phases,
         )
@@ -510,16 +519,17 @@ class UpdateRunner:
         kind: type[_C],
         plan: UpdatePlan,
         targets: list[str],
-        paused: list[str],
+        among: list[str],
         **fields: Any,
     ) -> _C:
-        """A command addressed to ``targets``, a subset of the pause's targets
-        ``paused``, as the pause's cohort less the others."""
+        """A command addressed to ``targets`` as a cohort, less the rest of
+        ``among``: for a pause, every worker this coordinator knows; for a
+        later phase, the pause's targets."""
         kept = set(targets)
         return kind(
             update_id=plan.update_id,
             cohort=True,
-            excluded=[wid for wid in paused if wid not in kept],
+            excluded=[wid for wid in among if wid not in kept],
             budget_s=self.config.phase_timeout_s,
             epoch=self.epoch,
             **fields,

@@ -97,7 +97,7 @@ _COORDINATOR_EVENTS = frozenset(
 )
 _BROADCAST_ONLY = frozenset({"committed", "renew_lease"})
 """Commands the coordinator sends to every agent at once."""
-_ONE_WORKER_ONLY = frozenset({"pause", "refuse_instance"})
+_ONE_WORKER_ONLY = frozenset({"refuse_instance"})
 """Commands the coordinator sends on each worker's own subject, never broadcast."""
 
 
@@ -226,6 +226,10 @@ def subject_problem(origin: Origin, message: Any) -> str:
         case "command" if origin.worker is None:
             if tag in _ONE_WORKER_ONLY:
                 return f"a {tag} command broadcast to the whole fleet"
+            if tag == "pause" and (not message.cohort or message.targets):
+                # The coordinator broadcasts a pause only to open a cohort; a
+                # pause naming workers goes on each one's own subject.
+                return f"a pause broadcast naming {message.targets!r}, opening no cohort"
         case "command":
             if tag in _BROADCAST_ONLY:
                 return f"a {tag} command on the subject of worker {origin.worker!r} alone"

@@ -79,10 +79,10 @@ class _Command(_Message, frozen=True, kw_only=True):
     """Worker ids that must act; every other agent ignores the command."""
     cohort: bool = False
     """Also addressed: every agent that took this update's pause of the same
-    epoch, less ``excluded``.
-    The member list then crosses the bus once per update (in the pause), not
-    once per command: each agent reads every broadcast, so a list in each
-    would cost the fleet N x N per phase."""
+    epoch, less ``excluded``; for a pause, which opens the cohort, every agent
+    less ``excluded``.
+    So the member list never crosses the bus: each agent reads every
+    broadcast, and a list in each would cost the fleet N x N per phase."""
     excluded: WorkerIds = []
     budget_s: Seconds
     """How long the agent has, counted from when it receives the command."""
@@ -180,6 +180,8 @@ def is_addressed_to(
     (epoch, update id) of every pause that worker took."""
     if isinstance(command, CommittedNotice):
         return True
+    if isinstance(command, PauseCommand) and command.cohort:
+        return worker_id not in command.excluded  # the pause that opens the cohort
     if (
         command.cohort
         and (command.epoch, command.update_id) in cohort_of

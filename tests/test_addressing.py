@@ -1,6 +1,7 @@
-"""Who acts on a command: the pause names each member on its own subject, later
-commands address the agents that took that pause (less those excluded), and
-no message names more than one member."""
+"""Who acts on a command: the pause is broadcast to every agent it does not
+exclude (a re-sent one names its member on its own subject), later commands
+address the agents that took that pause (less those excluded), and no message
+names more than one member."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def test_addressing_rules() -> None:
     )
 
     assert is_addressed_to(pause, "w000", set()) and not is_addressed_to(pause, "w001", set())
+    fleet_pause = PauseCommand(
+        update_id="u1", cohort=True, excluded=["w002"], budget_s=5, epoch=EPOCH
+    )
+    assert is_addressed_to(fleet_pause, "w000", set()), "a cohort pause opens the cohort"
+    assert not is_addressed_to(fleet_pause, "w002", set()), "excluded"
     assert is_addressed_to(resume, "w000", {(EPOCH, "u1")})
     assert not is_addressed_to(resume, "w000", {(EPOCH, "u0")}), "not in the cohort of u1"
     assert not is_addressed_to(resume, "w000", {(EPOCH - 1, "u1")}), "an older run of u1"
@@ -114,15 +120,13 @@ async def test_no_message_names_more_than_one_member(
             await close(nc)
 
     assert result.committed, result.error
-    members = sorted(result.workers)
-    assert sorted(to_one) == members
+    assert sorted(result.workers) == ["w000", "w001", "w002", "w003"]
+    # Only a re-send goes on a worker's own subject, and it names that worker.
     for worker_id, commands in to_one.items():
-        pauses = [c for c in commands if isinstance(c, PauseCommand)]
-        assert pauses and all(p.targets == [worker_id] for p in pauses), commands
-    assert not any(isinstance(c, PauseCommand) for c in broadcasts), "the pause is not broadcast"
+        assert all(c.targets == [worker_id] and not c.cohort for c in commands), commands
     by_type = {type(command): command for command in broadcasts}
-    for later in (LoadCommand, ResumeCommand):
-        command = by_type[later]
+    for phase in (PauseCommand, LoadCommand, ResumeCommand):
+        command = by_type[phase]
         assert command.cohort and command.targets == [] and command.excluded == [], command
     notice = by_type[CommittedNotice]
     assert notice.targets == [] and notice.served_name == "policy-v1"

@@ -25,10 +25,13 @@ from lorabus.schemas import (
     EngineResumed,
     Event,
     LeaseExpired,
+    LoadCommand,
     PauseCommand,
     Phase,
     RankEntry,
     RankMap,
+    RefuseInstance,
+    ResumeCommand,
     Subjects,
     UpdateFinished,
     UpdateStarted,
@@ -145,6 +148,25 @@ def test_every_event_type_is_known_to_come_from_its_sender() -> None:
 
 def test_a_clean_trail_has_no_violations() -> None:
     assert _rules(*_clean_update("u1"), *_clean_update("u2")) == []
+
+
+def test_the_commands_of_an_update_are_no_violation() -> None:
+    """The pause is broadcast to open the cohort; a re-sent one names its worker."""
+    commands = [
+        PauseCommand(update_id="u1", cohort=True, excluded=["gone"], budget_s=1, epoch=1),
+        PauseCommand(update_id="u1", targets=["a"], budget_s=1, epoch=1),
+        LoadCommand(
+            update_id="u1", cohort=True, budget_s=1, epoch=1, served_name="p-v1", path="/p"
+        ),
+        ResumeCommand(update_id="u1", cohort=True, budget_s=1, epoch=1),
+    ]
+    trail = [
+        record_of(seq, command, SUBJECTS.cmd_worker("a") if command.targets else SUBJECTS.cmd())
+        for seq, command in enumerate(commands, start=1)
+    ]
+    trail += [record_of(seq, m) for seq, m in enumerate(_clean_update(), start=len(trail) + 1)]
+
+    assert verify(trail) == []
 
 
 def test_a_pause_never_resumed_is_found_with_the_record_that_shows_it() -> None:
@@ -306,7 +328,19 @@ def _lie(seq: int, message: msgspec.Struct, subject: str) -> list[Violation]:
         (
             PauseCommand(update_id="u1", targets=["a"], budget_s=1),
             SUBJECTS.cmd(),
-            "broadcast",
+            "opening no cohort",
+        ),
+        (
+            PauseCommand(update_id="u1", cohort=True, budget_s=1),
+            SUBJECTS.cmd_worker("b"),
+            "addressed to []",
+        ),
+        (
+            RefuseInstance(
+                update_id="conflict", budget_s=1, instance="i2", holder="i1", targets=["a"]
+            ),
+            SUBJECTS.cmd(),
+            "broadcast to the whole fleet",
         ),
         (
             PauseCommand(update_id="u1", targets=["a"], budget_s=1),

@@ -7,10 +7,12 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from hand_coordinator import EPOCH, HandCoordinator
+
 from lorabus.adapter_digest import adapter_digest
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver
 from lorabus.bus import close, connect
-from lorabus.schemas import Subjects
+from lorabus.schemas import PauseCommand, Subjects, encode
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.stack import EmbeddedStack
 from lorabus.testbed.trainer import write_adapter
@@ -149,3 +151,68 @@ async def test_a_member_does_not_reload_a_committed_directory_that_now_holds_oth
     assert committed.digest in stuck.unready_reason
     assert "policy-v1" not in stack.sim.workers["w001"].adapters
     assert "policy-v1" in stack.sim.workers["w000"].adapters
+
+
+async def test_the_broadcast_pause_leaves_out_a_member_that_is_not_ready(
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """The pause is one broadcast: a live member the update does not count
+    (it cannot reconcile) is excluded by name, so its engine is not paused."""
+    async with make_stack([1, 1], quorum=0.5, quorum_timeout_s=5.0) as stack:
+        assert stack.client is not None and stack.sim is not None
+        assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
+        broken = stack.sim.workers["w001"]
+        broken.remove_adapter("policy-v1")
+        broken.set_faults(fail_next_loads=1000)  # it cannot reconcile
+
+        async def not_ready() -> None:
+            while True:
+                status = await stack.client.status()  # type: ignore[union-attr]
+                if any(m.worker_id == "w001" and not m.ready for m in status.members):
+                    return
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(not_ready(), DEADLINE_S)
+        calls_before = len(broken.requests)
+        result = await stack.client.update("policy", make_adapter(2), version=2)
+        calls = [(r.method, r.path) for r in broken.requests[calls_before:]]
+
+    assert result.committed, result.error
+    assert sorted(result.workers) == ["w000"]
+    assert stack.sim.workers["w000"].adapters.keys() >= {"policy-v2"}
+    assert not any("pause" in path for _, path in calls), calls
+
+
+async def test_an_agent_that_is_not_ready_takes_a_pause_by_name_only(
+    hand: HandCoordinator,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """A broadcast pause is for the members the coordinator counts; an agent
+    converging to the committed state ignores it (a re-send names it)."""
+    async with make_stack([1, 1]) as stack:
+        assert stack.client is not None and stack.sim is not None
+        assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
+        broken = stack.sim.workers["w001"]
+        broken.remove_adapter("policy-v1")
+        broken.set_faults(fail_next_loads=1000)  # it cannot reconcile
+
+        async def not_ready() -> None:
+            while True:
+                status = await stack.client.status()  # type: ignore[union-attr]
+                if any(m.worker_id == "w001" and not m.ready for m in status.members):
+                    return
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(not_ready(), DEADLINE_S)
+        await hand.send(PauseCommand(update_id="u-fleet", cohort=True, budget_s=5, epoch=EPOCH))
+        by_name = PauseCommand(update_id="u-named", targets=["w001"], budget_s=5, epoch=EPOCH)
+        await hand.nc.publish(hand.subjects.cmd_worker("w001"), encode(by_name))
+        seen: list[tuple[str, str]] = []
+        while ("u-named", "w001") not in seen:
+            ack = await hand.next_ack()
+            seen.append((ack.update_id, ack.worker_id))
+
+    assert ("u-fleet", "w000") in seen
+    assert ("u-fleet", "w001") not in seen, seen

@@ -80,7 +80,9 @@ class BusObserver:
         self.timeline = timeline
         self._subs: list[Subscription] = []
         self._cohorts: dict[tuple[int, str], set[str]] = {}
-        """(epoch, update id) -> every worker a pause of it named."""
+        """(epoch, update id) -> every worker a pause of it addressed."""
+        self._heard: set[str] = set()
+        """Every worker a heartbeat came from: a broadcast pause's addressees."""
 
     async def start(self, nc: NatsClient) -> None:
         s = self.subjects
@@ -147,11 +149,13 @@ class BusObserver:
                 )
 
     def _addressees(self, command: Command) -> frozenset[str]:
-        if isinstance(command, PauseCommand):
-            key = (command.epoch, command.update_id)
-            self._cohorts.setdefault(key, set()).update(command.targets)
         named = set(command.targets)
-        if command.cohort:
+        if isinstance(command, PauseCommand):
+            if command.cohort:
+                named |= self._heard - set(command.excluded)
+            key = (command.epoch, command.update_id)
+            self._cohorts.setdefault(key, set()).update(named)
+        elif command.cohort:
             cohort = self._cohorts.get((command.epoch, command.update_id), set())
             named |= cohort - set(command.excluded)
         return frozenset(named)
@@ -176,6 +180,7 @@ class BusObserver:
             self.timeline.undecodable += 1
             return
         at = now()
+        self._heard.add(beat.worker_id)
         self.timeline.epoch_seen(beat.worker_id, beat.epoch_seen, at)
         self.timeline.heartbeat(beat.worker_id, beat.paused, at)
 
