@@ -60,6 +60,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from lorabus.agents.beats import BeatPolicy
 from lorabus.agents.config import MAX_PAUSE_LEASE_S, MIN_PAUSE_LEASE_S, AgentConfig
 from lorabus.agents.engine import EngineDriver
 from lorabus.agents.executor import CommandExecutor
@@ -182,6 +183,7 @@ class Agent:
         self._pause_received_at = 0.0
         self._announced = False
         """Its first heartbeat is out: from then on the coordinator may count it."""
+        self._beats = BeatPolicy()
         self._nc: NatsClient | None = None
         self.instance = secrets.token_hex(8)
         """This process's identity among agents that share a worker id."""
@@ -676,7 +678,9 @@ class Agent:
             while True:
                 raise_if_cancelled()
                 await asyncio.sleep(self.heartbeat_s)
-                await self._beat()
+                beat = self._heartbeat()
+                if self._beats.should_beat(beat):
+                    await self._send_beat(beat)
 
     async def _engine_check_loop(self) -> None:
         assert self._nc is not None
@@ -728,25 +732,27 @@ class Agent:
             self._unready_reason(),
         )
 
-    async def _beat(self) -> None:
+    def _heartbeat(self) -> Heartbeat:
         ex = self.executor
-        await self._publish(
-            self.subjects.heartbeat(self.worker_id),
-            encode(
-                Heartbeat(
-                    worker_id=self.worker_id,
-                    world_size=ex.world_size,
-                    engine=ex.driver.kind,
-                    adapters=list(ex.adapters),
-                    paused=ex.paused,
-                    interval_s=self.heartbeat_s,
-                    ready=self.ready and not self._reconciling,
-                    epoch_seen=self.epoch_seen,
-                    instance=self.instance,
-                    unready_reason=self._unready_reason(),
-                )
-            ),
+        return Heartbeat(
+            worker_id=self.worker_id,
+            world_size=ex.world_size,
+            engine=ex.driver.kind,
+            adapters=list(ex.adapters),
+            paused=ex.paused,
+            interval_s=self.heartbeat_s,
+            ready=self.ready and not self._reconciling,
+            epoch_seen=self.epoch_seen,
+            instance=self.instance,
+            unready_reason=self._unready_reason(),
         )
+
+    async def _beat(self) -> None:
+        await self._send_beat(self._heartbeat())
+
+    async def _send_beat(self, beat: Heartbeat) -> None:
+        if await self._publish(self.subjects.heartbeat(self.worker_id), encode(beat)):
+            self._beats.beat_sent(beat)
 
     # -- leaving -------------------------------------------------------------
 
@@ -812,17 +818,21 @@ class Agent:
     async def _publish_ack(self, ack: Ack) -> None:
         if ack.instance != self.instance:
             ack = msgspec.structs.replace(ack, instance=self.instance)
-        await self._publish(self.subjects.ack(self.worker_id), encode(ack))
+        if await self._publish(self.subjects.ack(self.worker_id), encode(ack)):
+            self._beats.ack_sent(ack)
 
     async def _emit(self, event: Event) -> None:
         await self._publish(self.subjects.agent_event(self.worker_id, tag_of(event)), encode(event))
 
-    async def _publish(self, subject: str, payload: bytes) -> None:
+    async def _publish(self, subject: str, payload: bytes) -> bool:
+        """Whether ``payload`` went out (to the connection's buffer)."""
         assert self._nc is not None, "run() sets the connection before anything is published"
         try:
             await self._nc.publish(subject, payload)
         except Exception as exc:  # a closed or draining connection must not kill the loop
             log.warning("worker=%s could not publish on %s: %s", self.worker_id, subject, exc)
+            return False
+        return True
 
     @property
     def _source(self) -> str:

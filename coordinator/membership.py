@@ -180,13 +180,19 @@ class Membership:
 
     def observe_ack(self, ack: Ack) -> None:
         """An ack carries the engine's state as of the command: agents do not
-        beat after each command, so the status learns it from here."""
+        beat after each command, so the status learns it from here. It is a
+        sign of life too, as agents skip a beat an ack made redundant
+        (agents/beats.py); but one after a whole missed beat is left to the
+        next heartbeat, which marks the member as (re)joined."""
         known = self._members.get(ack.worker_id)
         if known is None:
             return
         known.heartbeat = msgspec.structs.replace(
             known.heartbeat, paused=ack.paused, adapters=ack.adapters
         )
+        at = self._clock()
+        if at - known.seen_at <= _REJOIN_AFTER_BEATS * known.heartbeat.interval_s:
+            known.seen_at = at
 
     def instance_of(self, worker_id: str) -> str | None:
         """The instance that holds ``worker_id``, if it is known."""

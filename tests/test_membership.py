@@ -12,7 +12,7 @@ import pytest
 
 from lorabus.coordinator.membership import FORGET_AFTER_BEATS, MISSED_BEATS, Membership
 from lorabus.errors import QuorumNotReached
-from lorabus.schemas import Heartbeat
+from lorabus.schemas import Ack, Heartbeat, Phase
 
 BEAT_S = 1.0
 
@@ -45,6 +45,45 @@ async def test_a_member_is_live_for_three_of_its_beats_then_not() -> None:
     await asyncio.sleep(0.02)
     assert not membership.is_live("w0")
     assert membership.live() == {}
+
+
+def _ack(worker_id: str, *, paused: bool = True) -> Ack:
+    return Ack(
+        update_id="u1",
+        phase=Phase.PAUSE,
+        worker_id=worker_id,
+        ok=True,
+        world_size=1,
+        adapters=["p-v1"],
+        paused=paused,
+    )
+
+
+@pytest.mark.looptime
+async def test_an_ack_keeps_a_member_live_and_carries_its_engine_state() -> None:
+    membership = Membership()
+    membership.observe(_beat("w0"))
+    await asyncio.sleep(1.5 * BEAT_S)
+    membership.observe_ack(_ack("w0"))
+    await asyncio.sleep(MISSED_BEATS * BEAT_S - 0.01)
+
+    assert membership.is_live("w0"), "the ack counted as a sign of life"
+    status = membership.live()["w0"].heartbeat
+    assert (status.paused, status.adapters) == (True, ["p-v1"])
+
+
+@pytest.mark.looptime
+async def test_an_ack_after_a_missed_beat_leaves_the_rejoin_to_the_next_beat() -> None:
+    membership = Membership()
+    membership.observe(_beat("w0"))
+    await asyncio.sleep(2.5 * BEAT_S)
+    membership.observe_ack(_ack("w0"))
+    await asyncio.sleep(0.6 * BEAT_S)
+
+    assert not membership.is_live("w0"), "a late ack does not revive it"
+    generation = membership.generation
+    membership.observe(_beat("w0"))
+    assert membership.is_live("w0") and membership.generation > generation, "rejoined"
 
 
 @pytest.mark.looptime
