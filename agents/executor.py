@@ -138,8 +138,17 @@ class CommandExecutor:
             case LoadCommand(served_name=name, path=path, replace=replace, digest=asked):
                 self._check_names([name])
                 real = await self._adapter_dir(path, command.update_id)
-                await self._check_digest(real, asked)
-                await self._load(name, real, replace=replace, budget_s=budget_s)
+                if asked is not None:
+                    await self._check_digest(real, asked)  # before anything is loaded
+                    await self._load(name, real, replace=replace, budget_s=budget_s)
+                    return
+                # Only the ack needs the digest: hash while the engine loads, so
+                # reading a large adapter twice does not add to the load phase.
+                hashing = asyncio.create_task(self._check_digest(real, None))
+                try:
+                    await self._load(name, real, replace=replace, budget_s=budget_s)
+                finally:
+                    await hashing
             case UnloadCommand(names=names) if retire:
                 self._check_names(names)
                 await self._retire(names)

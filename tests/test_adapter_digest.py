@@ -10,10 +10,12 @@ host with a stale NFS cache or a half-finished rsync would.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -22,11 +24,12 @@ import pytest
 from processes import Processes, run_lorabus, wait_live_workers
 
 from lorabus.adapter_digest import MAX_FILES, adapter_digest
-from lorabus.agents import AgentConfig
+from lorabus.agents import AgentConfig, CommandExecutor, DynamoDriver
+from lorabus.agents import executor as executor_module
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.coordinator.digests import digest_problem
-from lorabus.schemas import Ack, ErrorCode, ErrorInfo, Phase
+from lorabus.schemas import Ack, ErrorCode, ErrorInfo, LoadCommand, Phase
 from lorabus.schemas.codec import BadPayload, ack_decoder
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.trainer import write_adapter
@@ -224,3 +227,39 @@ def _agent(fleet: str, worker_id: str, world_size: int, sim: SimFleet) -> AgentC
         world_size=world_size,
         heartbeat_s=0.2,
     )
+
+
+DEADLINE_S = 10.0
+
+
+async def test_without_a_requested_digest_the_engine_loads_while_the_directory_is_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ack's digest is read beside the load, not before it: the hash here
+    finishes only once the engine holds the adapter."""
+    adapter = write_adapter(tmp_path / "v1", 1)
+    engine_has_it = threading.Event()
+
+    def digest_once_loaded(directory: str) -> str:
+        engine_has_it.wait(DEADLINE_S * 2)
+        return adapter_digest(directory)
+
+    monkeypatch.setattr(executor_module, "adapter_digest", digest_once_loaded)
+    async with SimFleet(["w0"], [1]) as sim:
+        driver = DynamoDriver(sim.system_url("w0"))
+        executor = CommandExecutor("w0", 1, driver)
+        worker = sim.workers["w0"]
+        command = LoadCommand(
+            update_id="u1", budget_s=DEADLINE_S * 3, served_name="p-v1", path=str(adapter)
+        )
+        try:
+            loading = asyncio.create_task(executor.execute(command, DEADLINE_S * 3))
+            await asyncio.wait_for(worker.wait_until(lambda: "p-v1" in worker.adapters), DEADLINE_S)
+            engine_has_it.set()
+            ack = await asyncio.wait_for(loading, DEADLINE_S)
+        finally:
+            engine_has_it.set()
+            await driver.aclose()
+
+    assert ack.ok, ack.error
+    assert ack.digest == adapter_digest(adapter)
