@@ -6,11 +6,12 @@ callback only decodes, fences and enqueues: engine calls take seconds and
 would stall every later message of that subscription. One worker task drains
 the queue, so commands for the engine run one at a time, in arrival order.
 
-Addressing: a pause is broadcast to every agent it does not exclude by name
-(a re-sent one comes on this agent's own subject, naming it); the later
-commands of that update are broadcast to the agents that took its pause (its
-cohort), so no message grows with the fleet. Committed notices reach every
-agent.
+Addressing: a pause comes on this agent's own subject, naming it, in the
+first update of a coordinator's term (and after this agent restarts); later
+ones are one broadcast, which it takes only once a pause of that term named
+it, unless it is excluded by name. The later commands of that update are
+broadcast to the agents that took its pause (its cohort), so no message grows
+with the fleet. Committed notices reach every agent.
 
 Core NATS is at-most-once, so the coordinator re-sends commands to agents that
 have not acked. A re-sent command is recognised by (epoch, update id, type):
@@ -183,6 +184,9 @@ class Agent:
         self._pause_received_at = 0.0
         self._announced = False
         """Its first heartbeat is out: from then on the coordinator may count it."""
+        self._named_in_epoch = -1
+        """The latest term whose leader sent this process a pause by name: it
+        takes broadcast pauses of that term only (coordinator/lifecycle.py)."""
         self._beats = BeatPolicy()
         self._nc: NatsClient | None = None
         self.instance = secrets.token_hex(8)
@@ -291,10 +295,12 @@ class Agent:
             return
         if not is_addressed_to(command, self.worker_id, self._cohorts):
             return
-        if isinstance(command, PauseCommand) and command.cohort and not self._countable():
-            # The coordinator counts only announced, ready members; a broadcast
-            # pause is not for a worker it cannot count (one starting up or
-            # converging), and a pause meant for it comes again by name.
+        fleet_pause = isinstance(command, PauseCommand) and command.cohort
+        if fleet_pause and not self._countable(command.epoch):
+            # A broadcast pause is only for workers the coordinator counts: one
+            # that named this agent in a pause of its term, while it is ready
+            # (not starting up or converging). A pause meant for it all the
+            # same comes again by name.
             return
         if self.verifier.required:
             key = await self._signing_key_of(command.epoch)
@@ -330,6 +336,8 @@ class Agent:
                 await self._reconcile_if_needed()
             case PauseCommand():
                 self._pause_received_at = now()
+                if not command.cohort:
+                    self._named_in_epoch = command.epoch
                 self._join_cohort((command.epoch, command.update_id))
                 await self._accept(command)
             case _:
@@ -711,8 +719,13 @@ class Agent:
                     # Tell the coordinator now; the heartbeat loop beats on its own.
                     await self._beat()
 
-    def _countable(self) -> bool:
-        return self._announced and self.ready and not self._reconciling
+    def _countable(self, epoch: int) -> bool:
+        return (
+            epoch == self._named_in_epoch
+            and self._announced
+            and self.ready
+            and not self._reconciling
+        )
 
     def _unready_reason(self) -> str:
         """Why the engine will not converge, once reloading the committed

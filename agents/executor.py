@@ -147,8 +147,13 @@ class CommandExecutor:
                 hashing = asyncio.create_task(self._check_digest(real, None))
                 try:
                     await self._load(name, real, replace=replace, budget_s=budget_s)
-                finally:
-                    await hashing
+                except BaseException:
+                    # A failed or timed-out load must not wait for a slow read:
+                    # the resume may be queued behind it. (The thread finishes alone.)
+                    hashing.cancel()
+                    await asyncio.gather(hashing, return_exceptions=True)
+                    raise
+                await hashing  # under the command's budget, like the load
             case UnloadCommand(names=names) if retire:
                 self._check_names(names)
                 await self._retire(names)

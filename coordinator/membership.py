@@ -38,8 +38,10 @@ FORGET_AFTER_BEATS = 100
 CONFLICT_SHOWN_S = 300.0
 """How long the status keeps showing a refused second agent after it fell silent."""
 _FORGET_CHECK_S = 1.0
-_REJOIN_AFTER_BEATS = 2.0
-"""Silent this long (a whole beat missed): it may have been cut off from the bus."""
+_REJOIN_AFTER_BEATS = 2.5
+"""Silent this long, in beat periods: it may have been cut off from the bus. Two
+periods pass between beats when an agent skips one that an ack made redundant
+(agents/beats.py); more means a beat went missing."""
 
 
 class Member(msgspec.Struct, kw_only=True):
@@ -181,9 +183,8 @@ class Membership:
     def observe_ack(self, ack: Ack) -> None:
         """An ack carries the engine's state as of the command: agents do not
         beat after each command, so the status learns it from here. It is a
-        sign of life too, as agents skip a beat an ack made redundant
-        (agents/beats.py); but one after a whole missed beat is left to the
-        next heartbeat, which marks the member as (re)joined."""
+        sign of life of a live member too, as agents skip a beat an ack made
+        redundant (agents/beats.py); one gone is left to its next heartbeat."""
         known = self._members.get(ack.worker_id)
         if known is None:
             return
@@ -191,8 +192,12 @@ class Membership:
             known.heartbeat, paused=ack.paused, adapters=ack.adapters
         )
         at = self._clock()
-        if at - known.seen_at <= _REJOIN_AFTER_BEATS * known.heartbeat.interval_s:
-            known.seen_at = at
+        if not _alive(known, at):
+            return
+        if at - known.seen_at > _REJOIN_AFTER_BEATS * known.heartbeat.interval_s:
+            known.joined_at = at  # as a heartbeat after a missed beat would
+            self.generation += 1
+        known.seen_at = at
 
     def instance_of(self, worker_id: str) -> str | None:
         """The instance that holds ``worker_id``, if it is known."""

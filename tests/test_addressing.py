@@ -1,7 +1,7 @@
-"""Who acts on a command: the pause is broadcast to every agent it does not
-exclude (a re-sent one names its member on its own subject), later commands
-address the agents that took that pause (less those excluded), and no message
-names more than one member."""
+"""Who acts on a command: a term's first pause names each member on its own
+subject, later ones are one broadcast to the agents a pause of that term named
+(less those excluded), later commands address the agents that took that pause
+(less those excluded), and no message names more than one member."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ async def test_no_message_names_more_than_one_member(
     async def on_broadcast(msg: Msg) -> None:
         command = command_decoder.decode(msg.data)
         broadcasts.append(command)
-        if isinstance(command, CommittedNotice):
+        if isinstance(command, CommittedNotice) and command.version == 2:
             noticed.set()
 
     async def on_own_subject(msg: Msg) -> None:
@@ -114,19 +114,30 @@ async def test_no_message_names_more_than_one_member(
             await nc.subscribe(subjects.cmd(), cb=on_broadcast)
             await nc.subscribe(subjects.cmd_worker("*"), cb=on_own_subject)
             await nc.flush()
-            result = await stack.client.update("policy", make_adapter(1), version=1)
+            first = await stack.client.update("policy", make_adapter(1), version=1)
+            second = await stack.client.update("policy", make_adapter(2), version=2)
             await asyncio.wait_for(noticed.wait(), 10)
         finally:
             await close(nc)
 
-    assert result.committed, result.error
-    assert sorted(result.workers) == ["w000", "w001", "w002", "w003"]
-    # Only a re-send goes on a worker's own subject, and it names that worker.
+    assert first.committed and second.committed, (first.error, second.error)
+    members = ["w000", "w001", "w002", "w003"]
+    assert sorted(first.workers) == members
     for worker_id, commands in to_one.items():
         assert all(c.targets == [worker_id] and not c.cohort for c in commands), commands
-    by_type = {type(command): command for command in broadcasts}
-    for phase in (PauseCommand, LoadCommand, ResumeCommand):
-        command = by_type[phase]
-        assert command.cohort and command.targets == [] and command.excluded == [], command
-    notice = by_type[CommittedNotice]
-    assert notice.targets == [] and notice.served_name == "policy-v1"
+    # The term's first pause names each member on its own subject; the second
+    # is one broadcast, naming nobody.
+    assert sorted(to_one) == members
+    for worker_id in members:
+        pauses = [c.update_id for c in to_one[worker_id] if isinstance(c, PauseCommand)]
+        assert first.update_id in pauses and second.update_id not in pauses, pauses
+    by_update = {(type(c), c.update_id): c for c in broadcasts}
+    assert (PauseCommand, first.update_id) not in by_update
+    pause = by_update[(PauseCommand, second.update_id)]
+    assert pause.cohort and pause.targets == [] and pause.excluded == [], pause
+    for update in (first, second):
+        for phase in (LoadCommand, ResumeCommand):
+            command = by_update[(phase, update.update_id)]
+            assert command.cohort and command.targets == [] and command.excluded == [], command
+    notice = by_update[(CommittedNotice, second.update_id)]
+    assert notice.targets == [] and notice.served_name == "policy-v2"

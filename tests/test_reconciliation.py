@@ -8,11 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hand_coordinator import EPOCH, HandCoordinator
+from nats.aio.msg import Msg
 
 from lorabus.adapter_digest import adapter_digest
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver
 from lorabus.bus import close, connect
-from lorabus.schemas import PauseCommand, Subjects, encode
+from lorabus.schemas import PauseCommand, Subjects, command_decoder, encode
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.stack import EmbeddedStack
 from lorabus.testbed.trainer import write_adapter
@@ -154,43 +155,76 @@ async def test_a_member_does_not_reload_a_committed_directory_that_now_holds_oth
 
 
 async def test_the_broadcast_pause_leaves_out_a_member_that_is_not_ready(
+    nats_url: str,
+    fleet_name: str,
     make_adapter: Callable[[int], str],
     make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    """The pause is one broadcast: a live member the update does not count
-    (it cannot reconcile) is excluded by name, so its engine is not paused."""
+    """After a term's first update the pause is one broadcast: a live member
+    the update does not count (it cannot reconcile) is excluded by name, so
+    its engine is not paused."""
+    pauses: list[PauseCommand] = []
+
+    async def on_broadcast(msg: Msg) -> None:
+        command = command_decoder.decode(msg.data)
+        if isinstance(command, PauseCommand):
+            pauses.append(command)
+
     async with make_stack([1, 1], quorum=0.5, quorum_timeout_s=5.0) as stack:
         assert stack.client is not None and stack.sim is not None
-        assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
-        broken = stack.sim.workers["w001"]
-        broken.remove_adapter("policy-v1")
-        broken.set_faults(fail_next_loads=1000)  # it cannot reconcile
+        listener = await connect(nats_url, name="test-listener")
+        try:
+            await listener.subscribe(Subjects(fleet=fleet_name).cmd(), cb=on_broadcast)
+            await listener.flush()
+            assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
+            broken = stack.sim.workers["w001"]
+            broken.remove_adapter("policy-v1")
+            broken.set_faults(fail_next_loads=1000)  # it cannot reconcile
 
-        async def not_ready() -> None:
-            while True:
-                status = await stack.client.status()  # type: ignore[union-attr]
-                if any(m.worker_id == "w001" and not m.ready for m in status.members):
-                    return
-                await asyncio.sleep(0.05)
+            async def not_ready() -> None:
+                while True:
+                    status = await stack.client.status()  # type: ignore[union-attr]
+                    if any(m.worker_id == "w001" and not m.ready for m in status.members):
+                        return
+                    await asyncio.sleep(0.05)
 
-        await asyncio.wait_for(not_ready(), DEADLINE_S)
-        calls_before = len(broken.requests)
-        result = await stack.client.update("policy", make_adapter(2), version=2)
+            await asyncio.wait_for(not_ready(), DEADLINE_S)
+            calls_before = len(broken.requests)
+            result = await stack.client.update("policy", make_adapter(2), version=2)
+            await listener.flush()
+        finally:
+            await close(listener)
         calls = [(r.method, r.path) for r in broken.requests[calls_before:]]
 
     assert result.committed, result.error
     assert sorted(result.workers) == ["w000"]
+    assert [(p.update_id, p.excluded) for p in pauses] == [(result.update_id, ["w001"])]
     assert stack.sim.workers["w000"].adapters.keys() >= {"policy-v2"}
     assert not any("pause" in path for _, path in calls), calls
 
 
-async def test_an_agent_that_is_not_ready_takes_a_pause_by_name_only(
+async def test_an_agent_takes_a_broadcast_pause_only_once_named_and_while_ready(
     hand: HandCoordinator,
     make_adapter: Callable[[int], str],
     make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    """A broadcast pause is for the members the coordinator counts; an agent
-    converging to the committed state ignores it (a re-send names it)."""
+    """A broadcast pause is for the members the coordinator counts: an agent
+    takes one only after a pause of that term named it, and not while it
+    converges to the committed state (a pause by name reaches it then)."""
+
+    def named(update_id: str, *workers: str) -> PauseCommand:
+        return PauseCommand(update_id=update_id, targets=list(workers), budget_s=5, epoch=EPOCH)
+
+    def fleet_pause(update_id: str) -> PauseCommand:
+        return PauseCommand(update_id=update_id, cohort=True, budget_s=5, epoch=EPOCH)
+
+    async def acks_until(*awaited: tuple[str, str]) -> list[tuple[str, str]]:
+        seen: list[tuple[str, str]] = []
+        while not set(awaited) <= set(seen):
+            ack = await hand.next_ack()
+            seen.append((ack.update_id, ack.worker_id))
+        return seen
+
     async with make_stack([1, 1]) as stack:
         assert stack.client is not None and stack.sim is not None
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
@@ -206,13 +240,15 @@ async def test_an_agent_that_is_not_ready_takes_a_pause_by_name_only(
                 await asyncio.sleep(0.05)
 
         await asyncio.wait_for(not_ready(), DEADLINE_S)
-        await hand.send(PauseCommand(update_id="u-fleet", cohort=True, budget_s=5, epoch=EPOCH))
-        by_name = PauseCommand(update_id="u-named", targets=["w001"], budget_s=5, epoch=EPOCH)
-        await hand.nc.publish(hand.subjects.cmd_worker("w001"), encode(by_name))
-        seen: list[tuple[str, str]] = []
-        while ("u-named", "w001") not in seen:
-            ack = await hand.next_ack()
-            seen.append((ack.update_id, ack.worker_id))
+        # Both were named by the stack's coordinator, not in this (the hand's) term.
+        await hand.send(fleet_pause("u-early"))
+        await hand.nc.publish(hand.subjects.cmd(), encode(named("u-named", "w000", "w001")))
+        before_named = await acks_until(("u-named", "w000"), ("u-named", "w001"))
+        await hand.send(fleet_pause("u-fleet"))
+        marker = named("u-marker", "w001")
+        await hand.nc.publish(hand.subjects.cmd_worker("w001"), encode(marker))
+        # Each agent acks in order; the two agents' acks may interleave.
+        after = await acks_until(("u-fleet", "w000"), ("u-marker", "w001"))
 
-    assert ("u-fleet", "w000") in seen
-    assert ("u-fleet", "w001") not in seen, seen
+    assert not any(update == "u-early" for update, _ in before_named), before_named
+    assert ("u-fleet", "w001") not in after, after

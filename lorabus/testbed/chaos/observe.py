@@ -4,9 +4,10 @@ The engines are watched in this process, on their own change notifications
 (no polling), so a pause is timed where it happens, not where an agent says
 it did. On the bus the observer listens as any tap would: events, commands
 (for the pause renewals and the epochs they carry; a command addressed to a
-pause's cohort is resolved through the pauses seen), acks (what each agent
-acted on) and heartbeats (for the epoch each agent reports having seen). It
-only listens; it never publishes.
+pause's cohort is resolved through the pauses seen, and who took a broadcast
+pause through its acks), acks (what each agent acted on) and heartbeats (for
+the epoch each agent reports having seen). It only listens; it never
+publishes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lorabus.schemas import (
     ErrorCode,
     LeaderElected,
     PauseCommand,
+    Phase,
     RenewLeaseCommand,
     Subjects,
     ack_decoder,
@@ -81,8 +83,9 @@ class BusObserver:
         self._subs: list[Subscription] = []
         self._cohorts: dict[tuple[int, str], set[str]] = {}
         """(epoch, update id) -> every worker a pause of it addressed."""
-        self._heard: set[str] = set()
-        """Every worker a heartbeat came from: a broadcast pause's addressees."""
+        self._broadcast_pauses: dict[tuple[int, str], float] = {}
+        """(epoch, update id) -> when a broadcast pause of it was seen: who took
+        it is known only from the acks."""
 
     async def start(self, nc: NatsClient) -> None:
         s = self.subjects
@@ -128,6 +131,8 @@ class BusObserver:
             return
         at = now()
         targets = self._addressees(command)
+        if isinstance(command, PauseCommand) and command.cohort:
+            self._broadcast_pauses.setdefault((command.epoch, command.update_id), at)
         self.timeline.command_seen(
             SeenCommand(
                 at=at,
@@ -151,8 +156,6 @@ class BusObserver:
     def _addressees(self, command: Command) -> frozenset[str]:
         named = set(command.targets)
         if isinstance(command, PauseCommand):
-            if command.cohort:
-                named |= self._heard - set(command.excluded)
             key = (command.epoch, command.update_id)
             self._cohorts.setdefault(key, set()).update(named)
         elif command.cohort:
@@ -169,9 +172,35 @@ class BusObserver:
         if ack.error is not None and ack.error.code == ErrorCode.FENCED:
             return  # a refusal, recorded from its command_refused event
         at = now()
+        self._took_broadcast_pause(ack)
         self.timeline.handled.append((at, _handled(ack)))
         # Agents no longer beat after each command: an ack shows the epoch it acted in.
         self.timeline.epoch_seen(ack.worker_id, ack.epoch, at)
+
+    def _took_broadcast_pause(self, ack: Ack) -> None:
+        """A pause ack for a broadcast pause: its sender was addressed, when the
+        pause was seen (its lease started over then)."""
+        key = (ack.epoch, ack.update_id)
+        sent_at = self._broadcast_pauses.get(key)
+        cohort = self._cohorts.setdefault(key, set())
+        if ack.phase != Phase.PAUSE or sent_at is None or ack.worker_id in cohort:
+            return
+        cohort.add(ack.worker_id)
+        worker = frozenset({ack.worker_id})
+        self.timeline.command_seen(
+            SeenCommand(
+                at=sent_at,
+                epoch=ack.epoch,
+                command="pause",
+                update_id=ack.update_id,
+                targets=worker,
+            )
+        )
+        self.timeline.lease_command(
+            LeaseCommand(
+                worker_id=ack.worker_id, at=sent_at, epoch=ack.epoch, update_id=ack.update_id
+            )
+        )
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -180,7 +209,6 @@ class BusObserver:
             self.timeline.undecodable += 1
             return
         at = now()
-        self._heard.add(beat.worker_id)
         self.timeline.epoch_seen(beat.worker_id, beat.epoch_seen, at)
         self.timeline.heartbeat(beat.worker_id, beat.paused, at)
 
