@@ -295,13 +295,6 @@ class Agent:
             return
         if not is_addressed_to(command, self.worker_id, self._cohorts):
             return
-        fleet_pause = isinstance(command, PauseCommand) and command.cohort
-        if fleet_pause and not self._countable(command.epoch):
-            # A broadcast pause is only for workers the coordinator counts: one
-            # that named this agent in a pause of its term, while it is ready
-            # (not starting up or converging). A pause meant for it all the
-            # same comes again by name.
-            return
         if self.verifier.required:
             key = await self._signing_key_of(command.epoch)
             if not key and may_hold and command.epoch >= self.epoch_seen:
@@ -323,6 +316,13 @@ class Agent:
                 f"epoch {command.epoch} is not in the fleet's leader record "
                 f"(which shows {self.epoch_seen})",
             )
+            return
+        fleet_pause = isinstance(command, PauseCommand) and command.cohort
+        if fleet_pause and not self._countable(command.epoch):
+            # Checked and fenced like any command, but a broadcast pause is only
+            # for workers the coordinator counts: one that a pause of its term
+            # named, while it is ready (not starting up or converging). A pause
+            # meant for it all the same comes again by name.
             return
         match command:
             case RefuseInstance(instance=instance):

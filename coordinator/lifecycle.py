@@ -170,8 +170,11 @@ class UpdateRunner:
         self._in_flight: InflightRecord | None = None
         self._term_epoch = 0
         self._paused_this_term: dict[str, str] = {}
-        """Worker id -> the agent instance that acked a pause of this term: the
-        agents that act on a broadcast pause of it (agents/agent.py)."""
+        """Worker id -> the agent instance that acked a pause of this term: it
+        takes the term's broadcast pauses (agents/agent.py)."""
+        self._named_this_term: set[str] = set()
+        """Every worker sent a pause by name in this term: any of them may take
+        a broadcast pause, so those not in an update are excluded from it."""
 
     async def run(self, plan: UpdatePlan) -> UpdateResult:
         """Run ``plan`` to a terminal result; never leaves a member told to pause unresumed."""
@@ -345,13 +348,23 @@ class UpdateRunner:
         member's first update after it (re)started, pay for theirs.
         """
         if self._term_epoch != self.epoch:
-            self._term_epoch, self._paused_this_term = self.epoch, {}
+            self._term_epoch, self._paused_this_term, self._named_this_term = self.epoch, {}, set()
+        # A worker forgotten (silent for many beats) starts over, by name.
+        for worker_id in [w for w in self._named_this_term if not self.membership.remembers(w)]:
+            self._named_this_term.discard(worker_id)
+            self._paused_this_term.pop(worker_id, None)
         took = self._paused_this_term
         by_name = [w for w in targets if took.get(w) != self.membership.instance_of(w)]
         named = set(by_name)
         broadcast_to = [w for w in targets if w not in named]
+        # Every agent a pause of this term named may act on the broadcast, whether
+        # or not its ack came back: those not in this update are excluded.
         command = self._cohort_command(
-            PauseCommand, plan, broadcast_to, sorted(took), lease_s=self.config.pause_lease_s
+            PauseCommand,
+            plan,
+            broadcast_to,
+            sorted(self._named_this_term | named),
+            lease_s=self.config.pause_lease_s,
         )
         pause = await self._phase(command, targets, phases, by_name=by_name)
         for worker_id, ack in pause.acks.items():
@@ -547,7 +560,7 @@ class UpdateRunner:
         **fields: Any,
     ) -> _C:
         """A command addressed to ``targets`` as a cohort, less the rest of
-        ``among``: for a pause, every worker this coordinator knows; for a
+        ``among``: for a pause, every worker a pause of this term named; for a
         later phase, the pause's targets."""
         kept = set(targets)
         return kind(
@@ -682,6 +695,8 @@ class UpdateRunner:
     async def _send_to_each(self, command: PhasedCommand, worker_ids: list[str]) -> None:
         """Each member on its own subject, named alone: a broadcast naming N
         members would have each of N agents read all N names."""
+        if isinstance(command, PauseCommand):
+            self._named_this_term.update(worker_ids)
         for worker_id in worker_ids:
             await self.bus.send_to(worker_id, msgspec.structs.replace(command, targets=[worker_id]))
 

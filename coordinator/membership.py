@@ -199,6 +199,10 @@ class Membership:
             self.generation += 1
         known.seen_at = at
 
+    def remembers(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is still remembered, live or not."""
+        return worker_id in self._members
+
     def instance_of(self, worker_id: str) -> str | None:
         """The instance that holds ``worker_id``, if it is known."""
         member = self._members.get(worker_id)

