@@ -14,11 +14,30 @@ from lorabus.adapter_digest import adapter_digest
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver
 from lorabus.bus import close, connect
 from lorabus.schemas import PauseCommand, Subjects, command_decoder, encode
-from lorabus.simfleet import SimFleet
+from lorabus.simfleet import SimFleet, SimWorker
 from lorabus.testbed.stack import EmbeddedStack
 from lorabus.testbed.trainer import write_adapter
 
 DEADLINE_S = 15.0
+
+
+async def _unready_w001(stack: EmbeddedStack) -> SimWorker:
+    """Make w001's engine lose the committed adapter for good, and wait until
+    the coordinator shows w001 as not ready."""
+    assert stack.client is not None and stack.sim is not None
+    broken = stack.sim.workers["w001"]
+    broken.remove_adapter("policy-v1")
+    broken.set_faults(fail_next_loads=1000)  # it cannot reconcile
+
+    async def not_ready() -> None:
+        while True:
+            status = await stack.client.status()  # type: ignore[union-attr]
+            if any(m.worker_id == "w001" and not m.ready for m in status.members):
+                return
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(not_ready(), DEADLINE_S)
+    return broken
 
 
 async def test_a_new_agent_loads_the_committed_adapter_before_it_is_ready(
@@ -77,18 +96,7 @@ async def test_an_update_does_not_count_an_agent_that_is_not_ready(
     async with make_stack([1, 1], quorum_timeout_s=1.0) as stack:
         assert stack.client is not None and stack.sim is not None
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
-        broken = stack.sim.workers["w001"]
-        broken.remove_adapter("policy-v1")
-        broken.set_faults(fail_next_loads=1000)  # it cannot reconcile
-
-        async def not_ready() -> None:
-            while True:
-                status = await stack.client.status()  # type: ignore[union-attr]
-                if any(m.worker_id == "w001" and not m.ready for m in status.members):
-                    return
-                await asyncio.sleep(0.05)
-
-        await asyncio.wait_for(not_ready(), DEADLINE_S)
+        await _unready_w001(stack)
         result = await stack.client.update("policy", make_adapter(2), version=2)
 
     assert result.error is not None and result.error.code == "quorum_timeout"
@@ -177,18 +185,7 @@ async def test_the_broadcast_pause_leaves_out_a_member_that_is_not_ready(
             await listener.subscribe(Subjects(fleet=fleet_name).cmd(), cb=on_broadcast)
             await listener.flush()
             assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
-            broken = stack.sim.workers["w001"]
-            broken.remove_adapter("policy-v1")
-            broken.set_faults(fail_next_loads=1000)  # it cannot reconcile
-
-            async def not_ready() -> None:
-                while True:
-                    status = await stack.client.status()  # type: ignore[union-attr]
-                    if any(m.worker_id == "w001" and not m.ready for m in status.members):
-                        return
-                    await asyncio.sleep(0.05)
-
-            await asyncio.wait_for(not_ready(), DEADLINE_S)
+            broken = await _unready_w001(stack)
             calls_before = len(broken.requests)
             result = await stack.client.update("policy", make_adapter(2), version=2)
             await listener.flush()
@@ -229,18 +226,7 @@ async def test_an_agent_takes_a_broadcast_pause_only_once_named_and_while_ready(
         assert stack.client is not None and stack.sim is not None
         assert stack.coordinator is not None and stack.coordinator.epoch != EPOCH
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
-        broken = stack.sim.workers["w001"]
-        broken.remove_adapter("policy-v1")
-        broken.set_faults(fail_next_loads=1000)  # it cannot reconcile
-
-        async def not_ready() -> None:
-            while True:
-                status = await stack.client.status()  # type: ignore[union-attr]
-                if any(m.worker_id == "w001" and not m.ready for m in status.members):
-                    return
-                await asyncio.sleep(0.05)
-
-        await asyncio.wait_for(not_ready(), DEADLINE_S)
+        await _unready_w001(stack)
         # Both were named by the stack's coordinator, not in this (the hand's) term.
         await hand.send(fleet_pause("u-early"))
         await hand.nc.publish(hand.subjects.cmd(), encode(named("u-named", "w000", "w001")))
