@@ -6,10 +6,10 @@ the ack as a sign of life. A beat that would tell the coordinator nothing new
 since the last beat and that ack is skipped, so at N = 1024 the coordinator
 does not read a thousand redundant heartbeats per update.
 
-Never two in a row without a beat between them: a coordinator that does not know this worker yet
-(a standby started since, or a new leader) learns of it only from a beat, and
-it still hears one at least every two periods, well within the three missed
-beats after which a worker counts as gone.
+Never two without a beat sent between them: a coordinator that does not know
+this worker yet (a standby started since, or a new leader) learns of it only
+from a beat, and it still hears one at least every two periods, well within
+the three missed beats after which a worker counts as gone.
 """
 
 from __future__ import annotations
