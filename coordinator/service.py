@@ -418,6 +418,15 @@ class Coordinator:
                 # Before the answer: a trail read once the answer is in holds
                 # the end of the update (one publish, to the audit stream only).
                 await bus.emit(self._finished(result))
+                # Before the answer too: the requester may stop this process once
+                # it has it (as a test, or a script, does).
+                log.info(
+                    "epoch=%d update=%s %s %s",
+                    self.epoch,
+                    request.update_id,
+                    result.status,
+                    result.error.message if result.error else result.adapter,
+                )
                 self.book.finish(request, result, persisted=persisted)
                 # The rest waits for the answers, which must not queue behind
                 # it: the record in flight goes only now that the result is
@@ -430,13 +439,6 @@ class Coordinator:
                     await _quietly(store.clear_inflight())
                 if notice is not None:
                     await self._announce(bus, notice)
-            log.info(
-                "epoch=%d update=%s %s %s",
-                self.epoch,
-                request.update_id,
-                result.status,
-                result.error.message if result.error else result.adapter,
-            )
 
     async def _execute(
         self, request: UpdateRequest, runner: UpdateRunner, store: FleetStore
