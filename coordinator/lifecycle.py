@@ -644,13 +644,12 @@ class UpdateRunner:
         sent_at = dict.fromkeys(expected, started)
         looked_at = (-1, 0.0)  # membership generation, and quiet until when
         try:
-            if not command.cohort:
-                await self._send_to_each(command, expected)
-            elif len(by_name) < len(expected):
+            if command.cohort and len(by_name) < len(expected):
                 await self.bus.broadcast(command)
-            if command.cohort and by_name:
-                named = msgspec.structs.replace(command, cohort=False, excluded=[])
-                await self._send_to_each(named, by_name)
+            named = by_name if command.cohort else expected
+            if named:
+                by_names = msgspec.structs.replace(command, cohort=False, excluded=[])
+                await self._send_to_each(by_names, named)
             while not gather.complete:
                 raise_if_cancelled()
                 at = now()

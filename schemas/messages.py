@@ -79,8 +79,9 @@ class _Command(_Message, frozen=True, kw_only=True):
     """Worker ids that must act; every other agent ignores the command."""
     cohort: bool = False
     """Also addressed: every agent that took this update's pause of the same
-    epoch, less ``excluded``; for a pause, which opens the cohort, every agent
-    less ``excluded``.
+    epoch, less ``excluded``. A pause with ``cohort`` opens the cohort: every
+    agent less ``excluded`` may take it, and an agent takes it only if a pause
+    of the same epoch named it before and it is ready (agents/agent.py).
     So the member list never crosses the bus: each agent reads every
     broadcast, and a list in each would cost the fleet N x N per phase."""
     excluded: WorkerIds = []

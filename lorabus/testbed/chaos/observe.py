@@ -182,8 +182,10 @@ class BusObserver:
         pause was seen (its lease started over then)."""
         key = (ack.epoch, ack.update_id)
         sent_at = self._broadcast_pauses.get(key)
+        if ack.phase != Phase.PAUSE or sent_at is None:
+            return
         cohort = self._cohorts.setdefault(key, set())
-        if ack.phase != Phase.PAUSE or sent_at is None or ack.worker_id in cohort:
+        if ack.worker_id in cohort:
             return
         cohort.add(ack.worker_id)
         worker = frozenset({ack.worker_id})
