@@ -15,7 +15,7 @@ safe='')``), so ``org/policy-v1`` is sent as ``/v1/loras/org%2Fpolicy-v1``:
 Dynamo's route is ``/v1/loras/{*lora_name}`` and axum's ``Path`` extractor
 decodes it back to ``org/policy-v1``, while ``?``, ``#``, ``%`` or a ``/``
 cannot reach another route. The segments ``.`` and ``..`` are refused, since
-HTTP clients resolve them away (httpx sends ``DELETE /v1/loras/..`` as
+HTTP clients and servers resolve them away (``DELETE /v1/loras/..`` is
 ``DELETE /v1``).
 
 Retries and error classification are shared with the other engines'
@@ -108,8 +108,8 @@ class DynamoDriver(HttpEngine):
 
     async def list_adapters(self) -> list[str]:
         body = await self._call("GET", "/v1/loras")
-        loras = body.get("loras", {})
-        if not isinstance(loras, dict):
+        loras = body.get("loras")
+        if not isinstance(loras, dict):  # no JSON object with a map of loras: not Dynamo's answer
             raise EngineError(f"GET /v1/loras answered an unexpected body: {body!r}")
         return sorted(loras)
 

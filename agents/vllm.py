@@ -56,9 +56,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import httpx
-
-from lorabus.agents.http_engine import HttpEngine, json_or_none
+from lorabus.agents.http_engine import EngineAnswer, HttpEngine, json_or_none
 from lorabus.errors import EngineError
 
 __all__ = ["VllmDriver"]
@@ -114,13 +112,13 @@ class VllmDriver(HttpEngine):
         ) from refusal
 
 
-def _expect_status(response: httpx.Response, status: str) -> None:
+def _expect_status(response: EngineAnswer, status: str) -> None:
     """vLLM's pause and resume answer ``{"status": <status>}``; anything else
     is not the route this driver was written for."""
     payload: Any = json_or_none(response)
     if not isinstance(payload, dict) or payload.get("status") != status:
         raise EngineError(
-            f"{response.request.method} {response.request.url} answered "
+            f"{response.method} {response.url} answered "
             f"{response.status_code} {response.text[:200]!r}, not status {status!r}",
             status=response.status_code,
         )

@@ -83,7 +83,7 @@ async def test_an_unload_reaches_only_the_unload_route_of_that_exact_name(
 async def test_a_name_a_client_would_resolve_away_is_never_sent(
     sim: SimFleet, driver: DynamoDriver, name: str
 ) -> None:
-    # httpx sends DELETE /v1/loras/.. as DELETE /v1: another route.
+    # DELETE /v1/loras/.. is DELETE /v1 once a client or server resolves it: another route.
     with pytest.raises(BadRequest, match="URL path segment"):
         await driver.unload_adapter(name)
 

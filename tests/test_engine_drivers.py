@@ -9,6 +9,8 @@ segments, the status-200 error quirk, a refused keep-mode pause) is in
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -223,3 +225,66 @@ async def test_unloading_a_name_the_engine_lacks_is_an_error(
     with pytest.raises(EngineError, match="answered 40") as raised:
         await driver.unload_adapter("never-loaded")
     assert raised.value.status == (404 if kind == "vllm" else 400)
+
+
+async def _raw_engine(answer: bytes | None) -> asyncio.Server:
+    """An engine on a bare socket: it reads a request, then answers ``answer``
+    (a whole HTTP response) or nothing at all."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")
+            if answer is None:
+                await reader.read()  # holds the connection until the client gives up
+            else:
+                writer.write(answer)
+                await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+def _raw_driver(server: asyncio.Server, kind: str) -> EngineDriver:
+    port = server.sockets[0].getsockname()[1]
+    config = AgentConfig(
+        fleet="f",
+        worker_id="w1",
+        system_url=f"http://127.0.0.1:{port}",
+        engine=kind,
+        engine_timeout_s=0.5,
+    )
+    return driver_for(config)
+
+
+@KINDS
+async def test_an_engine_that_never_answers_is_a_retryable_timeout(kind: str) -> None:
+    server = await _raw_engine(None)
+    engine = _raw_driver(server, kind)
+    try:
+        async with asyncio.timeout(10):
+            with pytest.raises(EngineError, match="failed: ReadTimeout") as raised:
+                await engine.pause()
+    finally:
+        await engine.aclose()
+        server.close()
+        await server.wait_closed()
+    assert raised.value.retryable
+
+
+@KINDS
+async def test_a_poisoned_answer_is_an_engine_error_not_a_crash(kind: str) -> None:
+    nested = b"[" * 100_000 + b"]" * 100_000
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(nested), nested)
+    )
+    server = await _raw_engine(answer)
+    engine = _raw_driver(server, kind)
+    try:
+        async with asyncio.timeout(10):
+            with pytest.raises(EngineError, match=r"unexpected body|not status|without success"):
+                await engine.list_adapters()
+    finally:
+        await engine.aclose()
+        server.close()
+        await server.wait_closed()

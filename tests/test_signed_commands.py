@@ -128,3 +128,27 @@ def test_a_verifier_refuses_keys_it_does_not_trust_and_records_the_first_on_firs
         middle = len(signer.public_key) // 2
         flipped = "B" if signer.public_key[middle] != "B" else "C"
         CommandVerifier([signer.public_key[:middle] + flipped + signer.public_key[middle + 1 :]])
+
+
+def test_verifiers_in_one_process_share_proven_signatures_but_not_replay_checks() -> None:
+    signer = CommandSigner(new_signing_seed())
+    body = b'{"kind":"pause"}'
+    headers = signer.headers("cmd", body)
+    first, second = CommandVerifier([signer.public_key]), CommandVerifier([signer.public_key])
+    # One broadcast reaches two agents of one process: both take it.
+    assert first.check(signer.public_key, 1, "cmd", headers, body) is None
+    assert second.check(signer.public_key, 1, "cmd", headers, body) is None
+    # A signature proven once is still one command per agent.
+    replayed = second.check(signer.public_key, 1, "cmd", headers, body)
+    assert replayed is not None and replayed.startswith("replayed")
+    # The proof covers these exact bytes: another body, subject or signature is checked anew.
+    later = signer.headers("cmd", body)
+    third = CommandVerifier([signer.public_key])
+    for subject, payload, sent in (
+        ("cmd", b'{"kind":"resume"}', later),
+        ("cmd.w000", body, later),
+        ("cmd", body, {**later, "Lorabus-Sig": headers["Lorabus-Sig"]}),
+    ):
+        reason = third.check(signer.public_key, 1, subject, sent, payload)
+        assert reason is not None and "does not match" in reason, (subject, payload)
+    assert third.check(signer.public_key, 1, "cmd", later, body) is None

@@ -29,6 +29,7 @@ from lorabus.agents import Agent, CommandExecutor, DynamoDriver, EngineDriver
 from lorabus.bus import close, connect
 from lorabus.bus_options import BusOptions
 from lorabus.schemas import Subjects
+from lorabus.signing import COORDINATOR_KEYS_ENV, CommandVerifier
 from lorabus.testbed.bench.control import child_main, say, serve_requests
 from lorabus.testbed.bench.engines import EngineTimes, NullEngine, TimedEngine
 
@@ -133,7 +134,11 @@ async def _start_agents(
         drivers.append(driver)
         executor = CommandExecutor(worker_id, world_size, driver)
         await executor.refresh()
-        agent = Agent(subjects, executor, heartbeat_s=spec["heartbeat_s"])
+        # In a secure run, each agent obeys only commands signed with the
+        # coordinator key its identity pins, as a deployed agent does.
+        identity = (spec.get("identities") or {}).get(worker_id, {})
+        verifier = CommandVerifier(identity.get(COORDINATOR_KEYS_ENV, "").split())
+        agent = Agent(subjects, executor, heartbeat_s=spec["heartbeat_s"], verifier=verifier)
         ready = asyncio.Event()
         readies.append(ready)
         tasks.append(asyncio.create_task(agent.run(nc, ready), name=f"agent-{worker_id}"))
