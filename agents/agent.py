@@ -69,6 +69,7 @@ from lorabus.agents.lease import LeaseState, PauseLease
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
 from lorabus.errors import DuplicateWorker
+from lorabus.event_loop import running_loop_name
 from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
     Ack,
@@ -260,7 +261,12 @@ class Agent:
             self._announced = True
             if ready is not None:
                 ready.set()
-            log.info("worker=%s agent ready on fleet %s", self.worker_id, self.subjects.fleet)
+            log.info(
+                "worker=%s agent ready on fleet %s (event loop: %s)",
+                self.worker_id,
+                self.subjects.fleet,
+                running_loop_name(),
+            )
             tasks.create_task(self._heartbeat_loop())
 
     async def _stop_if_refused(self) -> None:

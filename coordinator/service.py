@@ -62,6 +62,7 @@ from lorabus.coordinator.plan import (
 )
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BadRequest, LeadershipLost, LorabusError, StoreUnavailable
+from lorabus.event_loop import running_loop_name
 from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
     COMMITTED,
@@ -169,9 +170,11 @@ class Coordinator:
             if ready is not None:
                 ready.set()
             log.info(
-                "coordinator %s ready on fleet %s: following heartbeats, leading when it can",
+                "coordinator %s ready on fleet %s: following heartbeats, leading when it "
+                "can (event loop: %s)",
                 self.holder,
                 self.config.fleet,
+                running_loop_name(),
             )
             while True:
                 raise_if_cancelled()

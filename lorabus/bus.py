@@ -201,7 +201,8 @@ async def close(nc: NatsClient) -> None:
     try:
         async with asyncio.timeout(_FLUSH_ON_CLOSE_S):
             await nc.close()
-    except (OSError, TimeoutError) as exc:
+    except (OSError, RuntimeError, TimeoutError) as exc:
         # nats-py flushes publishes buffered during a reconnect into the
-        # dead connection and raises: the connection is gone either way.
+        # dead connection and raises (OSError on asyncio's loop, RuntimeError
+        # "the handler is closed" on uvloop's): the connection is gone either way.
         log.debug("closing %s: %r", nc.connected_url, exc)

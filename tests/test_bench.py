@@ -102,7 +102,8 @@ def _positive_stats(result: ModeResult) -> None:
     assert len(result.wall_samples_s) == wall.count
     assert result.phases_s, result.label
     for name, stats in result.phases_s.items():
-        if name in ("quorum", "other"):
+        # Verify takes no time when the frontend listed the name during the load.
+        if name in ("quorum", "other", "verify"):
             assert stats.p50 >= 0, name
         else:
             assert stats.p50 > 0, f"{result.label}: {name}"

@@ -125,6 +125,25 @@ async def test_update_without_adapter_is_a_usage_error(nats_url: str, fleet_name
     assert "--adapter" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("command", "missing"),
+    [
+        (["agent", "--fleet", "f", "--worker-id", "w000"], "--system-url"),
+        (["agent", "--fleet", "f", "--system-url", "http://127.0.0.1:9"], "--worker-id"),
+        (["coordinator", "--fleet", "f", "--expected-world-size", "2"], "--frontend-url"),
+        (["coordinator", "--fleet", "f", "--frontend-url", "http://x"], "--expected-world-size"),
+    ],
+)
+async def test_a_serving_command_without_a_required_option_is_a_usage_error(
+    nats_url: str, command: list[str], missing: str
+) -> None:
+    done = await run_lorabus(command[0], "--nats", nats_url, *command[1:])
+
+    assert done.returncode == 2, done
+    assert f"Missing option '{missing}'" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 async def test_fleet_name_with_a_dot_is_a_usage_error(nats_url: str) -> None:
     done = await run_lorabus(*_update_args(nats_url, "prod.eu", "/ckpt/step_1"))
 

@@ -46,6 +46,9 @@ async def test_services_say_when_they_are_ready_and_what_each_update_did(
     assert "agent ready on fleet" in agent_log, agent_log
     assert "update=step-1 resumed; engine serves policy-v1" in agent_log, agent_log
     assert "HTTP Request" not in agent_log + coordinator_log
+    # Where uvloop is installed (a dependency off Windows), services run on it.
+    assert "(event loop: uvloop)" in coordinator_log, coordinator_log
+    assert "(event loop: uvloop)" in agent_log, agent_log
 
 
 async def _start(processes: Processes, name: str, args: list[str]) -> ChildProcess:

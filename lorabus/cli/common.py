@@ -224,9 +224,14 @@ class IntList(click.ParamType):
 INT_LIST = IntList()
 
 
-def run(main: Callable[[], Awaitable[int]]) -> int:
+def run(
+    main: Callable[[], Awaitable[int]],
+    *,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+) -> int:
     """Run ``main`` to its exit code; SIGTERM or SIGINT cancels it cleanly (130),
-    and a lorabus error is printed as one line (1), not as a traceback."""
+    and a lorabus error is printed as one line (1), not as a traceback.
+    ``loop_factory``: the event loop to run it on (None: asyncio's)."""
 
     async def guarded() -> int:
         task = asyncio.current_task()
@@ -243,4 +248,5 @@ def run(main: Callable[[], Awaitable[int]]) -> int:
             click.echo(f"error: {exc}", err=True)
             return EXIT_FAILED
 
-    return asyncio.run(guarded())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(guarded())

@@ -67,6 +67,9 @@ class Flag:
         shown: bool | str = not required and default not in (None, [], "")
         if shown and isinstance(self.type, QuorumType) and default == 1.0:
             shown = "all"
+        # A required option gets no default at all: click 8.3+ counts an
+        # explicit default=None as given, and no longer reports it missing.
+        defaults = {} if required else {"default": _as_option_value(default)}
         return click.option(
             self.name,
             self.field,
@@ -74,9 +77,9 @@ class Flag:
             multiple=self.multiple,
             envvar=self.envvar,
             required=required,
-            default=None if required else _as_option_value(default),
             show_default=shown,
             help=self.help,
+            **defaults,
         )
 
     def render(self, value: Any) -> list[str]:

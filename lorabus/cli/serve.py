@@ -26,6 +26,7 @@ from lorabus.cli.flags import (
     config_options,
 )
 from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.event_loop import serving_loop_factory
 from lorabus.metrics_http import serving
 
 _Config = TypeVar("_Config", AgentConfig, CoordinatorConfig)
@@ -90,7 +91,16 @@ def serving_command(
                 # the other commands stay quiet unless asked.
                 logging.getLogger("lorabus").setLevel(logging.INFO)
             _settle_collector()
-            sys.exit(run(lambda: serve(config, Bus(nats_url, bus), metrics_port)))
+            try:
+                loop_factory = serving_loop_factory()
+            except ValueError as exc:
+                raise click.UsageError(str(exc)) from exc
+            sys.exit(
+                run(
+                    lambda: serve(config, Bus(nats_url, bus), metrics_port),
+                    loop_factory=loop_factory,
+                )
+            )
 
         return command
 

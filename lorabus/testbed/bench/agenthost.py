@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver, EngineDriver
 from lorabus.bus import close, connect
 from lorabus.bus_options import BusOptions
+from lorabus.event_loop import serving_loop_factory
 from lorabus.schemas import Subjects
 from lorabus.signing import COORDINATOR_KEYS_ENV, CommandVerifier
 from lorabus.testbed.bench.control import child_main, say, serve_requests
@@ -160,4 +161,5 @@ async def _start_agents(
 
 
 if __name__ == "__main__":
-    child_main(host)
+    # On the event loop of `lorabus agent`: hosted agents stand in for it.
+    child_main(host, loop_factory=serving_loop_factory())

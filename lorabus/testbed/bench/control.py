@@ -50,9 +50,14 @@ async def serve_requests(handle: Handler) -> None:
             say({"error": f"{type(exc).__name__}: {exc}"})
 
 
-def child_main(main: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+def child_main(
+    main: Callable[[dict[str, Any]], Awaitable[None]],
+    *,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+) -> None:
     """Run ``main(spec)`` with the spec in the JSON file ``argv[1]`` (a host's
-    identities outgrow one command-line argument); SIGTERM/SIGINT cancel it."""
+    identities outgrow one command-line argument); SIGTERM/SIGINT cancel it.
+    ``loop_factory``: the event loop (None: asyncio's)."""
     logging.basicConfig(
         level=logging.WARNING,
         stream=sys.stderr,
@@ -71,4 +76,5 @@ def child_main(main: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         except asyncio.CancelledError:
             logging.getLogger(__name__).info("stopped by signal")
 
-    asyncio.run(guarded())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(guarded())

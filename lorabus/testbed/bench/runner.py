@@ -95,11 +95,6 @@ async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
     unmeasured: list[str] = []
     results: list[ModeResult] = []
     adapter = write_adapter(run_dir / "adapters", 1, base_model="sim-base")
-    # The agent hosts hold hundreds of httpx clients, each of which would load
-    # the CA bundle (~24 ms CPU, ~0.85 MB); a deployed agent holds one. Plain
-    # HTTP on loopback never uses it, so the hosts get an empty CA directory.
-    no_ca = run_dir / "no-ca"
-    no_ca.mkdir(exist_ok=True)
     cases: list[tuple[str, int, float, float, Sequence[str]]] = [
         ("main", n, config.load_latency_s, config.load_jitter_s, config.modes) for n in config.sizes
     ]
@@ -111,7 +106,7 @@ async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
         )
     try:
         for case, n, latency, jitter, modes in cases:
-            size = _SizeRun(config, case, n, latency, jitter, str(adapter), run_dir, no_ca, out)
+            size = _SizeRun(config, case, n, latency, jitter, str(adapter), run_dir, out)
             results.extend(await size.run(modes, unmeasured))
     finally:
         failed = bool(unmeasured) or any(r.errors for r in results)
@@ -157,7 +152,6 @@ class _SizeRun:
         jitter: float,
         adapter_path: str,
         run_dir: Path,
-        no_ca: Path,
         out: Out,
     ) -> None:
         self.config = config
@@ -167,7 +161,6 @@ class _SizeRun:
         self.jitter = jitter
         self.adapter_path = adapter_path
         self.log_dir = run_dir / f"{case}-n{n}"
-        self.host_env = {"SSL_CERT_FILE": "", "SSL_CERT_DIR": str(no_ca)}
         self.out = out
         self.workers = dict(zip(numbered_worker_ids(n), config.world_sizes_for(n), strict=True))
         self.world_size = sum(self.workers.values())
@@ -327,7 +320,6 @@ class _SizeRun:
                     "agenthost",
                     spec,
                     ready_timeout_s=self._ready_timeout_s() + 30,
-                    env=self.host_env,
                 )
                 for i, spec in enumerate(specs)
             ),
