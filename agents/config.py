@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from lorabus.bus import redact
 from lorabus.schemas import MAX_WORLD_SIZE, check_token
 from lorabus.schemas.bounds import MAX_SECONDS
 
@@ -70,4 +71,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not 1 <= self.world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"world size must be 1-{MAX_WORLD_SIZE}, got {self.world_size}")
         if not self.system_url.startswith(("http://", "https://")):
-            raise ValueError(f"system URL {self.system_url!r} must start with http:// or https://")
+            raise ValueError(
+                f"system URL {redact(self.system_url)!r} must start with http:// or https://"
+            )
+        if not self.system_url.isascii():
+            raise ValueError(
+                f"system URL {redact(self.system_url)!r} must be ASCII (an international "
+                "host name in its xn-- form, other characters percent-encoded)"
+            )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from lorabus.adapter_digest import adapter_digest
+from lorabus.adapter_digest import read_adapter_digest
 from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
 from lorabus.agents.engine import EngineDriver
 from lorabus.clock import now
@@ -199,8 +199,9 @@ class CommandExecutor:
         directory (the engine's files are not mounted here) says so in the ack
         with an empty digest, which passes only when no digest was asked for."""
         try:
-            # Reads every file: off the loop, under the command's budget.
-            self._seen_digest = await asyncio.to_thread(adapter_digest, path)
+            # Reads every file (in a thread, shared with agents of this process
+            # reading it at the same moment), under the command's budget.
+            self._seen_digest = await read_adapter_digest(path)
         except (OSError, ValueError) as exc:
             if asked is not None:
                 raise DigestMismatch(

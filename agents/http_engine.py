@@ -28,13 +28,15 @@ the same behaviour from every engine kind of a mixed fleet:
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, unquote, urlencode, urlsplit, urlunsplit
 
 import httpcore
+import httpx
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -44,7 +46,9 @@ from tenacity import (
     wait_random,
 )
 
+from lorabus._version import __version__
 from lorabus.agents.config import ENGINE_TIMEOUT_S
+from lorabus.bus import redact
 from lorabus.errors import BadRequest, EngineError
 
 __all__ = [
@@ -100,6 +104,8 @@ _NO_ANSWER = (
 _KEEPALIVE_S = 5.0
 """How long an idle connection is reused: httpx's default."""
 _BODYLESS = frozenset({"GET", "HEAD"})
+_USER_AGENT = f"lorabus/{__version__}"
+_JSON_TYPE = (b"Content-Type", b"application/json")
 
 
 @dataclass(frozen=True)
@@ -138,17 +144,40 @@ class HttpEngine:
         timeout_s: float = ENGINE_TIMEOUT_S,
         attempts: int = 5,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        if not base_url.isascii():
+            raise ValueError(
+                f"engine URL {redact(base_url)!r} must be ASCII (an international host name "
+                "in its xn-- form, other characters percent-encoded)"
+            )
+        parts = urlsplit(base_url.rstrip("/"))
+        host = parts.netloc.rpartition("@")[2]
+        self._url = urlunsplit(parts._replace(netloc=host))
+        """The URL requests go to: a user and password in it become a header."""
+        self.base_url = redact(self._url)
+        """The URL messages show."""
         self._attempts = attempts
-        host = urlsplit(self.base_url).netloc.rpartition("@")[2]
+        given = dict(headers or {})
+        named = {name.lower() for name in given}
+        # httpx's own headers, each unless the agent's configuration sets it.
+        own = {"Host": host, "User-Agent": _USER_AGENT, "Accept": "*/*"}
+        if parts.username is not None:
+            user, password = unquote(parts.username), unquote(parts.password or "")
+            basic = base64.b64encode(f"{user}:{password}".encode()).decode()
+            own["Authorization"] = f"Basic {basic}"
+        own = {name: value for name, value in own.items() if name.lower() not in named}
         self._headers = [
-            (b"Host", host.encode("ascii", errors="replace")),
-            *((name.encode(), value.encode()) for name, value in (headers or {}).items()),
+            (name.encode(), value.encode()) for name, value in {**own, **given}.items()
         ]
+        self._json_type = [] if "content-type" in named else [_JSON_TYPE]
         self._extensions = {
             "timeout": dict.fromkeys(("connect", "read", "write", "pool"), timeout_s)
         }
-        self._http = httpcore.AsyncConnectionPool(keepalive_expiry=_KEEPALIVE_S)
+        # One context for the pool's connections (httpcore would make one per
+        # connection), trusting what httpx trusts; none for plain HTTP.
+        context = httpx.create_ssl_context() if parts.scheme == "https" else None
+        self._http = httpcore.AsyncConnectionPool(
+            ssl_context=context, keepalive_expiry=_KEEPALIVE_S
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -164,14 +193,14 @@ class HttpEngine:
         """``method path`` with ``body`` as JSON; the answer if its status is
         below 400, else an EngineError classified by status and message."""
         what = f"{method} {self.base_url}{path}"
-        url = self.base_url + path + (f"?{urlencode(params)}" if params else "")
+        url = self._url + path + (f"?{urlencode(params)}" if params else "")
         headers = list(self._headers)
         content = b""
         if body is not None:
             content = json.dumps(
                 body, ensure_ascii=False, separators=(",", ":"), allow_nan=False
             ).encode()
-            headers.append((b"Content-Type", b"application/json"))
+            headers += self._json_type
         if content or method not in _BODYLESS:
             headers.append((b"Content-Length", str(len(content)).encode()))
         try:
@@ -182,7 +211,8 @@ class HttpEngine:
             raise EngineError(
                 f"{what} failed: {type(exc).__name__}: {exc}", retryable=True
             ) from exc
-        response = EngineAnswer(method, url, answer.status, answer.content)
+        shown = self.base_url + path + (f"?{urlencode(params)}" if params else "")
+        response = EngineAnswer(method, shown, answer.status, answer.content)
         status = response.status_code
         if status >= 400:
             message = error_message(json_or_none(response), response.text)

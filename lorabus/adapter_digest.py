@@ -11,11 +11,12 @@ implementations.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["MAX_FILES", "adapter_digest"]
+__all__ = ["MAX_FILES", "adapter_digest", "read_adapter_digest"]
 
 MAX_FILES = 10_000
 """An adapter is a few files; a directory with more is not one (and hashing it
@@ -55,3 +56,30 @@ def adapter_digest(directory: str | os.PathLike[str]) -> str:
 
 def _raise(error: OSError) -> None:
     raise error
+
+
+_reading: dict[str, asyncio.Future[str]] = {}
+"""Directory -> the read of its digest under way in this process."""
+
+
+async def read_adapter_digest(directory: str) -> str:
+    """:func:`adapter_digest` of ``directory`` in a thread (a network
+    filesystem can block), one read at a time per directory in this process:
+    callers that ask while a read is under way get its result, which is what a
+    read of their own, made at the same time, would have seen. Agents that
+    share a process (tests, the bench's agent hosts) get a broadcast load at
+    the same moment; a read that starts later reads the files again. A caller
+    cancelled leaves the read to the others."""
+    reading = _reading.get(directory)
+    if reading is None or reading.get_loop() is not asyncio.get_running_loop():
+        reading = asyncio.ensure_future(asyncio.to_thread(adapter_digest, directory))
+        _reading[directory] = reading
+        reading.add_done_callback(lambda done: _forget(directory, done))
+    return await asyncio.shield(reading)
+
+
+def _forget(directory: str, done: asyncio.Future[str]) -> None:
+    if _reading.get(directory) is done:
+        del _reading[directory]
+    if not done.cancelled():
+        done.exception()  # retrieved: every waiter may have been cancelled

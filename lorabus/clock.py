@@ -1,6 +1,8 @@
 """The clock every lorabus deadline, lease and age is measured on: the event loop's.
 
-In production a loop's clock is ``time.monotonic()``. Measuring everything
+In production a loop's clock is the system's monotonic clock (on uvloop, the
+serving processes' loop, in whole milliseconds, read once per loop turn:
+phase durations are reported to the millisecond). Measuring everything
 on it rather than calling ``time.monotonic()`` directly keeps the deadlines
 lorabus computes in step with ``asyncio.sleep`` and ``asyncio.timeout``, so a
 test can run the whole of an update, a pause lease or a leader election on a

@@ -23,9 +23,9 @@ import msgspec
 import pytest
 from processes import Processes, run_lorabus, wait_live_workers
 
-from lorabus.adapter_digest import MAX_FILES, adapter_digest
+from lorabus import adapter_digest as digest_module
+from lorabus.adapter_digest import MAX_FILES, adapter_digest, read_adapter_digest
 from lorabus.agents import AgentConfig, CommandExecutor, DynamoDriver
-from lorabus.agents import executor as executor_module
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.coordinator.digests import digest_problem
@@ -244,7 +244,7 @@ async def test_without_a_requested_digest_the_engine_loads_while_the_directory_i
         engine_has_it.wait(DEADLINE_S * 2)
         return adapter_digest(directory)
 
-    monkeypatch.setattr(executor_module, "adapter_digest", digest_once_loaded)
+    monkeypatch.setattr(digest_module, "adapter_digest", digest_once_loaded)
     async with SimFleet(["w0"], [1]) as sim:
         driver = DynamoDriver(sim.system_url("w0"))
         executor = CommandExecutor("w0", 1, driver)
@@ -263,3 +263,35 @@ async def test_without_a_requested_digest_the_engine_loads_while_the_directory_i
 
     assert ack.ok, ack.error
     assert ack.digest == adapter_digest(adapter)
+
+
+async def test_agents_of_one_process_share_a_read_under_way_and_only_that(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads asked for while one is under way share it, a caller cancelled
+    leaves it to the others, and a read asked for afterwards reads the files
+    again (and sees what changed)."""
+    adapter = write_adapter(tmp_path / "v1", 1)
+    before = adapter_digest(adapter)
+    release = threading.Event()
+    reads: list[str] = []
+
+    def counted(directory: str) -> str:
+        reads.append(directory)
+        release.wait(DEADLINE_S)
+        return adapter_digest(directory)
+
+    monkeypatch.setattr(digest_module, "adapter_digest", counted)
+    async with asyncio.timeout(DEADLINE_S * 2):
+        waiting = [asyncio.create_task(read_adapter_digest(str(adapter))) for _ in range(8)]
+        await asyncio.sleep(0.05)
+        waiting[0].cancel()
+        release.set()
+        shared = await asyncio.gather(*waiting[1:])
+        (adapter / "adapter_config.json").write_text("{}")
+        again = await read_adapter_digest(str(adapter))
+
+    assert waiting[0].cancelled()
+    assert shared == [before] * 7
+    assert reads == [str(adapter), str(adapter)]
+    assert again != before and again == adapter_digest(adapter)

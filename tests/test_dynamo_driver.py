@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
-from lorabus.agents import DynamoDriver
+from lorabus.agents import AgentConfig, DynamoDriver
 from lorabus.errors import BadRequest, EngineError
 from lorabus.simfleet import SimFleet
 
@@ -156,3 +157,48 @@ async def test_an_engine_route_answering_200_with_an_error_is_a_failure(sim: Sim
     finally:
         await engine.aclose()
     assert not sim.workers["w1"].paused
+
+
+async def test_headers_the_configuration_sets_are_sent_once_in_place_of_the_clients_own(
+    sim: SimFleet,
+) -> None:
+    engine = DynamoDriver(
+        sim.system_url("w1"),
+        headers={"Authorization": "Bearer k", "host": "engine.internal", "User-Agent": "rl/1"},
+        timeout_s=5,
+    )
+    try:
+        await engine.pause()
+    finally:
+        await engine.aclose()
+
+    (request,) = sim.workers["w1"].requests
+    assert request.headers["host"] == "engine.internal"
+    assert request.headers["user-agent"] == "rl/1"
+
+
+async def test_a_user_and_password_in_the_engine_url_are_basic_auth_and_never_shown() -> None:
+    async with SimFleet(["w1"], [2]) as fleet:
+        url = fleet.system_url("w1").replace("http://", "http://rl%40team:s3cr%3At@", 1)
+        engine = DynamoDriver(url, timeout_s=5)
+        try:
+            await engine.pause()
+            fleet.workers["w1"].set_faults(fail_next_loads=1, load_failure_status=400)
+            with pytest.raises(EngineError, match="answered 400") as raised:
+                await engine.load_adapter("p", "/nowhere", budget_s=5)
+        finally:
+            await engine.aclose()
+        requests = fleet.workers["w1"].requests
+
+    assert {r.headers["authorization"] for r in requests} == {
+        "Basic " + base64.b64encode(b"rl@team:s3cr:t").decode()
+    }
+    assert requests[0].headers["user-agent"].startswith("lorabus/")
+    assert "s3cr" not in str(raised.value) and "s3cr" not in engine.system_url
+
+
+def test_an_engine_url_that_is_not_ascii_is_refused_when_configured() -> None:
+    with pytest.raises(ValueError, match="must be ASCII"):
+        AgentConfig(fleet="f", worker_id="w1", system_url="http://moteur.exemple/é")
+    with pytest.raises(ValueError, match="must be ASCII"):
+        DynamoDriver("http://bücher.example:9000")
