@@ -177,7 +177,9 @@ async def test_headers_the_configuration_sets_are_sent_once_in_place_of_the_clie
     assert request.headers["user-agent"] == "rl/1"
 
 
-async def test_a_user_and_password_in_the_engine_url_are_basic_auth_and_never_shown() -> None:
+async def test_a_user_and_password_in_the_engine_url_are_basic_auth_and_never_shown(
+    make_adapter: Callable[[int], str],
+) -> None:
     async with SimFleet(["w1"], [2]) as fleet:
         url = fleet.system_url("w1").replace("http://", "http://rl%40team:s3cr%3At@", 1)
         engine = DynamoDriver(url, timeout_s=5)
@@ -185,7 +187,7 @@ async def test_a_user_and_password_in_the_engine_url_are_basic_auth_and_never_sh
             await engine.pause()
             fleet.workers["w1"].set_faults(fail_next_loads=1, load_failure_status=400)
             with pytest.raises(EngineError, match="answered 400") as raised:
-                await engine.load_adapter("p", "/nowhere", budget_s=5)
+                await engine.load_adapter("p", make_adapter(1), budget_s=5)
         finally:
             await engine.aclose()
         requests = fleet.workers["w1"].requests
