@@ -378,6 +378,8 @@ class Agent:
     async def _reread_leader(self, settled: Callable[[], bool]) -> None:
         """Read the leader record unless ``settled()`` already holds; reads are
         shared and spaced out, however many commands ask."""
+        if settled():  # every command of a known term: no lock to take
+            return
         async with self._leader_lock:
             if settled() or now() - self._leader_read[0] < _LEADER_REREAD_S:
                 return
