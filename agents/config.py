@@ -70,12 +70,15 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not 1 <= self.world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"world size must be 1-{MAX_WORLD_SIZE}, got {self.world_size}")
-        if not self.system_url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"system URL {redact(self.system_url)!r} must start with http:// or https://"
-            )
-        if not self.system_url.isascii():
-            raise ValueError(
-                f"system URL {redact(self.system_url)!r} must be ASCII (an international "
-                "host name in its xn-- form, other characters percent-encoded)"
-            )
+        check_engine_url(self.system_url)
+
+
+def check_engine_url(url: str) -> None:
+    """Refuse an engine URL the HTTP client cannot use (shown without its password)."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"system URL {redact(url)!r} must start with http:// or https://")
+    if not url.isascii():
+        raise ValueError(
+            f"system URL {redact(url)!r} must be ASCII (an international "
+            "host name in its xn-- form, other characters percent-encoded)"
+        )

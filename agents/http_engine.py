@@ -47,7 +47,7 @@ from tenacity import (
 )
 
 from lorabus._version import __version__
-from lorabus.agents.config import ENGINE_TIMEOUT_S
+from lorabus.agents.config import ENGINE_TIMEOUT_S, check_engine_url
 from lorabus.bus import redact
 from lorabus.errors import BadRequest, EngineError
 
@@ -144,11 +144,7 @@ class HttpEngine:
         timeout_s: float = ENGINE_TIMEOUT_S,
         attempts: int = 5,
     ) -> None:
-        if not base_url.isascii():
-            raise ValueError(
-                f"engine URL {redact(base_url)!r} must be ASCII (an international host name "
-                "in its xn-- form, other characters percent-encoded)"
-            )
+        check_engine_url(base_url)
         parts = urlsplit(base_url.rstrip("/"))
         host = parts.netloc.rpartition("@")[2]
         self._url = urlunsplit(parts._replace(netloc=host))
@@ -193,7 +189,7 @@ class HttpEngine:
         """``method path`` with ``body`` as JSON; the answer if its status is
         below 400, else an EngineError classified by status and message."""
         what = f"{method} {self.base_url}{path}"
-        url = self._url + path + (f"?{urlencode(params)}" if params else "")
+        where = path + (f"?{urlencode(params)}" if params else "")
         headers = list(self._headers)
         content = b""
         if body is not None:
@@ -205,14 +201,17 @@ class HttpEngine:
             headers.append((b"Content-Length", str(len(content)).encode()))
         try:
             answer = await self._http.request(
-                method, url, headers=headers, content=content, extensions=self._extensions
+                method,
+                self._url + where,
+                headers=headers,
+                content=content,
+                extensions=self._extensions,
             )
         except _NO_ANSWER as exc:
             raise EngineError(
                 f"{what} failed: {type(exc).__name__}: {exc}", retryable=True
             ) from exc
-        shown = self.base_url + path + (f"?{urlencode(params)}" if params else "")
-        response = EngineAnswer(method, shown, answer.status, answer.content)
+        response = EngineAnswer(method, self.base_url + where, answer.status, answer.content)
         status = response.status_code
         if status >= 400:
             message = error_message(json_or_none(response), response.text)

@@ -141,14 +141,23 @@ def test_verifiers_in_one_process_share_proven_signatures_but_not_replay_checks(
     # A signature proven once is still one command per agent.
     replayed = second.check(signer.public_key, 1, "cmd", headers, body)
     assert replayed is not None and replayed.startswith("replayed")
-    # The proof covers these exact bytes: another body, subject or signature is checked anew.
+    # The proof covers these exact bytes: once a command is proven, the same
+    # signature over another body or subject, or another sequence number, or
+    # the same bytes under a key this agent does not pin, are still refused.
     later = signer.headers("cmd", body)
+    assert (
+        CommandVerifier([signer.public_key]).check(signer.public_key, 1, "cmd", later, body) is None
+    )
     third = CommandVerifier([signer.public_key])
     for subject, payload, sent in (
         ("cmd", b'{"kind":"resume"}', later),
         ("cmd.w000", body, later),
-        ("cmd", body, {**later, "Lorabus-Sig": headers["Lorabus-Sig"]}),
+        ("cmd", body, {**later, "Lorabus-Seq": "3"}),
     ):
         reason = third.check(signer.public_key, 1, subject, sent, payload)
         assert reason is not None and "does not match" in reason, (subject, payload)
+    stranger = CommandSigner(new_signing_seed())
+    untrusting = CommandVerifier([stranger.public_key])
+    reason = untrusting.check(signer.public_key, 1, "cmd", later, body)
+    assert reason is not None and "does not trust" in reason
     assert third.check(signer.public_key, 1, "cmd", later, body) is None
