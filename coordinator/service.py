@@ -48,6 +48,7 @@ from lorabus.coordinator.alerts import MemberAlerts
 from lorabus.coordinator.book import UpdateBook, failed_result
 from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.fit import fit_result, fit_status
 from lorabus.coordinator.frontend import FrontendClient
 from lorabus.coordinator.gather import AckRouter
 from lorabus.coordinator.leader import LeaderElection
@@ -236,7 +237,7 @@ class Coordinator:
                     self.subjects.update_request(),
                     cb=self._make_request_cb(replies, bus, store),
                 ),
-                await nc.subscribe(self.subjects.status_request(), cb=self._on_status),
+                await nc.subscribe(self.subjects.status_request(), cb=self._make_status_cb(nc)),
                 await nc.subscribe(
                     self.subjects.result_request(),
                     cb=self._make_result_cb(replies, bus, store),
@@ -411,6 +412,8 @@ class Coordinator:
             started = now()
             async with self._serial:
                 result, notice = await self._execute(request, runner, store)
+                # One form for the store, the trail and every answer.
+                result = fit_result(result, bus.nc.max_payload)
                 self.metrics.update_seconds.observe(now() - started)
                 self.metrics.updates.labels(result.status).inc()
                 # Deposed while it ran (stopped, cut off), the successor rolled
@@ -812,8 +815,11 @@ class Coordinator:
                 self.book.saved(result.update_id)
             await bus.emit(self._finished(result, ran=False))
 
-    async def _on_status(self, msg: Msg) -> None:
-        await _reply(msg, self.status())
+    def _make_status_cb(self, nc: NatsClient) -> Callable[[Msg], Awaitable[None]]:
+        async def on_status(msg: Msg) -> None:
+            await _reply(msg, fit_status(self.status(), nc.max_payload))
+
+        return on_status
 
     def status(self) -> FleetStatus:
         live = self.membership.live()

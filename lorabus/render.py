@@ -48,9 +48,15 @@ def result_text(result: UpdateResult) -> str:
     for worker_id, outcome in result.workers.items():
         if outcome.error is not None:
             lines.append(f"  {worker_id}: [{outcome.error.code}] {outcome.error.message}")
+    if result.trimmed:
+        lines.append(f"  {_trimmed_note(result.trimmed)}")
     if result.rank_map is not None:
         lines.extend(rank_map_text(result.rank_map, indent="  ").splitlines())
     return "\n".join(printable(line) for line in lines)
+
+
+def _trimmed_note(trimmed: Sequence[str]) -> str:
+    return f"left out to fit the bus's message size limit: {', '.join(trimmed)}"
 
 
 def update_progress_text(update_id: str, status: FleetStatus | None) -> str:
@@ -67,6 +73,8 @@ def update_progress_text(update_id: str, status: FleetStatus | None) -> str:
             f"quorum: live world size {status.live_world_size} of "
             f"{status.expected_world_size} ({len(status.members)} member(s) live)"
         )
+    elif "phase_members" in status.trimmed:
+        line = f"{status.in_flight_phase} (who has acked: {_trimmed_note(['phase_members'])})"
     else:
         acked = len(status.acked)
         line = f"{status.in_flight_phase}: {acked} of {acked + len(status.waiting)} acked"
@@ -108,11 +116,15 @@ def status_text(status: FleetStatus) -> str:
     ]
     if status.in_flight:
         progress = ""
-        if status.in_flight_phase:
+        if status.in_flight_phase and "phase_members" in status.trimmed:
+            progress = f": {status.in_flight_phase}"
+        elif status.in_flight_phase:
             total = len(status.acked) + len(status.waiting)
             waiting = f" (waiting for {', '.join(status.waiting)})" if status.waiting else ""
             progress = f": {status.in_flight_phase}, {len(status.acked)}/{total} acked{waiting}"
         lines.append(f"update in flight: {status.in_flight}{progress}")
+    if status.trimmed:
+        lines.append(_trimmed_note(status.trimmed))
     lines.extend(_member_table(status.members))
     lines.extend(member_warnings(status.members, update_in_flight=status.in_flight is not None))
     for c in status.conflicts:

@@ -285,6 +285,12 @@ class UpdateResult(_Message, frozen=True, kw_only=True, tag="update_result"):
     digest: SeenDigest = ""
     """Committed: the content digest every serving member saw ("" when none
     could read the directory)."""
+    trimmed: Names = []
+    """What was left out so that the result fits the bus's message size limit
+    (docs/protocol.md, "Results and status that fit"): ``adapters`` (each
+    worker's adapter list), then ``serving_workers`` (the entries of workers
+    that serve it; the rank map still names each), then ``error_detail``
+    (failed workers' messages cut short). Empty: the whole result."""
 
     @property
     def committed(self) -> bool:
@@ -377,6 +383,11 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     """Members whose ack of that phase is still awaited."""
     conflicts: list[WorkerIdConflict] = []
     """Worker ids a second live agent claimed (it was refused)."""
+    trimmed: Names = []
+    """What was left out so that the status fits the bus's message size limit:
+    ``adapters`` (each member's adapter list), then ``phase_members`` (the
+    ``acked`` and ``waiting`` lists), then ``rank_map`` (each member still
+    shows its rank offset). Empty: the whole status."""
 
 
 class WorkerIdConflict(msgspec.Struct, frozen=True, kw_only=True):

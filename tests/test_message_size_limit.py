@@ -1,0 +1,196 @@
+"""Results and status replies that would outgrow the bus's message size limit
+are trimmed, step by step and said so, instead of never reaching anyone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lorabus.coordinator.fit import ERROR_DETAIL_CHARS, fit_result, fit_status
+from lorabus.render import result_text, status_text, update_progress_text
+from lorabus.schemas import (
+    MAX_MESSAGE_BYTES,
+    ErrorInfo,
+    FleetStatus,
+    MemberStatus,
+    UpdateResult,
+    WorkerOutcome,
+    build_rank_map,
+    encode,
+)
+from lorabus.schemas.errors import ErrorCode
+from lorabus.testbed.natsserver import NatsServer
+from lorabus.testbed.stack import EmbeddedStack
+
+WORKERS = 8
+HELD_BEFORE = 30
+"""Adapters each worker already holds: with 200-character names, each
+worker's list is about 6 KB, and the fleet's together over the limit below."""
+MAX_PAYLOAD = 32 * 1024
+
+
+def _size(message: UpdateResult | FleetStatus) -> int:
+    return len(encode(message))
+
+
+def _result(workers: int, failed: int, adapters: int) -> UpdateResult:
+    names = [f"other-{i:03d}-" + "x" * 200 for i in range(adapters)]
+    outcomes = {
+        f"w{i:04d}": WorkerOutcome(
+            ok=i >= failed,
+            world_size=2,
+            adapters=names,
+            error=(
+                ErrorInfo(code=ErrorCode.ENGINE_ERROR, message="engine said: " + "e" * 3000)
+                if i < failed
+                else None
+            ),
+        )
+        for i in range(workers)
+    }
+    return UpdateResult(
+        update_id="u1",
+        status="failed" if failed else "committed",
+        adapter="policy-v1",
+        version=1,
+        rank_map=build_rank_map({wid: 2 for wid in outcomes}),
+        workers=outcomes,
+    )
+
+
+def test_a_result_that_fits_is_left_whole() -> None:
+    result = _result(workers=4, failed=1, adapters=3)
+
+    assert fit_result(result, 1 << 20) == result
+
+
+@pytest.mark.parametrize(
+    ("limit", "trimmed"),
+    [
+        (400_000, ["adapters"]),
+        (150_000, ["adapters", "serving_workers"]),
+        (60_000, ["adapters", "serving_workers", "error_detail"]),
+    ],
+)
+def test_a_result_leaves_out_what_a_reader_can_do_without_first(
+    limit: int, trimmed: list[str]
+) -> None:
+    result = _result(workers=400, failed=40, adapters=10)
+    assert _size(result) > 400_000
+
+    fitted = fit_result(result, limit)
+
+    assert fitted.trimmed == trimmed
+    assert _size(fitted) <= limit
+    # What a result may never lose: its status, rank map and every failure.
+    assert (fitted.status, fitted.rank_map, fitted.error) == (
+        result.status,
+        result.rank_map,
+        result.error,
+    )
+    failed = {wid for wid, outcome in result.workers.items() if not outcome.ok}
+    assert failed <= set(fitted.workers)
+    assert all(fitted.workers[wid].error is not None for wid in failed)
+    cut = "error_detail" in trimmed
+    for wid in failed:
+        message = fitted.workers[wid].error.message  # type: ignore[union-attr]
+        assert len(message) == (ERROR_DETAIL_CHARS + 3 if cut else len("engine said: ") + 3000)
+    if "serving_workers" not in trimmed:
+        assert set(fitted.workers) == set(result.workers)
+
+
+def test_no_result_is_made_larger_than_a_reader_accepts_whatever_the_server_allows() -> None:
+    result = _result(workers=1200, failed=0, adapters=10)
+    assert _size(result) > MAX_MESSAGE_BYTES
+
+    fitted = fit_result(result, 64 * MAX_MESSAGE_BYTES)
+
+    assert fitted.trimmed and _size(fitted) <= MAX_MESSAGE_BYTES
+
+
+def test_a_status_leaves_out_adapter_lists_then_phase_members_then_the_rank_map() -> None:
+    names = ["n" * 100] * 3
+    rank_map = build_rank_map({f"w{i:04d}": 1 for i in range(1000)})
+    members = [
+        MemberStatus(
+            worker_id=entry.worker_id,
+            world_size=1,
+            engine="dynamo",
+            paused=True,
+            adapters=names,
+            heartbeat_age_s=0.5,
+            rank_offset=entry.rank_offset,
+        )
+        for entry in rank_map.entries
+    ]
+    waiting = [m.worker_id for m in members]
+    status = FleetStatus(
+        fleet="f",
+        expected_world_size=1000,
+        live_world_size=1000,
+        members=members,
+        rank_map=rank_map,
+        in_flight="u1",
+        in_flight_phase="pause",
+        waiting=waiting,
+    )
+    whole = _size(status)
+    without_adapters = _size(fit_status(status, whole - 1))
+    assert without_adapters < whole
+
+    steps = [
+        (whole, []),
+        (without_adapters, ["adapters"]),
+        (without_adapters - 1, ["adapters", "phase_members"]),
+    ]
+    for limit, trimmed in steps:
+        fitted = fit_status(status, limit)
+        assert fitted.trimmed == trimmed
+        assert _size(fitted) <= limit
+        assert [m.worker_id for m in fitted.members] == waiting
+    smallest = fit_status(status, 1000)  # fits nothing: the most trimmed form
+    assert smallest.trimmed == ["adapters", "phase_members", "rank_map"]
+    assert smallest.rank_map is None
+    assert [m.rank_offset for m in smallest.members] == [m.rank_offset for m in members]
+
+    text = status_text(fit_status(status, without_adapters - 1))
+    assert "left out to fit the bus's message size limit: adapters, phase_members" in text
+    assert "pause, 0/0 acked" not in text
+    progress = update_progress_text("u1", fit_status(status, without_adapters - 1))
+    assert "0 of 0 acked" not in progress and "phase_members" in progress
+
+
+async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trimmed(
+    tmp_path: Path,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+) -> None:
+    conf = tmp_path / "small-payloads.conf"
+    conf.write_text(f"max_payload: {MAX_PAYLOAD}\n")
+    async with NatsServer(include=conf) as server:
+        async with EmbeddedStack(
+            [1] * WORKERS, fleet=fleet_name, nats_url=server.url, heartbeat_s=0.2
+        ) as stack:
+            assert stack.client is not None and stack.sim is not None
+            held = [f"other-{i:02d}-" + "x" * 200 for i in range(HELD_BEFORE)]
+            for worker in stack.sim.workers.values():
+                for name in held:
+                    worker.add_adapter(name, f"/adapters/{name}")
+
+            result = await stack.client.update("policy", make_adapter(1), version=1, timeout_s=30)
+            by_id = await stack.client.result(result.update_id, timeout_s=10)
+            status = await stack.client.status(timeout_s=10)
+
+    assert result.committed, result.error
+    assert result.trimmed == ["adapters"]
+    assert sorted(result.workers) == sorted(stack.sim.workers)
+    assert all(o.ok and o.adapters == [] for o in result.workers.values())
+    assert result.rank_map is not None and len(result.rank_map.entries) == WORKERS
+    assert "left out to fit the bus's message size limit: adapters" in result_text(result)
+    assert by_id == result  # the stored result is the one answered
+    for worker in stack.sim.workers.values():
+        assert "policy-v1" in worker.adapters and not worker.paused
+    assert status.trimmed == ["adapters"]
+    assert sorted(m.worker_id for m in status.members) == sorted(stack.sim.workers)
