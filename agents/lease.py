@@ -24,49 +24,66 @@ class LeaseState(enum.Enum):
     EXPIRED = "expired"
 
 
+_EARLY_S = 0.001
+"""A timer may fire this much before the lease's end (the loop's clock
+resolution); the lease then counts as run out instead of being re-timed."""
+
+
 class PauseLease:
-    def __init__(self, clock: Callable[[], float] = now) -> None:
-        self._clock = clock
+    """One loop timer, not a task that wakes on every change: a pause arms it
+    and a resume releases the lease, once per update on every agent, and
+    neither has to wake anything. A timer that fires on a renewed lease sets
+    itself again; one that fires on a released lease does nothing."""
+
+    def __init__(self) -> None:
         self.state = LeaseState.RELEASED
         self.update_id = ""
         self._ends_at = 0.0
-        self._changed = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._ran_out = asyncio.Event()
 
     def arm(self, update_id: str, lease_s: float) -> None:
         if lease_s <= 0:
             return
         self.state, self.update_id = LeaseState.HELD, update_id
-        self._ends_at = self._clock() + lease_s
-        self._changed.set()
+        self._ends_at = now() + lease_s
+        if self._timer is not None and self._timer.when() <= self._ends_at:
+            return  # it fires first and sets itself for the new end
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_at(self._ends_at, self._on_timer)
 
     def renew(self, update_id: str, lease_s: float) -> None:
         if self.state is LeaseState.HELD and update_id == self.update_id:
-            self._ends_at = max(self._ends_at, self._clock() + lease_s)
-            self._changed.set()
+            self._ends_at = max(self._ends_at, now() + lease_s)
 
     def release(self) -> None:
         self.state = LeaseState.RELEASED
-        self._changed.set()
 
     @property
     def remaining_s(self) -> float | None:
-        return self._ends_at - self._clock() if self.state is LeaseState.HELD else None
+        return self._ends_at - now() if self.state is LeaseState.HELD else None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.state is not LeaseState.HELD:
+            return
+        if self._ends_at - now() > _EARLY_S:  # renewed since the timer was set
+            self._timer = asyncio.get_running_loop().call_at(self._ends_at, self._on_timer)
+            return
+        self.state = LeaseState.EXPIRED
+        self._ran_out.set()
 
     async def watch(self, on_expiry: Callable[[str], Awaitable[None]]) -> None:
         """Run forever: call ``on_expiry(update_id)`` whenever a held lease runs out."""
-        while True:
-            raise_if_cancelled()
-            self._changed.clear()
-            remaining = self.remaining_s
-            if remaining is None:
-                await self._changed.wait()
-                continue
-            if remaining > 0:
-                try:
-                    async with asyncio.timeout(remaining):
-                        await self._changed.wait()
-                except TimeoutError:
-                    pass
-                continue
-            self.state = LeaseState.EXPIRED
-            await on_expiry(self.update_id)
+        try:
+            while True:
+                raise_if_cancelled()
+                await self._ran_out.wait()
+                self._ran_out.clear()
+                if self.state is LeaseState.EXPIRED:
+                    await on_expiry(self.update_id)
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None

@@ -4,6 +4,8 @@ and a clear usage error for anything else."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import uvloop
@@ -43,3 +45,20 @@ def test_a_serving_command_refuses_an_unknown_loop_before_connecting() -> None:
     )
     assert result.exit_code == 2, result.output
     assert f"{EVENT_LOOP_ENV} must be one of uvloop, asyncio" in result.output
+
+
+def test_a_settled_collector_leaves_what_exists_out_of_every_collection() -> None:
+    # In a process of its own: freezing this one would keep the test session's
+    # garbage for good.
+    probe = (
+        "import gc; from lorabus.event_loop import settle_collector\n"
+        "before = gc.get_freeze_count(); settle_collector()\n"
+        "print(before, gc.get_freeze_count(), gc.get_threshold()[0])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
+
+    before, frozen, young = (int(field) for field in out)
+    assert before == 0 and frozen > 10_000  # the imports, at least
+    assert young > 700  # CPython's default: a pass every 700 net allocations

@@ -3,6 +3,7 @@ are trimmed, step by step and said so, instead of never reaching anyone."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,7 @@ HELD_BEFORE = 30
 """Adapters each worker already holds: with 200-character names, each
 worker's list is about 6 KB, and the fleet's together over the limit below."""
 MAX_PAYLOAD = 32 * 1024
+DEADLINE_S = 10.0
 
 
 def _size(message: UpdateResult | FleetStatus) -> int:
@@ -171,7 +173,7 @@ async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trim
     conf.write_text(f"max_payload: {MAX_PAYLOAD}\n")
     async with NatsServer(include=conf) as server:
         async with EmbeddedStack(
-            [1] * WORKERS, fleet=fleet_name, nats_url=server.url, heartbeat_s=0.2
+            [1] * WORKERS, fleet=fleet_name, nats_url=server.url, heartbeat_s=0.2, keep=1
         ) as stack:
             assert stack.client is not None and stack.sim is not None
             held = [f"other-{i:02d}-" + "x" * 200 for i in range(HELD_BEFORE)]
@@ -182,6 +184,12 @@ async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trim
             result = await stack.client.update("policy", make_adapter(1), version=1, timeout_s=30)
             by_id = await stack.client.result(result.update_id, timeout_s=10)
             status = await stack.client.status(timeout_s=10)
+            # The version beyond --keep is still retired: the coordinator reads
+            # what the engines hold from the whole result, not the one sent.
+            second = await stack.client.update("policy", make_adapter(2), version=2, timeout_s=30)
+            async with asyncio.timeout(DEADLINE_S):
+                for worker in stack.sim.workers.values():
+                    await worker.wait_until(lambda w=worker: "policy-v1" not in w.adapters)
 
     assert result.committed, result.error
     assert result.trimmed == ["adapters"]
@@ -190,7 +198,9 @@ async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trim
     assert result.rank_map is not None and len(result.rank_map.entries) == WORKERS
     assert "left out to fit the bus's message size limit: adapters" in result_text(result)
     assert by_id == result  # the stored result is the one answered
+    assert second.committed and second.trimmed == ["adapters"], second.error
     for worker in stack.sim.workers.values():
-        assert "policy-v1" in worker.adapters and not worker.paused
+        assert "policy-v2" in worker.adapters and not worker.paused
+        assert set(held) <= set(worker.adapters)  # not versions of the policy: kept
     assert status.trimmed == ["adapters"]
     assert sorted(m.worker_id for m in status.members) == sorted(stack.sim.workers)

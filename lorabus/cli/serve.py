@@ -6,7 +6,6 @@ Both run until SIGTERM or SIGINT, and take their settings from the tables in
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,15 +25,10 @@ from lorabus.cli.flags import (
     config_options,
 )
 from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.event_loop import serving_loop_factory
+from lorabus.event_loop import serving_loop_factory, settle_collector
 from lorabus.metrics_http import serving
 
 _Config = TypeVar("_Config", AgentConfig, CoordinatorConfig)
-
-_YOUNG_GENERATION_SIZE = 50_000
-"""Container objects allocated (net) before the collector's youngest pass
-runs, against CPython's 700: an update holds thousands of acks at once, and
-at 700 each pass re-traversed the large young dicts and lists of the phase."""
 
 metrics_port_option = click.option(
     "--metrics-port",
@@ -42,18 +36,6 @@ metrics_port_option = click.option(
     default=None,
     help="Serve Prometheus metrics on this port (at /metrics).",
 )
-
-
-def _settle_collector() -> None:
-    """Tune the cyclic garbage collector for a long-running service.
-
-    What the process imported lives as long as it does: frozen, it is left
-    out of every later collection (about 50,000 objects, each full pass
-    traversed them). At N = 1024 the collector took about 17 ms of the
-    coordinator's CPU per update before.
-    """
-    gc.freeze()
-    gc.set_threshold(_YOUNG_GENERATION_SIZE, 10, 10)
 
 
 def serving_command(
@@ -90,7 +72,7 @@ def serving_command(
                 # A service says when it is ready and what each update did;
                 # the other commands stay quiet unless asked.
                 logging.getLogger("lorabus").setLevel(logging.INFO)
-            _settle_collector()
+            settle_collector()
             try:
                 loop_factory = serving_loop_factory()
             except ValueError as exc:

@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver, EngineDriver
 from lorabus.bus import close, connect
 from lorabus.bus_options import BusOptions
-from lorabus.event_loop import serving_loop_factory
+from lorabus.event_loop import serving_loop_factory, settle_collector
 from lorabus.schemas import Subjects
 from lorabus.signing import COORDINATOR_KEYS_ENV, CommandVerifier
 from lorabus.testbed.bench.control import child_main, say, serve_requests
@@ -56,6 +56,11 @@ async def host(spec: dict[str, Any]) -> None:
         else:
             await _start_agents(spec, workers, links, subjects, times, tasks, drivers)
         times.take()
+        # The collector as `lorabus agent` tunes it, once the host's agents are
+        # up: a host's heap is that of a few hundred agents, and with CPython's
+        # default thresholds its collections took about half of its CPU, a
+        # cost that agents in processes of their own never pay.
+        settle_collector()
         say({"ready": True, "workers": len(workers), "connections": len(connections)})
 
         async def handle(request: dict[str, Any]) -> dict[str, Any]:
