@@ -255,7 +255,7 @@ class Agent:
             tasks.create_task(self.lease.watch(self._on_lease_expired))
             # Converge before the first heartbeat, so the coordinator never
             # counts this worker while its engine lacks the committed adapter.
-            await self._reconcile_if_needed()
+            self._reconcile_if_needed()
             await self._wait_reconciled()
             await self._beat()
             self._announced = True
@@ -341,15 +341,17 @@ class Agent:
             case CommittedNotice():
                 self._learn_committed(command)
                 self._retire(command)
-                await self._reconcile_if_needed()
+                self._reconcile_if_needed()
             case PauseCommand():
                 self._pause_received_at = now()
                 if not command.cohort:
                     self._named_in_epoch = command.epoch
                 self._join_cohort((command.epoch, command.update_id))
-                await self._accept(command)
+                if (done := self._enqueue(command)) is not None:
+                    await self._publish_ack(done)
             case _:
-                await self._accept(command)
+                if (done := self._enqueue(command)) is not None:
+                    await self._publish_ack(done)
 
     def _hold(self, msg: Msg) -> None:
         """Keep ``msg`` to check once more after the next read of the leader
@@ -451,16 +453,17 @@ class Agent:
         while len(self._cohorts) > _REMEMBERED_COHORTS:
             self._cohorts.popitem(last=False)
 
-    async def _accept(self, command: PhasedCommand) -> None:
+    def _enqueue(self, command: PhasedCommand) -> Ack | None:
+        """Queue ``command``, unless it is queued already; the ack of one that
+        already ran, to publish again."""
         key = (command.epoch, command.update_id, tag_of(command))
         if key in self._queued:
-            return
+            return None
         done = self._acks.get(key)
-        if done is not None:
-            await self._publish_ack(done)
-            return
-        self._queued.add(key)
-        self._queue.put_nowait(_Work(command=command, received=now()))
+        if done is None:
+            self._queued.add(key)
+            self._queue.put_nowait(_Work(command=command, received=now()))
+        return done
 
     async def _refuse(self, command: Command) -> None:
         """A command of an older epoch: refused, and acked ``fenced`` so that a
@@ -510,7 +513,7 @@ class Agent:
                     self.lease.arm(command.update_id, self._lease_length(lease_s))
                 case ResumeCommand() if ack.ok and not self.executor.maybe_paused:
                     self.lease.release()
-            if isinstance(command, ResumeCommand):
+            if isinstance(command, ResumeCommand) and log.isEnabledFor(logging.INFO):
                 # One line per update: its end, as this engine saw it.
                 log.info(
                     "worker=%s update=%s %s; engine serves %s",
@@ -657,7 +660,7 @@ class Agent:
             )
         return True
 
-    async def _reconcile_if_needed(self) -> None:
+    def _reconcile_if_needed(self) -> None:
         target = self.committed
         if target is None or self._reconciling or self.executor.paused:
             return
@@ -724,7 +727,7 @@ class Agent:
                 seen = self._reported()
                 with contextlib.suppress(Exception):
                     await self.executor.refresh()
-                await self._reconcile_if_needed()
+                self._reconcile_if_needed()
                 if self._reported() != seen:
                     # Tell the coordinator now; the heartbeat loop beats on its own.
                     await self._beat()
