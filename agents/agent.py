@@ -347,11 +347,9 @@ class Agent:
                 if not command.cohort:
                     self._named_in_epoch = command.epoch
                 self._join_cohort((command.epoch, command.update_id))
-                if (done := self._enqueue(command)) is not None:
-                    await self._publish_ack(done)
+                await self._accept(command)
             case _:
-                if (done := self._enqueue(command)) is not None:
-                    await self._publish_ack(done)
+                await self._accept(command)
 
     def _hold(self, msg: Msg) -> None:
         """Keep ``msg`` to check once more after the next read of the leader
@@ -453,17 +451,18 @@ class Agent:
         while len(self._cohorts) > _REMEMBERED_COHORTS:
             self._cohorts.popitem(last=False)
 
-    def _enqueue(self, command: PhasedCommand) -> Ack | None:
-        """Queue ``command``, unless it is queued already; the ack of one that
-        already ran, to publish again."""
+    async def _accept(self, command: PhasedCommand) -> None:
+        """Queue ``command``, unless it is queued already; a command that already
+        ran gets its ack again."""
         key = (command.epoch, command.update_id, tag_of(command))
         if key in self._queued:
-            return None
+            return
         done = self._acks.get(key)
-        if done is None:
-            self._queued.add(key)
-            self._queue.put_nowait(_Work(command=command, received=now()))
-        return done
+        if done is not None:
+            await self._publish_ack(done)
+            return
+        self._queued.add(key)
+        self._queue.put_nowait(_Work(command=command, received=now()))
 
     async def _refuse(self, command: Command) -> None:
         """A command of an older epoch: refused, and acked ``fenced`` so that a

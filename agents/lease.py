@@ -39,7 +39,8 @@ class PauseLease:
         self.state = LeaseState.RELEASED
         self.update_id = ""
         self._ends_at = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0
         self._ran_out = asyncio.Event()
 
     def arm(self, update_id: str, lease_s: float) -> None:
@@ -47,11 +48,11 @@ class PauseLease:
             return
         self.state, self.update_id = LeaseState.HELD, update_id
         self._ends_at = now() + lease_s
-        if self._timer is not None and self._timer.when() <= self._ends_at:
+        if self._timer is not None and self._timer_at <= self._ends_at:
             return  # it fires first and sets itself for the new end
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_at(self._ends_at, self._on_timer)
+        self._set_timer()
 
     def renew(self, update_id: str, lease_s: float) -> None:
         if self.state is LeaseState.HELD and update_id == self.update_id:
@@ -64,12 +65,16 @@ class PauseLease:
     def remaining_s(self) -> float | None:
         return self._ends_at - now() if self.state is LeaseState.HELD else None
 
+    def _set_timer(self) -> None:
+        self._timer_at = self._ends_at
+        self._timer = asyncio.get_running_loop().call_at(self._ends_at, self._on_timer)
+
     def _on_timer(self) -> None:
         self._timer = None
         if self.state is not LeaseState.HELD:
             return
         if self._ends_at - now() > _EARLY_S:  # renewed since the timer was set
-            self._timer = asyncio.get_running_loop().call_at(self._ends_at, self._on_timer)
+            self._set_timer()
             return
         self.state = LeaseState.EXPIRED
         self._ran_out.set()

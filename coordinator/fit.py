@@ -7,8 +7,9 @@ reader accepts (``MAX_MESSAGE_BYTES``), and a message over either is never
 sent or never read: the requester would ask again and again for an answer that cannot
 come, and the result could not be stored. So what a reader can do without
 goes first, step by step, and the message names what it left out
-(``trimmed``). The rank map, the status and each failed worker's entry are
-never left out: without them a result would say less than the truth.
+(``trimmed``). A result never loses its status, its rank map or the entry of
+a worker that failed: without them it would say less than the truth. A
+status loses its rank map last, as each member's row still has its offset.
 """
 
 from __future__ import annotations
@@ -65,11 +66,13 @@ def _trimmed_statuses(status: FleetStatus) -> Iterator[FleetStatus]:
     yield status
     members = [msgspec.structs.replace(m, adapters=[]) for m in status.members]
     yield msgspec.structs.replace(status, members=members, trimmed=["adapters"])
-    trimmed = ["adapters", "phase_members"]
-    yield msgspec.structs.replace(status, members=members, acked=[], waiting=[], trimmed=trimmed)
+    without_phase = msgspec.structs.replace(
+        status, members=members, acked=[], waiting=[], trimmed=["adapters", "phase_members"]
+    )
+    yield without_phase
     # Each member's row carries its rank offset: the map says it twice.
     yield msgspec.structs.replace(
-        status, members=members, acked=[], waiting=[], rank_map=None, trimmed=[*trimmed, "rank_map"]
+        without_phase, rank_map=None, trimmed=[*without_phase.trimmed, "rank_map"]
     )
 
 

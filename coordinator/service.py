@@ -68,6 +68,7 @@ from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
     COMMITTED,
     FAILED,
+    MAX_MESSAGE_BYTES,
     UNKNOWN,
     BadMessage,
     BadPayload,
@@ -133,6 +134,8 @@ class Coordinator:
         lands in the middle of an update."""
         self.leading = asyncio.Event()
         """Set while this coordinator holds the fleet's lease."""
+        self._max_payload: Callable[[], int] = lambda: MAX_MESSAGE_BYTES
+        """The largest message the bus carries (the server's, once connected)."""
         self._answering: dict[str, set[asyncio.Task[None]]] = {}
         """Per update id, the tasks that will answer its askers once it finishes
         (owned by the request subscription, which cancels them at the end)."""
@@ -142,6 +145,7 @@ class Coordinator:
 
         ``ready`` means "up": leading, or standing by to take over.
         """
+        self._max_payload = lambda: nc.max_payload
         bus = CoordinatorBus(
             nc,
             self.subjects,
@@ -237,7 +241,7 @@ class Coordinator:
                     self.subjects.update_request(),
                     cb=self._make_request_cb(replies, bus, store),
                 ),
-                await nc.subscribe(self.subjects.status_request(), cb=self._make_status_cb(nc)),
+                await nc.subscribe(self.subjects.status_request(), cb=self._on_status),
                 await nc.subscribe(
                     self.subjects.result_request(),
                     cb=self._make_result_cb(replies, bus, store),
@@ -413,7 +417,7 @@ class Coordinator:
             async with self._serial:
                 result, notice = await self._execute(request, runner, store)
                 # One form for the store, the trail and every answer.
-                result = fit_result(result, bus.nc.max_payload)
+                result = fit_result(result, self._max_payload())
                 self.metrics.update_seconds.observe(now() - started)
                 self.metrics.updates.labels(result.status).inc()
                 # Deposed while it ran (stopped, cut off), the successor rolled
@@ -572,7 +576,7 @@ class Coordinator:
                 error = f"malformed result request: {exc}"[:1024]
                 await self._report_malformed(msg, bus, error)
                 info = BadRequest(error).info()
-                await _reply(
+                await self._reply(
                     msg,
                     UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info),
                 )
@@ -600,7 +604,7 @@ class Coordinator:
                 )
             except BadPayload:
                 outcome = None
-        await _reply(
+        await self._reply(
             msg,
             outcome or UpdateResult(update_id=update_id, status=UNKNOWN, adapter="", version=None),
         )
@@ -614,7 +618,9 @@ class Coordinator:
             except BadPayload as exc:
                 error = f"malformed reset request: {exc}"[:1024]
                 await self._report_malformed(msg, bus, error)
-                await _reply(msg, ResetResult(adapter="", ok=False, error=BadRequest(error).info()))
+                await self._reply(
+                    msg, ResetResult(adapter="", ok=False, error=BadRequest(error).info())
+                )
                 return
             reply = asyncio.create_task(self._answer_reset(msg, request, bus, store))
             replies.add(reply)
@@ -634,7 +640,7 @@ class Coordinator:
             log.exception("epoch=%d reset of %r crashed", self.epoch, request.adapter)
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
             result = ResetResult(adapter=request.adapter, ok=False, error=error)
-        await _reply(msg, result)
+        await self._reply(msg, result)
 
     async def _reset(
         self, request: ResetRequest, bus: CoordinatorBus, store: FleetStore
@@ -699,7 +705,7 @@ class Coordinator:
         error = f"malformed update request: {exc}"[:1024]
         await self._report_malformed(msg, bus, error)
         info = BadRequest(error).info()
-        await _reply(
+        await self._reply(
             msg, UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info)
         )
 
@@ -745,13 +751,13 @@ class Coordinator:
         except Exception as exc:
             log.exception("epoch=%d update=%s could not be admitted", self.epoch, request.update_id)
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
-            await _reply(msg, failed_result(request, error))
+            await self._reply(msg, failed_result(request, error))
             return
         finally:
             joined.set()
         await self._save_settled(store, bus)
         if future.done():
-            await _reply(msg, future.result())
+            await self._reply(msg, future.result())
             return
         # Known as answering this update: its notice to the agents waits for us.
         answering = self._answering.setdefault(request.update_id, set())
@@ -759,7 +765,7 @@ class Coordinator:
         if this is not None:
             answering.add(this)
         try:
-            await _reply(msg, await asyncio.shield(future))
+            await self._reply(msg, await asyncio.shield(future))
         finally:
             answering.discard(this)
             if not answering and self._answering.get(request.update_id) is answering:
@@ -815,11 +821,22 @@ class Coordinator:
                 self.book.saved(result.update_id)
             await bus.emit(self._finished(result, ran=False))
 
-    def _make_status_cb(self, nc: NatsClient) -> Callable[[Msg], Awaitable[None]]:
-        async def on_status(msg: Msg) -> None:
-            await _reply(msg, fit_status(self.status(), nc.max_payload))
+    async def _on_status(self, msg: Msg) -> None:
+        await self._reply(msg, self.status())
 
-        return on_status
+    async def _reply(self, msg: Msg, message: msgspec.Struct) -> None:
+        """Answer ``msg``. A result or a status too large for one message goes
+        trimmed (fit.py), whether it was made now or read from the store."""
+        if isinstance(message, UpdateResult):
+            message = fit_result(message, self._max_payload())
+        elif isinstance(message, FleetStatus):
+            message = fit_status(message, self._max_payload())
+        if not msg.reply:
+            return
+        try:
+            await msg.respond(encode(message))
+        except Exception as exc:
+            log.warning("could not reply on %s: %s", msg.reply, exc)
 
     def status(self) -> FleetStatus:
         live = self.membership.live()
@@ -909,15 +926,6 @@ async def _or_none(awaitable: Awaitable[_T]) -> _T | None:
 
 def _records_commit_of(committed: CommittedRecord, in_flight: InflightRecord) -> bool:
     return (committed.served_name, committed.version) == (in_flight.served_name, in_flight.version)
-
-
-async def _reply(msg: Msg, message: msgspec.Struct) -> None:
-    if not msg.reply:
-        return
-    try:
-        await msg.respond(encode(message))
-    except Exception as exc:
-        log.warning("could not reply on %s: %s", msg.reply, exc)
 
 
 async def _unsubscribe(subs: list[Subscription]) -> None:

@@ -32,10 +32,10 @@ from lorabus.schemas import (
     CommittedRecord,
     InflightRecord,
     LeaderRecord,
+    Reader,
     ResetRecord,
     Subjects,
     UpdateResult,
-    update_result_decoder,
 )
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _CALL_DEADLINE_S = 5.0
 RESULTS_KEPT_S = 24 * 3600.0
+_STORED_RESULT_MAX_BYTES = 64 * 1024 * 1024
+"""nats-server's largest max_payload: a stored result is as large as the
+server allowed when it was written (only coordinators may write results);
+one over what readers take is answered trimmed (coordinator/fit.py)."""
+_stored_results: Reader[UpdateResult] = Reader(UpdateResult, max_bytes=_STORED_RESULT_MAX_BYTES)
 
 LEADER = "leader"
 COMMITTED = "committed"
@@ -149,7 +154,7 @@ class FleetStore:
             raise StoreUnavailable(f"cannot read result {update_id}: {exc!r}") from exc
         if entry.value is None:
             return None
-        return update_result_decoder.decode(entry.value)
+        return _stored_results.decode(entry.value)
 
     async def write_result(self, result: UpdateResult) -> None:
         await self._put(self._results, _result_key(result.update_id), msgspec.json.encode(result))

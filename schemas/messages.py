@@ -289,7 +289,7 @@ class UpdateResult(_Message, frozen=True, kw_only=True, tag="update_result"):
     """What was left out so that the result fits the bus's message size limit
     (docs/protocol.md, "Results and status that fit"): ``adapters`` (each
     worker's adapter list), then ``serving_workers`` (the entries of workers
-    that serve it; the rank map still names each), then ``error_detail``
+    that did not fail; a committed result's rank map still names each), then ``error_detail``
     (failed workers' messages cut short). Empty: the whole result."""
 
     @property

@@ -7,9 +7,13 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from lorabus.bus import close, connect
+from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.fit import ERROR_DETAIL_CHARS, fit_result, fit_status
+from lorabus.coordinator.store import FleetStore
 from lorabus.render import result_text, status_text, update_progress_text
 from lorabus.schemas import (
     MAX_MESSAGE_BYTES,
@@ -184,6 +188,20 @@ async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trim
             result = await stack.client.update("policy", make_adapter(1), version=1, timeout_s=30)
             by_id = await stack.client.result(result.update_id, timeout_s=10)
             status = await stack.client.status(timeout_s=10)
+            # What a successor, or `lorabus result` a day later, reads.
+            nc = await connect(server.url, name="test-store-reader")
+            try:
+                store = await FleetStore.open(
+                    nc,
+                    CoordinatorConfig(
+                        fleet=fleet_name,
+                        frontend_url="http://frontend.invalid",
+                        expected_world_size=WORKERS,
+                    ),
+                )
+                stored = await store.read_result(result.update_id)
+            finally:
+                await close(nc)
             # The version beyond --keep is still retired: the coordinator reads
             # what the engines hold from the whole result, not the one sent.
             second = await stack.client.update("policy", make_adapter(2), version=2, timeout_s=30)
@@ -197,10 +215,43 @@ async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trim
     assert all(o.ok and o.adapters == [] for o in result.workers.values())
     assert result.rank_map is not None and len(result.rank_map.entries) == WORKERS
     assert "left out to fit the bus's message size limit: adapters" in result_text(result)
-    assert by_id == result  # the stored result is the one answered
+    assert by_id == result == stored  # the stored result is the one answered
     assert second.committed and second.trimmed == ["adapters"], second.error
     for worker in stack.sim.workers.values():
         assert "policy-v2" in worker.adapters and not worker.paused
         assert set(held) <= set(worker.adapters)  # not versions of the policy: kept
     assert status.trimmed == ["adapters"]
     assert sorted(m.worker_id for m in status.members) == sorted(stack.sim.workers)
+
+
+async def test_a_stored_result_too_large_for_a_reader_is_answered_trimmed(
+    tmp_path: Path, fleet_name: str
+) -> None:
+    """One stored before results were trimmed, on a server that carries more
+    than the 1 MiB any lorabus reader accepts."""
+    conf = tmp_path / "big-payloads.conf"
+    conf.write_text(f"max_payload: {4 * MAX_MESSAGE_BYTES}\n")
+    old = msgspec.structs.replace(_result(workers=1200, failed=0, adapters=10), update_id="old-1")
+    assert _size(old) > MAX_MESSAGE_BYTES
+    async with NatsServer(include=conf) as server:
+        async with EmbeddedStack([1], fleet=fleet_name, nats_url=server.url) as stack:
+            assert stack.client is not None
+            nc = await connect(server.url, name="test-store-writer")
+            try:
+                store = await FleetStore.open(
+                    nc,
+                    CoordinatorConfig(
+                        fleet=fleet_name,
+                        frontend_url="http://frontend.invalid",
+                        expected_world_size=1,
+                    ),
+                )
+                await store.write_result(old)
+            finally:
+                await close(nc)
+
+            answer = await stack.client.result("old-1", timeout_s=10)
+
+    assert answer.committed and answer.trimmed, answer.status
+    assert answer.rank_map == old.rank_map
+    assert _size(answer) <= MAX_MESSAGE_BYTES

@@ -85,3 +85,58 @@ async def test_a_new_pause_rearms_the_lease_for_its_own_update(
     assert expiries.seen == []
     await asyncio.sleep(2)
     assert [update_id for update_id, _ in expiries.seen] == ["u2"]
+
+
+async def test_a_new_pause_with_a_shorter_lease_ends_sooner(
+    watched: tuple[PauseLease, Expiries],
+) -> None:
+    lease, expiries = watched
+    armed_at = asyncio.get_running_loop().time()
+    lease.arm("u1", 60)
+    await asyncio.sleep(1)
+    lease.arm("u2", 5)
+    await asyncio.sleep(5.5)
+    assert expiries.seen == [("u2", pytest.approx(armed_at + 6))]
+
+
+async def test_a_lease_armed_again_after_it_ran_out_runs_out_again(
+    watched: tuple[PauseLease, Expiries],
+) -> None:
+    lease, expiries = watched
+    lease.arm("u1", 5)
+    await asyncio.sleep(6)
+    assert lease.state is LeaseState.EXPIRED
+    lease.arm("u2", 5)
+    assert lease.state is LeaseState.HELD
+    await asyncio.sleep(4)
+    assert [update_id for update_id, _ in expiries.seen] == ["u1"]
+    await asyncio.sleep(2)
+    assert [update_id for update_id, _ in expiries.seen] == ["u1", "u2"]
+
+
+async def test_a_lease_released_then_armed_again_runs_from_the_new_pause(
+    watched: tuple[PauseLease, Expiries],
+) -> None:
+    lease, expiries = watched
+    lease.arm("u1", 10)
+    await asyncio.sleep(2)
+    lease.release()
+    await asyncio.sleep(1)
+    armed_at = asyncio.get_running_loop().time()
+    lease.arm("u2", 10)  # u1's timer, due first, is kept and sets itself again
+    await asyncio.sleep(9)
+    assert expiries.seen == []
+    await asyncio.sleep(2)
+    assert expiries.seen == [("u2", pytest.approx(armed_at + 10))]
+
+
+async def test_a_watch_cancelled_leaves_no_timer_behind() -> None:
+    lease, expiries = PauseLease(), Expiries()
+    watching = asyncio.create_task(lease.watch(expiries))
+    await asyncio.sleep(0)
+    lease.arm("u1", 10)
+    watching.cancel()
+    await asyncio.gather(watching, return_exceptions=True)
+    await asyncio.sleep(20)
+    assert expiries.seen == []
+    assert lease.state is LeaseState.HELD  # nobody ran it out: no timer fired

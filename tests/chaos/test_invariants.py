@@ -277,6 +277,19 @@ def test_a_rank_map_that_leaves_out_an_ok_member_is_a_violation() -> None:
     assert any("are not the ok members" in p for p in problems), problems
 
 
+def test_a_result_trimmed_to_fit_counts_its_rank_map_as_its_ok_members() -> None:
+    t = clean()
+    trimmed = msgspec.structs.replace(
+        committed(), workers={}, trimmed=["adapters", "serving_workers"]
+    )
+    t.updates[0].result = trimmed
+    assert check_rank_maps(t, BOUNDS) == []
+
+    t.adapters["b"] = [(0.0, frozenset())]  # each member is still checked as serving
+    [violation] = check_committed_served(t, BOUNDS)
+    assert violation.subject == "b"
+
+
 def test_a_rank_map_with_a_wrong_world_size_is_a_violation() -> None:
     t = clean()
     t.world_sizes["a"] = 4  # the engine's true size

@@ -56,10 +56,11 @@ async def host(spec: dict[str, Any]) -> None:
         else:
             await _start_agents(spec, workers, links, subjects, times, tasks, drivers)
         times.take()
-        # The collector as `lorabus agent` tunes it, once the host's agents are
-        # up: a host's heap is that of a few hundred agents, and with CPython's
-        # default thresholds its collections took about half of its CPU, a
-        # cost that agents in processes of their own never pay.
+        # The collector tuned as `lorabus agent` tunes its own, but once the
+        # host's agents are up: a host's heap is that of a few hundred agents,
+        # and with CPython's default thresholds each collection walked all of
+        # them (about a sixth of a null-engine host's CPU), a cost that agents
+        # in processes of their own, with small heaps, never pay.
         settle_collector()
         say({"ready": True, "workers": len(workers), "connections": len(connections)})
 

@@ -195,6 +195,10 @@ def _longest_unattended(
 
 
 def _ok_members(result: UpdateResult) -> list[str]:
+    if "serving_workers" in result.trimmed:
+        # Left out so the result fits one message: the rank map names them.
+        entries = result.rank_map.entries if result.rank_map is not None else []
+        return sorted(entry.worker_id for entry in entries)
     return sorted(w for w, outcome in result.workers.items() if outcome.ok)
 
 
