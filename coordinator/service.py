@@ -449,6 +449,10 @@ class Coordinator:
                     await _quietly(store.clear_inflight())
                 if notice is not None:
                     await self._announce(bus, notice)
+                if not recording:
+                    # Deposed: step down now, not at the next lease renewal,
+                    # so no later request gets an answer from this term.
+                    raise LeadershipLost(f"epoch {self.epoch} was deposed during an update")
 
     async def _execute(
         self, request: UpdateRequest, runner: UpdateRunner, store: FleetStore
@@ -462,11 +466,17 @@ class Coordinator:
             if committed is not None and is_already_committed(plan, committed):
                 return _already_committed(request, committed), None
             result = await runner.run(plan)
-            if result.committed and not await self._still_leading(store):
+            if not await self._still_leading(store):
+                # Its own outcome is no answer: a failure may be only the agents
+                # fencing this term off, and the new leader runs the update.
                 deposed = ErrorInfo(
                     code=ErrorCode.NOT_LEADER,
-                    message=f"epoch {self.epoch} was deposed before committing "
-                    f"{plan.served_name}; the new leader rolls the update back",
+                    message=f"epoch {self.epoch} was deposed before "
+                    + (
+                        f"committing {plan.served_name}; the new leader rolls the update back"
+                        if result.committed
+                        else "the update ended; ask again: the new leader answers"
+                    ),
                 )
                 return failed_result(request, deposed), None
             if not result.committed or result.rank_map is None:

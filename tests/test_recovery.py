@@ -139,3 +139,51 @@ async def test_a_leader_deposed_while_its_update_runs_records_nothing(
     assert "deposed before committing" in answer.error.message
     assert after == usurper, "the deposed leader wrote over its successor's record"
     assert committed is None and recorded is None, (committed, recorded)
+
+
+async def test_a_leader_deposed_while_its_update_fails_answers_not_leader_and_steps_down(
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """The same, but the update fails (as it does when the agents already
+    fence the deposed term off): that failure is this term's, not the fleet's
+    outcome, so it is no answer; the requester asks again and the new leader
+    answers. The deposed leader steps down at once instead of answering
+    later requests until its next lease renewal."""
+    async with make_stack([1, 1], leader_lease_s=120) as stack:
+        assert stack.client is not None and stack.sim is not None
+        stack.sim.workers["w001"].set_faults(latency_s={"load": 2.0}, fail_next_loads=100)
+        nc = await connect(nats_url, name="test-usurper")
+        try:
+            store = await FleetStore.open(
+                nc,
+                CoordinatorConfig(
+                    fleet=fleet_name, frontend_url="http://frontend.invalid", expected_world_size=2
+                ),
+            )
+            inbox = nc.new_inbox()
+            answers = await nc.subscribe(inbox)
+            request = UpdateRequest(update_id="step-1", adapter="policy", path=make_adapter(1))
+            await nc.publish(stack.client.subjects.update_request(), encode(request), reply=inbox)
+            worker = stack.sim.workers["w001"]
+            await asyncio.wait_for(worker.wait_until(lambda: worker.paused), 10)
+            leader, revision = await store.read_leader()
+            assert leader is not None
+            await store.write_leader(
+                LeaderRecord(holder="usurper", epoch=leader.epoch + 1), revision
+            )
+            answer = update_result_decoder.decode((await answers.next_msg(timeout=30)).data)
+            assert stack.coordinator is not None
+            async with asyncio.timeout(10):
+                while stack.coordinator.leading.is_set():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            recorded = await store.read_result("step-1")
+        finally:
+            await close(nc)
+
+    assert answer.error is not None and answer.error.code == ErrorCode.NOT_LEADER, answer
+    assert "ask again" in answer.error.message
+    assert recorded is None
+    assert all(not w.paused for w in stack.sim.workers.values())
