@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from nats.aio.client import Client as NatsClient
 
 from lorabus.bus import close, connect
 from lorabus.coordinator.config import CoordinatorConfig
@@ -191,14 +192,7 @@ async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trim
             # What a successor, or `lorabus result` a day later, reads.
             nc = await connect(server.url, name="test-store-reader")
             try:
-                store = await FleetStore.open(
-                    nc,
-                    CoordinatorConfig(
-                        fleet=fleet_name,
-                        frontend_url="http://frontend.invalid",
-                        expected_world_size=WORKERS,
-                    ),
-                )
+                store = await _store_of(nc, fleet_name)
                 stored = await store.read_result(result.update_id)
             finally:
                 await close(nc)
@@ -238,14 +232,7 @@ async def test_a_stored_result_too_large_for_a_reader_is_answered_trimmed(
             assert stack.client is not None
             nc = await connect(server.url, name="test-store-writer")
             try:
-                store = await FleetStore.open(
-                    nc,
-                    CoordinatorConfig(
-                        fleet=fleet_name,
-                        frontend_url="http://frontend.invalid",
-                        expected_world_size=1,
-                    ),
-                )
+                store = await _store_of(nc, fleet_name)
                 await store.write_result(old)
             finally:
                 await close(nc)
@@ -255,3 +242,11 @@ async def test_a_stored_result_too_large_for_a_reader_is_answered_trimmed(
     assert answer.committed and answer.trimmed, answer.status
     assert answer.rank_map == old.rank_map
     assert _size(answer) <= MAX_MESSAGE_BYTES
+
+
+async def _store_of(nc: NatsClient, fleet: str) -> FleetStore:
+    """The fleet's buckets, as a successor or a later `lorabus result` reads them."""
+    config = CoordinatorConfig(
+        fleet=fleet, frontend_url="http://frontend.invalid", expected_world_size=1
+    )
+    return await FleetStore.open(nc, config)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from nats.aio.client import Client as NatsClient
+
 from lorabus.bus import close, connect
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.store import FleetStore
@@ -16,6 +18,7 @@ from lorabus.schemas import (
     LeaderRecord,
     Phase,
     UpdateRequest,
+    UpdateResult,
     build_rank_map,
     encode,
     update_result_decoder,
@@ -112,23 +115,8 @@ async def test_a_leader_deposed_while_its_update_runs_records_nothing(
         stack.sim.workers["w001"].set_faults(latency_s={"load": 2.0})
         nc = await connect(nats_url, name="test-usurper")
         try:
-            store = await FleetStore.open(
-                nc,
-                CoordinatorConfig(
-                    fleet=fleet_name, frontend_url="http://frontend.invalid", expected_world_size=2
-                ),
-            )
-            inbox = nc.new_inbox()
-            answers = await nc.subscribe(inbox)
-            request = UpdateRequest(update_id="step-1", adapter="policy", path=make_adapter(1))
-            await nc.publish(stack.client.subjects.update_request(), encode(request), reply=inbox)
-            worker = stack.sim.workers["w001"]
-            await asyncio.wait_for(worker.wait_until(lambda: worker.paused), 10)
-            leader, revision = await store.read_leader()
-            assert leader is not None
-            usurper = LeaderRecord(holder="usurper", epoch=leader.epoch + 1)
-            await store.write_leader(usurper, revision)
-            answer = update_result_decoder.decode((await answers.next_msg(timeout=30)).data)
+            store = await _store_of(nc, fleet_name)
+            answer, usurper = await _usurped_while_paused(stack, nc, store, make_adapter(1))
             after = (await store.read_leader())[0]
             committed = await store.read_committed("policy")
             recorded = await store.read_result("step-1")
@@ -157,24 +145,8 @@ async def test_a_leader_deposed_while_its_update_fails_answers_not_leader_and_st
         stack.sim.workers["w001"].set_faults(latency_s={"load": 2.0}, fail_next_loads=100)
         nc = await connect(nats_url, name="test-usurper")
         try:
-            store = await FleetStore.open(
-                nc,
-                CoordinatorConfig(
-                    fleet=fleet_name, frontend_url="http://frontend.invalid", expected_world_size=2
-                ),
-            )
-            inbox = nc.new_inbox()
-            answers = await nc.subscribe(inbox)
-            request = UpdateRequest(update_id="step-1", adapter="policy", path=make_adapter(1))
-            await nc.publish(stack.client.subjects.update_request(), encode(request), reply=inbox)
-            worker = stack.sim.workers["w001"]
-            await asyncio.wait_for(worker.wait_until(lambda: worker.paused), 10)
-            leader, revision = await store.read_leader()
-            assert leader is not None
-            await store.write_leader(
-                LeaderRecord(holder="usurper", epoch=leader.epoch + 1), revision
-            )
-            answer = update_result_decoder.decode((await answers.next_msg(timeout=30)).data)
+            store = await _store_of(nc, fleet_name)
+            answer, _ = await _usurped_while_paused(stack, nc, store, make_adapter(1))
             assert stack.coordinator is not None
             async with asyncio.timeout(10):
                 while stack.coordinator.leading.is_set():  # noqa: ASYNC110
@@ -187,3 +159,32 @@ async def test_a_leader_deposed_while_its_update_fails_answers_not_leader_and_st
     assert "ask again" in answer.error.message
     assert recorded is None
     assert all(not w.paused for w in stack.sim.workers.values())
+
+
+async def _store_of(nc: NatsClient, fleet: str) -> FleetStore:
+    return await FleetStore.open(
+        nc,
+        CoordinatorConfig(
+            fleet=fleet, frontend_url="http://frontend.invalid", expected_world_size=2
+        ),
+    )
+
+
+async def _usurped_while_paused(
+    stack: EmbeddedStack, nc: NatsClient, store: FleetStore, path: str
+) -> tuple[UpdateResult, LeaderRecord]:
+    """Request update ``step-1``; once w001 is paused (its load is slow), write a
+    successor's leader record over the leader's; the answer, and that record."""
+    assert stack.client is not None and stack.sim is not None
+    inbox = nc.new_inbox()
+    answers = await nc.subscribe(inbox)
+    request = UpdateRequest(update_id="step-1", adapter="policy", path=path)
+    await nc.publish(stack.client.subjects.update_request(), encode(request), reply=inbox)
+    worker = stack.sim.workers["w001"]
+    await asyncio.wait_for(worker.wait_until(lambda: worker.paused), 10)
+    leader, revision = await store.read_leader()
+    assert leader is not None
+    usurper = LeaderRecord(holder="usurper", epoch=leader.epoch + 1)
+    await store.write_leader(usurper, revision)
+    answer = update_result_decoder.decode((await answers.next_msg(timeout=30)).data)
+    return answer, usurper
