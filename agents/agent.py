@@ -302,9 +302,7 @@ class Agent:
         if not is_addressed_to(command, self.worker_id, self._cohorts):
             return
         if self.verifier.required:
-            key = self._leader_keys.get(command.epoch)
-            if key is None:  # a term this agent has not read the key of yet
-                key = await self._signing_key_of(command.epoch)
+            key = await self._signing_key_of(command.epoch)
             if not key and may_hold and command.epoch >= self.epoch_seen:
                 self._hold(msg)
                 return
