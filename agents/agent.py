@@ -87,7 +87,9 @@ from lorabus.schemas import (
     LeaderRecord,
     LeaseExpired,
     LoadCommand,
+    LoadSpec,
     PauseCommand,
+    Phase,
     PhasedCommand,
     Reconciled,
     RefuseInstance,
@@ -95,6 +97,7 @@ from lorabus.schemas import (
     ResumeCommand,
     Subjects,
     UnloadCommand,
+    carried_load,
     command_decoder,
     encode,
     is_addressed_to,
@@ -346,6 +349,8 @@ class Agent:
                     self._named_in_epoch = command.epoch
                 self._join_cohort((command.epoch, command.update_id))
                 await self._accept(command)
+                if command.then_load is not None:
+                    await self._accept_carried(command, command.then_load)
             case _:
                 await self._accept(command)
 
@@ -462,6 +467,17 @@ class Agent:
         self._queued.add(key)
         self._queue.put_nowait(_Work(command=command, received=now()))
 
+    async def _accept_carried(self, pause: PauseCommand, spec: LoadSpec) -> None:
+        """The load a pause carries runs behind that pause (``_command_loop``):
+        a copy of it sent on its own meanwhile is dropped as queued, and one
+        that already ran gets its ack again."""
+        key = (pause.epoch, pause.update_id, str(Phase.LOAD))
+        done = self._acks.get(key)
+        if done is not None:
+            await self._publish_ack(done)
+        elif (pause.epoch, pause.update_id, str(Phase.PAUSE)) in self._queued:
+            self._queued.add(key)
+
     async def _refuse(self, command: Command) -> None:
         """A command of an older epoch: refused, and acked ``fenced`` so that a
         deposed coordinator learns why."""
@@ -495,36 +511,67 @@ class Agent:
                 # paused); the next commit names these versions again.
                 log.debug("worker=%s put off retiring for a pause", self.worker_id)
                 continue
-            budget = command.budget_s - (now() - work.received)
-            ack = await self.executor.execute(command, budget, retire=work.internal == "retire")
             if work.internal:
+                budget = command.budget_s - (now() - work.received)
+                ack = await self.executor.execute(command, budget, retire=work.internal == "retire")
                 await self._after_internal(work, ack)
                 continue
-            key = (command.epoch, command.update_id, tag_of(command))
-            self._queued.discard(key)
-            self._acks[key] = ack
-            while len(self._acks) > _REMEMBERED_ACKS:
-                self._acks.popitem(last=False)
-            match command:
-                case PauseCommand(lease_s=lease_s) if ack.ok or self.executor.maybe_paused:
-                    self.lease.arm(command.update_id, self._lease_length(lease_s))
-                case ResumeCommand() if ack.ok and not self.executor.maybe_paused:
-                    self.lease.release()
-            if isinstance(command, ResumeCommand) and log.isEnabledFor(logging.INFO):
-                # One line per update: its end, as this engine saw it.
-                log.info(
-                    "worker=%s update=%s %s; engine serves %s",
-                    self.worker_id,
-                    command.update_id,
-                    "resumed" if ack.ok else f"resume failed: {ack.error}",
-                    ", ".join(self.executor.adapters) or "no adapter",
+            await self._run(command, work.received)
+            if isinstance(command, PauseCommand) and command.then_load is not None:
+                # At once, behind this engine's own pause: no other engine's pause
+                # is waited for, and no second message is.
+                await self._run(carried_load(command, command.then_load), now())
+
+    async def _run(self, command: PhasedCommand, received: float) -> None:
+        """Run a command from the bus and publish its ack (the record of it)."""
+        key = (command.epoch, command.update_id, tag_of(command))
+        ack: Ack | None = None
+        if isinstance(command, LoadCommand) and command.after_pause:
+            pause = self._acks.get((command.epoch, command.update_id, str(Phase.PAUSE)))
+            if pause is None:
+                # Its pause has not reached this agent: that pause, sent again,
+                # carries the load. Forgotten here, so a later copy is taken.
+                self._queued.discard(key)
+                log.debug(
+                    "worker=%s update=%s load before its pause", self.worker_id, command.update_id
                 )
-                # After an unanswered pause the lease runs on past the resume:
-                # when it runs out, one more resume undoes a pause that landed late.
-            # The ack is the record: the audit stream keeps it, and the
-            # coordinator learns the engine's state from it, so neither an
-            # event nor a heartbeat repeats it.
-            await self._publish_ack(ack)
+                return
+            if not pause.ok or not self.executor.paused:
+                why = pause.error.message if pause.error else "the engine is no longer paused"
+                ack = self._ack_of(
+                    command,
+                    ErrorInfo(
+                        code=ErrorCode.NOT_PAUSED,
+                        message=f"{self.worker_id} did not load {command.served_name!r}: "
+                        f"its pause of update {command.update_id} did not hold ({why})",
+                    ),
+                )
+        if ack is None:
+            ack = await self.executor.execute(command, command.budget_s - (now() - received))
+        self._queued.discard(key)
+        self._acks[key] = ack
+        while len(self._acks) > _REMEMBERED_ACKS:
+            self._acks.popitem(last=False)
+        match command:
+            case PauseCommand(lease_s=lease_s) if ack.ok or self.executor.maybe_paused:
+                self.lease.arm(command.update_id, self._lease_length(lease_s))
+            case ResumeCommand() if ack.ok and not self.executor.maybe_paused:
+                self.lease.release()
+        if isinstance(command, ResumeCommand) and log.isEnabledFor(logging.INFO):
+            # One line per update: its end, as this engine saw it.
+            log.info(
+                "worker=%s update=%s %s; engine serves %s",
+                self.worker_id,
+                command.update_id,
+                "resumed" if ack.ok else f"resume failed: {ack.error}",
+                ", ".join(self.executor.adapters) or "no adapter",
+            )
+            # After an unanswered pause the lease runs on past the resume:
+            # when it runs out, one more resume undoes a pause that landed late.
+        # The ack is the record: the audit stream keeps it, and the
+        # coordinator learns the engine's state from it, so neither an
+        # event nor a heartbeat repeats it.
+        await self._publish_ack(ack)
 
     def _lease_length(self, asked_s: float) -> float:
         """The coordinator's lease within this agent's own bounds: no command can

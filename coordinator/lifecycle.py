@@ -30,7 +30,7 @@ from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.digests import agreed_digest, digest_problem
-from lorabus.coordinator.gather import AckRouter
+from lorabus.coordinator.gather import AckRouter, PhaseGather
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.plan import UpdatePlan
@@ -45,6 +45,7 @@ from lorabus.schemas import (
     Event,
     InflightRecord,
     LoadCommand,
+    LoadSpec,
     PauseCommand,
     Phase,
     PhasedCommand,
@@ -71,6 +72,7 @@ this long (3.75 s of a 30 s phase), and the gap doubles after each. A member
 that (re)joined after its command was sent (an agent starting, one cut off
 from the bus for a beat) likely missed it: it gets it again at once."""
 _FIRST_RESEND_SHARE = 1 / 8
+_RECORDED_PHASES = (Phase.PAUSE, Phase.LOAD)
 _LIVENESS_TICK_S = 0.25
 
 
@@ -136,6 +138,16 @@ class PhaseOutcome(msgspec.Struct, kw_only=True):
             )
         return errors
 
+    def among(self, members: list[str]) -> PhaseOutcome:
+        """This outcome for ``members`` alone (a load for those whose pause held)."""
+        kept = set(members)
+        return msgspec.structs.replace(
+            self,
+            acks={wid: ack for wid, ack in self.acks.items() if wid in kept},
+            missing=[wid for wid in self.missing if wid in kept],
+            lost=[wid for wid in self.lost if wid in kept],
+        )
+
     def summary(self) -> ErrorInfo:
         errors = self.worker_errors()
         code = ErrorCode.WORKER_FAILED if self.failed else ErrorCode.PHASE_TIMEOUT
@@ -168,6 +180,8 @@ class UpdateRunner:
         self.epoch = 0
         """The term this runner commands in; every command carries it."""
         self._in_flight: InflightRecord | None = None
+        self._recorded: Phase | None = None
+        """The latest phase the in-flight record was written with, this update."""
         self._term_epoch = 0
         self._paused_this_term: dict[str, str] = {}
         """Worker id -> the agent instance that acked a pause of this term: it
@@ -213,7 +227,7 @@ class UpdateRunner:
         error: ErrorInfo | None = None
         load: PhaseOutcome | None = None
         serving: list[str] = []
-        self._in_flight = self._in_flight_record(plan, members, Phase.PAUSE)
+        self._in_flight, self._recorded = self._in_flight_record(plan, members, Phase.PAUSE), None
         renewing = asyncio.create_task(self._renew_pause_leases(plan.update_id))
         paused_at = now()
         try:
@@ -264,7 +278,7 @@ class UpdateRunner:
         keep serving: nothing pauses, so there is nothing to resume; what did
         not commit is unloaded where it loaded, as in pause mode."""
         targets = sorted(members)
-        self._in_flight = self._in_flight_record(plan, members, Phase.LOAD)
+        self._in_flight, self._recorded = self._in_flight_record(plan, members, Phase.LOAD), None
         left_out: dict[str, ErrorInfo] = {}
         # Named targets, not a pause's cohort: no agent took a pause to join one.
         load, listed = await self._load(
@@ -301,44 +315,71 @@ class UpdateRunner:
         """Run the phases inside the pause; return the error, the workers left out
         (with why), the load outcome, and the members that serve the new version.
 
+        The pause carries the load: each agent loads as soon as its own engine
+        is paused, so the load phase starts with the pause and the fleet's
+        pause acks are no barrier before it (one message and one round of the
+        bus fewer per update). An agent whose pause failed refuses the load.
         A phase that fails on some members ends the update, unless the quorum
         policy allows going on without them: then they are left out.
         """
         left_out: dict[str, ErrorInfo] = {}
         targets = sorted(members)
-        pause = await self._pause(plan, targets, phases)
+        # One write, before any engine is told anything: a successor resumes
+        # every member and withdraws the version, wherever this one stopped.
+        await self._record_phase(Phase.LOAD)
+        load_command = self._cohort_command(
+            LoadCommand,
+            plan,
+            targets,
+            targets,
+            served_name=plan.served_name,
+            path=plan.path,
+            replace=plan.replace,
+            digest=plan.digest,
+            after_pause=True,
+        )
+        # The pause and the load each have a phase timeout; the load's clock
+        # starts with the pause.
+        load_command = msgspec.structs.replace(load_command, budget_s=2 * load_command.budget_s)
+        first_loaded = asyncio.Event()
+        opened = self.bus.acks.expect(plan.update_id, Phase.LOAD, targets, first_loaded)
+        loading = asyncio.create_task(
+            self._load(load_command, targets, phases, opened=(opened, first_loaded))
+        )
+        try:
+            spec = msgspec.structs.replace(
+                load_command.spec(), budget_s=self.config.phase_timeout_s
+            )
+            pause = await self._pause(plan, targets, phases, then_load=spec)
+            load, listed = await loading
+        finally:
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+            self.bus.acks.close(opened)
         paused = self._survivors(pause, targets, members, left_out)
         if paused is None:
-            return pause.summary(), pause.worker_errors(), None, []
-        load, listed = await self._load(
-            self._cohort_command(
-                LoadCommand,
-                plan,
-                paused,
-                targets,
-                served_name=plan.served_name,
-                path=plan.path,
-                replace=plan.replace,
-                digest=plan.digest,
-            ),
-            paused,
-            phases,
-        )
-        mismatch = digest_problem(plan.digest, load.acks)
+            return pause.summary(), pause.worker_errors(), load, []
+        load_of_paused = load.among(paused)
+        mismatch = digest_problem(plan.digest, load_of_paused.acks)
         if mismatch is not None:
             # Whatever the quorum allows: replicas serving other bytes under one
             # name is the failure this check exists for, not a member to drop.
-            return mismatch, left_out | load.worker_errors(), load, []
-        serving = self._survivors(load, paused, members, left_out)
+            return mismatch, left_out | load_of_paused.worker_errors(), load, []
+        serving = self._survivors(load_of_paused, paused, members, left_out)
         if serving is None:
-            return load.summary(), left_out | load.worker_errors(), load, []
-        return await self._verify(plan, load, serving, phases, listed), left_out, load, serving
+            return load_of_paused.summary(), left_out | load_of_paused.worker_errors(), load, []
+        verified = await self._verify(plan, load_of_paused, serving, phases, listed)
+        return verified, left_out, load, serving
 
     async def _pause(
-        self, plan: UpdatePlan, targets: list[str], phases: dict[str, float]
+        self,
+        plan: UpdatePlan,
+        targets: list[str],
+        phases: dict[str, float],
+        then_load: LoadSpec,
     ) -> PhaseOutcome:
         """One broadcast to the targets that took a pause of this term, by name
-        to the others.
+        to the others; each carries the load ``then_load``.
 
         An agent takes a broadcast pause only once a pause of that term named
         it, so only workers this coordinator counted act on one, and the
@@ -365,6 +406,7 @@ class UpdateRunner:
             broadcast_to,
             sorted(self._named_this_term | named),
             lease_s=self.config.pause_lease_s,
+            then_load=then_load,
         )
         pause = await self._phase(command, targets, phases, by_name=by_name)
         for worker_id, ack in pause.acks.items():
@@ -414,16 +456,27 @@ class UpdateRunner:
         return math.ceil(self.config.quorum * self.config.expected_world_size - 1e-9)
 
     async def _load(
-        self, command: LoadCommand, expected: list[str], phases: dict[str, float]
+        self,
+        command: LoadCommand,
+        expected: list[str],
+        phases: dict[str, float],
+        opened: tuple[PhaseGather, asyncio.Event] | None = None,
     ) -> tuple[PhaseOutcome, bool]:
         """The load phase, and whether the frontend listed the new name by its
         end. ``/v1/models`` is a union over workers, so the listing may be
         looked for from the first successful load on, while the other loads
-        run, instead of after the last one."""
-        first_loaded = asyncio.Event()
+        run, instead of after the last one. ``opened``: the gather of a load
+        that went out with the pause, and its first-success event."""
+        first_loaded = opened[1] if opened is not None else asyncio.Event()
         looking = asyncio.create_task(self._listed_once(first_loaded, command.served_name))
         try:
-            load = await self._phase(command, expected, phases, first_ok=first_loaded)
+            load = await self._phase(
+                command,
+                expected,
+                phases,
+                first_ok=first_loaded,
+                opened=opened[0] if opened is not None else None,
+            )
         finally:
             # A look still under way is dropped: verify looks again, in full.
             listed = (
@@ -504,11 +557,13 @@ class UpdateRunner:
         phases: dict[str, float],
         first_ok: asyncio.Event | None = None,
         by_name: list[str] | None = None,
+        opened: PhaseGather | None = None,
     ) -> PhaseOutcome:
         """Send ``command`` and gather the acks of ``expected`` (its addressees;
-        ``by_name``, those of them a cohort command cannot reach)."""
+        ``by_name``, those of them a cohort command cannot reach). ``opened``:
+        the gather of a command another one carried, sent only again."""
         await self._record_phase(phase_of(command))
-        outcome = await self._gather(command, expected, first_ok, by_name or [])
+        outcome = await self._gather(command, expected, first_ok, by_name or [], opened)
         phases[outcome.phase] = outcome.duration_s
         self._measure(outcome)
         await self.bus.emit(
@@ -577,10 +632,16 @@ class UpdateRunner:
 
         Only the pause and the load change what a successor must undo (resume
         everyone; withdraw the new version too): later phases are not written,
-        as each write carries the whole membership.
+        as each write carries the whole membership. A pause that carries its
+        load is written once, as the load, before it goes out; the record never
+        steps back to an earlier phase.
         """
-        if self._in_flight is None or phase not in (Phase.PAUSE, Phase.LOAD):
+        if self._in_flight is None or phase not in _RECORDED_PHASES:
             return
+        order = _RECORDED_PHASES.index
+        if self._recorded is not None and order(phase) <= order(self._recorded):
+            return
+        self._recorded = phase
         self._in_flight = msgspec.structs.replace(self._in_flight, phase=phase)
         try:
             await self.journal.record(self._in_flight)
@@ -633,10 +694,11 @@ class UpdateRunner:
         expected: list[str],
         first_ok: asyncio.Event | None,
         by_name: list[str],
+        opened: PhaseGather | None = None,
     ) -> PhaseOutcome:
         phase = phase_of(command)
         timeout_s = command.budget_s
-        gather = self.bus.acks.expect(command.update_id, phase, expected, first_ok)
+        gather = opened or self.bus.acks.expect(command.update_id, phase, expected, first_ok)
         started = now()
         deadline = started + timeout_s
         resend_gap = max(_FIRST_RESEND_S, timeout_s * _FIRST_RESEND_SHARE)
@@ -644,9 +706,9 @@ class UpdateRunner:
         sent_at = dict.fromkeys(expected, started)
         looked_at = (-1, 0.0)  # membership generation, and quiet until when
         try:
-            if command.cohort and len(by_name) < len(expected):
+            if opened is None and command.cohort and len(by_name) < len(expected):
                 await self.bus.broadcast(command)
-            named = by_name if command.cohort else expected
+            named = [] if opened is not None else by_name if command.cohort else expected
             if named:
                 by_names = msgspec.structs.replace(command, cohort=False, excluded=[])
                 await self._send_to_each(by_names, named)

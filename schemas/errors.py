@@ -41,6 +41,9 @@ class ErrorCode(enum.StrEnum):
     """Some member did not confirm its resume: it may still be paused."""
     ENGINE_ERROR = "engine_error"
     """An engine call failed (HTTP error, error body, transport error)."""
+    NOT_PAUSED = "not_paused"
+    """A load meant for a paused engine found it unpaused: its pause failed,
+    or ran out before the load."""
     NOT_LISTED = "not_listed"
     """The engine said it loaded the adapter, but its own list does not show it."""
     NO_COORDINATOR = "no_coordinator"

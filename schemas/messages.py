@@ -33,10 +33,13 @@ from lorabus.schemas.bounds import (
 from lorabus.schemas.errors import ErrorInfo
 from lorabus.schemas.rankmap import RankMap
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """2: commands address a pause's cohort and committed notices reach every
 agent; a version-1 agent acts only on commands that name it, so in an
-upgrade the agents go first and the coordinators last."""
+upgrade the agents go first and the coordinators last.
+3: a pause carries the load that follows it (``PauseCommand.then_load``); a
+version-2 agent only pauses, and loads when the load is sent again by name,
+about a second later."""
 
 
 class Phase(enum.StrEnum):
@@ -91,12 +94,28 @@ class _Command(_Message, frozen=True, kw_only=True):
     """The sending coordinator's term; agents refuse commands of an older term."""
 
 
+class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The load a pause carries: what :class:`LoadCommand` says besides its
+    addressing, with its own budget, counted from when the pause is done."""
+
+    served_name: Name
+    path: Path
+    replace: bool = False
+    digest: Digest | None = None
+    budget_s: Seconds
+
+
 class PauseCommand(_Command, frozen=True, kw_only=True, tag="pause"):
     mode: Annotated[str, msgspec.Meta(max_length=32)] = "keep"
     lease_s: Seconds = 0.0
     """The agent resumes on its own unless renewed or resumed within this (0: the
     agent's own ``--max-pause-lease``); agents also cap it with that limit and
     raise it to their minimum."""
+    then_load: LoadSpec | None = None
+    """Load this as soon as this engine is paused, without waiting for the rest
+    of the fleet's pause: one message and one round of the bus fewer per
+    update. The agent acks the pause, then the load (as a :class:`LoadCommand`
+    with ``after_pause``); a failed pause fails the load too."""
 
 
 class LoadCommand(_Command, frozen=True, kw_only=True, tag="load"):
@@ -107,6 +126,19 @@ class LoadCommand(_Command, frozen=True, kw_only=True, tag="load"):
     digest: Digest | None = None
     """The content digest the request asked for: the agent refuses to load a
     directory whose digest differs (``digest_mismatch``)."""
+    after_pause: bool = False
+    """Only on an engine paused by this update's pause: an agent that has not
+    taken that pause ignores it (the pause, sent again, carries the load), and
+    one whose pause failed or no longer holds refuses it (``not_paused``)."""
+
+    def spec(self) -> LoadSpec:
+        return LoadSpec(
+            served_name=self.served_name,
+            path=self.path,
+            replace=self.replace,
+            digest=self.digest,
+            budget_s=self.budget_s,
+        )
 
 
 class ResumeCommand(_Command, frozen=True, kw_only=True, tag="resume"):
@@ -190,6 +222,23 @@ def is_addressed_to(
     ):
         return True
     return worker_id in command.targets
+
+
+def carried_load(pause: PauseCommand, spec: LoadSpec) -> LoadCommand:
+    """The load ``pause`` carries, as the command its agent runs and acks."""
+    return LoadCommand(
+        update_id=pause.update_id,
+        targets=pause.targets,
+        cohort=pause.cohort,
+        excluded=pause.excluded,
+        budget_s=spec.budget_s,
+        epoch=pause.epoch,
+        served_name=spec.served_name,
+        path=spec.path,
+        replace=spec.replace,
+        digest=spec.digest,
+        after_pause=True,
+    )
 
 
 def phase_of(command: PhasedCommand) -> Phase:

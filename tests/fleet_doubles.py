@@ -56,6 +56,7 @@ from lorabus.schemas import (
     ResumeCommand,
     Subjects,
     UnloadCommand,
+    carried_load,
     command_decoder,
     encode,
     is_addressed_to,
@@ -89,13 +90,27 @@ class ScriptedAgent:
     received: list[Command] = field(default_factory=list)
     """Every command addressed to it, in arrival order (re-sends included)."""
     cohorts: set[tuple[int, str]] = field(default_factory=set)
+    paused_for: set[tuple[int, str]] = field(default_factory=set)
+    """(epoch, update id) of every pause it carried out."""
     _lost: set[Phase] = field(default_factory=set)
 
     def addressed(self, command: Command) -> bool:
         return is_addressed_to(command, self.worker_id, self.cohorts)
 
-    def handle(self, command: Command) -> Ack | None:
-        """Carry out a command addressed to this agent; the ack to send, if any."""
+    def handle(self, command: Command) -> list[Ack]:
+        """Carry out a command addressed to this agent; the acks to send. A
+        pause that carries its load runs it at once, as a real agent does."""
+        acks = [ack] if (ack := self._handle_one(command)) is not None else []
+        if (
+            isinstance(command, PauseCommand)
+            and command.then_load is not None
+            and (command.epoch, command.update_id) in self.paused_for
+        ):
+            load = self._handle_one(carried_load(command, command.then_load))
+            acks += [load] if load is not None else []
+        return acks
+
+    def _handle_one(self, command: Command) -> Ack | None:
         if not self.alive:
             return None
         if isinstance(command, PauseCommand):
@@ -103,6 +118,12 @@ class ScriptedAgent:
         if isinstance(command, RenewLeaseCommand | CommittedNotice):
             self.received.append(command)
             return None
+        if (
+            isinstance(command, LoadCommand)
+            and command.after_pause
+            and (command.epoch, command.update_id) not in self.paused_for
+        ):
+            return None  # its pause did not reach this agent: the pause comes again
         phase = phase_of(command)
         if phase in self.script.lose_first and phase not in self._lost:
             self._lost.add(phase)
@@ -147,6 +168,7 @@ class ScriptedAgent:
         match command:
             case PauseCommand():
                 self.paused = True
+                self.paused_for.add((command.epoch, command.update_id))
             case ResumeCommand():
                 self.paused = False
             case LoadCommand(served_name=name) if self.script.fail_load:
@@ -278,8 +300,7 @@ class MemoryFleet(_Fleet):
 
     async def _respond(self, agent: ScriptedAgent, command: Command) -> None:
         await asyncio.sleep(0)  # a publish returns before anyone has read it
-        ack = agent.handle(command)
-        if ack is not None:
+        for ack in agent.handle(command):
             self.bus.acks.route(ack)
             self.membership.observe_ack(ack)
 
@@ -366,8 +387,7 @@ class NatsFleet(_Fleet):
             command = command_decoder.decode(msg.data)
             if not agent.addressed(command):
                 return
-            ack = agent.handle(command)
-            if ack is not None:
+            for ack in agent.handle(command):
                 await self._agents_nc.publish(self.subjects.ack(agent.worker_id), encode(ack))
 
         return on_command

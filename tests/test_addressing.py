@@ -135,9 +135,12 @@ async def test_no_message_names_more_than_one_member(
     assert (PauseCommand, first.update_id) not in by_update
     pause = by_update[(PauseCommand, second.update_id)]
     assert pause.cohort and pause.targets == [] and pause.excluded == [], pause
+    # Each pause carries the load: no load goes out on its own, by name or not.
+    assert not any(isinstance(c, LoadCommand) for c in broadcasts)
+    assert not any(isinstance(c, LoadCommand) for cs in to_one.values() for c in cs)
+    assert pause.then_load is not None and pause.then_load.served_name == "policy-v2"
     for update in (first, second):
-        for phase in (LoadCommand, ResumeCommand):
-            command = by_update[(phase, update.update_id)]
-            assert command.cohort and command.targets == [] and command.excluded == [], command
+        command = by_update[(ResumeCommand, update.update_id)]
+        assert command.cohort and command.targets == [] and command.excluded == [], command
     notice = by_update[(CommittedNotice, second.update_id)]
     assert notice.targets == [] and notice.served_name == "policy-v2"

@@ -19,6 +19,7 @@ from lorabus.schemas import (
     BadMessage,
     Heartbeat,
     LoadCommand,
+    PauseCommand,
     Phase,
     Subjects,
     WorkerConflict,
@@ -47,21 +48,29 @@ async def test_an_ok_ack_claiming_another_worker_does_not_count(
 
         async def forge_ack(msg: Msg) -> None:
             command = command_decoder.decode(msg.data)
-            if isinstance(command, LoadCommand):
-                forged = Ack(
-                    update_id=command.update_id,
-                    phase=Phase.LOAD,
-                    worker_id="w001",
-                    ok=True,
-                    world_size=1,
-                    adapters=[command.served_name],
-                    paused=True,
-                    epoch=command.epoch,
-                )
-                await forger.publish(subjects.ack("x"), encode(forged))
+            # The load goes out inside the pause (on each member's own subject in
+            # a term's first update), and on its own only as a re-send.
+            if isinstance(command, PauseCommand) and command.then_load is not None:
+                served_name = command.then_load.served_name
+            elif isinstance(command, LoadCommand):
+                served_name = command.served_name
+            else:
+                return
+            forged = Ack(
+                update_id=command.update_id,
+                phase=Phase.LOAD,
+                worker_id="w001",
+                ok=True,
+                world_size=1,
+                adapters=[served_name],
+                paused=True,
+                epoch=command.epoch,
+            )
+            await forger.publish(subjects.ack("x"), encode(forged))
 
         try:
             await forger.subscribe(subjects.cmd(), cb=forge_ack)
+            await forger.subscribe(subjects.cmd_worker("*"), cb=forge_ack)
             await forger.flush()
             result = await stack.client.update("policy", make_adapter(1), version=1)
             reports = await listener.wait_for(BadMessage)

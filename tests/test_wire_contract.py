@@ -11,6 +11,7 @@ from lorabus.schemas import (
     WIRE_VERSION,
     Ack,
     LoadCommand,
+    LoadSpec,
     PauseCommand,
     Phase,
     ResumeCommand,
@@ -24,6 +25,12 @@ from lorabus.schemas import (
 
 COMMANDS = [
     PauseCommand(update_id="u1", targets=["w1"], budget_s=5),
+    PauseCommand(
+        update_id="u1",
+        cohort=True,
+        budget_s=5,
+        then_load=LoadSpec(served_name="p-v1", path="/a", digest="sha256:" + "0" * 64, budget_s=5),
+    ),
     LoadCommand(update_id="u1", targets=["w1"], budget_s=5, served_name="p-v1", path="/a"),
     ResumeCommand(update_id="u1", targets=["w1", "w2"], budget_s=5),
     UnloadCommand(update_id="u1", targets=["w1"], budget_s=5, names=["p-v0"]),
@@ -35,7 +42,7 @@ def test_commands_round_trip_with_tag_and_version(command: object) -> None:
     wire = encode(command)  # type: ignore[arg-type]
     as_json = json.loads(wire)
 
-    assert as_json["v"] == WIRE_VERSION == 2 and "type" in as_json
+    assert as_json["v"] == WIRE_VERSION == 3 and "type" in as_json
     assert command_decoder.decode(wire) == command
 
 

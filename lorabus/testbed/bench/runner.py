@@ -475,7 +475,11 @@ class _SizeRun:
                 walls.append(wall)
                 for name, seconds in result.phases.items():
                     phases.setdefault(name, []).append(seconds)
-                phases.setdefault("other", []).append(wall - sum(result.phases.values()))
+                # The load phase counts from the pause it went out with.
+                overlapping = result.phases.get("pause", 0.0)
+                phases.setdefault("other", []).append(
+                    wall - sum(result.phases.values()) + overlapping
+                )
                 window = _window(engines)
                 if window is None and live:
                     window = 0.0  # no engine paused: the pause window is nil

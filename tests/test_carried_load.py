@@ -1,0 +1,150 @@
+"""A pause carries its update's load: the agent loads right behind its own
+engine's pause, and never on an engine whose pause did not hold.
+
+A hand-played coordinator sends the commands over a real nats-server to a
+real agent, whose engine is a simulated Dynamo worker over real HTTP; what
+the worker received is read from its request log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from hand_coordinator import EPOCH, HandCoordinator
+
+from lorabus.agents import Agent, AgentConfig, driver_for
+from lorabus.bus import close, connect
+from lorabus.schemas import (
+    ErrorCode,
+    LoadCommand,
+    LoadSpec,
+    PauseCommand,
+    Phase,
+    ResumeCommand,
+)
+from lorabus.simfleet import SimFleet, SimWorker
+
+WORKER = "w000"
+NAME = "policy-v1"
+
+
+@pytest.fixture
+async def worker(
+    nats_url: str,
+    fleet_name: str,
+    hand: HandCoordinator,
+    start_sim: Callable[..., Awaitable[SimFleet]],
+) -> AsyncIterator[SimWorker]:
+    """The simulated engine of one real agent on the test's fleet."""
+    sim = await start_sim({WORKER: 1})
+    await hand.lead(EPOCH)
+    config = AgentConfig(
+        fleet=fleet_name,
+        worker_id=WORKER,
+        system_url=sim.system_url(WORKER),
+        heartbeat_s=0.2,
+    )
+    driver = driver_for(config)
+    agent = Agent.from_config(config, driver)
+    nc = await connect(nats_url, name="test-carried-load-agent")
+    ready = asyncio.Event()
+    serving = asyncio.create_task(agent.run(nc, ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        engine = sim.workers[WORKER]
+        engine.requests.clear()  # the resume an agent sends when it starts
+        yield engine
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await close(nc)
+        await driver.aclose()
+
+
+def _pause(update_id: str, path: str, budget_s: float = 5) -> PauseCommand:
+    return PauseCommand(
+        update_id=update_id,
+        targets=[WORKER],
+        budget_s=budget_s,
+        epoch=EPOCH,
+        lease_s=30,
+        then_load=LoadSpec(served_name=NAME, path=path, budget_s=5),
+    )
+
+
+def _engine_calls(engine: SimWorker) -> list[str]:
+    return [r.path for r in engine.requests if r.method == "POST"]
+
+
+async def test_a_pause_that_carries_its_load_loads_right_behind_the_engines_pause(
+    hand: HandCoordinator, worker: SimWorker, make_adapter: Callable[[int], str]
+) -> None:
+    update_id = f"u-{uuid.uuid4().hex[:8]}"
+    await hand.send(_pause(update_id, make_adapter(1)))
+
+    paused = await hand.next_ack(update_id)
+    loaded = await hand.next_ack(update_id)
+
+    assert (paused.phase, paused.ok) == (Phase.PAUSE, True)
+    assert (loaded.phase, loaded.ok) == (Phase.LOAD, True), loaded.error
+    assert NAME in loaded.adapters and loaded.paused
+    calls = _engine_calls(worker)
+    assert calls.index("/engine/pause_generation") < calls.index("/v1/loras"), calls
+    assert worker.paused and NAME in worker.adapters
+
+    await hand.send(ResumeCommand(update_id=update_id, targets=[WORKER], budget_s=5, epoch=EPOCH))
+    assert (await hand.next_ack(update_id)).ok
+    assert not worker.paused
+
+
+async def test_the_load_of_a_pause_that_failed_is_refused_and_never_reaches_the_engine(
+    hand: HandCoordinator, worker: SimWorker, make_adapter: Callable[[int], str]
+) -> None:
+    worker.set_faults(hang=True)  # the engine answers nothing: the pause times out
+    update_id = f"u-{uuid.uuid4().hex[:8]}"
+    await hand.send(_pause(update_id, make_adapter(1), budget_s=0.5))
+
+    paused = await hand.next_ack(update_id)
+    worker.set_faults(hang=False)
+    loaded = await hand.next_ack(update_id)
+
+    assert (paused.phase, paused.ok) == (Phase.PAUSE, False)
+    assert loaded.phase is Phase.LOAD and not loaded.ok
+    assert loaded.error is not None and loaded.error.code is ErrorCode.NOT_PAUSED
+    assert "/v1/loras" not in _engine_calls(worker)
+    assert NAME not in worker.adapters
+
+
+async def test_a_load_for_a_pause_not_yet_taken_is_ignored_and_runs_once_sent_again(
+    hand: HandCoordinator, worker: SimWorker, make_adapter: Callable[[int], str]
+) -> None:
+    update_id = f"u-{uuid.uuid4().hex[:8]}"
+    path = make_adapter(1)
+    load = LoadCommand(
+        update_id=update_id,
+        targets=[WORKER],
+        budget_s=5,
+        epoch=EPOCH,
+        served_name=NAME,
+        path=path,
+        after_pause=True,
+    )
+    await hand.send(load)  # ahead of its pause, as a lost pause leaves it
+    await hand.send(PauseCommand(update_id=update_id, targets=[WORKER], budget_s=5, epoch=EPOCH))
+
+    # Commands run in order: had the early load run or been answered, its ack
+    # would come first.
+    first = await hand.next_ack(update_id)
+    assert (first.phase, first.ok) == (Phase.PAUSE, True)
+    assert "/v1/loras" not in _engine_calls(worker)
+
+    await hand.send(load)  # the coordinator's re-send, now behind the pause
+    loaded = await hand.next_ack(update_id)
+    assert (loaded.phase, loaded.ok) == (Phase.LOAD, True), loaded.error
+    assert NAME in worker.adapters
+
+    await hand.send(ResumeCommand(update_id=update_id, targets=[WORKER], budget_s=5, epoch=EPOCH))
+    assert (await hand.next_ack(update_id)).ok
