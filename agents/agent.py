@@ -525,29 +525,19 @@ class Agent:
     async def _run(self, command: PhasedCommand, received: float) -> None:
         """Run a command from the bus and publish its ack (the record of it)."""
         key = (command.epoch, command.update_id, tag_of(command))
-        ack: Ack | None = None
+        done = self._acks.get(key)
+        if done is not None:  # a copy queued while the first one ran
+            self._queued.discard(key)
+            await self._publish_ack(done)
+            return
         if isinstance(command, LoadCommand) and command.after_pause:
-            pause = self._acks.get((command.epoch, command.update_id, str(Phase.PAUSE)))
-            if pause is None:
-                # Its pause has not reached this agent: that pause, sent again,
-                # carries the load. Forgotten here, so a later copy is taken.
+            refusal = self._unpaused_for(command)
+            if refusal is not None:
+                # Not remembered: a pause that comes after all may carry the load.
                 self._queued.discard(key)
-                log.debug(
-                    "worker=%s update=%s load before its pause", self.worker_id, command.update_id
-                )
+                await self._publish_ack(self._ack_of(command, refusal))
                 return
-            if not pause.ok or not self.executor.paused:
-                why = pause.error.message if pause.error else "the engine is no longer paused"
-                ack = self._ack_of(
-                    command,
-                    ErrorInfo(
-                        code=ErrorCode.NOT_PAUSED,
-                        message=f"{self.worker_id} did not load {command.served_name!r}: "
-                        f"its pause of update {command.update_id} did not hold ({why})",
-                    ),
-                )
-        if ack is None:
-            ack = await self.executor.execute(command, command.budget_s - (now() - received))
+        ack = await self.executor.execute(command, command.budget_s - (now() - received))
         self._queued.discard(key)
         self._acks[key] = ack
         while len(self._acks) > _REMEMBERED_ACKS:
@@ -572,6 +562,26 @@ class Agent:
         # coordinator learns the engine's state from it, so neither an
         # event nor a heartbeat repeats it.
         await self._publish_ack(ack)
+
+    def _unpaused_for(self, load: LoadCommand) -> ErrorInfo | None:
+        """Why a load meant for an engine its update's pause paused cannot run
+        here (None: it can). The coordinator sends one on its own only to a
+        member that acked that pause: an agent that has not taken it lost it
+        (it restarted)."""
+        pause = self._acks.get((load.epoch, load.update_id, str(Phase.PAUSE)))
+        if pause is None:
+            why = "this agent has not taken that pause"
+        elif not pause.ok:
+            why = pause.error.message if pause.error else "the pause failed"
+        elif not self.executor.paused:
+            why = "the engine is no longer paused"
+        else:
+            return None
+        return ErrorInfo(
+            code=ErrorCode.NOT_PAUSED,
+            message=f"{self.worker_id} did not load {load.served_name!r}: its pause of "
+            f"update {load.update_id} did not hold ({why})",
+        )
 
     def _lease_length(self, asked_s: float) -> float:
         """The coordinator's lease within this agent's own bounds: no command can

@@ -38,7 +38,8 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     frontend_url: str
     expected_world_size: int
     phase_timeout_s: float = 30.0
-    """Deadline for all members to ack one phase (pause, load, resume, unload)."""
+    """Deadline for all members to ack one phase (pause, load, resume, unload);
+    a load the pause carries has twice this, counted from the pause."""
     verify_timeout_s: float = 60.0
     """Deadline for the frontend to list the new adapter."""
     quorum_timeout_s: float = 30.0

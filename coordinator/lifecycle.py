@@ -22,6 +22,8 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -77,7 +79,7 @@ _LIVENESS_TICK_S = 0.25
 
 
 class Journal(Protocol):
-    """Where the update in flight is written before its pause and its load, so
+    """Where the update in flight is written before its pause (and its load), so
     that a successor finds it (the fleet's KV; a list in tests)."""
 
     async def record(self, in_flight: InflightRecord) -> None: ...
@@ -159,6 +161,40 @@ class PhaseOutcome(msgspec.Struct, kw_only=True):
             code=code,
             message=f"{self.phase} failed on {len(errors)} worker(s): {details}{more}",
         )
+
+
+@dataclass(frozen=True)
+class _Gathering:
+    """How a phase's acks are gathered, beyond the defaults."""
+
+    opened: PhaseGather | None = None
+    """The gather, opened by the caller (before a command that carries this one)."""
+    sent: bool = False
+    """The command went out already, carried by another: only re-sends follow."""
+    resend_if: Callable[[str], bool] | None = None
+    """Which stragglers may get it again (default: all)."""
+    counted_from: Callable[[], float] = lambda: 0.0
+    """When the phase's time starts, if later than its gather (monotonic)."""
+
+
+@dataclass(frozen=True)
+class _Carried:
+    """A load that went out with the pause."""
+
+    gather: PhaseGather
+    first_loaded: asyncio.Event
+    resend_if: Callable[[str], bool]
+    counted_from: Callable[[], float]
+
+
+@dataclass(frozen=True)
+class _PauseFailed:
+    """A pause that failed the update, while the loads it carried were under way."""
+
+    error: ErrorInfo
+    errors: dict[str, ErrorInfo]
+    load: PhaseOutcome
+    """What is known of the loads: acks so far, the rest missing."""
 
 
 class UpdateRunner:
@@ -316,17 +352,16 @@ class UpdateRunner:
         (with why), the load outcome, and the members that serve the new version.
 
         The pause carries the load: each agent loads as soon as its own engine
-        is paused, so the load phase starts with the pause and the fleet's
-        pause acks are no barrier before it (one message and one round of the
-        bus fewer per update). An agent whose pause failed refuses the load.
-        A phase that fails on some members ends the update, unless the quorum
-        policy allows going on without them: then they are left out.
+        is paused, so the fleet's pause acks are no barrier before any load
+        (one message and one round of the bus fewer per update). An agent
+        whose pause failed refuses the load. A fixed-name load (``replace``)
+        is not carried: it changes what the committed name serves, so it
+        waits for the whole fleet's pause. A phase that fails on some members
+        ends the update, unless the quorum policy allows going on without
+        them: then they are left out.
         """
         left_out: dict[str, ErrorInfo] = {}
         targets = sorted(members)
-        # One write, before any engine is told anything: a successor resumes
-        # every member and withdraws the version, wherever this one stopped.
-        await self._record_phase(Phase.LOAD)
         load_command = self._cohort_command(
             LoadCommand,
             plan,
@@ -338,48 +373,114 @@ class UpdateRunner:
             digest=plan.digest,
             after_pause=True,
         )
-        # The pause and the load each have a phase timeout; the load's clock
-        # starts with the pause.
-        load_command = msgspec.structs.replace(load_command, budget_s=2 * load_command.budget_s)
-        first_loaded = asyncio.Event()
-        opened = self.bus.acks.expect(plan.update_id, Phase.LOAD, targets, first_loaded)
-        loading = asyncio.create_task(
-            self._load(load_command, targets, phases, opened=(opened, first_loaded))
-        )
-        try:
-            spec = msgspec.structs.replace(
-                load_command.spec(), budget_s=self.config.phase_timeout_s
+        if plan.replace:
+            pause = await self._pause(plan, targets, phases)
+            paused = self._survivors(pause, targets, members, left_out)
+            if paused is None:
+                return pause.summary(), pause.worker_errors(), None, []
+            excluded = [w for w in targets if w not in set(paused)]
+            load, listed = await self._load(
+                msgspec.structs.replace(load_command, excluded=excluded), paused, phases
             )
-            pause = await self._pause(plan, targets, phases, then_load=spec)
-            load, listed = await loading
-        finally:
-            loading.cancel()
-            await asyncio.gather(loading, return_exceptions=True)
-            self.bus.acks.close(opened)
-        paused = self._survivors(pause, targets, members, left_out)
-        if paused is None:
-            return pause.summary(), pause.worker_errors(), load, []
-        load_of_paused = load.among(paused)
-        mismatch = digest_problem(plan.digest, load_of_paused.acks)
+        else:
+            carried = await self._pause_carrying(plan, targets, members, load_command, phases)
+            if isinstance(carried, _PauseFailed):
+                return carried.error, carried.errors, carried.load, []
+            paused, left_out, load, listed = carried
+        mismatch = digest_problem(plan.digest, load.acks)
         if mismatch is not None:
             # Whatever the quorum allows: replicas serving other bytes under one
             # name is the failure this check exists for, not a member to drop.
-            return mismatch, left_out | load_of_paused.worker_errors(), load, []
-        serving = self._survivors(load_of_paused, paused, members, left_out)
+            return mismatch, left_out | load.worker_errors(), load, []
+        serving = self._survivors(load, paused, members, left_out)
         if serving is None:
-            return load_of_paused.summary(), left_out | load_of_paused.worker_errors(), load, []
-        verified = await self._verify(plan, load_of_paused, serving, phases, listed)
+            return load.summary(), left_out | load.worker_errors(), load, []
+        verified = await self._verify(plan, load, serving, phases, listed)
         return verified, left_out, load, serving
+
+    async def _pause_carrying(
+        self,
+        plan: UpdatePlan,
+        targets: list[str],
+        members: dict[str, int],
+        load_command: LoadCommand,
+        phases: dict[str, float],
+    ) -> _PauseFailed | tuple[list[str], dict[str, ErrorInfo], PhaseOutcome, bool]:
+        """The pause carrying the load, both gathered at once: the members whose
+        pause held, those left out, the load outcome among the former and
+        whether the frontend listed the name. When the pause fails the update,
+        the loads are not waited for: the engines resume at once, and the
+        version is withdrawn wherever it may have loaded."""
+        # One write, before any engine is told anything: a successor resumes
+        # every member and withdraws the version, wherever this one stopped.
+        await self._record_phase(Phase.LOAD)
+        # The pause and the load each have a phase timeout; the load's clock
+        # starts with the pause.
+        budget_s = self.config.phase_timeout_s
+        load_command = msgspec.structs.replace(load_command, budget_s=2 * budget_s)
+        pause_gather = self.bus.acks.expect(plan.update_id, Phase.PAUSE, targets)
+        first_loaded = asyncio.Event()
+        load_gather = self.bus.acks.expect(plan.update_id, Phase.LOAD, targets, first_loaded)
+        pause_ended: list[float] = []
+
+        def took_the_pause(worker_id: str) -> bool:
+            """A load is sent again only to a member whose pause held: one whose
+            pause failed, or which has not taken it, must not load (an agent of
+            wire version 2 would)."""
+            ack = pause_gather.acks.get(worker_id)
+            return ack is not None and ack.ok
+
+        loading = asyncio.create_task(
+            self._load(
+                load_command,
+                targets,
+                phases,
+                carried=_Carried(
+                    load_gather,
+                    first_loaded,
+                    took_the_pause,
+                    # The load phase is the time it adds after the fleet's pause.
+                    lambda: pause_ended[0] if pause_ended else now(),
+                ),
+            )
+        )
+        try:
+            spec = msgspec.structs.replace(load_command.spec(), budget_s=budget_s)
+            pause = await self._pause(plan, targets, phases, then_load=spec, opened=pause_gather)
+            pause_ended.append(now())
+            left_out: dict[str, ErrorInfo] = {}
+            paused = self._survivors(pause, targets, members, left_out)
+            if paused is None:
+                known = PhaseOutcome(
+                    phase=Phase.LOAD,
+                    acks=dict(load_gather.acks),
+                    missing=sorted(load_gather.waiting),
+                    lost=sorted(load_gather.lost),
+                    duration_s=0.0,
+                    timeout_s=load_command.budget_s,
+                )
+                return _PauseFailed(pause.summary(), pause.worker_errors(), known)
+            kept = set(paused)
+            load_gather.give_up_on(w for w in targets if w not in kept)
+            load, listed = await loading
+        finally:
+            loading.cancel()
+            self.bus.acks.close(pause_gather)
+            self.bus.acks.close(load_gather)
+            await asyncio.gather(loading, return_exceptions=True)
+        return paused, left_out, load.among(paused), listed
 
     async def _pause(
         self,
         plan: UpdatePlan,
         targets: list[str],
         phases: dict[str, float],
-        then_load: LoadSpec,
+        then_load: LoadSpec | None = None,
+        opened: PhaseGather | None = None,
     ) -> PhaseOutcome:
         """One broadcast to the targets that took a pause of this term, by name
-        to the others; each carries the load ``then_load``.
+        to the others; each carries the load ``then_load``, if any
+        (``opened``: the pause's gather, opened by the caller).
 
         An agent takes a broadcast pause only once a pause of that term named
         it, so only workers this coordinator counted act on one, and the
@@ -408,7 +509,9 @@ class UpdateRunner:
             lease_s=self.config.pause_lease_s,
             then_load=then_load,
         )
-        pause = await self._phase(command, targets, phases, by_name=by_name)
+        pause = await self._phase(
+            command, targets, phases, by_name=by_name, gather=_Gathering(opened=opened)
+        )
         for worker_id, ack in pause.acks.items():
             if ack.ok:  # a failed one is named again: it may not have taken it
                 took[worker_id] = ack.instance
@@ -460,22 +563,28 @@ class UpdateRunner:
         command: LoadCommand,
         expected: list[str],
         phases: dict[str, float],
-        opened: tuple[PhaseGather, asyncio.Event] | None = None,
+        carried: _Carried | None = None,
     ) -> tuple[PhaseOutcome, bool]:
         """The load phase, and whether the frontend listed the new name by its
         end. ``/v1/models`` is a union over workers, so the listing may be
         looked for from the first successful load on, while the other loads
-        run, instead of after the last one. ``opened``: the gather of a load
-        that went out with the pause, and its first-success event."""
-        first_loaded = opened[1] if opened is not None else asyncio.Event()
+        run, instead of after the last one. ``carried``: the load went out
+        with the pause; its acks are gathered from then on."""
+        first_loaded = carried.first_loaded if carried is not None else asyncio.Event()
         looking = asyncio.create_task(self._listed_once(first_loaded, command.served_name))
+        gathering = (
+            _Gathering(
+                opened=carried.gather,
+                sent=True,
+                resend_if=carried.resend_if,
+                counted_from=carried.counted_from,
+            )
+            if carried is not None
+            else _Gathering()
+        )
         try:
             load = await self._phase(
-                command,
-                expected,
-                phases,
-                first_ok=first_loaded,
-                opened=opened[0] if opened is not None else None,
+                command, expected, phases, first_ok=first_loaded, gather=gathering
             )
         finally:
             # A look still under way is dropped: verify looks again, in full.
@@ -530,9 +639,15 @@ class UpdateRunner:
         self, plan: UpdatePlan, load: PhaseOutcome | None, phases: dict[str, float]
     ) -> None:
         """Unload a version that failed to commit where it did load, so no
-        request for it is routed to a subset of the fleet."""
+        request for it is routed to a subset of the fleet. A member whose load
+        went unanswered may still load it (a load runs behind a late pause):
+        it is told to unload too, behind that load, without waiting for it."""
         if plan.replace or load is None:
             return
+        unsure = sorted(set(load.missing) | set(load.lost))
+        if unsure:
+            unload = self._command(UnloadCommand, plan, unsure, names=[plan.served_name])
+            await self._send_to_each(unload, unsure)
         holders = sorted(w for w, a in load.acks.items() if plan.served_name in a.adapters)
         await self._unload(plan, [plan.served_name], holders, phases)
 
@@ -557,13 +672,14 @@ class UpdateRunner:
         phases: dict[str, float],
         first_ok: asyncio.Event | None = None,
         by_name: list[str] | None = None,
-        opened: PhaseGather | None = None,
+        gather: _Gathering | None = None,
     ) -> PhaseOutcome:
         """Send ``command`` and gather the acks of ``expected`` (its addressees;
-        ``by_name``, those of them a cohort command cannot reach). ``opened``:
-        the gather of a command another one carried, sent only again."""
+        ``by_name``, those of them a cohort command cannot reach)."""
         await self._record_phase(phase_of(command))
-        outcome = await self._gather(command, expected, first_ok, by_name or [], opened)
+        outcome = await self._gather(
+            command, expected, first_ok, by_name or [], gather or _Gathering()
+        )
         phases[outcome.phase] = outcome.duration_s
         self._measure(outcome)
         await self.bus.emit(
@@ -694,11 +810,11 @@ class UpdateRunner:
         expected: list[str],
         first_ok: asyncio.Event | None,
         by_name: list[str],
-        opened: PhaseGather | None = None,
+        how: _Gathering,
     ) -> PhaseOutcome:
         phase = phase_of(command)
         timeout_s = command.budget_s
-        gather = opened or self.bus.acks.expect(command.update_id, phase, expected, first_ok)
+        gather = how.opened or self.bus.acks.expect(command.update_id, phase, expected, first_ok)
         started = now()
         deadline = started + timeout_s
         resend_gap = max(_FIRST_RESEND_S, timeout_s * _FIRST_RESEND_SHARE)
@@ -706,9 +822,9 @@ class UpdateRunner:
         sent_at = dict.fromkeys(expected, started)
         looked_at = (-1, 0.0)  # membership generation, and quiet until when
         try:
-            if opened is None and command.cohort and len(by_name) < len(expected):
+            if not how.sent and command.cohort and len(by_name) < len(expected):
                 await self.bus.broadcast(command)
-            named = [] if opened is not None else by_name if command.cohort else expected
+            named = [] if how.sent else by_name if command.cohort else expected
             if named:
                 by_names = msgspec.structs.replace(command, cohort=False, excluded=[])
                 await self._send_to_each(by_names, named)
@@ -735,6 +851,8 @@ class UpdateRunner:
                     next_resend = at + resend_gap
                 else:
                     again_to = sorted(rejoined)
+                if how.resend_if is not None:
+                    again_to = [w for w in again_to if how.resend_if(w)]
                 if again_to:
                     # By name: a restarted agent has forgotten which pauses it took.
                     again = msgspec.structs.replace(
@@ -749,7 +867,7 @@ class UpdateRunner:
             acks=gather.acks,
             missing=sorted(gather.waiting),
             lost=sorted(gather.lost),
-            duration_s=now() - started,
+            duration_s=now() - max(started, how.counted_from()),
             timeout_s=timeout_s,
         )
 

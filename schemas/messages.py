@@ -39,7 +39,7 @@ agent; a version-1 agent acts only on commands that name it, so in an
 upgrade the agents go first and the coordinators last.
 3: a pause carries the load that follows it (``PauseCommand.then_load``); a
 version-2 agent only pauses, and loads when the load is sent again by name,
-about a second later."""
+at its first re-send."""
 
 
 class Phase(enum.StrEnum):
@@ -128,8 +128,8 @@ class LoadCommand(_Command, frozen=True, kw_only=True, tag="load"):
     directory whose digest differs (``digest_mismatch``)."""
     after_pause: bool = False
     """Only on an engine paused by this update's pause: an agent that has not
-    taken that pause ignores it (the pause, sent again, carries the load), and
-    one whose pause failed or no longer holds refuses it (``not_paused``)."""
+    taken that pause, or whose pause failed or no longer holds, refuses it
+    (``not_paused``)."""
 
     def spec(self) -> LoadSpec:
         return LoadSpec(

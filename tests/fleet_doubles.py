@@ -118,13 +118,24 @@ class ScriptedAgent:
         if isinstance(command, RenewLeaseCommand | CommittedNotice):
             self.received.append(command)
             return None
+        phase = phase_of(command)
         if (
             isinstance(command, LoadCommand)
             and command.after_pause
             and (command.epoch, command.update_id) not in self.paused_for
         ):
-            return None  # its pause did not reach this agent: the pause comes again
-        phase = phase_of(command)
+            self.received.append(command)
+            return Ack(
+                update_id=command.update_id,
+                phase=phase,
+                worker_id=self.worker_id,
+                ok=False,
+                world_size=self.world_size,
+                adapters=list(self.adapters),
+                paused=self.paused,
+                error=ErrorInfo(code=ErrorCode.NOT_PAUSED, message="not paused by this update"),
+                epoch=command.epoch,
+            )
         if phase in self.script.lose_first and phase not in self._lost:
             self._lost.add(phase)
             return None

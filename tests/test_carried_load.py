@@ -118,12 +118,9 @@ async def test_the_load_of_a_pause_that_failed_is_refused_and_never_reaches_the_
     assert NAME not in worker.adapters
 
 
-async def test_a_load_for_a_pause_not_yet_taken_is_ignored_and_runs_once_sent_again(
-    hand: HandCoordinator, worker: SimWorker, make_adapter: Callable[[int], str]
-) -> None:
-    update_id = f"u-{uuid.uuid4().hex[:8]}"
-    path = make_adapter(1)
-    load = LoadCommand(
+def _lone_load(update_id: str, path: str) -> LoadCommand:
+    """A load sent on its own, as the coordinator re-sends one to a straggler."""
+    return LoadCommand(
         update_id=update_id,
         targets=[WORKER],
         budget_s=5,
@@ -132,19 +129,38 @@ async def test_a_load_for_a_pause_not_yet_taken_is_ignored_and_runs_once_sent_ag
         path=path,
         after_pause=True,
     )
-    await hand.send(load)  # ahead of its pause, as a lost pause leaves it
-    await hand.send(PauseCommand(update_id=update_id, targets=[WORKER], budget_s=5, epoch=EPOCH))
 
-    # Commands run in order: had the early load run or been answered, its ack
-    # would come first.
-    first = await hand.next_ack(update_id)
-    assert (first.phase, first.ok) == (Phase.PAUSE, True)
+
+async def test_a_load_for_a_pause_this_agent_has_not_taken_is_refused(
+    hand: HandCoordinator, worker: SimWorker, make_adapter: Callable[[int], str]
+) -> None:
+    # The coordinator re-sends a load only to a member that acked its pause: an
+    # agent without that pause restarted, and its engine is not paused.
+    update_id = f"u-{uuid.uuid4().hex[:8]}"
+    await hand.send(_lone_load(update_id, make_adapter(1)))
+
+    refused = await hand.next_ack(update_id)
+
+    assert refused.phase is Phase.LOAD and not refused.ok
+    assert refused.error is not None and refused.error.code is ErrorCode.NOT_PAUSED
+    assert "has not taken that pause" in refused.error.message
     assert "/v1/loras" not in _engine_calls(worker)
+    assert not worker.paused
 
-    await hand.send(load)  # the coordinator's re-send, now behind the pause
-    loaded = await hand.next_ack(update_id)
-    assert (loaded.phase, loaded.ok) == (Phase.LOAD, True), loaded.error
-    assert NAME in worker.adapters
 
-    await hand.send(ResumeCommand(update_id=update_id, targets=[WORKER], budget_s=5, epoch=EPOCH))
-    assert (await hand.next_ack(update_id)).ok
+async def test_a_load_sent_again_while_the_carried_one_runs_loads_once(
+    hand: HandCoordinator, worker: SimWorker, make_adapter: Callable[[int], str]
+) -> None:
+    worker.set_faults(latency_s={"load": 0.5})
+    update_id = f"u-{uuid.uuid4().hex[:8]}"
+    path = make_adapter(1)
+    await hand.send(_pause(update_id, path))
+    await hand.send(_lone_load(update_id, path))  # queued behind, or answered
+
+    acks = [await hand.next_ack(update_id) for _ in range(2)]
+    assert [(a.phase, a.ok) for a in acks] == [(Phase.PAUSE, True), (Phase.LOAD, True)]
+    await hand.send(_lone_load(update_id, path))  # after it ran: the same ack again
+    again = await hand.next_ack(update_id)
+
+    assert again == acks[1]
+    assert _engine_calls(worker).count("/v1/loras") == 1

@@ -112,6 +112,40 @@ async def test_a_failed_load_fails_the_update_resumes_everyone_and_withdraws_the
     assert fleet.agents["w0"].phases_received()[-1] is Phase.UNLOAD
 
 
+async def test_a_pause_that_fails_on_one_member_withdraws_the_load_it_carried_elsewhere(
+    open_fleet: OpenFleet,
+) -> None:
+    # w2's pause never completes: the others loaded right behind their own pause.
+    fleet = await open_fleet({"w2": Script(silent=frozenset({Phase.PAUSE}))})
+    result = await fleet.runner(phase_timeout_s=2).run(PLAN)
+
+    assert result.status == "failed"
+    assert result.error is not None and "pause failed" in result.error.message
+    assert "no pause ack within 2.0s" in _error_of(result, "w2")
+    # The loads were not waited for once the pause had failed the update.
+    assert Phase.LOAD not in result.phases
+    for worker_id in ("w0", "w1"):
+        received = fleet.agents[worker_id].phases_received()
+        assert received[:2] == [Phase.PAUSE, Phase.LOAD] and received[-1] is Phase.UNLOAD
+    assert Phase.LOAD not in fleet.agents["w2"].phases_received()
+    assert all("policy-v1" not in a.adapters for a in fleet.agents.values())
+    _nobody_paused(fleet)
+
+
+async def test_a_member_whose_pause_failed_is_left_out_and_never_loads(
+    open_fleet: OpenFleet,
+) -> None:
+    fleet = await open_fleet({"w2": Script(silent=frozenset({Phase.PAUSE}))})
+    result = await fleet.runner(phase_timeout_s=2, quorum=0.75).run(PLAN)
+
+    assert result.committed, result.error
+    assert result.rank_map is not None
+    assert [e.worker_id for e in result.rank_map.entries] == ["w0", "w1"]
+    assert "no pause ack" in _error_of(result, "w2")
+    assert "policy-v1" not in fleet.agents["w2"].adapters
+    _nobody_paused(fleet)
+
+
 async def test_a_member_that_never_acks_times_the_phase_out_and_everyone_resumes(
     open_fleet: OpenFleet,
 ) -> None:

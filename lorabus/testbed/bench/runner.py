@@ -475,11 +475,7 @@ class _SizeRun:
                 walls.append(wall)
                 for name, seconds in result.phases.items():
                     phases.setdefault(name, []).append(seconds)
-                # The load phase counts from the pause it went out with.
-                overlapping = result.phases.get("pause", 0.0)
-                phases.setdefault("other", []).append(
-                    wall - sum(result.phases.values()) + overlapping
-                )
+                phases.setdefault("other", []).append(wall - sum(result.phases.values()))
                 window = _window(engines)
                 if window is None and live:
                     window = 0.0  # no engine paused: the pause window is nil
