@@ -71,6 +71,9 @@ class Script:
     """How one scripted agent misbehaves; the default acks everything at once."""
 
     fail_load: bool = False
+    fail_pause: bool = False
+    """Its engine refuses to pause: the pause is acked failed, and the load it
+    carries is refused ``not_paused``, as a real agent does."""
     silent: frozenset[Phase] = frozenset()
     """Phases it never acks (its heartbeats go on)."""
     lose_first: frozenset[Phase] = frozenset()
@@ -104,7 +107,7 @@ class ScriptedAgent:
         if (
             isinstance(command, PauseCommand)
             and command.then_load is not None
-            and (command.epoch, command.update_id) in self.paused_for
+            and (acks or (command.epoch, command.update_id) in self.paused_for)
         ):
             load = self._handle_one(carried_load(command, command.then_load))
             acks += [load] if load is not None else []
@@ -177,6 +180,8 @@ class ScriptedAgent:
 
     def _apply(self, command: Command) -> ErrorInfo | None:
         match command:
+            case PauseCommand(update_id=name) if self.script.fail_pause:
+                return ErrorInfo(code=ErrorCode.ENGINE_ERROR, message=f"cannot pause for {name}")
             case PauseCommand():
                 self.paused = True
                 self.paused_for.add((command.epoch, command.update_id))

@@ -146,6 +146,22 @@ async def test_a_member_whose_pause_failed_is_left_out_and_never_loads(
     _nobody_paused(fleet)
 
 
+async def test_a_member_whose_engine_refused_the_pause_refuses_its_load_and_is_left_out(
+    open_fleet: OpenFleet,
+) -> None:
+    fleet = await open_fleet({"w2": Script(fail_pause=True)})
+    result = await fleet.runner(quorum=0.75).run(PLAN)
+
+    assert result.committed, result.error
+    assert result.rank_map is not None
+    assert [e.worker_id for e in result.rank_map.entries] == ["w0", "w1"]
+    # Left out for its pause, not for the load it refused.
+    assert "cannot pause" in _error_of(result, "w2")
+    assert fleet.agents["w2"].phases_received()[:2] == [Phase.PAUSE, Phase.LOAD]
+    assert "policy-v1" not in fleet.agents["w2"].adapters
+    _nobody_paused(fleet)
+
+
 async def test_a_member_that_never_acks_times_the_phase_out_and_everyone_resumes(
     open_fleet: OpenFleet,
 ) -> None:
