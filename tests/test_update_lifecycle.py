@@ -21,6 +21,7 @@ from lorabus.schemas import (
     PauseCommand,
     Phase,
     RenewLeaseCommand,
+    UnloadCommand,
     UpdateResult,
 )
 
@@ -172,6 +173,9 @@ async def test_a_member_that_never_acks_times_the_phase_out_and_everyone_resumes
     # The load goes out with the pause: its deadline is both phases' timeouts.
     assert "no load ack within 4.0s" in _error_of(result, "w2")
     _nobody_paused(fleet)
+    # Its load may still land: it is told to unload behind it, unasked.
+    unloads = [c for c in fleet.agents["w2"].received if isinstance(c, UnloadCommand)]
+    assert unloads and unloads[-1].names == ["policy-v1"] and unloads[-1].targets == ["w2"]
 
 
 async def test_a_member_that_stops_heartbeating_is_given_up_before_the_deadline(
