@@ -537,7 +537,10 @@ class Agent:
                 self._queued.discard(key)
                 await self._publish_ack(self._ack_of(command, refusal))
                 return
-        ack = await self.executor.execute(command, command.budget_s - (now() - received))
+        # A resume has its whole budget whenever it runs: time spent queued
+        # behind a load must not fail it and leave the engine paused.
+        waited = 0.0 if isinstance(command, ResumeCommand) else now() - received
+        ack = await self.executor.execute(command, command.budget_s - waited)
         self._queued.discard(key)
         self._acks[key] = ack
         while len(self._acks) > _REMEMBERED_ACKS:
@@ -571,6 +574,10 @@ class Agent:
         pause = self._acks.get((load.epoch, load.update_id, str(Phase.PAUSE)))
         if pause is None:
             why = "this agent has not taken that pause"
+        elif (load.epoch, load.update_id, str(Phase.RESUME)) in self._queued:
+            # The update ended before the load began (its pause failed
+            # elsewhere): the resume must not wait behind it.
+            why = "the update's resume came first"
         elif not pause.ok:
             why = pause.error.message if pause.error else "the pause failed"
         elif not self.executor.paused:

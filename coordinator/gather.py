@@ -60,6 +60,14 @@ class PhaseGather:
         if not self.waiting:
             self._done.set()
 
+    def drop(self, worker_ids: Iterable[str]) -> None:
+        """Stop waiting for members whose ack no longer matters (left out of
+        the update for an earlier phase): neither missing nor lost."""
+        for worker_id in worker_ids:
+            self.waiting.discard(worker_id)
+        if not self.waiting:
+            self._done.set()
+
     async def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every member; True once none is left waiting."""
         try:

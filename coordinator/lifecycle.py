@@ -218,6 +218,9 @@ class UpdateRunner:
         self._in_flight: InflightRecord | None = None
         self._recorded: Phase | None = None
         """The latest phase the in-flight record was written with, this update."""
+        self._may_have_loaded: set[str] = set()
+        """Members left out of this update whose pause may still have landed,
+        and with it the load it carried."""
         self._term_epoch = 0
         self._paused_this_term: dict[str, str] = {}
         """Worker id -> the agent instance that acked a pause of this term: it
@@ -264,6 +267,7 @@ class UpdateRunner:
         load: PhaseOutcome | None = None
         serving: list[str] = []
         self._in_flight, self._recorded = self._in_flight_record(plan, members, Phase.PAUSE), None
+        self._may_have_loaded = set()
         renewing = asyncio.create_task(self._renew_pause_leases(plan.update_id))
         paused_at = now()
         try:
@@ -315,6 +319,7 @@ class UpdateRunner:
         not commit is unloaded where it loaded, as in pause mode."""
         targets = sorted(members)
         self._in_flight, self._recorded = self._in_flight_record(plan, members, Phase.LOAD), None
+        self._may_have_loaded = set()
         left_out: dict[str, ErrorInfo] = {}
         # Named targets, not a pause's cohort: no agent took a pause to join one.
         load, listed = await self._load(
@@ -418,9 +423,10 @@ class UpdateRunner:
         # starts with the pause.
         budget_s = self.config.phase_timeout_s
         load_command = msgspec.structs.replace(load_command, budget_s=2 * budget_s)
-        pause_gather = self.bus.acks.expect(plan.update_id, Phase.PAUSE, targets)
         first_loaded = asyncio.Event()
         load_gather = self.bus.acks.expect(plan.update_id, Phase.LOAD, targets, first_loaded)
+        # Opened last, so the status shows the pause while it lasts.
+        pause_gather = self.bus.acks.expect(plan.update_id, Phase.PAUSE, targets)
         pause_ended: list[float] = []
 
         def took_the_pause(worker_id: str) -> bool:
@@ -461,7 +467,10 @@ class UpdateRunner:
                 )
                 return _PauseFailed(pause.summary(), pause.worker_errors(), known)
             kept = set(paused)
-            load_gather.give_up_on(w for w in targets if w not in kept)
+            load_gather.drop(w for w in targets if w not in kept)
+            # A pause that landed after all (its ack late or lost) runs the load
+            # it carried: such members are withdrawn from too if this fails.
+            self._may_have_loaded.update(pause.missing + pause.lost)
             load, listed = await loading
         finally:
             loading.cancel()
@@ -639,17 +648,16 @@ class UpdateRunner:
         self, plan: UpdatePlan, load: PhaseOutcome | None, phases: dict[str, float]
     ) -> None:
         """Unload a version that failed to commit where it did load, so no
-        request for it is routed to a subset of the fleet. A member whose load
-        went unanswered may still load it (a load runs behind a late pause):
-        it is told to unload too, behind that load, without waiting for it."""
+        request for it is routed to a subset of the fleet: where a load ack
+        lists it, and where a load went unanswered or a pause that carried one
+        was (unloading a name an engine lacks succeeds). Each agent runs it
+        behind any load of its own, and it is gathered and re-sent like any
+        phase."""
         if plan.replace or load is None:
             return
-        unsure = sorted(set(load.missing) | set(load.lost))
-        if unsure:
-            unload = self._command(UnloadCommand, plan, unsure, names=[plan.served_name])
-            await self._send_to_each(unload, unsure)
-        holders = sorted(w for w, a in load.acks.items() if plan.served_name in a.adapters)
-        await self._unload(plan, [plan.served_name], holders, phases)
+        holders = {w for w, a in load.acks.items() if plan.served_name in a.adapters}
+        unsure = set(load.missing) | set(load.lost) | self._may_have_loaded
+        await self._unload(plan, [plan.served_name], sorted(holders | unsure), phases)
 
     async def _unload(
         self, plan: UpdatePlan, names: list[str], targets: list[str], phases: dict[str, float]

@@ -42,8 +42,9 @@ class ErrorCode(enum.StrEnum):
     ENGINE_ERROR = "engine_error"
     """An engine call failed (HTTP error, error body, transport error)."""
     NOT_PAUSED = "not_paused"
-    """A load meant for a paused engine found it unpaused: its pause failed,
-    or ran out before the load."""
+    """A load meant for an engine this update's pause paused cannot run: the
+    agent has not taken that pause, it failed or ran out, or the update's
+    resume came first."""
     NOT_LISTED = "not_listed"
     """The engine said it loaded the adapter, but its own list does not show it."""
     NO_COORDINATOR = "no_coordinator"

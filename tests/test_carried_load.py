@@ -164,3 +164,24 @@ async def test_a_load_sent_again_while_the_carried_one_runs_loads_once(
 
     assert again == acks[1]
     assert _engine_calls(worker).count("/v1/loras") == 1
+
+
+async def test_a_resume_that_comes_before_the_carried_load_starts_goes_first(
+    hand: HandCoordinator, worker: SimWorker, make_adapter: Callable[[int], str]
+) -> None:
+    # The update ended while this engine was still pausing (another member's
+    # pause failed it): its resume must not wait behind the load.
+    worker.set_faults(latency_s={"pause": 0.5})
+    update_id = f"u-{uuid.uuid4().hex[:8]}"
+    await hand.send(_pause(update_id, make_adapter(1)))
+    await hand.send(ResumeCommand(update_id=update_id, targets=[WORKER], budget_s=5, epoch=EPOCH))
+
+    acks = {a.phase: a for a in [await hand.next_ack(update_id) for _ in range(3)]}
+
+    assert acks[Phase.PAUSE].ok and acks[Phase.RESUME].ok
+    refused = acks[Phase.LOAD]
+    assert not refused.ok and refused.error is not None
+    assert refused.error.code is ErrorCode.NOT_PAUSED
+    assert "resume came first" in refused.error.message
+    assert "/v1/loras" not in _engine_calls(worker)
+    assert not worker.paused

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
+import msgspec
 import pytest
 from fleet_doubles import ListingFrontend, MemoryFleet, NatsFleet, Script
 
@@ -129,11 +130,13 @@ async def test_a_pause_that_fails_on_one_member_withdraws_the_load_it_carried_el
         received = fleet.agents[worker_id].phases_received()
         assert received[:2] == [Phase.PAUSE, Phase.LOAD] and received[-1] is Phase.UNLOAD
     assert Phase.LOAD not in fleet.agents["w2"].phases_received()
+    # Its pause may still land, and run the load it carried: withdrawn there too.
+    assert fleet.agents["w2"].phases_received()[-1] is Phase.UNLOAD
     assert all("policy-v1" not in a.adapters for a in fleet.agents.values())
     _nobody_paused(fleet)
 
 
-async def test_a_member_whose_pause_failed_is_left_out_and_never_loads(
+async def test_a_member_whose_pause_never_acked_is_left_out_and_sent_no_load(
     open_fleet: OpenFleet,
 ) -> None:
     fleet = await open_fleet({"w2": Script(silent=frozenset({Phase.PAUSE}))})
@@ -143,7 +146,38 @@ async def test_a_member_whose_pause_failed_is_left_out_and_never_loads(
     assert result.rank_map is not None
     assert [e.worker_id for e in result.rank_map.entries] == ["w0", "w1"]
     assert "no pause ack" in _error_of(result, "w2")
-    assert "policy-v1" not in fleet.agents["w2"].adapters
+    # The load's re-sends go only to members whose pause held.
+    assert Phase.LOAD not in fleet.agents["w2"].phases_received()
+    _nobody_paused(fleet)
+
+
+async def test_a_member_left_out_for_its_pause_is_withdrawn_from_when_the_update_fails(
+    open_fleet: OpenFleet,
+) -> None:
+    # w2's pause goes unanswered (it may land late, with its load); w1's load
+    # fails, which leaves too little of the fleet to commit.
+    scripts = {"w2": Script(silent=frozenset({Phase.PAUSE})), "w1": Script(fail_load=True)}
+    fleet = await open_fleet(scripts)
+    result = await fleet.runner(phase_timeout_s=2, quorum=0.75).run(PLAN)
+
+    assert result.status == "failed"
+    for worker_id in ("w0", "w2"):
+        assert fleet.agents[worker_id].phases_received()[-1] is Phase.UNLOAD, worker_id
+    assert all("policy-v1" not in a.adapters for a in fleet.agents.values())
+    _nobody_paused(fleet)
+
+
+async def test_a_fixed_name_load_waits_for_the_whole_fleet_pause(open_fleet: OpenFleet) -> None:
+    fleet = await open_fleet()
+    fixed = msgspec.structs.replace(PLAN, served_name="policy", replace=True)
+    result = await fleet.runner().run(fixed)
+
+    assert result.committed, result.error
+    for agent in fleet.agents.values():
+        pause = agent.received[0]
+        assert isinstance(pause, PauseCommand) and pause.then_load is None
+        assert agent.phases_received() == [Phase.PAUSE, Phase.LOAD, Phase.RESUME]
+        assert agent.adapters == ["policy"]
     _nobody_paused(fleet)
 
 
