@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import signal
+import threading
+import time
 import typing
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -25,6 +28,10 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+EXIT_GRACE_S = 2.0
+"""How long a stopped command may take, once its own clean-up is done, to
+leave: asyncio's closing of the loop and the interpreter's shutdown wait on
+tasks and threads without a bound."""
 
 
 def bus_options(*, required: bool = True) -> Callable[[_F], _F]:
@@ -243,6 +250,7 @@ def run(
             return await main()
         except asyncio.CancelledError:
             log.info("stopped by signal")
+            _exit_anyway_after(EXIT_GRACE_S, EXIT_INTERRUPTED)
             return EXIT_INTERRUPTED
         except LorabusError as exc:
             click.echo(f"error: {exc}", err=True)
@@ -250,3 +258,22 @@ def run(
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(guarded())
+
+
+def _exit_anyway_after(grace_s: float, code: int) -> None:
+    """Leave with ``code`` if the process is still here ``grace_s`` from now.
+
+    Called once the command's clean-up ran (engines resumed, connections
+    closed): what may still hold the process then (a task that outlives its
+    cancellation, a worker thread the interpreter joins at exit) must not
+    keep a stopped process alive; a supervisor that sent SIGTERM waits for
+    it to go."""
+
+    def watch() -> None:
+        time.sleep(grace_s)
+        log.warning("still here %.0f s after being stopped: leaving anyway", grace_s)
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        os._exit(code)
+
+    threading.Thread(target=watch, name="lorabus-exit-watch", daemon=True).start()
