@@ -178,16 +178,6 @@ class _Gathering:
 
 
 @dataclass(frozen=True)
-class _Carried:
-    """A load that went out with the pause."""
-
-    gather: PhaseGather
-    first_loaded: asyncio.Event
-    resend_if: Callable[[str], bool]
-    counted_from: Callable[[], float]
-
-
-@dataclass(frozen=True)
 class _PauseFailed:
     """A pause that failed the update, while the loads it carried were under way."""
 
@@ -383,7 +373,8 @@ class UpdateRunner:
             paused = self._survivors(pause, targets, members, left_out)
             if paused is None:
                 return pause.summary(), pause.worker_errors(), None, []
-            excluded = [w for w in targets if w not in set(paused)]
+            kept = set(paused)
+            excluded = [w for w in targets if w not in kept]
             load, listed = await self._load(
                 msgspec.structs.replace(load_command, excluded=excluded), paused, phases
             )
@@ -441,12 +432,13 @@ class UpdateRunner:
                 load_command,
                 targets,
                 phases,
-                carried=_Carried(
-                    load_gather,
-                    first_loaded,
-                    took_the_pause,
+                first_loaded,
+                _Gathering(
+                    opened=load_gather,
+                    sent=True,
+                    resend_if=took_the_pause,
                     # The load phase is the time it adds after the fleet's pause.
-                    lambda: pause_ended[0] if pause_ended else now(),
+                    counted_from=lambda: pause_ended[0] if pause_ended else now(),
                 ),
             )
         )
@@ -572,25 +564,16 @@ class UpdateRunner:
         command: LoadCommand,
         expected: list[str],
         phases: dict[str, float],
-        carried: _Carried | None = None,
+        first_loaded: asyncio.Event | None = None,
+        gathering: _Gathering | None = None,
     ) -> tuple[PhaseOutcome, bool]:
         """The load phase, and whether the frontend listed the new name by its
         end. ``/v1/models`` is a union over workers, so the listing may be
         looked for from the first successful load on, while the other loads
-        run, instead of after the last one. ``carried``: the load went out
-        with the pause; its acks are gathered from then on."""
-        first_loaded = carried.first_loaded if carried is not None else asyncio.Event()
+        run, instead of after the last one. A load the pause carried comes
+        with the gather opened for it and its first-success event."""
+        first_loaded = first_loaded or asyncio.Event()
         looking = asyncio.create_task(self._listed_once(first_loaded, command.served_name))
-        gathering = (
-            _Gathering(
-                opened=carried.gather,
-                sent=True,
-                resend_if=carried.resend_if,
-                counted_from=carried.counted_from,
-            )
-            if carried is not None
-            else _Gathering()
-        )
         try:
             load = await self._phase(
                 command, expected, phases, first_ok=first_loaded, gather=gathering
