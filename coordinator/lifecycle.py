@@ -79,7 +79,7 @@ _LIVENESS_TICK_S = 0.25
 
 
 class Journal(Protocol):
-    """Where the update in flight is written before its pause (and its load), so
+    """Where the update in flight is sent ahead of its pause (and its load), so
     that a successor finds it (the fleet's KV; a list in tests)."""
 
     async def record(self, in_flight: InflightRecord) -> None: ...
@@ -208,6 +208,8 @@ class UpdateRunner:
         self._in_flight: InflightRecord | None = None
         self._recorded: Phase | None = None
         """The latest phase the in-flight record was written with, this update."""
+        self._recording: list[asyncio.Task[None]] = []
+        """This update's writes of the in-flight record: :meth:`run` awaits them."""
         self._may_have_loaded: set[str] = set()
         """Members left out of this update whose pause may still have landed,
         and with it the load it carried."""
@@ -220,7 +222,16 @@ class UpdateRunner:
         a broadcast pause, so those not in an update are excluded from it."""
 
     async def run(self, plan: UpdatePlan) -> UpdateResult:
-        """Run ``plan`` to a terminal result; never leaves a member told to pause unresumed."""
+        """Run ``plan`` to a terminal result; never leaves a member told to pause
+        unresumed. The writes of the in-flight record have ended by then
+        (stored, or failed and logged): the caller may clear it."""
+        try:
+            return await self._run(plan)
+        finally:
+            recording, self._recording = self._recording, []
+            await asyncio.gather(*recording)
+
+    async def _run(self, plan: UpdatePlan) -> UpdateResult:
         phases: dict[str, float] = {}
         started = now()
         try:
@@ -735,13 +746,18 @@ class UpdateRunner:
         )
 
     async def _record_phase(self, phase: Phase) -> None:
-        """Write the update in flight before the phase starts, for a successor.
+        """Send the update in flight ahead of the phase's command, for a successor.
 
         Only the pause and the load change what a successor must undo (resume
         everyone; withdraw the new version too): later phases are not written,
         as each write carries the whole membership. A pause that carries its
         load is written once, as the load, before it goes out; the record never
         steps back to an earlier phase.
+
+        The record goes out on the connection ahead of the command, and the
+        command does not wait for the server to store it: a record that is not
+        stored must not stop the engines being driven (and resumed), so waiting
+        would only add a round trip to every update.
         """
         if self._in_flight is None or phase not in _RECORDED_PHASES:
             return
@@ -750,11 +766,20 @@ class UpdateRunner:
             return
         self._recorded = phase
         self._in_flight = msgspec.structs.replace(self._in_flight, phase=phase)
+        self._recording.append(asyncio.create_task(self._write_record(self._in_flight)))
+        # One turn of the loop: the write's publish is queued on the connection
+        # before the command's (and after an earlier record's, so they land in order).
+        await asyncio.sleep(0)
+
+    async def _write_record(self, in_flight: InflightRecord) -> None:
         try:
-            await self.journal.record(self._in_flight)
+            await self.journal.record(in_flight)
         except Exception as exc:  # the engines must still be driven (and resumed)
             log.warning(
-                "update=%s could not record phase %s: %s", self._in_flight.update_id, phase, exc
+                "update=%s could not record phase %s: %s",
+                in_flight.update_id,
+                in_flight.phase,
+                exc,
             )
 
     async def _renew_pause_leases(self, update_id: str) -> None:

@@ -35,6 +35,7 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -110,6 +111,19 @@ ALERT_CHECK_S = 1.0
 _BAD_EVENTS_PER_S = 10
 """Malformed requests are all answered and logged; this many a second are also
 ``bad_message`` events, so junk cannot flood the audit trail."""
+
+
+@dataclass(frozen=True)
+class _Executed:
+    """An update's result; a commit comes with its record and the notice that
+    tells the agents of it, both for after the answer."""
+
+    result: UpdateResult
+    committed: CommittedRecord | None = None
+    notice: CommittedNotice | None = None
+    commit_point_stored: bool = False
+    """The adapter's committed record is stored: the commit may be answered
+    before its result is, as a successor can rebuild the result from it."""
 
 
 class Coordinator:
@@ -316,7 +330,13 @@ class Coordinator:
         runner: UpdateRunner,
         in_flight: InflightRecord,
         committed: CommittedRecord,
+        recorded: UpdateResult | None,
     ) -> None:
+        # The update in flight was the fleet's latest (one runs at a time).
+        self.book.commit(committed)
+        await _quietly(store.write_latest(committed))
+        if recorded is not None:
+            return
         log.warning(
             "epoch=%d update=%s found in flight but committed: recording its result",
             self.epoch,
@@ -355,20 +375,24 @@ class Coordinator:
 
     async def _recover(self, store: FleetStore, runner: UpdateRunner) -> str | None:
         """Load the committed state; roll back an update a predecessor left in flight."""
-        committed = await _or_none(store.read_committed())
-        if committed is not None:
-            self.book.commit(committed)
+        latest = await _or_none(store.read_committed())
+        if latest is not None:
+            # The latest record is written after the commit point, and a write
+            # of it may have failed: the adapter's own record is the truth.
+            own = await _or_none(store.read_committed(latest.adapter))
+            self.book.commit(own if own is not None else latest)
         in_flight = await _or_none(store.read_inflight())
         if in_flight is None:
             return None
-        if await _or_none(store.read_result(in_flight.update_id)) is None:
-            committed_it = await _or_none(store.read_committed(in_flight.adapter))
-            if committed_it is not None and _records_commit_of(committed_it, in_flight):
-                # It stopped after committing (every member had resumed) and before
-                # writing the result: rolling back would withdraw a committed version.
-                await self._record_committed(store, runner, in_flight, committed_it)
-            else:
-                await self._roll_back(store, runner, in_flight)
+        recorded = await _or_none(store.read_result(in_flight.update_id))
+        committed_it = await _or_none(store.read_committed(in_flight.adapter))
+        if committed_it is not None and _records_commit_of(committed_it, in_flight):
+            # It stopped after its commit point (every member had resumed),
+            # maybe before its result and the latest record were written:
+            # rolling back would withdraw a committed version.
+            await self._record_committed(store, runner, in_flight, committed_it, recorded)
+        elif recorded is None:
+            await self._roll_back(store, runner, in_flight)
         await _quietly(store.clear_inflight())
         return in_flight.update_id
 
@@ -415,16 +439,25 @@ class Coordinator:
             request = await self.book.next_request()
             started = now()
             async with self._serial:
-                result, notice = await self._execute(request, runner, store)
+                executed = await self._execute(request, runner, store)
                 # One form for the store, the trail and every answer.
-                result = fit_result(result, self._max_payload())
+                result = fit_result(executed.result, self._max_payload())
                 self.metrics.update_seconds.observe(now() - started)
                 self.metrics.updates.labels(result.status).inc()
                 # Deposed while it ran (stopped, cut off), the successor rolled
                 # this update back, recorded that result and may have an
                 # update of its own in flight; neither may be overwritten.
                 recording = result.committed or await self._still_leading(store)
-                persisted = recording and await _quietly(store.write_result(result))
+                # A commit whose commit point is stored is answered before its
+                # result is written: a successor that finds the update in flight
+                # rebuilds the result from the commit point. Any other result
+                # (a failure, "already committed") has nothing it could be
+                # rebuilt from, so it is written first.
+                persisted = (
+                    recording
+                    and not executed.commit_point_stored
+                    and await _quietly(store.write_result(result))
+                )
                 # Before the answer: a trail read once the answer is in holds
                 # the end of the update (one publish, to the audit stream only).
                 await bus.emit(self._finished(result))
@@ -439,16 +472,21 @@ class Coordinator:
                 )
                 self.book.finish(request, result, persisted=persisted)
                 # The rest waits for the answers, which must not queue behind
-                # it: the record in flight goes only now that the result is
-                # stored (a successor rebuilds a missing result from it), and
-                # the notice to N agents last. An agent that misses the notice
-                # reads the committed record when it reconnects, or hears the
-                # next term's.
+                # it: a commit's result and the fleet's latest record, then the
+                # record in flight, only once both are stored (a successor
+                # rebuilds them from it), and the notice to N agents last. An
+                # agent that misses the notice reads the latest record when it
+                # reconnects, or hears the next term's.
                 await self._answers_sent(request.update_id)
-                if recording:
+                clearing = recording
+                if executed.committed is not None:
+                    recording, clearing = await _despite_a_stop(
+                        self._store_commit(store, result, executed, persisted=persisted)
+                    )
+                if clearing:
                     await _quietly(store.clear_inflight())
-                if notice is not None:
-                    await self._announce(bus, notice)
+                if recording and executed.notice is not None:
+                    await self._announce(bus, executed.notice)
                 if not recording:
                     # Deposed: step down now, not at the next lease renewal,
                     # so no later request gets an answer from this term.
@@ -456,15 +494,15 @@ class Coordinator:
 
     async def _execute(
         self, request: UpdateRequest, runner: UpdateRunner, store: FleetStore
-    ) -> tuple[UpdateResult, CommittedNotice | None]:
-        """Run ``request``; a commit is recorded here, and the notice that tells
-        the agents of it is returned for the caller to send after the answer."""
+    ) -> _Executed:
+        """Run ``request``; a commit's commit point is written here, and what
+        else it needs stored and sent is returned for after the answer."""
         try:
             committed = await self._committed(store, request.adapter)
             lineage = await self._lineage(store, request.adapter, committed)
             plan = await plan_update_off_loop(request, self.config, committed, lineage)
             if committed is not None and is_already_committed(plan, committed):
-                return _already_committed(request, committed), None
+                return _Executed(_already_committed(request, committed))
             result = await runner.run(plan)
             if not await self._still_leading(store):
                 # Its own outcome is no answer: a failure may be only the agents
@@ -478,9 +516,9 @@ class Coordinator:
                         else "the update ended; ask again: the new leader answers"
                     ),
                 )
-                return failed_result(request, deposed), None
+                return _Executed(failed_result(request, deposed))
             if not result.committed or result.rank_map is None:
-                return result, None
+                return _Executed(result)
             record = CommittedRecord(
                 adapter=plan.adapter,
                 version=plan.version,
@@ -491,7 +529,7 @@ class Coordinator:
                 digest=result.digest,
             )
             self.book.commit(record)
-            await _quietly(store.write_committed(record))
+            stored = await _quietly(store.commit(record))
             notice = CommittedNotice(
                 update_id=plan.update_id,
                 budget_s=0.0,
@@ -503,13 +541,36 @@ class Coordinator:
                 lineage=plan.lineage,
                 digest=result.digest,
             )
-            return result, notice
+            return _Executed(result, record, notice, commit_point_stored=stored)
         except LorabusError as exc:
-            return failed_result(request, exc.info()), None
+            return _Executed(failed_result(request, exc.info()))
         except Exception as exc:
             log.exception("update=%s crashed", request.update_id)
             crashed = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
-            return failed_result(request, crashed), None
+            return _Executed(failed_result(request, crashed))
+
+    async def _store_commit(
+        self, store: FleetStore, result: UpdateResult, executed: _Executed, *, persisted: bool
+    ) -> tuple[bool, bool]:
+        """Write what an answered commit still needs stored, together: its
+        result, the fleet's latest record (and its commit point, if that
+        failed before). Whether this term still leads, and whether everything
+        landed: only then may the in-flight record go."""
+        committed = executed.committed
+        assert committed is not None
+        if not await self._still_leading(store):
+            # Deposed since the commit: the successor found the update in
+            # flight and records it, and may have committed since.
+            return False, False
+        writes = [store.write_latest(committed)]
+        if not executed.commit_point_stored:
+            writes.append(store.commit(committed))
+        if not persisted:
+            writes.append(store.write_result(result))
+        landed = await asyncio.gather(*(_quietly(write) for write in writes))
+        if not persisted and landed[-1]:
+            self.book.saved(result.update_id)
+        return True, all(landed)
 
     async def _lineage(
         self, store: FleetStore, adapter: str, committed: CommittedRecord | None
@@ -936,6 +997,21 @@ async def _or_none(awaitable: Awaitable[_T]) -> _T | None:
 
 def _records_commit_of(committed: CommittedRecord, in_flight: InflightRecord) -> bool:
     return (committed.served_name, committed.version) == (in_flight.served_name, in_flight.version)
+
+
+async def _despite_a_stop(work: Awaitable[_T], grace_s: float = 2.0) -> _T:
+    """Await ``work``; stopped meanwhile, give it ``grace_s`` to land first (an
+    answered commit's records), then cancel it and stop."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        try:
+            await asyncio.wait({task}, timeout=grace_s)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        raise
 
 
 async def _unsubscribe(subs: list[Subscription]) -> None:

@@ -3,8 +3,8 @@
 What a successor must find when the active coordinator dies lives here: the
 leader record (holder and epoch), the committed adapter (per adapter and the
 latest, which agents read to converge), each adapter's latest reset (its
-lineage), the update in flight (written before
-each phase starts), and every result by update id (kept a day, so a requester
+lineage), the update in flight (sent ahead of
+the commands of its pause and its load), and every result by update id (kept a day, so a requester
 retrying an id after a failover still gets the outcome).
 
 Every call has a deadline; a failure raises :class:`StoreUnavailable` and the
@@ -109,11 +109,20 @@ class FleetStore:
         return (await self._read(self._state, key, CommittedRecord))[0]
 
     async def write_committed(self, record: CommittedRecord) -> None:
-        payload = msgspec.json.encode(record)
-        # The adapter's own key first: a successor checks an update left in
-        # flight against it, and nothing rewrites either key afterwards.
-        await self._put(self._state, f"{COMMITTED}.{record.adapter}", payload)
-        await self._put(self._state, COMMITTED, payload)
+        """Both keys, the commit point first (:meth:`commit`, :meth:`write_latest`)."""
+        await self.commit(record)
+        await self.write_latest(record)
+
+    async def commit(self, record: CommittedRecord) -> None:
+        """The commit point: the adapter's own key. A successor checks an update
+        left in flight against it, and nothing rewrites it afterwards."""
+        await self._put(self._state, f"{COMMITTED}.{record.adapter}", msgspec.json.encode(record))
+
+    async def write_latest(self, record: CommittedRecord) -> None:
+        """The fleet's latest commit, which an agent reads when it (re)connects.
+        It may lag the commit point: a successor that finds the update in flight
+        rewrites it (coordinator/service.py)."""
+        await self._put(self._state, COMMITTED, msgspec.json.encode(record))
 
     async def read_reset(self, adapter: str) -> ResetRecord | None:
         return (await self._read(self._state, f"{RESET}.{adapter}", ResetRecord))[0]

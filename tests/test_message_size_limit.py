@@ -193,7 +193,10 @@ async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trim
             nc = await connect(server.url, name="test-store-reader")
             try:
                 store = await _store_of(nc, fleet_name)
-                stored = await store.read_result(result.update_id)
+                # A commit's result is stored just after its answer.
+                async with asyncio.timeout(10):
+                    while (stored := await store.read_result(result.update_id)) is None:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
             finally:
                 await close(nc)
             # The version beyond --keep is still retired: the coordinator reads

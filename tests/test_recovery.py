@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import pytest
 from nats.aio.client import Client as NatsClient
 
 from lorabus.bus import close, connect
@@ -26,11 +27,27 @@ from lorabus.schemas import (
 from lorabus.testbed.stack import EmbeddedStack
 
 MEMBERS = {"w000": 1, "w001": 2}
+COMMITTED_7 = CommittedRecord(
+    adapter="policy",
+    version=7,
+    path="/adapters/policy-7",
+    served_name="policy-v7",
+    rank_map=build_rank_map(MEMBERS),
+)
 
 
-async def _leave_in_flight(nats_url: str, fleet_name: str, *, committed: bool) -> None:
+async def _leave_in_flight(
+    nats_url: str,
+    fleet_name: str,
+    *,
+    committed: bool,
+    latest: bool = True,
+    result: bool = False,
+) -> None:
     """The store as a leader leaves it when it dies after its update's resume:
-    the in-flight record, and the committed record if it got that far."""
+    the in-flight record, and the committed record if it got that far (with
+    ``latest`` False, its commit point only: it died answering; ``result``:
+    and its result had landed)."""
     nc = await connect(nats_url, name="test-predecessor")
     try:
         config = CoordinatorConfig(
@@ -49,13 +66,15 @@ async def _leave_in_flight(nats_url: str, fleet_name: str, *, committed: bool) -
             )
         )
         if committed:
-            await store.write_committed(
-                CommittedRecord(
-                    adapter="policy",
+            await (store.write_committed if latest else store.commit)(COMMITTED_7)
+        if result:
+            await store.write_result(
+                UpdateResult(
+                    update_id="step-7",
+                    status="committed",
+                    adapter="policy-v7",
                     version=7,
-                    path="/adapters/policy-7",
-                    served_name="policy-v7",
-                    rank_map=build_rank_map(MEMBERS),
+                    rank_map=COMMITTED_7.rank_map,
                 )
             )
     finally:
@@ -79,6 +98,68 @@ async def test_an_update_that_committed_before_its_leader_died_stays_committed(
     assert answer.committed, answer.error
     assert answer.rank_map == build_rank_map(MEMBERS)
     assert not unloads, "a committed version must not be withdrawn"
+
+
+@pytest.mark.parametrize("result_landed", [False, True], ids=["nothing", "the result"])
+async def test_a_commit_whose_leader_died_answering_is_recorded_in_full(
+    result_landed: bool,
+    nats_url: str,
+    fleet_name: str,
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """A leader answers a commit once its commit point is written, and writes
+    the result and the fleet's latest record after, together: dying before
+    either (or both) landed, it leaves them to its successor, which writes
+    them from the commit point."""
+    await _leave_in_flight(nats_url, fleet_name, committed=True, latest=False, result=result_landed)
+    async with make_stack(list(MEMBERS.values())) as stack:
+        assert stack.client is not None
+        answer = await stack.client.update(
+            "policy", "/adapters/policy-7", version=7, update_id="step-7"
+        )
+        nc = await connect(nats_url, name="test-reader")
+        try:
+            store = await _store_of(nc, fleet_name)
+            latest = await store.read_committed()
+            recorded = await store.read_result("step-7")
+            in_flight = await store.read_inflight()
+        finally:
+            await close(nc)
+
+    assert answer.committed, answer.error
+    assert latest == COMMITTED_7, latest
+    assert recorded is not None and recorded.committed, recorded
+    assert in_flight is None, in_flight
+
+
+async def test_a_request_answered_already_committed_while_it_waited_is_stored(
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """A second update id for the version another id is committing waits
+    behind it, then is answered "already committed" without running: that
+    answer has no commit point to be rebuilt from, so it is stored before
+    it goes out, for a requester that asks a new leader again."""
+    async with make_stack([1, 1]) as stack:
+        assert stack.client is not None and stack.sim is not None
+        stack.sim.workers["w000"].set_faults(latency_s={"load": 0.5})
+        path = make_adapter(7)
+        first = asyncio.create_task(
+            stack.client.update("policy", path, version=7, update_id="step-7")
+        )
+        await _until_running(stack, "step-7")
+        second = await stack.client.update("policy", path, version=7, update_id="step-7b")
+        assert (await first).committed
+        nc = await connect(nats_url, name="test-reader")
+        try:
+            recorded = await (await _store_of(nc, fleet_name)).read_result("step-7b")
+        finally:
+            await close(nc)
+
+    assert second.committed, second.error
+    assert recorded is not None and recorded.committed, recorded
 
 
 async def test_an_update_that_had_not_committed_is_rolled_back(
@@ -159,6 +240,13 @@ async def test_a_leader_deposed_while_its_update_fails_answers_not_leader_and_st
     assert "ask again" in answer.error.message
     assert recorded is None
     assert all(not w.paused for w in stack.sim.workers.values())
+
+
+async def _until_running(stack: EmbeddedStack, update_id: str) -> None:
+    assert stack.client is not None
+    async with asyncio.timeout(10):
+        while (await stack.client.status(timeout_s=5)).in_flight != update_id:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
 
 
 async def _store_of(nc: NatsClient, fleet: str) -> FleetStore:

@@ -81,6 +81,57 @@ async def test_the_answer_goes_out_before_the_agents_are_told_of_the_commit(
         await close(watcher)
 
 
+async def test_a_commit_is_written_before_its_answer_and_recorded_in_full_after(
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+    nats_url: str,
+) -> None:
+    """The in-flight record goes out ahead of the first command; the commit
+    point (the adapter's own key) is stored before the answer says committed;
+    the result and the fleet's latest record follow it, the in-flight record
+    is cleared only once both are, and the notice goes last."""
+    watcher = await connect(nats_url, name="order-watcher")
+    try:
+        everything = await watcher.subscribe(">")
+        await watcher.flush()
+        async with make_stack([1, 1], phase_timeout_s=10) as stack:
+            assert stack.client is not None
+            subjects = stack.client.subjects
+            state, results = f"$KV.{subjects.state_bucket()}", f"$KV.{subjects.results_bucket()}"
+            result = await stack.client.update("policy", make_adapter(1), version=1)
+            assert result.committed, result.error
+            seen = {
+                f"{state}.committed.policy": "commit point",
+                f"{state}.committed": "latest",
+            }
+            order: list[str] = []
+            async with asyncio.timeout(10):
+                while "notice" not in order:
+                    msg = await everything.next_msg(timeout=10)
+                    if msg.subject in seen:
+                        order.append(seen[msg.subject])
+                    elif msg.subject.startswith(f"{results}."):
+                        order.append("result")  # no other update ran
+                    elif msg.subject == f"{state}.inflight":
+                        cleared = (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE")
+                        order.append("in flight cleared" if cleared else "in flight")
+                    elif msg.subject.startswith(subjects.cmd()):
+                        command = command_decoder.decode(msg.data)
+                        if isinstance(command, CommittedNotice):
+                            order.append("notice")
+                        elif "command" not in order:
+                            order.append("command")
+                    elif msg.subject.startswith("_INBOX."):
+                        with contextlib.suppress(BadPayload):
+                            if update_result_decoder.decode(msg.data) == result:
+                                order.append("answer")
+        assert order[:4] == ["in flight", "command", "commit point", "answer"], order
+        assert sorted(order[4:6]) == ["latest", "result"], order
+        assert order[6:] == ["in flight cleared", "notice"], order
+    finally:
+        await close(watcher)
+
+
 async def test_versions_beyond_keep_are_unloaded(
     make_adapter: Callable[[int], str],
     make_stack: Callable[..., EmbeddedStack],
