@@ -4,11 +4,15 @@ collects acks and events, so an agent's rules are tested one at a time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from lorabus.agents import Agent, AgentConfig, driver_for
+from lorabus.bus import close, connect
 from lorabus.schemas import (
     Ack,
     Event,
@@ -18,6 +22,7 @@ from lorabus.schemas import (
     encode,
     event_decoder,
 )
+from lorabus.simfleet import SimFleet, SimWorker
 
 DEADLINE_S = 10.0
 #: Above the epoch of an embedded stack's own coordinator, so its agents accept us.
@@ -66,6 +71,30 @@ class HandCoordinator:
             event = await asyncio.wait_for(self.events.get(), DEADLINE_S)
             if isinstance(event, kind):
                 return event
+
+
+@contextlib.asynccontextmanager
+async def real_agent(
+    nats_url: str, config: AgentConfig, sim: SimFleet, name: str
+) -> AsyncIterator[SimWorker]:
+    """A real agent of ``config`` on a connection of its own, driving its
+    simulated engine in ``sim``; yields that engine once the agent is ready,
+    its request log cleared of the resume an agent sends when it starts."""
+    driver = driver_for(config)
+    agent = Agent.from_config(config, driver)
+    nc = await connect(nats_url, name=name)
+    ready = asyncio.Event()
+    serving = asyncio.create_task(agent.run(nc, ready))
+    try:
+        await asyncio.wait_for(ready.wait(), DEADLINE_S)
+        engine = sim.workers[config.worker_id]
+        engine.requests.clear()
+        yield engine
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await close(nc)
+        await driver.aclose()
 
 
 async def write_leader(nc: NatsClient, subjects: Subjects, epoch: int) -> None:

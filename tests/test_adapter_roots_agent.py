@@ -8,17 +8,15 @@ the worker received is read from its request log.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from hand_coordinator import EPOCH, HandCoordinator
+from hand_coordinator import EPOCH, HandCoordinator, real_agent
 
-from lorabus.agents import Agent, AgentConfig, driver_for
-from lorabus.bus import close, connect
+from lorabus.agents import AgentConfig
 from lorabus.schemas import Ack, ErrorCode, LoadCommand, UnloadCommand
 from lorabus.simfleet import SimFleet, SimWorker
 from lorabus.testbed.trainer import write_adapter
@@ -53,21 +51,8 @@ async def worker(
         heartbeat_s=0.2,
         adapter_roots=[str(root)],
     )
-    driver = driver_for(config)
-    agent = Agent.from_config(config, driver)
-    nc = await connect(nats_url, name="test-rooted-agent")
-    ready = asyncio.Event()
-    serving = asyncio.create_task(agent.run(nc, ready))
-    try:
-        await asyncio.wait_for(ready.wait(), 10)
-        engine = sim.workers[WORKER]
-        engine.requests.clear()  # the resume an agent sends when it starts
+    async with real_agent(nats_url, config, sim, "test-rooted-agent") as engine:
         yield engine
-    finally:
-        serving.cancel()
-        await asyncio.gather(serving, return_exceptions=True)
-        await close(nc)
-        await driver.aclose()
 
 
 async def _load(hand: HandCoordinator, path: str | Path, name: str = "policy-v1") -> Ack:

@@ -8,15 +8,13 @@ the worker received is read from its request log.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from hand_coordinator import EPOCH, HandCoordinator
+from hand_coordinator import EPOCH, HandCoordinator, real_agent
 
-from lorabus.agents import Agent, AgentConfig, driver_for
-from lorabus.bus import close, connect
+from lorabus.agents import AgentConfig
 from lorabus.schemas import (
     ErrorCode,
     LoadCommand,
@@ -42,26 +40,10 @@ async def worker(
     sim = await start_sim({WORKER: 1})
     await hand.lead(EPOCH)
     config = AgentConfig(
-        fleet=fleet_name,
-        worker_id=WORKER,
-        system_url=sim.system_url(WORKER),
-        heartbeat_s=0.2,
+        fleet=fleet_name, worker_id=WORKER, system_url=sim.system_url(WORKER), heartbeat_s=0.2
     )
-    driver = driver_for(config)
-    agent = Agent.from_config(config, driver)
-    nc = await connect(nats_url, name="test-carried-load-agent")
-    ready = asyncio.Event()
-    serving = asyncio.create_task(agent.run(nc, ready))
-    try:
-        await asyncio.wait_for(ready.wait(), 10)
-        engine = sim.workers[WORKER]
-        engine.requests.clear()  # the resume an agent sends when it starts
+    async with real_agent(nats_url, config, sim, "test-carried-load-agent") as engine:
         yield engine
-    finally:
-        serving.cancel()
-        await asyncio.gather(serving, return_exceptions=True)
-        await close(nc)
-        await driver.aclose()
 
 
 def _pause(update_id: str, path: str, budget_s: float = 5) -> PauseCommand:
