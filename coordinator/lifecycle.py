@@ -208,8 +208,11 @@ class UpdateRunner:
         self._in_flight: InflightRecord | None = None
         self._recorded: Phase | None = None
         """The latest phase the in-flight record was written with, this update."""
-        self._recording: list[asyncio.Task[None]] = []
+        self._recording: list[asyncio.Task[bool]] = []
         """This update's writes of the in-flight record: :meth:`run` awaits them."""
+        self.in_flight_stored: bool | None = None
+        """After :meth:`run`: None if the update wrote no in-flight record (it
+        ended before its first command), else whether every write of it landed."""
         self._may_have_loaded: set[str] = set()
         """Members left out of this update whose pause may still have landed,
         and with it the load it carried."""
@@ -225,11 +228,13 @@ class UpdateRunner:
         """Run ``plan`` to a terminal result; never leaves a member told to pause
         unresumed. The writes of the in-flight record have ended by then
         (stored, or failed and logged): the caller may clear it."""
+        self.in_flight_stored = None
         try:
             return await self._run(plan)
         finally:
             recording, self._recording = self._recording, []
-            await asyncio.gather(*recording)
+            if recording:
+                self.in_flight_stored = all(await asyncio.gather(*recording))
 
     async def _run(self, plan: UpdatePlan) -> UpdateResult:
         phases: dict[str, float] = {}
@@ -771,7 +776,7 @@ class UpdateRunner:
         # before the command's (and after an earlier record's, so they land in order).
         await asyncio.sleep(0)
 
-    async def _write_record(self, in_flight: InflightRecord) -> None:
+    async def _write_record(self, in_flight: InflightRecord) -> bool:
         try:
             await self.journal.record(in_flight)
         except Exception as exc:  # the engines must still be driven (and resumed)
@@ -781,6 +786,8 @@ class UpdateRunner:
                 in_flight.phase,
                 exc,
             )
+            return False
+        return True
 
     async def _renew_pause_leases(self, update_id: str) -> None:
         """While the pause window lasts, keep the agents' pause leases from running out."""

@@ -122,8 +122,15 @@ class _Executed:
     committed: CommittedRecord | None = None
     notice: CommittedNotice | None = None
     commit_point_stored: bool = False
-    """The adapter's committed record is stored: the commit may be answered
-    before its result is, as a successor can rebuild the result from it."""
+    in_flight_stored: bool | None = None
+    """None: the update wrote no in-flight record; else whether it landed."""
+
+    @property
+    def rebuildable(self) -> bool:
+        """A successor can rebuild the result from the store: the update is
+        in flight there and its commit point is stored. Such a commit may be
+        answered before its result and the latest record are written."""
+        return self.commit_point_stored and self.in_flight_stored is True
 
 
 class Coordinator:
@@ -331,12 +338,18 @@ class Coordinator:
         in_flight: InflightRecord,
         committed: CommittedRecord,
         recorded: UpdateResult | None,
-    ) -> None:
-        # The update in flight was the fleet's latest (one runs at a time).
-        self.book.commit(committed)
-        await _quietly(store.write_latest(committed))
+    ) -> bool:
+        """Write what a commit answered at its commit point may lack: the
+        latest record, unless a later commit's is there, and the result.
+        Whether both are stored now."""
+        behind = await _or_none(store.latest_behind(committed.adapter))
+        latest_stored = behind is False or (
+            behind is True and await _quietly(store.write_latest(committed))
+        )
+        if behind:
+            self.book.commit(committed)
         if recorded is not None:
-            return
+            return latest_stored
         log.warning(
             "epoch=%d update=%s found in flight but committed: recording its result",
             self.epoch,
@@ -351,8 +364,9 @@ class Coordinator:
             path=committed.path,
             digest=committed.digest,
         )
-        await _quietly(store.write_result(result))
+        result_stored = await _quietly(store.write_result(result))
         await runner.bus.emit(self._finished(result))
+        return latest_stored and result_stored
 
     async def _announce_term(self, bus: CoordinatorBus) -> None:
         """Tell every agent the committed state under this term's epoch: those
@@ -386,14 +400,16 @@ class Coordinator:
             return None
         recorded = await _or_none(store.read_result(in_flight.update_id))
         committed_it = await _or_none(store.read_committed(in_flight.adapter))
+        settled = True
         if committed_it is not None and _records_commit_of(committed_it, in_flight):
             # It stopped after its commit point (every member had resumed),
             # maybe before its result and the latest record were written:
             # rolling back would withdraw a committed version.
-            await self._record_committed(store, runner, in_flight, committed_it, recorded)
+            settled = await self._record_committed(store, runner, in_flight, committed_it, recorded)
         elif recorded is None:
             await self._roll_back(store, runner, in_flight)
-        await _quietly(store.clear_inflight())
+        if settled:  # else it stays for a successor, unless this term's next update replaces it
+            await _quietly(store.clear_inflight())
         return in_flight.update_id
 
     async def _roll_back(
@@ -447,15 +463,14 @@ class Coordinator:
                 # Deposed while it ran (stopped, cut off), the successor rolled
                 # this update back, recorded that result and may have an
                 # update of its own in flight; neither may be overwritten.
-                recording = result.committed or await self._still_leading(store)
-                # A commit whose commit point is stored is answered before its
-                # result is written: a successor that finds the update in flight
-                # rebuilds the result from the commit point. Any other result
-                # (a failure, "already committed") has nothing it could be
-                # rebuilt from, so it is written first.
+                recording = executed.committed is not None or await self._still_leading(store)
+                # A commit a successor could rebuild from the store is answered
+                # before its result is written. Any other result (a failure,
+                # "already committed", a commit whose commit point or in-flight
+                # record did not land) is written first.
                 persisted = (
                     recording
-                    and not executed.commit_point_stored
+                    and not executed.rebuildable
                     and await _quietly(store.write_result(result))
                 )
                 # Before the answer: a trail read once the answer is in holds
@@ -478,7 +493,9 @@ class Coordinator:
                 # agent that misses the notice reads the latest record when it
                 # reconnects, or hears the next term's.
                 await self._answers_sent(request.update_id)
-                clearing = recording
+                # Only this update's own record: one kept by an earlier update
+                # whose writes after its answer failed waits for a successor.
+                clearing = recording and executed.in_flight_stored is not None
                 if executed.committed is not None:
                     recording, clearing = await _despite_a_stop(
                         self._store_commit(store, result, executed, persisted=persisted)
@@ -504,6 +521,7 @@ class Coordinator:
             if committed is not None and is_already_committed(plan, committed):
                 return _Executed(_already_committed(request, committed))
             result = await runner.run(plan)
+            in_flight = runner.in_flight_stored
             if not await self._still_leading(store):
                 # Its own outcome is no answer: a failure may be only the agents
                 # fencing this term off, and the new leader runs the update.
@@ -541,7 +559,9 @@ class Coordinator:
                 lineage=plan.lineage,
                 digest=result.digest,
             )
-            return _Executed(result, record, notice, commit_point_stored=stored)
+            return _Executed(
+                result, record, notice, commit_point_stored=stored, in_flight_stored=in_flight
+            )
         except LorabusError as exc:
             return _Executed(failed_result(request, exc.info()))
         except Exception as exc:
@@ -562,9 +582,11 @@ class Coordinator:
             # Deposed since the commit: the successor found the update in
             # flight and records it, and may have committed since.
             return False, False
+        # The commit point before the latest record, as ever: a latest record
+        # must never name what no commit point holds.
+        if not executed.commit_point_stored and not await _quietly(store.commit(committed)):
+            return True, False
         writes = [store.write_latest(committed)]
-        if not executed.commit_point_stored:
-            writes.append(store.commit(committed))
         if not persisted:
             writes.append(store.write_result(result))
         landed = await asyncio.gather(*(_quietly(write) for write in writes))

@@ -124,6 +124,13 @@ class FleetStore:
         rewrites it (coordinator/service.py)."""
         await self._put(self._state, COMMITTED, msgspec.json.encode(record))
 
+    async def latest_behind(self, adapter: str) -> bool:
+        """Whether the latest record was written before ``adapter``'s own (or
+        is missing): both keys are in one bucket, whose revisions only grow."""
+        _, latest = await self._read(self._state, COMMITTED, CommittedRecord)
+        _, own = await self._read(self._state, f"{COMMITTED}.{adapter}", CommittedRecord)
+        return latest < own
+
     async def read_reset(self, adapter: str) -> ResetRecord | None:
         return (await self._read(self._state, f"{RESET}.{adapter}", ResetRecord))[0]
 

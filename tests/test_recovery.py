@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
@@ -129,6 +130,43 @@ async def test_a_commit_whose_leader_died_answering_is_recorded_in_full(
     assert answer.committed, answer.error
     assert latest == COMMITTED_7, latest
     assert recorded is not None and recorded.committed, recorded
+    assert in_flight is None, in_flight
+
+
+async def test_a_later_commit_stays_the_latest_record(
+    nats_url: str,
+    fleet_name: str,
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """An update left in flight after everything of its commit landed (only
+    the removal of its record failed) and a later commit of another adapter:
+    the successor keeps the later commit as the fleet's latest record."""
+    await _leave_in_flight(nats_url, fleet_name, committed=True, result=True)
+    later = msgspec.structs.replace(
+        COMMITTED_7, adapter="critic", served_name="critic-v1", version=1, path="/adapters/c-1"
+    )
+    nc = await connect(nats_url, name="test-later-commit")
+    try:
+        await (await _store_of(nc, fleet_name)).write_committed(later)
+    finally:
+        await close(nc)
+    async with make_stack(list(MEMBERS.values())) as stack:
+        assert stack.client is not None
+        answer = await stack.client.update(
+            "policy", "/adapters/policy-7", version=7, update_id="step-7"
+        )
+        status = await stack.client.status(timeout_s=5)
+        nc = await connect(nats_url, name="test-reader")
+        try:
+            store = await _store_of(nc, fleet_name)
+            latest = await store.read_committed()
+            in_flight = await store.read_inflight()
+        finally:
+            await close(nc)
+
+    assert answer.committed, answer.error
+    assert latest == later, latest
+    assert status.committed_adapter == "critic-v1", status
     assert in_flight is None, in_flight
 
 
