@@ -205,24 +205,31 @@ class Coordinator:
             while True:
                 raise_if_cancelled()
                 self.epoch = await election.campaign()
-                task = asyncio.current_task()
-                assert task is not None
-                cancelling = task.cancelling()
-                try:
-                    async with asyncio.TaskGroup() as term:
-                        term.create_task(election.hold())
-                        term.create_task(self._lead(nc, store, runner, bus))
-                        term.create_task(self._watch_members(bus))
-                except* LeadershipLost as lost:
-                    log.warning("epoch=%d stepped down: %s", self.epoch, lost.exceptions[0])
-                    # Python 3.11's TaskGroup cancels this task to abort the term
-                    # and never uncancels it (fixed in 3.12): undo that, or the
-                    # next turn's raise_if_cancelled() takes the step-down for a stop.
-                    while task.cancelling() > cancelling:
-                        task.uncancel()
+                # A task of its own per term: Python 3.11's TaskGroup cancels the
+                # task it runs in to abort the term, and never uncancels it (fixed
+                # in 3.12). That count stays on the term's task, so this one counts
+                # only a stop, also one that comes while a term steps down.
+                await asyncio.create_task(self._term(nc, store, runner, bus, election))
         finally:
             await _unsubscribe(subs)
             await frontend.aclose()
+
+    async def _term(
+        self,
+        nc: NatsClient,
+        store: FleetStore,
+        runner: UpdateRunner,
+        bus: CoordinatorBus,
+        election: LeaderElection,
+    ) -> None:
+        """Lead until the lease is lost (a step-down: return) or cancelled."""
+        try:
+            async with asyncio.TaskGroup() as term:
+                term.create_task(election.hold())
+                term.create_task(self._lead(nc, store, runner, bus))
+                term.create_task(self._watch_members(bus))
+        except* LeadershipLost as lost:
+            log.warning("epoch=%d stepped down: %s", self.epoch, lost.exceptions[0])
 
     async def _open_store(self, nc: NatsClient) -> FleetStore:
         """Open the fleet's KV; JetStream can take a while (a cluster electing its

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+from hand_coordinator import write_leader
 from processes import Processes
 
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
+from lorabus.schemas import Subjects
 
 
 @contextlib.asynccontextmanager
@@ -35,6 +37,47 @@ async def _waiting_coordinator(
     try:
         await asyncio.wait_for(ready.wait(), 10)
         yield coordinator, serving
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await close(nc)
+
+
+class _StopWhenLeadingEnds(asyncio.Event):
+    """The coordinator's leading flag, which stops the coordinator (as a
+    SIGTERM would) at the moment a term ends: while it steps down."""
+
+    stop: Callable[[], object] | None = None
+
+    def clear(self) -> None:
+        super().clear()
+        if self.stop is not None:
+            self.stop()
+
+
+async def test_a_stop_that_comes_while_the_coordinator_steps_down_stops_it(
+    nats_url: str, fleet_name: str
+) -> None:
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            fleet=fleet_name,
+            frontend_url="http://127.0.0.1:9",
+            expected_world_size=1,
+            leader_lease_s=1.0,
+        )
+    )
+    leading = coordinator.leading = _StopWhenLeadingEnds()
+    nc = await connect(nats_url, name="test-coordinator")
+    serving = asyncio.create_task(coordinator.run(nc))
+    try:
+        async with asyncio.timeout(10):
+            await leading.wait()
+        leading.stop = serving.cancel
+        # Another holder takes the lease: the next renewal steps the term down.
+        await write_leader(nc, Subjects(fleet=fleet_name), epoch=coordinator.epoch + 1)
+        done, _ = await asyncio.wait({serving}, timeout=10)
+        assert done, "a coordinator stopped while stepping down went on to campaign again"
+        assert serving.cancelled()
     finally:
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
