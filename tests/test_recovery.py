@@ -178,8 +178,9 @@ async def test_a_request_answered_already_committed_while_it_waited_is_stored(
 ) -> None:
     """A second update id for the version another id is committing waits
     behind it, then is answered "already committed" without running: that
-    answer has no commit point to be rebuilt from, so it is stored before
-    it goes out, for a requester that asks a new leader again."""
+    answer has no commit point to be rebuilt from, so the coordinator must
+    store it itself (before it goes out), for a requester that asks a new
+    leader again. What this checks is that it is stored at all."""
     async with make_stack([1, 1]) as stack:
         assert stack.client is not None and stack.sim is not None
         stack.sim.workers["w000"].set_faults(latency_s={"load": 0.5})
