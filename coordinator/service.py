@@ -133,6 +133,15 @@ class _Executed:
         return self.commit_point_stored and self.in_flight_stored is True
 
 
+@dataclass(frozen=True)
+class _Unsettled:
+    """An answered commit whose writes after the answer did not all land."""
+
+    result: UpdateResult
+    executed: _Executed
+    persisted: bool
+
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
@@ -396,17 +405,12 @@ class Coordinator:
 
     async def _recover(self, store: FleetStore, runner: UpdateRunner) -> str | None:
         """Load the committed state; roll back an update a predecessor left in flight."""
-        latest = await _or_none(store.read_committed())
-        if latest is not None:
-            # The latest record is written after the commit point, and a write
-            # of it may have failed: the adapter's own record is the truth.
-            own = await _or_none(store.read_committed(latest.adapter))
-            self.book.commit(own if own is not None else latest)
-        in_flight = await _or_none(store.read_inflight())
+        found = await self._read_left_state(store)
+        if found.committed is not None:
+            self.book.commit(found.committed)
+        in_flight, recorded, committed_it = found.in_flight, found.result, found.commit_point
         if in_flight is None:
             return None
-        recorded = await _or_none(store.read_result(in_flight.update_id))
-        committed_it = await _or_none(store.read_committed(in_flight.adapter))
         settled = True
         if committed_it is not None and _records_commit_of(committed_it, in_flight):
             # It stopped after its commit point (every member had resumed),
@@ -418,6 +422,28 @@ class Coordinator:
         if settled:  # else it stays for a successor, unless this term's next update replaces it
             await _quietly(store.clear_inflight())
         return in_flight.update_id
+
+    async def _read_left_state(self, store: FleetStore) -> _LeftState:
+        """What a predecessor left, read whole before any of it is acted on, and
+        read again until it can be: a commit point that could not be read is no
+        evidence that there is none, and rolling back on it would withdraw a
+        version whose requester was told it committed. The term's lease is held
+        meanwhile; it ends the wait if the store stays out of reach."""
+        pause = 0.2
+        while True:
+            raise_if_cancelled()
+            try:
+                return await _LeftState.read(store)
+            except StoreUnavailable as exc:
+                log.warning(
+                    "epoch=%d cannot read the state a predecessor left (%s); "
+                    "serving nothing until it can, retrying in %.1fs",
+                    self.epoch,
+                    exc,
+                    pause,
+                )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 5.0)
 
     async def _roll_back(
         self, store: FleetStore, runner: UpdateRunner, in_flight: InflightRecord
@@ -457,11 +483,15 @@ class Coordinator:
     async def _run_updates(
         self, runner: UpdateRunner, bus: CoordinatorBus, store: FleetStore
     ) -> None:
+        unsettled: _Unsettled | None = None
         while True:
             raise_if_cancelled()
             request = await self.book.next_request()
             started = now()
             async with self._serial:
+                if unsettled is not None:
+                    await self._settle_earlier_commit(store, unsettled)
+                    unsettled = None
                 executed = await self._execute(request, runner, store)
                 # One form for the store, the trail and every answer.
                 result = fit_result(executed.result, self._max_payload())
@@ -507,6 +537,8 @@ class Coordinator:
                     recording, clearing = await _despite_a_stop(
                         self._store_commit(store, result, executed, persisted=persisted)
                     )
+                    if recording and not clearing:
+                        unsettled = _Unsettled(result, executed, persisted)
                 if clearing:
                     await _quietly(store.clear_inflight())
                 if recording and executed.notice is not None:
@@ -515,6 +547,27 @@ class Coordinator:
                     # Deposed: step down now, not at the next lease renewal,
                     # so no later request gets an answer from this term.
                     raise LeadershipLost(f"epoch {self.epoch} was deposed during an update")
+
+    async def _settle_earlier_commit(self, store: FleetStore, unsettled: _Unsettled) -> None:
+        """Write again what the previous commit of this term could not store
+        after its answer, before the next update's in-flight record replaces
+        the one a successor would rebuild it from. Failing again, it is left
+        out: the commit point stands, and the next commit writes the latest
+        record anew."""
+        leading, landed = await self._store_commit(
+            store, unsettled.result, unsettled.executed, persisted=unsettled.persisted
+        )
+        if not leading:
+            raise LeadershipLost(f"epoch {self.epoch} was deposed between updates")
+        if landed:
+            await _quietly(store.clear_inflight())
+            return
+        log.warning(
+            "epoch=%d update=%s: its result or the fleet's latest record could not be "
+            "stored after two tries; the next update goes on without them",
+            self.epoch,
+            unsettled.result.update_id,
+        )
 
     async def _execute(
         self, request: UpdateRequest, runner: UpdateRunner, store: FleetStore
@@ -1004,6 +1057,39 @@ def _already_committed(request: UpdateRequest, committed: CommittedRecord) -> Up
         rank_map=committed.rank_map,
         path=committed.path,
     )
+
+
+@dataclass(frozen=True)
+class _LeftState:
+    """The fleet's records as a new leader finds them."""
+
+    committed: CommittedRecord | None
+    """The latest commit: the adapter's own record (the commit point), as the
+    fleet's latest record is written after it and may lag or be missing."""
+    in_flight: InflightRecord | None
+    result: UpdateResult | None
+    """The stored result of the update in flight."""
+    commit_point: CommittedRecord | None
+    """The committed record of the in-flight update's adapter."""
+
+    @classmethod
+    async def read(cls, store: FleetStore) -> _LeftState:
+        """Every record, or StoreUnavailable: none is read as absent on a failure."""
+        latest = await store.read_committed()
+        if latest is not None:
+            own = await store.read_committed(latest.adapter)
+            latest = latest if own is None else own
+        in_flight = await store.read_inflight()
+        if in_flight is None:
+            return cls(latest, None, None, None)
+        try:
+            result = await store.read_result(in_flight.update_id)
+        except BadPayload as exc:
+            log.warning(
+                "the stored result of %s does not decode, ignored: %s", in_flight.update_id, exc
+            )
+            result = None
+        return cls(latest, in_flight, result, await store.read_committed(in_flight.adapter))
 
 
 async def _stored_result(store: FleetStore, update_id: str) -> UpdateResult | None:

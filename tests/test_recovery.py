@@ -1,5 +1,6 @@
 """What a new leader does with the update its predecessor left in flight, read
-from a real JetStream KV written as the predecessor left it."""
+from a real JetStream KV written as the predecessor left it; and what a leader
+does when a write for a successor fails."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from nats.aio.client import Client as NatsClient
 from lorabus.bus import close, connect
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.store import FleetStore
+from lorabus.errors import StoreUnavailable
 from lorabus.schemas import (
     CommittedRecord,
     ErrorCode,
@@ -131,6 +133,94 @@ async def test_a_commit_whose_leader_died_answering_is_recorded_in_full(
     assert latest == COMMITTED_7, latest
     assert recorded is not None and recorded.committed, recorded
     assert in_flight is None, in_flight
+
+
+async def test_a_commit_point_that_cannot_be_read_at_first_is_read_again_not_rolled_back(
+    nats_url: str,
+    fleet_name: str,
+    make_stack: Callable[..., EmbeddedStack],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The successor's first reads of the commit point fail as a read that
+    timed out does. Read as "no commit point", the update its requester was
+    told committed would be rolled back; it is read again instead, and the
+    commit stands."""
+    await _leave_in_flight(nats_url, fleet_name, committed=True, latest=False)
+    # A real server cannot fail one key's reads alone (every read of the
+    # bucket goes to one JetStream API subject): this raises what the store
+    # raises for a read that timed out.
+    real_read = FleetStore.read_committed
+    failures = {"left": 2}
+
+    async def read_timing_out(self: FleetStore, adapter: str | None = None) -> object:
+        if adapter == "policy" and failures["left"] > 0:
+            failures["left"] -= 1
+            raise StoreUnavailable("cannot read committed.policy: TimeoutError()")
+        return await real_read(self, adapter)
+
+    monkeypatch.setattr(FleetStore, "read_committed", read_timing_out)
+    async with make_stack(list(MEMBERS.values())) as stack:
+        assert stack.client is not None and stack.sim is not None
+        answer = await stack.client.update(
+            "policy", "/adapters/policy-7", version=7, update_id="step-7"
+        )
+        requests = [r for w in stack.sim.workers.values() for r in w.requests]
+        nc = await connect(nats_url, name="test-reader")
+        try:
+            store = await _store_of(nc, fleet_name)
+            recorded = await store.read_result("step-7")
+            latest = await store.read_committed()
+        finally:
+            await close(nc)
+
+    assert failures["left"] == 0, "the commit point was never read while it failed"
+    assert answer.committed, answer.error
+    assert not [r for r in requests if r.method == "DELETE"], "a committed version was withdrawn"
+    assert recorded is not None and recorded.committed, recorded
+    assert latest == COMMITTED_7, latest
+
+
+async def test_a_result_not_stored_after_its_answer_is_stored_before_the_next_update(
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A commit's result is written after its answer; when that write fails,
+    the update stays in flight for a successor. The next update of the same
+    term would replace that record, so the leader writes the result again
+    first."""
+    real_write = FleetStore.write_result  # failed as a timed-out write fails
+    failures = {"left": 1}
+
+    async def write_timing_out(self: FleetStore, result: UpdateResult) -> None:
+        if result.update_id == "step-1" and failures["left"] > 0:
+            failures["left"] -= 1
+            raise StoreUnavailable("cannot write the result of step-1: TimeoutError()")
+        await real_write(self, result)
+
+    monkeypatch.setattr(FleetStore, "write_result", write_timing_out)
+    async with make_stack([1, 1]) as stack:
+        assert stack.client is not None
+        first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
+        nc = await connect(nats_url, name="test-reader")
+        try:
+            store = await _store_of(nc, fleet_name)
+            async with asyncio.timeout(10):  # the write after the answer was tried
+                while failures["left"]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            kept = await store.read_inflight()
+            second = await stack.client.update(
+                "policy", make_adapter(2), version=2, update_id="step-2"
+            )
+            recorded = await store.read_result("step-1")
+        finally:
+            await close(nc)
+
+    assert first.committed and second.committed, (first.error, second.error)
+    assert kept is not None and kept.update_id == "step-1", kept
+    assert recorded is not None and recorded.committed and recorded.version == 1, recorded
 
 
 async def test_a_later_commit_stays_the_latest_record(
