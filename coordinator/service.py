@@ -160,6 +160,9 @@ class Coordinator:
         self._bad_events = PerSecond(_BAD_EVENTS_PER_S)
         self._acks: AckRouter | None = None
         self._serial = asyncio.Lock()
+        self._unsettled: _Unsettled | None = None
+        """This term's last commit, answered, whose writes after the answer did
+        not all land: written again before the next update or reset."""
         """Held by each update while it runs and by each reset: a reset never
         lands in the middle of an update."""
         self.leading = asyncio.Event()
@@ -259,6 +262,7 @@ class Coordinator:
         """One term as leader: recover, then serve requests until cancelled."""
         runner.epoch = self.epoch
         self.book = UpdateBook(max_queued=self.config.max_queued)
+        self._unsettled = None  # an earlier term's stays in flight, for recovery
         replies: set[asyncio.Task[None]] = set()
         subs: list[Subscription] = []
         try:
@@ -427,14 +431,21 @@ class Coordinator:
         """What a predecessor left, read whole before any of it is acted on, and
         read again until it can be: a commit point that could not be read is no
         evidence that there is none, and rolling back on it would withdraw a
-        version whose requester was told it committed. The term's lease is held
-        meanwhile; it ends the wait if the store stays out of reach."""
+        version whose requester was told it committed. Serving nothing
+        meanwhile, the term steps down after a lease of failed reads, so that
+        a standby may try (the lease itself holds as long as the state bucket
+        does, and the results bucket may be what fails)."""
         pause = 0.2
+        give_up_at = now() + self.config.leader_lease_s
         while True:
             raise_if_cancelled()
             try:
                 return await _LeftState.read(store)
             except StoreUnavailable as exc:
+                if now() >= give_up_at:
+                    raise LeadershipLost(
+                        f"could not read the state a predecessor left for a whole lease: {exc}"
+                    ) from exc
                 log.warning(
                     "epoch=%d cannot read the state a predecessor left (%s); "
                     "serving nothing until it can, retrying in %.1fs",
@@ -483,15 +494,12 @@ class Coordinator:
     async def _run_updates(
         self, runner: UpdateRunner, bus: CoordinatorBus, store: FleetStore
     ) -> None:
-        unsettled: _Unsettled | None = None
         while True:
             raise_if_cancelled()
             request = await self.book.next_request()
             started = now()
             async with self._serial:
-                if unsettled is not None:
-                    await self._settle_earlier_commit(store, unsettled)
-                    unsettled = None
+                await self._settle_earlier_commit(store)
                 executed = await self._execute(request, runner, store)
                 # One form for the store, the trail and every answer.
                 result = fit_result(executed.result, self._max_payload())
@@ -538,7 +546,7 @@ class Coordinator:
                         self._store_commit(store, result, executed, persisted=persisted)
                     )
                     if recording and not clearing:
-                        unsettled = _Unsettled(result, executed, persisted)
+                        self._unsettled = _Unsettled(result, executed, persisted)
                 if clearing:
                     await _quietly(store.clear_inflight())
                 if recording and executed.notice is not None:
@@ -548,12 +556,15 @@ class Coordinator:
                     # so no later request gets an answer from this term.
                     raise LeadershipLost(f"epoch {self.epoch} was deposed during an update")
 
-    async def _settle_earlier_commit(self, store: FleetStore, unsettled: _Unsettled) -> None:
-        """Write again what the previous commit of this term could not store
-        after its answer, before the next update's in-flight record replaces
-        the one a successor would rebuild it from. Failing again, it is left
-        out: the commit point stands, and the next commit writes the latest
-        record anew."""
+    async def _settle_earlier_commit(self, store: FleetStore) -> None:
+        """Write again what this term's previous commit could not store after
+        its answer, before anything else takes ``_serial``: the next update's
+        in-flight record would replace the one a successor rebuilds it from,
+        and a reset must not be undone by a late write of what it removed.
+        Failing again, what did not land is left out (logged)."""
+        unsettled, self._unsettled = self._unsettled, None
+        if unsettled is None:
+            return
         leading, landed = await self._store_commit(
             store, unsettled.result, unsettled.executed, persisted=unsettled.persisted
         )
@@ -563,8 +574,8 @@ class Coordinator:
             await _quietly(store.clear_inflight())
             return
         log.warning(
-            "epoch=%d update=%s: its result or the fleet's latest record could not be "
-            "stored after two tries; the next update goes on without them",
+            "epoch=%d update=%s: its commit point, result or the fleet's latest record "
+            "could not be stored after two tries; what follows goes on without them",
             self.epoch,
             unsettled.result.update_id,
         )
@@ -575,7 +586,11 @@ class Coordinator:
         """Run ``request``; a commit's commit point is written here, and what
         else it needs stored and sent is returned for after the answer."""
         try:
-            committed = await self._committed(store, request.adapter)
+            # Strict: an unreadable commit point taken for none would let an
+            # older version commit.
+            committed = self.book.committed.get(request.adapter) or await store.read_committed(
+                request.adapter
+            )
             lineage = await self._lineage(store, request.adapter, committed)
             plan = await plan_update_off_loop(request, self.config, committed, lineage)
             if committed is not None and is_already_committed(plan, committed):
@@ -786,6 +801,7 @@ class Coordinator:
     ) -> None:
         try:
             async with self._serial:
+                await self._settle_earlier_commit(store)
                 result = await self._reset(request, bus, store)
         except LorabusError as exc:
             result = ResetResult(adapter=request.adapter, ok=False, error=exc.info())

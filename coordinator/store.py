@@ -189,7 +189,11 @@ class FleetStore:
             raise StoreUnavailable(f"cannot read {key}: {exc!r}") from exc
         if entry.value is None:  # an expired key can come back without a value
             return None, int(entry.revision or 0)
-        return msgspec.json.decode(entry.value, type=kind), int(entry.revision or 0)
+        try:
+            return msgspec.json.decode(entry.value, type=kind), int(entry.revision or 0)
+        except msgspec.DecodeError as exc:
+            # Unreadable, not absent: a caller that would act on "none" must not.
+            raise StoreUnavailable(f"{key} holds a record that does not decode: {exc}") from exc
 
     async def _delete(self, kv: KeyValue, key: str) -> None:
         try:

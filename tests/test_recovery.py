@@ -15,12 +15,14 @@ from lorabus.bus import close, connect
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import StoreUnavailable
+from lorabus.operator import reset_committed
 from lorabus.schemas import (
     CommittedRecord,
     ErrorCode,
     InflightRecord,
     LeaderRecord,
     Phase,
+    Subjects,
     UpdateRequest,
     UpdateResult,
     build_rank_map,
@@ -221,6 +223,83 @@ async def test_a_result_not_stored_after_its_answer_is_stored_before_the_next_up
     assert first.committed and second.committed, (first.error, second.error)
     assert kept is not None and kept.update_id == "step-1", kept
     assert recorded is not None and recorded.committed and recorded.version == 1, recorded
+
+
+async def test_a_reset_after_a_commit_whose_latest_record_failed_is_not_undone(
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The latest record of a commit failed after its answer, then an operator
+    reset the adapter: the write the leader owes is made before the reset, not
+    after it, where it would bring back the record the reset removed (and
+    agents that reconnect would load it)."""
+    real_write = FleetStore.write_latest  # failed as a timed-out write fails
+    failures = {"left": 1}
+
+    async def write_timing_out(self: FleetStore, record: CommittedRecord) -> None:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise StoreUnavailable("cannot write committed: TimeoutError()")
+        await real_write(self, record)
+
+    monkeypatch.setattr(FleetStore, "write_latest", write_timing_out)
+    async with make_stack([1, 1]) as stack:
+        assert stack.client is not None
+        first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
+        nc = await connect(nats_url, name="test-operator")
+        try:
+            async with asyncio.timeout(10):  # the write after the answer was tried
+                while failures["left"]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            reset = await reset_committed(nc, Subjects(fleet=fleet_name), "policy", "bogus step")
+            # Any next update runs after what was owed; this one fails (no
+            # adapter at its path), so it writes no latest record of its own.
+            later = await stack.client.update(
+                "policy", make_adapter(2) + "-missing", version=2, update_id="step-2"
+            )
+            store = await _store_of(nc, fleet_name)
+            latest = await store.read_committed()
+            own = await store.read_committed("policy")
+        finally:
+            await close(nc)
+
+    assert first.committed, first.error
+    assert reset.ok, reset.error
+    assert not later.committed, later
+    assert latest is None and own is None, (latest, own)
+
+
+async def test_a_state_record_that_does_not_decode_is_neither_obeyed_nor_fatal(
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A record in the fleet's bucket that does not decode (only a coordinator
+    or the operator can write there) is not read as absent: the new leader
+    serves nothing and says why, and leads once the record is removed."""
+    nc = await connect(nats_url, name="test-operator")
+    try:
+        store = await _store_of(nc, fleet_name)
+        state = await nc.jetstream().key_value(Subjects(fleet=fleet_name).state_bucket())
+        await state.put("inflight", b'{"update_id": ')
+        async with make_stack(list(MEMBERS.values())) as stack:
+            assert stack.client is not None and stack.coordinator is not None
+            async with asyncio.timeout(20):
+                while "inflight holds a record that does not decode" not in caplog.text:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            leading_on_poison = stack.coordinator.leading.is_set()
+            await store.clear_inflight()
+            answer = await stack.client.update("policy", make_adapter(7), version=7)
+    finally:
+        await close(nc)
+
+    assert not leading_on_poison, "the leader served with its state unread"
+    assert answer.committed, answer.error
 
 
 async def test_a_later_commit_stays_the_latest_record(
