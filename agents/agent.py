@@ -516,27 +516,62 @@ class Agent:
                 ack = await self.executor.execute(command, budget, retire=work.internal == "retire")
                 await self._after_internal(work, ack)
                 continue
-            await self._run(command, work.received)
             if isinstance(command, PauseCommand) and command.then_load is not None:
                 # At once, behind this engine's own pause: no other engine's pause
                 # is waited for, and no second message is.
-                await self._run(carried_load(command, command.then_load), now())
+                await self._pause_then_load(command, command.then_load, work.received)
+                continue
+            await self._run(command, work.received)
 
-    async def _run(self, command: PhasedCommand, received: float) -> None:
-        """Run a command from the bus and publish its ack (the record of it)."""
+    async def _pause_then_load(self, pause: PauseCommand, spec: LoadSpec, received: float) -> None:
+        """Run ``pause``, then the load it carries. Asked to (``ack_hold_s``),
+        hold an ok pause's ack and send it inside the load's; a load still
+        running when the hold ends gets its pause acked on its own first. The
+        hold counts from the pause's arrival, so a slow or queued pause is not
+        acked later than it would have been past its own deadline's half."""
+        load = carried_load(pause, spec)
+        if spec.ack_hold_s <= 0:
+            await self._run(pause, received)
+            await self._run(load, now())
+            return
+        paused = await self._run(pause, received, publish=False)
+        if not paused.ok:
+            await self._publish_ack(paused)
+            await self._run(load, now())  # refused: the engine is not paused
+            return
+        hold_s = min(spec.ack_hold_s, pause.budget_s / 2) - (now() - received)
+        loading = asyncio.create_task(self._run(load, now(), publish=False))
+        try:
+            held, _ = await asyncio.wait({loading}, timeout=max(hold_s, 0.0))
+            if not held:
+                await self._publish_ack(paused)
+            loaded = await loading
+        finally:
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+        if held:
+            loaded = msgspec.structs.replace(loaded, with_pause=True, pause_s=paused.duration_s)
+        await self._publish_ack(loaded)
+
+    async def _run(self, command: PhasedCommand, received: float, *, publish: bool = True) -> Ack:
+        """Run a command from the bus and publish its ack (the record of it);
+        ``publish`` False: the caller sends it."""
         key = (command.epoch, command.update_id, tag_of(command))
         done = self._acks.get(key)
         if done is not None:  # a copy queued while the first one ran
             self._queued.discard(key)
-            await self._publish_ack(done)
-            return
+            if publish:
+                await self._publish_ack(done)
+            return done
         if isinstance(command, LoadCommand) and command.after_pause:
             refusal = self._unpaused_for(command)
             if refusal is not None:
                 # Not remembered: a pause that comes after all may carry the load.
                 self._queued.discard(key)
-                await self._publish_ack(self._ack_of(command, refusal))
-                return
+                refused = self._ack_of(command, refusal)
+                if publish:
+                    await self._publish_ack(refused)
+                return refused
         # A resume has its whole budget whenever it runs: time spent queued
         # behind a load must not fail it and leave the engine paused.
         waited = 0.0 if isinstance(command, ResumeCommand) else now() - received
@@ -564,7 +599,9 @@ class Agent:
         # The ack is the record: the audit stream keeps it, and the
         # coordinator learns the engine's state from it, so neither an
         # event nor a heartbeat repeats it.
-        await self._publish_ack(ack)
+        if publish:
+            await self._publish_ack(ack)
+        return ack
 
     def _unpaused_for(self, load: LoadCommand) -> ErrorInfo | None:
         """Why a load meant for an engine its update's pause paused cannot run

@@ -459,7 +459,12 @@ class UpdateRunner:
             )
         )
         try:
-            spec = msgspec.structs.replace(load_command.spec(), budget_s=budget_s)
+            # Half the pause's first re-send gap: a pause acked with a load
+            # that is still running then gets its own ack before any re-send.
+            hold_s = min(_first_resend_gap(budget_s), budget_s) / 2
+            spec = msgspec.structs.replace(
+                load_command.spec(), budget_s=budget_s, ack_hold_s=hold_s
+            )
             pause = await self._pause(plan, targets, phases, then_load=spec, opened=pause_gather)
             pause_ended.append(now())
             left_out: dict[str, ErrorInfo] = {}
@@ -840,7 +845,7 @@ class UpdateRunner:
         gather = how.opened or self.bus.acks.expect(command.update_id, phase, expected, first_ok)
         started = now()
         deadline = started + timeout_s
-        resend_gap = max(_FIRST_RESEND_S, timeout_s * _FIRST_RESEND_SHARE)
+        resend_gap = _first_resend_gap(timeout_s)
         next_resend = started + resend_gap
         sent_at = dict.fromkeys(expected, started)
         looked_at = (-1, 0.0)  # membership generation, and quiet until when
@@ -940,3 +945,7 @@ class UpdateRunner:
                 else ""
             ),
         )
+
+
+def _first_resend_gap(timeout_s: float) -> float:
+    return max(_FIRST_RESEND_S, timeout_s * _FIRST_RESEND_SHARE)

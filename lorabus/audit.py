@@ -65,6 +65,7 @@ from lorabus.schemas import (
     ack_decoder,
     command_decoder,
     event_decoder,
+    pause_acked_by,
     tag_of,
 )
 
@@ -319,6 +320,8 @@ class _Checker:
         return run
 
     def _ack(self, seq: int, ack: Ack) -> None:
+        if ack.with_pause and ack.phase is Phase.LOAD:
+            self._ack(seq, pause_acked_by(ack))  # it acks the engine's pause as well
         if ack.ok:
             run = self._run_of(ack.worker_id, ack.instance)
             if ack.epoch < run.highest:

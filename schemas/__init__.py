@@ -82,6 +82,7 @@ from lorabus.schemas.messages import (
     WorkerOutcome,
     carried_load,
     is_addressed_to,
+    pause_acked_by,
     phase_of,
     tag_of,
 )
@@ -162,6 +163,7 @@ __all__ = [
     "heartbeat_decoder",
     "is_addressed_to",
     "json_schema",
+    "pause_acked_by",
     "phase_of",
     "reset_request_decoder",
     "reset_result_decoder",

@@ -33,13 +33,16 @@ from lorabus.schemas.bounds import (
 from lorabus.schemas.errors import ErrorInfo
 from lorabus.schemas.rankmap import RankMap
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 """2: commands address a pause's cohort and committed notices reach every
 agent; a version-1 agent acts only on commands that name it, so in an
 upgrade the agents go first and the coordinators last.
 3: a pause carries the load that follows it (``PauseCommand.then_load``); a
 version-2 agent only pauses, and loads when the load is sent again by name,
-at its first re-send."""
+at its first re-send.
+4: a pause carrying a load may ask for the pause's ack to come with the
+load's (``LoadSpec.ack_hold_s``, ``Ack.with_pause``); a version-3 agent acks
+both on their own, as before."""
 
 
 class Phase(enum.StrEnum):
@@ -103,6 +106,11 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     replace: bool = False
     digest: Digest | None = None
     budget_s: Seconds
+    ack_hold_s: Seconds = 0.0
+    """Up to this long after its engine paused, the agent holds the pause's ack
+    and sends it inside the load's (:attr:`Ack.with_pause`): one message to
+    the coordinator fewer per member and update. A load still running then
+    gets its pause acked on its own. 0: ack the pause at once."""
 
 
 class PauseCommand(_Command, frozen=True, kw_only=True, tag="pause"):
@@ -115,7 +123,8 @@ class PauseCommand(_Command, frozen=True, kw_only=True, tag="pause"):
     """Load this as soon as this engine is paused, without waiting for the rest
     of the fleet's pause: one message and one round of the bus fewer per
     update. The agent acks the pause, then the load (as a :class:`LoadCommand`
-    with ``after_pause``); a failed pause fails the load too."""
+    with ``after_pause``), or both in one ack (``then_load.ack_hold_s``); a
+    failed pause fails the load too, and is acked at once."""
 
 
 class LoadCommand(_Command, frozen=True, kw_only=True, tag="load"):
@@ -224,6 +233,21 @@ def is_addressed_to(
     return worker_id in command.targets
 
 
+def pause_acked_by(ack: Ack) -> Ack:
+    """The pause's ack that a load's ack with ``with_pause`` stands for."""
+    return msgspec.structs.replace(
+        ack,
+        phase=Phase.PAUSE,
+        ok=True,
+        paused=True,
+        error=None,
+        duration_s=ack.pause_s,
+        digest="",
+        with_pause=False,
+        pause_s=0.0,
+    )
+
+
 def carried_load(pause: PauseCommand, spec: LoadSpec) -> LoadCommand:
     """The load ``pause`` carries, as the command its agent runs and acks."""
     return LoadCommand(
@@ -268,6 +292,10 @@ class Ack(_Message, frozen=True, kw_only=True, tag="ack"):
     digest: SeenDigest = ""
     """A load's ack: the content digest of the directory as this agent's host
     shows it ("" when it could not read it, or for other phases)."""
+    with_pause: bool = False
+    """A load's ack that acks its update's pause too: the engine paused (ok,
+    in ``pause_s``), then this load ran (:attr:`LoadSpec.ack_hold_s`)."""
+    pause_s: Seconds = 0.0
 
 
 class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -102,7 +103,8 @@ class ScriptedAgent:
 
     def handle(self, command: Command) -> list[Ack]:
         """Carry out a command addressed to this agent; the acks to send. A
-        pause that carries its load runs it at once, as a real agent does."""
+        pause that carries its load runs it at once, as a real agent does, and
+        acks both in one message when the pause held and asked for that."""
         acks = [ack] if (ack := self._handle_one(command)) is not None else []
         if (
             isinstance(command, PauseCommand)
@@ -110,7 +112,12 @@ class ScriptedAgent:
             and (acks or (command.epoch, command.update_id) in self.paused_for)
         ):
             load = self._handle_one(carried_load(command, command.then_load))
-            acks += [load] if load is not None else []
+            if load is not None and acks and acks[0].ok and command.then_load.ack_hold_s > 0:
+                # Its load ends at once: asked to, it acks the pause inside the
+                # load's ack, as a real agent does (agents/agent.py).
+                acks = [msgspec.structs.replace(load, with_pause=True, pause_s=acks[0].duration_s)]
+            else:
+                acks += [load] if load is not None else []
         return acks
 
     def _handle_one(self, command: Command) -> Ack | None:

@@ -183,6 +183,19 @@ def test_a_pause_never_resumed_is_found_with_the_record_that_shows_it() -> None:
     assert "b" in violations[0].message and violations[0].seqs == [3]
 
 
+def test_a_pause_acked_inside_a_load_ack_and_never_resumed_is_found() -> None:
+    """A quick load's ack carries its pause's (``with_pause``): that engine
+    paused as surely as one whose pause was acked on its own."""
+    a_load, b_load = (
+        msgspec.structs.replace(_ack(w, Phase.LOAD), with_pause=True) for w in ("a", "b")
+    )
+    trail = _trail(_started(), a_load, b_load, _ack("a", Phase.RESUME), _finished(status="failed"))
+    violations = verify(trail)
+
+    assert [v.rule for v in violations] == ["unresumed_pause"]
+    assert "b" in violations[0].message and violations[0].seqs == [3]
+
+
 @pytest.mark.parametrize(
     "undo",
     [

@@ -22,6 +22,7 @@ from lorabus.schemas import (
     PauseCommand,
     Phase,
     ResumeCommand,
+    pause_acked_by,
 )
 from lorabus.simfleet import SimFleet, SimWorker
 
@@ -46,14 +47,14 @@ async def worker(
         yield engine
 
 
-def _pause(update_id: str, path: str, budget_s: float = 5) -> PauseCommand:
+def _pause(update_id: str, path: str, budget_s: float = 5, hold_s: float = 0.0) -> PauseCommand:
     return PauseCommand(
         update_id=update_id,
         targets=[WORKER],
         budget_s=budget_s,
         epoch=EPOCH,
         lease_s=30,
-        then_load=LoadSpec(served_name=NAME, path=path, budget_s=5),
+        then_load=LoadSpec(served_name=NAME, path=path, budget_s=5, ack_hold_s=hold_s),
     )
 
 
@@ -82,12 +83,52 @@ async def test_a_pause_that_carries_its_load_loads_right_behind_the_engines_paus
     assert not worker.paused
 
 
-async def test_the_load_of_a_pause_that_failed_is_refused_and_never_reaches_the_engine(
+async def test_a_quick_load_acks_its_pause_inside_its_own_ack(
     hand: HandCoordinator, worker: SimWorker, make_adapter: Callable[[int], str]
+) -> None:
+    """Asked to hold the pause's ack, the agent sends one message for both:
+    the first ack to come is the load's, and it stands for an ok pause."""
+    update_id = f"u-{uuid.uuid4().hex[:8]}"
+    await hand.send(_pause(update_id, make_adapter(1), hold_s=5))
+
+    loaded = await hand.next_ack(update_id)
+    await hand.send(ResumeCommand(update_id=update_id, targets=[WORKER], budget_s=5, epoch=EPOCH))
+    resumed = await hand.next_ack(update_id)
+
+    assert (loaded.phase, loaded.ok, loaded.with_pause) == (Phase.LOAD, True, True), loaded
+    paused = pause_acked_by(loaded)
+    assert (paused.phase, paused.ok, paused.paused) == (Phase.PAUSE, True, True)
+    assert paused.duration_s == loaded.pause_s > 0
+    assert resumed.phase is Phase.RESUME and resumed.ok, "a pause ack came after the load's"
+    calls = _engine_calls(worker)
+    assert calls.index("/engine/pause_generation") < calls.index("/v1/loras"), calls
+
+
+async def test_a_load_running_past_the_hold_gets_its_pause_acked_on_its_own_first(
+    hand: HandCoordinator, worker: SimWorker, make_adapter: Callable[[int], str]
+) -> None:
+    """So that the coordinator, which re-sends a pause not acked within twice
+    the hold, learns that the engine paused while its load goes on."""
+    worker.set_faults(latency_s={"load": 1.0})
+    update_id = f"u-{uuid.uuid4().hex[:8]}"
+    await hand.send(_pause(update_id, make_adapter(1), hold_s=0.2))
+
+    paused = await hand.next_ack(update_id)
+    still_loading = NAME not in worker.adapters
+    loaded = await hand.next_ack(update_id)
+
+    assert (paused.phase, paused.ok) == (Phase.PAUSE, True)
+    assert still_loading, "the pause was acked only once its load had ended"
+    assert (loaded.phase, loaded.ok, loaded.with_pause) == (Phase.LOAD, True, False), loaded
+
+
+@pytest.mark.parametrize("hold_s", [0.0, 5.0], ids=["acked at once", "asked to hold"])
+async def test_the_load_of_a_pause_that_failed_is_refused_and_never_reaches_the_engine(
+    hold_s: float, hand: HandCoordinator, worker: SimWorker, make_adapter: Callable[[int], str]
 ) -> None:
     worker.set_faults(hang=True)  # the engine answers nothing: the pause times out
     update_id = f"u-{uuid.uuid4().hex[:8]}"
-    await hand.send(_pause(update_id, make_adapter(1), budget_s=0.5))
+    await hand.send(_pause(update_id, make_adapter(1), budget_s=0.5, hold_s=hold_s))
 
     paused = await hand.next_ack(update_id)
     worker.set_faults(hang=False)

@@ -36,6 +36,7 @@ from lorabus.schemas import (
     command_decoder,
     event_decoder,
     heartbeat_decoder,
+    pause_acked_by,
     tag_of,
 )
 from lorabus.simfleet import SimFleet, SimWorker
@@ -172,8 +173,11 @@ class BusObserver:
         if ack.error is not None and ack.error.code == ErrorCode.FENCED:
             return  # a refusal, recorded from its command_refused event
         at = now()
-        self._took_broadcast_pause(ack)
-        self.timeline.handled.append((at, _handled(ack)))
+        # A load's ack may carry its pause's: both commands were acted on.
+        carried = [pause_acked_by(ack)] if ack.with_pause and ack.phase is Phase.LOAD else []
+        for each in [*carried, ack]:
+            self._took_broadcast_pause(each)
+            self.timeline.handled.append((at, _handled(each)))
         # Agents no longer beat after each command: an ack shows the epoch it acted in.
         self.timeline.epoch_seen(ack.worker_id, ack.epoch, at)
 
