@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import uuid
 from pathlib import Path
 
@@ -211,3 +212,25 @@ async def test_a_secure_run_measures_every_process_on_its_own_identity(tmp_path:
     # The coordinator ran as its identity, on TLS.
     logs = "".join(p.read_text() for p in (tmp_path / "run").rglob("*coordinator.log"))
     assert "connecting to NATS without credentials" not in logs
+
+
+MESSAGE_COST = Path(__file__).resolve().parents[1] / "bench" / "message_cost.py"
+
+
+async def test_the_message_cost_script_prints_a_row_per_gap() -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(MESSAGE_COST), "--count", "50", "--gaps", "0,0.001",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        output, _ = await asyncio.wait_for(process.communicate(), RUN_DEADLINE_S)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    text = output.decode()
+    rows = [line.split() for line in text.splitlines()[1:]]
+
+    assert process.returncode == 0, text
+    assert [float(row[0]) for row in rows] == [0.0, 1.0], text
+    assert all(len(row) == 3 and min(map(float, row[1:])) >= 0 for row in rows), text
