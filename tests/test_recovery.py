@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -148,19 +149,7 @@ async def test_a_commit_point_that_cannot_be_read_at_first_is_read_again_not_rol
     told committed would be rolled back; it is read again instead, and the
     commit stands."""
     await _leave_in_flight(nats_url, fleet_name, committed=True, latest=False)
-    # A real server cannot fail one key's reads alone (every read of the
-    # bucket goes to one JetStream API subject): this raises what the store
-    # raises for a read that timed out.
-    real_read = FleetStore.read_committed
-    failures = {"left": 2}
-
-    async def read_timing_out(self: FleetStore, adapter: str | None = None) -> object:
-        if adapter == "policy" and failures["left"] > 0:
-            failures["left"] -= 1
-            raise StoreUnavailable("cannot read committed.policy: TimeoutError()")
-        return await real_read(self, adapter)
-
-    monkeypatch.setattr(FleetStore, "read_committed", read_timing_out)
+    failing = _TimesOut(monkeypatch, "read_committed", 2, lambda adapter=None: adapter == "policy")
     async with make_stack(list(MEMBERS.values())) as stack:
         assert stack.client is not None and stack.sim is not None
         answer = await stack.client.update(
@@ -175,7 +164,7 @@ async def test_a_commit_point_that_cannot_be_read_at_first_is_read_again_not_rol
         finally:
             await close(nc)
 
-    assert failures["left"] == 0, "the commit point was never read while it failed"
+    assert failing.left == 0, "the commit point was never read while it failed"
     assert answer.committed, answer.error
     assert not [r for r in requests if r.method == "DELETE"], "a committed version was withdrawn"
     assert recorded is not None and recorded.committed, recorded
@@ -193,25 +182,14 @@ async def test_a_result_not_stored_after_its_answer_is_stored_before_the_next_up
     the update stays in flight for a successor. The next update of the same
     term would replace that record, so the leader writes the result again
     first."""
-    real_write = FleetStore.write_result  # failed as a timed-out write fails
-    failures = {"left": 1}
-
-    async def write_timing_out(self: FleetStore, result: UpdateResult) -> None:
-        if result.update_id == "step-1" and failures["left"] > 0:
-            failures["left"] -= 1
-            raise StoreUnavailable("cannot write the result of step-1: TimeoutError()")
-        await real_write(self, result)
-
-    monkeypatch.setattr(FleetStore, "write_result", write_timing_out)
+    failing = _TimesOut(monkeypatch, "write_result", 1, lambda r: r.update_id == "step-1")
     async with make_stack([1, 1]) as stack:
         assert stack.client is not None
         first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
         nc = await connect(nats_url, name="test-reader")
         try:
             store = await _store_of(nc, fleet_name)
-            async with asyncio.timeout(10):  # the write after the answer was tried
-                while failures["left"]:  # noqa: ASYNC110
-                    await asyncio.sleep(0.01)
+            await failing.tried()  # after the answer
             kept = await store.read_inflight()
             second = await stack.client.update(
                 "policy", make_adapter(2), version=2, update_id="step-2"
@@ -236,24 +214,13 @@ async def test_a_reset_after_a_commit_whose_latest_record_failed_is_not_undone(
     reset the adapter: the write the leader owes is made before the reset, not
     after it, where it would bring back the record the reset removed (and
     agents that reconnect would load it)."""
-    real_write = FleetStore.write_latest  # failed as a timed-out write fails
-    failures = {"left": 1}
-
-    async def write_timing_out(self: FleetStore, record: CommittedRecord) -> None:
-        if failures["left"] > 0:
-            failures["left"] -= 1
-            raise StoreUnavailable("cannot write committed: TimeoutError()")
-        await real_write(self, record)
-
-    monkeypatch.setattr(FleetStore, "write_latest", write_timing_out)
+    failing = _TimesOut(monkeypatch, "write_latest", 1, lambda _record: True)
     async with make_stack([1, 1]) as stack:
         assert stack.client is not None
         first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
         nc = await connect(nats_url, name="test-operator")
         try:
-            async with asyncio.timeout(10):  # the write after the answer was tried
-                while failures["left"]:  # noqa: ASYNC110
-                    await asyncio.sleep(0.01)
+            await failing.tried()  # after the answer
             reset = await reset_committed(nc, Subjects(fleet=fleet_name), "policy", "bogus step")
             # Any next update runs after what was owed; this one fails (no
             # adapter at its path), so it writes no latest record of its own.
@@ -455,6 +422,37 @@ async def _until_running(stack: EmbeddedStack, update_id: str) -> None:
     async with asyncio.timeout(10):
         while (await stack.client.status(timeout_s=5)).in_flight != update_id:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
+
+
+class _TimesOut:
+    """Makes a :class:`FleetStore` method raise what a call that timed out
+    raises, ``times`` times, for the calls ``when`` picks. A real server
+    cannot fail one key alone (every read or write of a bucket goes to one
+    JetStream API subject), nor one write of several in flight."""
+
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        method: str,
+        times: int,
+        when: Callable[..., bool],
+    ) -> None:
+        self.left = times
+        real = getattr(FleetStore, method)
+
+        async def timing_out(store: FleetStore, *args: Any) -> Any:
+            if self.left and when(*args):
+                self.left -= 1
+                raise StoreUnavailable(f"{method}: TimeoutError()")
+            return await real(store, *args)
+
+        monkeypatch.setattr(FleetStore, method, timing_out)
+
+    async def tried(self) -> None:
+        """Until every failure has been raised."""
+        async with asyncio.timeout(10):
+            while self.left:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
 
 
 async def _store_of(nc: NatsClient, fleet: str) -> FleetStore:
