@@ -527,8 +527,9 @@ class Agent:
         """Run ``pause``, then the load it carries. Asked to (``ack_hold_s``),
         hold an ok pause's ack and send it inside the load's; a load still
         running when the hold ends gets its pause acked on its own first. The
-        hold counts from the pause's arrival, so a slow or queued pause is not
-        acked later than it would have been past its own deadline's half."""
+        hold counts from the pause's arrival and ends by half its budget: a
+        pause that was slow or queued is acked before its deadline, never
+        held past it."""
         load = carried_load(pause, spec)
         if spec.ack_hold_s <= 0:
             await self._run(pause, received)
