@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from lorabus.schemas import Ack, Phase, pause_acked_by
+from lorabus.schemas import Ack, Phase, acks_in
 
 
 class PhaseGather:
@@ -101,8 +101,7 @@ class AckRouter:
         self._open.pop(gather.key, None)
 
     def route(self, ack: Ack) -> None:
-        if ack.with_pause and ack.phase is Phase.LOAD:
-            self.route(pause_acked_by(ack))  # it acks its update's pause as well
-        gather = self._open.get((ack.update_id, ack.phase))
-        if gather is not None:
-            gather.offer(ack)
+        for each in acks_in(ack):
+            gather = self._open.get((each.update_id, each.phase))
+            if gather is not None:
+                gather.offer(each)

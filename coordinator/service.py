@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -160,11 +161,11 @@ class Coordinator:
         self._bad_events = PerSecond(_BAD_EVENTS_PER_S)
         self._acks: AckRouter | None = None
         self._serial = asyncio.Lock()
+        """Held by each update while it runs and by each reset: a reset never
+        lands in the middle of an update."""
         self._unsettled: _Unsettled | None = None
         """This term's last commit, answered, whose writes after the answer did
         not all land: written again before the next update or reset."""
-        """Held by each update while it runs and by each reset: a reset never
-        lands in the middle of an update."""
         self.leading = asyncio.Event()
         """Set while this coordinator holds the fleet's lease."""
         self._max_payload: Callable[[], int] = lambda: MAX_MESSAGE_BYTES
@@ -246,15 +247,7 @@ class Coordinator:
     async def _open_store(self, nc: NatsClient) -> FleetStore:
         """Open the fleet's KV; JetStream can take a while (a cluster electing its
         meta leader, a server restarting), so keep trying with a growing pause."""
-        pause = 0.2
-        while True:
-            raise_if_cancelled()
-            try:
-                return await FleetStore.open(nc, self.config)
-            except StoreUnavailable as exc:
-                log.warning("%s; retrying in %.1fs", exc, pause)
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 5.0)
+        return await _until_stored(lambda: FleetStore.open(nc, self.config))
 
     async def _lead(
         self, nc: NatsClient, store: FleetStore, runner: UpdateRunner, bus: CoordinatorBus
@@ -435,26 +428,14 @@ class Coordinator:
         meanwhile, the term steps down after a lease of failed reads, so that
         a standby may try (the lease itself holds as long as the state bucket
         does, and the results bucket may be what fails)."""
-        pause = 0.2
-        give_up_at = now() + self.config.leader_lease_s
-        while True:
-            raise_if_cancelled()
-            try:
-                return await _LeftState.read(store)
-            except StoreUnavailable as exc:
-                if now() >= give_up_at:
-                    raise LeadershipLost(
-                        f"could not read the state a predecessor left for a whole lease: {exc}"
-                    ) from exc
-                log.warning(
-                    "epoch=%d cannot read the state a predecessor left (%s); "
-                    "serving nothing until it can, retrying in %.1fs",
-                    self.epoch,
-                    exc,
-                    pause,
-                )
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 5.0)
+        try:
+            return await _until_stored(
+                lambda: _LeftState.read(store), for_s=self.config.leader_lease_s
+            )
+        except StoreUnavailable as exc:
+            raise LeadershipLost(
+                f"could not read the state a predecessor left for a whole lease: {exc}"
+            ) from exc
 
     async def _roll_back(
         self, store: FleetStore, runner: UpdateRunner, in_flight: InflightRecord
@@ -586,11 +567,7 @@ class Coordinator:
         """Run ``request``; a commit's commit point is written here, and what
         else it needs stored and sent is returned for after the answer."""
         try:
-            # Strict: an unreadable commit point taken for none would let an
-            # older version commit.
-            committed = self.book.committed.get(request.adapter) or await store.read_committed(
-                request.adapter
-            )
+            committed = await self._committed(store, request.adapter)
             lineage = await self._lineage(store, request.adapter, committed)
             plan = await plan_update_off_loop(request, self.config, committed, lineage)
             if committed is not None and is_already_committed(plan, committed):
@@ -912,7 +889,7 @@ class Coordinator:
                 # A predecessor may have finished (or rolled back) this update.
                 stored, committed = await asyncio.gather(
                     _stored_result(store, request.update_id),
-                    self._committed(store, request.adapter),
+                    _or_none(self._committed(store, request.adapter)),
                 )
             if previous is not None:
                 await previous.wait()
@@ -953,8 +930,10 @@ class Coordinator:
             await asyncio.wait(set(answering), timeout=_ANSWERS_FIRST_S)
 
     async def _committed(self, store: FleetStore, adapter: str) -> CommittedRecord | None:
-        """What is committed for ``adapter``: as this term knows it, else as stored."""
-        return self.book.committed.get(adapter) or await _or_none(store.read_committed(adapter))
+        """What is committed for ``adapter``: as this term knows it, else as
+        stored. StoreUnavailable when unreadable: taken for none, it would let
+        an older version commit."""
+        return self.book.committed.get(adapter) or await store.read_committed(adapter)
 
     async def _admit(
         self, request: UpdateRequest, stored: UpdateResult | None, committed: CommittedRecord | None
@@ -1115,6 +1094,23 @@ async def _stored_result(store: FleetStore, update_id: str) -> UpdateResult | No
     except BadPayload as exc:
         log.warning("the stored result of update %s does not decode, ignored: %s", update_id, exc)
         return None
+
+
+async def _until_stored(call: Callable[[], Awaitable[_T]], *, for_s: float = math.inf) -> _T:
+    """``call()`` again, after a pause growing from 0.2 s to 5 s, while it
+    raises StoreUnavailable; past ``for_s`` the last such error is raised."""
+    give_up_at = now() + for_s
+    pause = 0.2
+    while True:
+        raise_if_cancelled()
+        try:
+            return await call()
+        except StoreUnavailable as exc:
+            if now() >= give_up_at:
+                raise
+            log.warning("%s; retrying in %.1fs", exc, pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
 
 
 async def _or_none(awaitable: Awaitable[_T]) -> _T | None:

@@ -63,9 +63,9 @@ from lorabus.schemas import (
     UpdateFinished,
     UpdateStarted,
     ack_decoder,
+    acks_in,
     command_decoder,
     event_decoder,
-    pause_acked_by,
     tag_of,
 )
 
@@ -319,9 +319,11 @@ class _Checker:
             run.instance = instance
         return run
 
-    def _ack(self, seq: int, ack: Ack) -> None:
-        if ack.with_pause and ack.phase is Phase.LOAD:
-            self._ack(seq, pause_acked_by(ack))  # it acks the engine's pause as well
+    def _ack(self, seq: int, message: Ack) -> None:
+        for ack in acks_in(message):
+            self._one_ack(seq, ack)
+
+    def _one_ack(self, seq: int, ack: Ack) -> None:
         if ack.ok:
             run = self._run_of(ack.worker_id, ack.instance)
             if ack.epoch < run.highest:

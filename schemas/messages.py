@@ -107,10 +107,11 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     digest: Digest | None = None
     budget_s: Seconds
     ack_hold_s: Seconds = 0.0
-    """Up to this long after its engine paused, the agent holds the pause's ack
-    and sends it inside the load's (:attr:`Ack.with_pause`): one message to
-    the coordinator fewer per member and update. A load still running then
-    gets its pause acked on its own. 0: ack the pause at once."""
+    """Up to this long after the pause arrived (and at most half the pause's
+    budget), the agent holds an ok pause's ack and sends it inside the load's
+    (:attr:`Ack.with_pause`): one message to the coordinator fewer per member
+    and update. A load still running then gets its pause acked on its own.
+    0: ack the pause at once."""
 
 
 class PauseCommand(_Command, frozen=True, kw_only=True, tag="pause"):
@@ -233,9 +234,12 @@ def is_addressed_to(
     return worker_id in command.targets
 
 
-def pause_acked_by(ack: Ack) -> Ack:
-    """The pause's ack that a load's ack with ``with_pause`` stands for."""
-    return msgspec.structs.replace(
+def acks_in(ack: Ack) -> list[Ack]:
+    """The acks one ack message stands for, in the order they happened: a
+    load's ack with ``with_pause`` stands for its update's ok pause first."""
+    if not (ack.with_pause and ack.phase is Phase.LOAD):
+        return [ack]
+    paused = msgspec.structs.replace(
         ack,
         phase=Phase.PAUSE,
         ok=True,
@@ -246,6 +250,7 @@ def pause_acked_by(ack: Ack) -> Ack:
         with_pause=False,
         pause_s=0.0,
     )
+    return [paused, ack]
 
 
 def carried_load(pause: PauseCommand, spec: LoadSpec) -> LoadCommand:

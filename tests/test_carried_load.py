@@ -22,7 +22,7 @@ from lorabus.schemas import (
     PauseCommand,
     Phase,
     ResumeCommand,
-    pause_acked_by,
+    acks_in,
 )
 from lorabus.simfleet import SimFleet, SimWorker
 
@@ -96,7 +96,7 @@ async def test_a_quick_load_acks_its_pause_inside_its_own_ack(
     resumed = await hand.next_ack(update_id)
 
     assert (loaded.phase, loaded.ok, loaded.with_pause) == (Phase.LOAD, True, True), loaded
-    paused = pause_acked_by(loaded)
+    paused, _ = acks_in(loaded)
     assert (paused.phase, paused.ok, paused.paused) == (Phase.PAUSE, True, True)
     assert paused.duration_s == loaded.pause_s > 0
     assert resumed.phase is Phase.RESUME and resumed.ok, "a pause ack came after the load's"

@@ -33,10 +33,10 @@ from lorabus.schemas import (
     RenewLeaseCommand,
     Subjects,
     ack_decoder,
+    acks_in,
     command_decoder,
     event_decoder,
     heartbeat_decoder,
-    pause_acked_by,
     tag_of,
 )
 from lorabus.simfleet import SimFleet, SimWorker
@@ -173,9 +173,7 @@ class BusObserver:
         if ack.error is not None and ack.error.code == ErrorCode.FENCED:
             return  # a refusal, recorded from its command_refused event
         at = now()
-        # A load's ack may carry its pause's: both commands were acted on.
-        carried = [pause_acked_by(ack)] if ack.with_pause and ack.phase is Phase.LOAD else []
-        for each in [*carried, ack]:
+        for each in acks_in(ack):  # a load's ack may carry its pause's
             self._took_broadcast_pause(each)
             self.timeline.handled.append((at, _handled(each)))
         # Agents no longer beat after each command: an ack shows the epoch it acted in.
