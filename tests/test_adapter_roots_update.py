@@ -164,8 +164,9 @@ async def test_the_coordinator_refuses_a_symlink_out_of_the_root_it_can_see(
     assert result.status == "failed"
     assert result.error is not None and result.error.code == ErrorCode.BAD_REQUEST
     assert "outside the adapter roots" in result.error.message
-    touched = [r.path for w in sim.workers.values() for r in w.requests]
-    assert not any(path.endswith(("/pause_generation", "/v1/loras")) for path in touched), touched
+    # The agents' own quiet-time checks GET /v1/loras; only a POST would be this update's.
+    posted = [r.path for w in sim.workers.values() for r in w.requests if r.method == "POST"]
+    assert not any(path.endswith(("/pause_generation", "/v1/loras")) for path in posted), posted
 
 
 async def test_the_embedded_stack_checks_adapter_roots_on_agents_and_coordinator(
