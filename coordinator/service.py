@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -136,11 +137,13 @@ class _Executed:
 
 @dataclass(frozen=True)
 class _Unsettled:
-    """An answered commit whose writes after the answer did not all land."""
+    """A commit whose writes after its answer did not all land: this term's
+    own, or one its predecessor left that recovery could not record in full."""
 
-    result: UpdateResult
-    executed: _Executed
-    persisted: bool
+    update_id: str
+    write_again: Callable[[FleetStore], Awaitable[tuple[bool, bool]]]
+    """Writes what is missing: whether this term still leads, and whether
+    everything landed."""
 
 
 class Coordinator:
@@ -164,8 +167,9 @@ class Coordinator:
         """Held by each update while it runs and by each reset: a reset never
         lands in the middle of an update."""
         self._unsettled: _Unsettled | None = None
-        """This term's last commit, answered, whose writes after the answer did
-        not all land: written again before the next update or reset."""
+        """The last commit (this term's, or one recovered from its predecessor)
+        whose writes after the answer did not all land: written again before
+        the next update or reset."""
         self.leading = asyncio.Event()
         """Set while this coordinator holds the fleet's lease."""
         self._max_payload: Callable[[], int] = lambda: MAX_MESSAGE_BYTES
@@ -354,32 +358,50 @@ class Coordinator:
     ) -> bool:
         """Write what a commit answered at its commit point may lack: the
         latest record, unless a later commit's is there, and the result.
-        Whether both are stored now."""
+        Whether both are stored now; if not, they are written again before
+        this term's first update or reset, which would replace the in-flight
+        record a successor could rebuild them from."""
+        result = None
+        if recorded is None:
+            log.warning(
+                "epoch=%d update=%s found in flight but committed: recording its result",
+                self.epoch,
+                in_flight.update_id,
+            )
+            result = UpdateResult(
+                update_id=in_flight.update_id,
+                status=COMMITTED,
+                adapter=committed.served_name,
+                version=committed.version,
+                rank_map=committed.rank_map,
+                path=committed.path,
+                digest=committed.digest,
+            )
+        write = partial(self._write_recovered, committed=committed, result=result)
+        _, landed = await write(store)
+        if result is not None:
+            await runner.bus.emit(self._finished(result))
+        if not landed:
+            self._unsettled = _Unsettled(in_flight.update_id, write)
+        return landed
+
+    async def _write_recovered(
+        self, store: FleetStore, *, committed: CommittedRecord, result: UpdateResult | None
+    ) -> tuple[bool, bool]:
+        """The latest record of a recovered commit, unless a later commit's is
+        there, and its ``result`` (if it had none): whether this term still
+        leads, and whether both are stored. Written twice, neither changes
+        what the first write did."""
+        if not await self._still_leading(store):
+            return False, False
         behind = await _or_none(store.latest_behind(committed.adapter))
         latest_stored = behind is False or (
             behind is True and await _quietly(store.write_latest(committed))
         )
         if behind:
             self.book.commit(committed)
-        if recorded is not None:
-            return latest_stored
-        log.warning(
-            "epoch=%d update=%s found in flight but committed: recording its result",
-            self.epoch,
-            in_flight.update_id,
-        )
-        result = UpdateResult(
-            update_id=in_flight.update_id,
-            status=COMMITTED,
-            adapter=committed.served_name,
-            version=committed.version,
-            rank_map=committed.rank_map,
-            path=committed.path,
-            digest=committed.digest,
-        )
-        result_stored = await _quietly(store.write_result(result))
-        await runner.bus.emit(self._finished(result))
-        return latest_stored and result_stored
+        result_stored = result is None or await _quietly(store.write_result(result))
+        return True, latest_stored and result_stored
 
     async def _announce_term(self, bus: CoordinatorBus) -> None:
         """Tell every agent the committed state under this term's epoch: those
@@ -416,7 +438,7 @@ class Coordinator:
             settled = await self._record_committed(store, runner, in_flight, committed_it, recorded)
         elif recorded is None:
             await self._roll_back(store, runner, in_flight)
-        if settled:  # else it stays for a successor, unless this term's next update replaces it
+        if settled:  # else it stays until written again, before this term's first update
             await _quietly(store.clear_inflight())
         return in_flight.update_id
 
@@ -527,7 +549,15 @@ class Coordinator:
                         self._store_commit(store, result, executed, persisted=persisted)
                     )
                     if recording and not clearing:
-                        self._unsettled = _Unsettled(result, executed, persisted)
+                        self._unsettled = _Unsettled(
+                            result.update_id,
+                            partial(
+                                self._store_commit,
+                                result=result,
+                                executed=executed,
+                                persisted=persisted,
+                            ),
+                        )
                 if clearing:
                     await _quietly(store.clear_inflight())
                 if recording and executed.notice is not None:
@@ -538,17 +568,16 @@ class Coordinator:
                     raise LeadershipLost(f"epoch {self.epoch} was deposed during an update")
 
     async def _settle_earlier_commit(self, store: FleetStore) -> None:
-        """Write again what this term's previous commit could not store after
-        its answer, before anything else takes ``_serial``: the next update's
-        in-flight record would replace the one a successor rebuilds it from,
-        and a reset must not be undone by a late write of what it removed.
-        Failing again, what did not land is left out (logged)."""
+        """Write again what the last commit (this term's, or one recovered from
+        its predecessor) could not store after its answer, before anything
+        else takes ``_serial``: the next update's in-flight record would
+        replace the one a successor rebuilds it from, and a reset must not be
+        undone by a late write of what it removed. Failing again, what did
+        not land is left out (logged)."""
         unsettled, self._unsettled = self._unsettled, None
         if unsettled is None:
             return
-        leading, landed = await self._store_commit(
-            store, unsettled.result, unsettled.executed, persisted=unsettled.persisted
-        )
+        leading, landed = await unsettled.write_again(store)
         if not leading:
             raise LeadershipLost(f"epoch {self.epoch} was deposed between updates")
         if landed:
@@ -558,7 +587,7 @@ class Coordinator:
             "epoch=%d update=%s: its commit point, result or the fleet's latest record "
             "could not be stored after two tries; what follows goes on without them",
             self.epoch,
-            unsettled.result.update_id,
+            unsettled.update_id,
         )
 
     async def _execute(

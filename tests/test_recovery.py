@@ -49,9 +49,10 @@ async def _leave_in_flight(
     committed: bool,
     latest: bool = True,
     result: bool = False,
+    record: CommittedRecord = COMMITTED_7,
 ) -> None:
     """The store as a leader leaves it when it dies after its update's resume:
-    the in-flight record, and the committed record if it got that far (with
+    the in-flight record, and the committed ``record`` if it got that far (with
     ``latest`` False, its commit point only: it died answering; ``result``:
     and its result had landed)."""
     nc = await connect(nats_url, name="test-predecessor")
@@ -72,7 +73,7 @@ async def _leave_in_flight(
             )
         )
         if committed:
-            await (store.write_committed if latest else store.commit)(COMMITTED_7)
+            await (store.write_committed if latest else store.commit)(record)
         if result:
             await store.write_result(
                 UpdateResult(
@@ -201,6 +202,39 @@ async def test_a_result_not_stored_after_its_answer_is_stored_before_the_next_up
     assert first.committed and second.committed, (first.error, second.error)
     assert kept is not None and kept.update_id == "step-1", kept
     assert recorded is not None and recorded.committed and recorded.version == 1, recorded
+
+
+async def test_a_recovered_commit_whose_result_failed_is_stored_before_the_next_update(
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The predecessor died after its commit point; the successor's write of
+    the result fails. The update stays in flight, and the successor's own
+    next update would replace that record: the result is written first."""
+    # At a real path, so that the agents load it and the next update can run.
+    record = msgspec.structs.replace(COMMITTED_7, path=make_adapter(7))
+    await _leave_in_flight(nats_url, fleet_name, committed=True, latest=False, record=record)
+    failing = _TimesOut(monkeypatch, "write_result", 1, lambda r: r.update_id == "step-7")
+    async with make_stack(list(MEMBERS.values())) as stack:
+        assert stack.client is not None
+        nc = await connect(nats_url, name="test-reader")
+        try:
+            store = await _store_of(nc, fleet_name)
+            await failing.tried()  # at recovery
+            kept = await store.read_inflight()
+            later = await stack.client.update(
+                "policy", make_adapter(8), version=8, update_id="step-8"
+            )
+            recorded = await store.read_result("step-7")
+        finally:
+            await close(nc)
+
+    assert kept is not None and kept.update_id == "step-7", kept
+    assert later.committed, later.error
+    assert recorded is not None and recorded.committed and recorded.version == 7, recorded
 
 
 async def test_a_reset_after_a_commit_whose_latest_record_failed_is_not_undone(
