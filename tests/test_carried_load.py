@@ -109,7 +109,7 @@ async def test_a_load_running_past_the_hold_gets_its_pause_acked_on_its_own_firs
 ) -> None:
     """So that the coordinator, which re-sends a pause not acked within twice
     the hold, learns that the engine paused while its load goes on."""
-    worker.set_faults(latency_s={"load": 1.0})
+    worker.set_faults(latency_s={"load": 3.0})
     update_id = f"u-{uuid.uuid4().hex[:8]}"
     await hand.send(_pause(update_id, make_adapter(1), hold_s=0.2))
 

@@ -25,7 +25,10 @@ from lorabus.testbed.stack import EmbeddedStack
 async def stack(
     make_stack: Callable[..., EmbeddedStack],
 ) -> AsyncIterator[EmbeddedStack]:
-    async with make_stack([1]) as s:
+    # A long leader lease: the hand's leader record deposes the stack's
+    # coordinator, which must not take the fleet back (at a higher epoch)
+    # while a test runs.
+    async with make_stack([1], leader_lease_s=120) as s:
         yield s
 
 
@@ -71,12 +74,13 @@ async def test_renewals_keep_the_engine_paused_until_they_stop(
 ) -> None:
     assert stack.sim is not None
     worker = stack.sim.workers["w000"]
-    await hand.send(_pause("long-load", lease_s=1.0))
+    # A renewal every 0.2 s of a 2 s lease: one may come late and still be in time.
+    await hand.send(_pause("long-load", lease_s=2.0))
     assert (await asyncio.wait_for(hand.acks.get(), DEADLINE_S)).ok
-    for _ in range(10):  # two leases' worth of renewals
+    for _ in range(20):  # two leases' worth of renewals
         await hand.send(
             RenewLeaseCommand(
-                update_id="long-load", targets=["w000"], budget_s=0, epoch=EPOCH, lease_s=1.0
+                update_id="long-load", targets=["w000"], budget_s=0, epoch=EPOCH, lease_s=2.0
             )
         )
         await asyncio.sleep(0.2)
@@ -91,12 +95,13 @@ async def test_the_coordinators_renewals_hold_a_pause_longer_than_its_lease(
     make_adapter: Callable[[int], str],
     make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    # Loads take five leases: only the renewals the coordinator broadcasts to
+    # Loads take four leases: only the renewals the coordinator broadcasts to
     # the pause's cohort keep each engine paused until the update's resume.
-    async with make_stack([1, 2], pause_lease_s=0.4) as stack:
+    # A lease of a second leaves a renewal (one every third of it) room to be late.
+    async with make_stack([1, 2], pause_lease_s=1.0) as stack:
         assert stack.client is not None and stack.sim is not None
         for worker in stack.sim.workers.values():
-            worker.set_faults(latency_s={"load": 2.0})
+            worker.set_faults(latency_s={"load": 4.0})
         result = await stack.client.update("policy", make_adapter(1), version=1)
 
         assert result.committed, result.error

@@ -222,7 +222,9 @@ async def test_an_agent_takes_a_broadcast_pause_only_once_named_and_while_ready(
             seen.append((ack.update_id, ack.worker_id))
         return seen
 
-    async with make_stack([1, 1]) as stack:
+    # A long leader lease: deposed by the hand, the stack's coordinator must
+    # not take the fleet back at a higher epoch (fencing the hand) meanwhile.
+    async with make_stack([1, 1], leader_lease_s=120) as stack:
         assert stack.client is not None and stack.sim is not None
         assert stack.coordinator is not None and stack.coordinator.epoch != EPOCH
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed

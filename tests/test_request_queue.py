@@ -16,7 +16,7 @@ from lorabus.schemas import ErrorCode, UpdateResult
 from lorabus.simfleet.state import SimWorker
 from lorabus.testbed.stack import EmbeddedStack
 
-SLOW_LOAD_S = 3.0
+SLOW_LOAD_S = 6.0
 DEADLINE_S = 30.0
 
 

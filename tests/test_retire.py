@@ -79,8 +79,9 @@ async def test_an_engine_paused_for_an_update_is_not_asked_to_unload(
 ) -> None:
     # An engine may refuse to unload while paused, and retiring must never hold
     # an update up: a retire that finds the engine paused is left to the next
-    # commit.
-    async with make_stack([1]) as stack:
+    # commit. (A long leader lease: deposed by the hand, the stack's
+    # coordinator must not take the fleet back at a higher epoch meanwhile.)
+    async with make_stack([1], leader_lease_s=120) as stack:
         assert stack.client is not None and stack.sim is not None
         engine = stack.sim.workers["w000"]
         paths = {version: make_adapter(version) for version in (1, 2)}
