@@ -502,7 +502,6 @@ class Coordinator:
             request = await self.book.next_request()
             started = now()
             async with self._serial:
-                await self._settle_earlier_commit(store)
                 executed = await self._execute(request, runner, store)
                 # One form for the store, the trail and every answer.
                 result = fit_result(executed.result, self._max_payload())
@@ -541,8 +540,8 @@ class Coordinator:
                 # agent that misses the notice reads the latest record when it
                 # reconnects, or hears the next term's.
                 await self._answers_sent(request.update_id)
-                # Only this update's own record: one kept by an earlier update
-                # whose writes after its answer failed waits for a successor.
+                # Only this update's own record: one an earlier commit still
+                # needs (its writes after its answer failed) goes when they land.
                 clearing = recording and executed.in_flight_stored is not None
                 if executed.committed is not None:
                     recording, clearing = await _despite_a_stop(
@@ -569,26 +568,24 @@ class Coordinator:
 
     async def _settle_earlier_commit(self, store: FleetStore) -> None:
         """Write again what the last commit (this term's, or one recovered from
-        its predecessor) could not store after its answer, before anything
-        else takes ``_serial``: the next update's in-flight record would
-        replace the one a successor rebuilds it from, and a reset must not be
-        undone by a late write of what it removed. Failing again, what did
-        not land is left out (logged)."""
-        unsettled, self._unsettled = self._unsettled, None
+        its predecessor) could not store after its answer, before any update
+        or reset runs: an update's in-flight record would replace the one a
+        successor rebuilds those writes from, and a reset must not be undone
+        by a late write of what it removed. Failing again, they stay owed and
+        the request is refused (StoreUnavailable), touching nothing."""
+        unsettled = self._unsettled
         if unsettled is None:
             return
         leading, landed = await unsettled.write_again(store)
         if not leading:
             raise LeadershipLost(f"epoch {self.epoch} was deposed between updates")
-        if landed:
-            await _quietly(store.clear_inflight())
-            return
-        log.warning(
-            "epoch=%d update=%s: its commit point, result or the fleet's latest record "
-            "could not be stored after two tries; what follows goes on without them",
-            self.epoch,
-            unsettled.update_id,
-        )
+        if not landed:
+            raise StoreUnavailable(
+                f"the fleet's store has not recorded all of update {unsettled.update_id}'s "
+                "commit, which must come first: nothing was done; ask again"
+            )
+        self._unsettled = None
+        await _quietly(store.clear_inflight())
 
     async def _execute(
         self, request: UpdateRequest, runner: UpdateRunner, store: FleetStore
@@ -596,6 +593,7 @@ class Coordinator:
         """Run ``request``; a commit's commit point is written here, and what
         else it needs stored and sent is returned for after the answer."""
         try:
+            await self._settle_earlier_commit(store)
             committed = await self._committed(store, request.adapter)
             lineage = await self._lineage(store, request.adapter, committed)
             plan = await plan_update_off_loop(request, self.config, committed, lineage)

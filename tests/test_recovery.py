@@ -204,6 +204,49 @@ async def test_a_result_not_stored_after_its_answer_is_stored_before_the_next_up
     assert recorded is not None and recorded.committed and recorded.version == 1, recorded
 
 
+async def test_writes_a_commit_still_owes_hold_off_the_next_update_until_they_land(
+    nats_url: str,
+    fleet_name: str,
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A commit's result fails after its answer and again before the next
+    update: that update is refused with nothing done (it would replace the
+    in-flight record the result can still be rebuilt from), and the one
+    after it, once the store takes the write, runs."""
+    failing = _TimesOut(monkeypatch, "write_result", 2, lambda r: r.update_id == "step-1")
+    async with make_stack([1, 1]) as stack:
+        assert stack.client is not None and stack.sim is not None
+        first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
+        pauses = _pauses(stack)
+        refused = await stack.client.update(
+            "policy", make_adapter(2), version=2, update_id="step-2"
+        )
+        paused_for_refused = _pauses(stack) - pauses
+        third = await stack.client.update("policy", make_adapter(3), version=3, update_id="step-3")
+        nc = await connect(nats_url, name="test-reader")
+        try:
+            recorded = await _store_of(nc, fleet_name)
+            result_1 = await recorded.read_result("step-1")
+        finally:
+            await close(nc)
+
+    assert failing.left == 0
+    assert first.committed and third.committed, (first.error, third.error)
+    assert refused.error is not None and not refused.committed, refused
+    assert "step-1" in refused.error.message and "nothing was done" in refused.error.message
+    assert paused_for_refused == 0, "a refused update paused engines"
+    assert result_1 is not None and result_1.committed and result_1.version == 1, result_1
+
+
+def _pauses(stack: EmbeddedStack) -> int:
+    assert stack.sim is not None
+    return sum(
+        w.count_requests("POST", "/engine/pause_generation") for w in stack.sim.workers.values()
+    )
+
+
 async def test_a_recovered_commit_whose_result_failed_is_stored_before_the_next_update(
     nats_url: str,
     fleet_name: str,
