@@ -62,6 +62,9 @@ class LeaderElection:
         self._clock = clock
         self.epoch = 0
         self._revision = 0
+        self._deferring_s = 0.0
+        """Extra silence this coordinator waits for before it campaigns, after
+        it stood aside (:meth:`stand_aside`)."""
 
     async def campaign(self) -> int:
         """Wait until this coordinator holds the lease; return its new epoch."""
@@ -80,10 +83,10 @@ class LeaderElection:
                     and record.holder == self.holder
                     and revision == self._revision
                 )
-                if record is None or ours or silent_for >= self.lease_s:
+                if record is None or ours or silent_for >= self.lease_s + self._deferring_s:
                     epoch = (record.epoch if record else 0) + 1
                     self._revision = await self.store.write_leader(self._record(epoch), revision)
-                    self.epoch = epoch
+                    self.epoch, self._deferring_s = epoch, 0.0
                     log.info("coordinator %s leads with epoch %d", self.holder, epoch)
                     return epoch
             except LostRace:
@@ -111,6 +114,13 @@ class LeaderElection:
                 if self._clock() - renewed_at >= self.lease_s * _STEP_DOWN_FRACTION:
                     raise LeadershipLost(f"could not renew the lease in time: {exc}") from exc
                 log.warning("epoch=%d lease renewal failed, retrying: %s", self.epoch, exc)
+
+    def stand_aside(self) -> None:
+        """Campaign next behind any standby: take the lease only after two
+        whole leases of silence, not at once because the record is still
+        ours, so that a standby watching it (which waits one) takes over."""
+        self._revision = 0
+        self._deferring_s = self.lease_s
 
     def _record(self, epoch: int) -> LeaderRecord:
         return LeaderRecord(holder=self.holder, epoch=epoch, signing_key=self.signing_key)

@@ -65,7 +65,13 @@ from lorabus.coordinator.plan import (
     retired_names,
 )
 from lorabus.coordinator.store import FleetStore
-from lorabus.errors import BadRequest, LeadershipLost, LorabusError, StoreUnavailable
+from lorabus.errors import (
+    BadRequest,
+    LeadershipLost,
+    LorabusError,
+    SteppedAside,
+    StoreUnavailable,
+)
 from lorabus.event_loop import running_loop_name
 from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
@@ -247,6 +253,8 @@ class Coordinator:
                 term.create_task(self._watch_members(bus))
         except* LeadershipLost as lost:
             log.warning("epoch=%d stepped down: %s", self.epoch, lost.exceptions[0])
+            if any(isinstance(exc, SteppedAside) for exc in lost.exceptions):
+                election.stand_aside()
 
     async def _open_store(self, nc: NatsClient) -> FleetStore:
         """Open the fleet's KV; JetStream can take a while (a cluster electing its
@@ -455,7 +463,7 @@ class Coordinator:
                 lambda: _LeftState.read(store), for_s=self.config.leader_lease_s
             )
         except StoreUnavailable as exc:
-            raise LeadershipLost(
+            raise SteppedAside(
                 f"could not read the state a predecessor left for a whole lease: {exc}"
             ) from exc
 

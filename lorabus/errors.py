@@ -219,6 +219,11 @@ class LostRace(LeadershipLost):
     """Raised when a compare-and-set finds that another coordinator wrote first."""
 
 
+class SteppedAside(LeadershipLost):
+    """Raised when a coordinator gives its lease up so that a standby may lead
+    instead: it then campaigns as a standby does, after a lease of silence."""
+
+
 class StartFailed(LorabusError):
     """Raised when a part of the embedded stack or testbed does not start."""
 

@@ -88,3 +88,33 @@ async def test_a_coordinator_that_stepped_down_takes_back_its_untouched_record_a
 
     assert await election.campaign() == 2
     assert _now() == started, "its own record needs no lease of silence"
+
+
+async def test_a_coordinator_that_stood_aside_leaves_the_lease_to_a_watching_standby() -> None:
+    """A leader that steps down on purpose (it cannot read what its predecessor
+    left) campaigns again behind any standby: one watching the record takes
+    it, instead of the same coordinator at once; with none, it takes the
+    lease back after two leases of silence."""
+    store = MemoryLeaderStore()
+    leader, standby = LeaderElection(store, "a", LEASE_S), LeaderElection(store, "b", LEASE_S)
+    await leader.campaign()
+    watching = asyncio.create_task(standby.campaign())
+    await asyncio.sleep(LEASE_S / 2)  # the record, renewed a moment ago
+    leader.stand_aside()
+    again = asyncio.create_task(leader.campaign())
+
+    epoch = await asyncio.wait_for(watching, 2 * LEASE_S)
+    assert epoch == 2 and store.record == LeaderRecord(holder="b", epoch=2)
+    assert not again.done(), "the coordinator that stood aside took the lease back"
+    again.cancel()
+    await asyncio.gather(again, return_exceptions=True)
+
+
+async def test_a_coordinator_that_stood_aside_with_no_standby_leads_again() -> None:
+    store = MemoryLeaderStore()
+    election = LeaderElection(store, "a", LEASE_S)
+    await election.campaign()
+    election.stand_aside()
+
+    assert await asyncio.wait_for(election.campaign(), 3 * LEASE_S) == 2
+    assert store.record == LeaderRecord(holder="a", epoch=2)

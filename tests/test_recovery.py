@@ -14,6 +14,7 @@ from nats.aio.client import Client as NatsClient
 
 from lorabus.bus import close, connect
 from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.service import Coordinator
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import StoreUnavailable
 from lorabus.operator import reset_committed
@@ -202,6 +203,70 @@ async def test_a_result_not_stored_after_its_answer_is_stored_before_the_next_up
     assert first.committed and second.committed, (first.error, second.error)
     assert kept is not None and kept.update_id == "step-1", kept
     assert recorded is not None and recorded.committed and recorded.version == 1, recorded
+
+
+async def test_a_leader_that_cannot_read_what_was_left_gives_the_fleet_to_a_standby(
+    nats_url: str, fleet_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Coordinator a cannot read the update its predecessor left in flight
+    (every read times out, on its connection alone). After a lease of failed
+    reads it steps aside, and b, standing by, takes the lease instead of a
+    taking it back at once: b reads the record and rolls the update back."""
+    await _leave_in_flight(nats_url, fleet_name, committed=False)
+    nc_a = await connect(nats_url, name="test-coordinator-a")
+    nc_b = await connect(nats_url, name="test-coordinator-b")
+    blind: set[int] = set()
+    opening, reading = FleetStore.open.__func__, FleetStore.read_inflight  # type: ignore[attr-defined]
+
+    async def open_(cls: type[FleetStore], nc: NatsClient, config: Any) -> FleetStore:
+        store = await opening(cls, nc, config)
+        if nc is nc_a:
+            blind.add(id(store))
+        return store
+
+    async def read_inflight(store: FleetStore) -> InflightRecord | None:
+        if id(store) in blind:
+            raise StoreUnavailable("read_inflight: TimeoutError()")
+        return await reading(store)
+
+    monkeypatch.setattr(FleetStore, "open", classmethod(open_))
+    monkeypatch.setattr(FleetStore, "read_inflight", read_inflight)
+
+    def coordinator(holder: str) -> Coordinator:
+        return Coordinator(
+            CoordinatorConfig(
+                fleet=fleet_name,
+                frontend_url="http://127.0.0.1:9",
+                expected_world_size=3,
+                leader_lease_s=1.0,
+                phase_timeout_s=1.0,
+                holder=holder,
+            )
+        )
+
+    serving: list[asyncio.Task[None]] = []
+    try:
+        store = await _store_of(nc_b, fleet_name)
+        serving.append(asyncio.create_task(coordinator("a").run(nc_a)))
+        async with asyncio.timeout(10):
+            while (leader := (await store.read_leader())[0]) is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert leader.holder == "a"
+        serving.append(asyncio.create_task(coordinator("b").run(nc_b)))
+        async with asyncio.timeout(30):
+            while await store.read_inflight() is not None:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        leader = (await store.read_leader())[0]
+        rolled_back = await store.read_result("step-7")
+    finally:
+        for task in serving:
+            task.cancel()
+        await asyncio.gather(*serving, return_exceptions=True)
+        await close(nc_a)
+        await close(nc_b)
+
+    assert leader is not None and leader.holder == "b", leader
+    assert rolled_back is not None and not rolled_back.committed, rolled_back
 
 
 async def test_writes_a_commit_still_owes_hold_off_the_next_update_until_they_land(
