@@ -363,12 +363,15 @@ class Coordinator:
         in_flight: InflightRecord,
         committed: CommittedRecord,
         recorded: UpdateResult | None,
+        *,
+        commit_point: bool = False,
     ) -> bool:
-        """Write what a commit answered at its commit point may lack: the
-        latest record, unless a later commit's is there, and the result.
-        Whether both are stored now; if not, they are written again before
-        this term's first update or reset, which would replace the in-flight
-        record a successor could rebuild them from."""
+        """Write what an answered commit may lack: the latest record, unless a
+        later commit's is there, and the result (``commit_point``: the commit
+        point first, which failed before the answer and after it). Whether
+        all are stored now; if not, they are written again before this term's
+        first update or reset, which would replace the in-flight record a
+        successor could rebuild them from."""
         result = None
         if recorded is None:
             log.warning(
@@ -385,23 +388,71 @@ class Coordinator:
                 path=committed.path,
                 digest=committed.digest,
             )
-        write = partial(self._write_recovered, committed=committed, result=result)
-        _, landed = await write(store)
         if result is not None:
+            # Ahead of the writes: stopped between them, a successor writes
+            # the result again, and the trail still has the update's end.
             await runner.bus.emit(self._finished(result))
+        write = partial(
+            self._write_recovered, committed=committed, result=result, commit_point=commit_point
+        )
+        leading, landed = await write(store)
+        if not leading:
+            raise LeadershipLost(f"epoch {self.epoch} was deposed while it recovered")
         if not landed:
             self._unsettled = _Unsettled(in_flight.update_id, write)
         return landed
 
+    async def _commit_answered(
+        self,
+        store: FleetStore,
+        in_flight: InflightRecord,
+        recorded: UpdateResult,
+        committed: CommittedRecord | None,
+    ) -> CommittedRecord:
+        """The committed record of an update answered committed, rebuilt from
+        its in-flight record and its result (its lineage is the one it ran in:
+        no reset runs during an update)."""
+        log.warning(
+            "epoch=%d update=%s found in flight, answered committed, without its commit "
+            "point: writing it",
+            self.epoch,
+            in_flight.update_id,
+        )
+        assert recorded.rank_map is not None
+        try:
+            lineage = await _until_stored(
+                lambda: self._lineage(store, in_flight.adapter, committed),
+                for_s=self.config.leader_lease_s,
+            )
+        except StoreUnavailable as exc:
+            raise SteppedAside(f"could not read the lineage of {in_flight.adapter}: {exc}") from exc
+        return CommittedRecord(
+            adapter=in_flight.adapter,
+            version=in_flight.version,
+            path=in_flight.path or recorded.path or "",
+            served_name=in_flight.served_name,
+            rank_map=recorded.rank_map,
+            lineage=lineage,
+            digest=recorded.digest,
+        )
+
     async def _write_recovered(
-        self, store: FleetStore, *, committed: CommittedRecord, result: UpdateResult | None
+        self,
+        store: FleetStore,
+        *,
+        committed: CommittedRecord,
+        result: UpdateResult | None,
+        commit_point: bool,
     ) -> tuple[bool, bool]:
         """The latest record of a recovered commit, unless a later commit's is
-        there, and its ``result`` (if it had none): whether this term still
-        leads, and whether both are stored. Written twice, neither changes
-        what the first write did."""
+        there, its ``result`` (if it had none) and its commit point (if asked):
+        whether this term still leads, and whether all are stored. Written
+        twice, none changes what the first write did."""
         if not await self._still_leading(store):
             return False, False
+        # The commit point before the latest record, as ever.
+        if commit_point and not await _quietly(store.commit(committed)):
+            return True, False
         behind = await _or_none(store.latest_behind(committed.adapter))
         latest_stored = behind is False or (
             behind is True and await _quietly(store.write_latest(committed))
@@ -444,6 +495,19 @@ class Coordinator:
             # maybe before its result and the latest record were written:
             # rolling back would withdraw a committed version.
             settled = await self._record_committed(store, runner, in_flight, committed_it, recorded)
+        elif (
+            recorded is not None
+            and recorded.committed
+            and recorded.rank_map is not None
+            and _newer_than(in_flight, committed_it)
+        ):
+            # Answered "committed" with its result stored, while its commit
+            # point failed, before the answer and again after it: left out,
+            # the adapter's committed version would go back to the one before.
+            record = await self._commit_answered(store, in_flight, recorded, committed_it)
+            settled = await self._record_committed(
+                store, runner, in_flight, record, recorded, commit_point=True
+            )
         elif recorded is None:
             await self._roll_back(store, runner, in_flight)
         if settled:  # else it stays until written again, before this term's first update
@@ -1159,6 +1223,11 @@ async def _or_none(awaitable: Awaitable[_T]) -> _T | None:
 
 def _records_commit_of(committed: CommittedRecord, in_flight: InflightRecord) -> bool:
     return (committed.served_name, committed.version) == (in_flight.served_name, in_flight.version)
+
+
+def _newer_than(in_flight: InflightRecord, committed: CommittedRecord | None) -> bool:
+    """Whether the update in flight is newer than the adapter's commit point."""
+    return committed is None or committed.version < in_flight.version
 
 
 async def _despite_a_stop(work: Awaitable[_T], grace_s: float = 2.0) -> _T:

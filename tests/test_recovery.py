@@ -140,6 +140,37 @@ async def test_a_commit_whose_leader_died_answering_is_recorded_in_full(
     assert in_flight is None, in_flight
 
 
+async def test_a_commit_answered_without_its_commit_point_gets_it_from_a_successor(
+    nats_url: str,
+    fleet_name: str,
+    make_stack: Callable[..., EmbeddedStack],
+) -> None:
+    """Its commit point failed before the answer (so its result was stored
+    first) and again after it, and its leader died. The successor writes the
+    commit point from the in-flight record and the result: else the adapter's
+    committed version would go back to the one before, and a request for an
+    older version than the one answered committed would run."""
+    await _leave_in_flight(nats_url, fleet_name, committed=False, result=True)
+    async with make_stack(list(MEMBERS.values())) as stack:
+        assert stack.client is not None and stack.sim is not None
+        await stack.client.status(timeout_s=5)  # answered once recovery is done
+        requests = [r for w in stack.sim.workers.values() for r in w.requests]
+        nc = await connect(nats_url, name="test-reader")
+        try:
+            store = await _store_of(nc, fleet_name)
+            own = await store.read_committed("policy")
+            latest = await store.read_committed()
+            in_flight = await store.read_inflight()
+        finally:
+            await close(nc)
+
+    assert own is not None, "the commit point was not written"
+    assert (own.served_name, own.version, own.rank_map) == ("policy-v7", 7, COMMITTED_7.rank_map)
+    assert latest == own
+    assert in_flight is None, in_flight
+    assert not [r for r in requests if r.method == "DELETE"], "a committed version was withdrawn"
+
+
 async def test_a_commit_point_that_cannot_be_read_at_first_is_read_again_not_rolled_back(
     nats_url: str,
     fleet_name: str,
