@@ -9,7 +9,7 @@ cost 1000 dict look-ups and one wake-up.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from lorabus.schemas import Ack, Phase, acks_in
 
@@ -21,7 +21,6 @@ class PhaseGather:
         phase: Phase,
         members: Iterable[str],
         first_ok: asyncio.Event | None = None,
-        hopeless: Callable[[set[str]], bool] | None = None,
     ) -> None:
         self.update_id = update_id
         self.phase = phase
@@ -30,10 +29,6 @@ class PhaseGather:
         self.lost: set[str] = set()
         self.first_ok = first_ok
         """Set at the first ok ack, for work that may start once one member succeeded."""
-        self.hopeless = hopeless
-        """Given the members that failed or were lost, whether the phase has
-        failed the update already, whatever the others answer: then it ends at once."""
-        self._failed: set[str] = set()
         self._done = asyncio.Event()
         if not self.waiting:
             self._done.set()
@@ -53,9 +48,6 @@ class PhaseGather:
         self.acks[ack.worker_id] = ack
         if ack.ok and self.first_ok is not None:
             self.first_ok.set()
-        if not ack.ok:
-            self._failed.add(ack.worker_id)
-            self._end_if_hopeless()
         if not self.waiting:
             self._done.set()
 
@@ -65,14 +57,8 @@ class PhaseGather:
             if worker_id in self.waiting:
                 self.waiting.discard(worker_id)
                 self.lost.add(worker_id)
-        self._end_if_hopeless()
         if not self.waiting:
             self._done.set()
-
-    def _end_if_hopeless(self) -> None:
-        if self.waiting and self.hopeless is not None and self.hopeless(self._failed | self.lost):
-            # Not missing: an agent may be holding its ack on purpose.
-            self.waiting.clear()
 
     def drop(self, worker_ids: Iterable[str]) -> None:
         """Stop waiting for members whose ack no longer matters (left out of
@@ -102,9 +88,8 @@ class AckRouter:
         phase: Phase,
         members: Iterable[str],
         first_ok: asyncio.Event | None = None,
-        hopeless: Callable[[set[str]], bool] | None = None,
     ) -> PhaseGather:
-        gather = PhaseGather(update_id, phase, members, first_ok, hopeless)
+        gather = PhaseGather(update_id, phase, members, first_ok)
         self._open[gather.key] = gather
         return gather
 

@@ -432,16 +432,8 @@ class UpdateRunner:
         load_command = msgspec.structs.replace(load_command, budget_s=2 * budget_s)
         first_loaded = asyncio.Event()
         load_gather = self.bus.acks.expect(plan.update_id, Phase.LOAD, targets, first_loaded)
-
-        def short_of_quorum(failed: set[str]) -> bool:
-            """Whether these failures alone fail the update: then the pause acks
-            that agents hold for their loads' acks are not waited for."""
-            return sum(members[w] for w in targets if w not in failed) < self._needed_world_size()
-
         # Opened last, so the status shows the pause while it lasts.
-        pause_gather = self.bus.acks.expect(
-            plan.update_id, Phase.PAUSE, targets, hopeless=short_of_quorum
-        )
+        pause_gather = self.bus.acks.expect(plan.update_id, Phase.PAUSE, targets)
         pause_ended: list[float] = []
 
         def took_the_pause(worker_id: str) -> bool:

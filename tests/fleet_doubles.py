@@ -81,9 +81,6 @@ class Script:
     """Phases whose first command it never receives, as core NATS may drop one."""
     dies_at: Phase | None = None
     """The phase whose command stops it: no ack, no heartbeat from then on."""
-    load_outlasts_hold: bool = False
-    """Asked to hold a pause's ack for its load's, it pauses and loads, and its
-    load has not ended (nor the hold) before the update does: no ack comes."""
 
 
 @dataclass
@@ -108,15 +105,6 @@ class ScriptedAgent:
         """Carry out a command addressed to this agent; the acks to send. A
         pause that carries its load runs it at once, as a real agent does, and
         acks both in one message when the pause held and asked for that."""
-        if (
-            self.script.load_outlasts_hold
-            and isinstance(command, PauseCommand)
-            and command.then_load is not None
-            and command.then_load.ack_hold_s > 0
-        ):
-            self._handle_one(command)
-            self._handle_one(carried_load(command, command.then_load))
-            return []
         acks = [ack] if (ack := self._handle_one(command)) is not None else []
         if (
             isinstance(command, PauseCommand)
