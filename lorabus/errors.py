@@ -25,7 +25,8 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     ├── FrontendUnverified        the frontend did not list an adapter in time
     ├── StoreUnavailable          the fleet's KV store could not be read or written in time
     ├── LeadershipLost            this coordinator no longer holds the fleet's lease
-    │   └── LostRace              another coordinator wrote the leader record first
+    │   ├── LostRace              another coordinator wrote the leader record first
+    │   └── SteppedAside          it gave the lease up for a standby to take
     └── StartFailed               a part of the embedded stack or testbed did not start
         └── NatsServerMissing     no nats-server binary to start
 
@@ -64,6 +65,7 @@ __all__ = [
     "QuorumNotReached",
     "StaleVersion",
     "StartFailed",
+    "SteppedAside",
     "StoreUnavailable",
 ]
 
