@@ -5,7 +5,8 @@ does when a write for a successor fails."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -125,14 +126,10 @@ async def test_a_commit_whose_leader_died_answering_is_recorded_in_full(
         answer = await stack.client.update(
             "policy", "/adapters/policy-7", version=7, update_id="step-7"
         )
-        nc = await connect(nats_url, name="test-reader")
-        try:
-            store = await _store_of(nc, fleet_name)
+        async with _reading(nats_url, fleet_name) as store:
             latest = await store.read_committed()
             recorded = await store.read_result("step-7")
             in_flight = await store.read_inflight()
-        finally:
-            await close(nc)
 
     assert answer.committed, answer.error
     assert latest == COMMITTED_7, latest
@@ -155,14 +152,10 @@ async def test_a_commit_answered_without_its_commit_point_gets_it_from_a_success
         assert stack.client is not None and stack.sim is not None
         await stack.client.status(timeout_s=5)  # answered once recovery is done
         requests = [r for w in stack.sim.workers.values() for r in w.requests]
-        nc = await connect(nats_url, name="test-reader")
-        try:
-            store = await _store_of(nc, fleet_name)
+        async with _reading(nats_url, fleet_name) as store:
             own = await store.read_committed("policy")
             latest = await store.read_committed()
             in_flight = await store.read_inflight()
-        finally:
-            await close(nc)
 
     assert own is not None, "the commit point was not written"
     assert (own.served_name, own.version, own.rank_map) == ("policy-v7", 7, COMMITTED_7.rank_map)
@@ -189,13 +182,9 @@ async def test_a_commit_point_that_cannot_be_read_at_first_is_read_again_not_rol
             "policy", "/adapters/policy-7", version=7, update_id="step-7"
         )
         requests = [r for w in stack.sim.workers.values() for r in w.requests]
-        nc = await connect(nats_url, name="test-reader")
-        try:
-            store = await _store_of(nc, fleet_name)
+        async with _reading(nats_url, fleet_name) as store:
             recorded = await store.read_result("step-7")
             latest = await store.read_committed()
-        finally:
-            await close(nc)
 
     assert failing.left == 0, "the commit point was never read while it failed"
     assert answer.committed, answer.error
@@ -219,17 +208,13 @@ async def test_a_result_not_stored_after_its_answer_is_stored_before_the_next_up
     async with make_stack([1, 1]) as stack:
         assert stack.client is not None
         first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
-        nc = await connect(nats_url, name="test-reader")
-        try:
-            store = await _store_of(nc, fleet_name)
+        async with _reading(nats_url, fleet_name) as store:
             await failing.tried()  # after the answer
             kept = await store.read_inflight()
             second = await stack.client.update(
                 "policy", make_adapter(2), version=2, update_id="step-2"
             )
             recorded = await store.read_result("step-1")
-        finally:
-            await close(nc)
 
     assert first.committed and second.committed, (first.error, second.error)
     assert kept is not None and kept.update_id == "step-1", kept
@@ -321,12 +306,8 @@ async def test_writes_a_commit_still_owes_hold_off_the_next_update_until_they_la
         )
         paused_for_refused = _pauses(stack) - pauses
         third = await stack.client.update("policy", make_adapter(3), version=3, update_id="step-3")
-        nc = await connect(nats_url, name="test-reader")
-        try:
-            recorded = await _store_of(nc, fleet_name)
-            result_1 = await recorded.read_result("step-1")
-        finally:
-            await close(nc)
+        async with _reading(nats_url, fleet_name) as store:
+            result_1 = await store.read_result("step-1")
 
     assert failing.left == 0
     assert first.committed and third.committed, (first.error, third.error)
@@ -359,17 +340,13 @@ async def test_a_recovered_commit_whose_result_failed_is_stored_before_the_next_
     failing = _TimesOut(monkeypatch, "write_result", 1, lambda r: r.update_id == "step-7")
     async with make_stack(list(MEMBERS.values())) as stack:
         assert stack.client is not None
-        nc = await connect(nats_url, name="test-reader")
-        try:
-            store = await _store_of(nc, fleet_name)
+        async with _reading(nats_url, fleet_name) as store:
             await failing.tried()  # at recovery
             kept = await store.read_inflight()
             later = await stack.client.update(
                 "policy", make_adapter(8), version=8, update_id="step-8"
             )
             recorded = await store.read_result("step-7")
-        finally:
-            await close(nc)
 
     assert kept is not None and kept.update_id == "step-7", kept
     assert later.committed, later.error
@@ -465,13 +442,9 @@ async def test_a_later_commit_stays_the_latest_record(
             "policy", "/adapters/policy-7", version=7, update_id="step-7"
         )
         status = await stack.client.status(timeout_s=5)
-        nc = await connect(nats_url, name="test-reader")
-        try:
-            store = await _store_of(nc, fleet_name)
+        async with _reading(nats_url, fleet_name) as store:
             latest = await store.read_committed()
             in_flight = await store.read_inflight()
-        finally:
-            await close(nc)
 
     assert answer.committed, answer.error
     assert latest == later, latest
@@ -626,6 +599,16 @@ class _TimesOut:
         async with asyncio.timeout(10):
             while self.left:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def _reading(nats_url: str, fleet: str) -> AsyncIterator[FleetStore]:
+    """The fleet's store, on a connection of the test's own."""
+    nc = await connect(nats_url, name="test-reader")
+    try:
+        yield await _store_of(nc, fleet)
+    finally:
+        await close(nc)
 
 
 async def _store_of(nc: NatsClient, fleet: str) -> FleetStore:
