@@ -388,7 +388,6 @@ class Coordinator:
                 path=committed.path,
                 digest=committed.digest,
             )
-        if result is not None:
             # Ahead of the writes: stopped between them, a successor writes
             # the result again, and the trail still has the update's end.
             await runner.bus.emit(self._finished(result))

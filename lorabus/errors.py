@@ -223,7 +223,8 @@ class LostRace(LeadershipLost):
 
 class SteppedAside(LeadershipLost):
     """Raised when a coordinator gives its lease up so that a standby may lead
-    instead: it then campaigns as a standby does, after a lease of silence."""
+    instead: it campaigns again only after two leases of silence, behind any
+    standby (which waits one)."""
 
 
 class StartFailed(LorabusError):
