@@ -2,10 +2,12 @@
 
 For a fleet and its worker ids this writes, into one new directory:
 
-- ``nats-server.conf``: an account for the fleet (JetStream on) with one user
-  per identity (coordinator, orchestrator, auditor, operator, one agent per
-  worker), each with exactly its role's permissions (:mod:`lorabus.roles`);
-  with TLS, the server's certificate, and client certificates required;
+- ``nats-server.conf``: the fleet's accounts (:mod:`lorabus.accounts`: the
+  coordinators beside the fleet's streams, every other identity in an
+  account of its own that imports what it needs), one user per identity
+  (coordinator, orchestrator, auditor, operator, one agent per worker), each
+  with exactly its role's permissions (:mod:`lorabus.roles`); with TLS, the
+  server's certificate, and client certificates required;
 - per identity, a folder (mode 0700) with its secret (mode 0600) and
   ``lorabus.env``, the ``LORABUS_*`` variables that make a ``lorabus``
   process connect as that identity;
@@ -38,6 +40,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from lorabus.accounts import Account, FleetAccounts, fleet_accounts, js_api_prefix
 from lorabus.bus_options import ENV, ENV_FILE, inbox_prefix_for, public_key_of
 from lorabus.roles import Permissions, Role, identity_name, permissions
 from lorabus.schemas import Subjects, check_token
@@ -116,7 +119,8 @@ def write_fleet_auth(
     authority = _CertificateAuthority.create(directory) if tls else None
     server_tls = authority.issue_server(directory, hosts) if authority else None
     identities: dict[str, Identity] = {}
-    users: list[str] = []
+    layout = fleet_accounts(subjects, worker_ids)
+    users: dict[str, list[str]] = {name: [] for name in layout.accounts}
     for role, worker_id in roles:
         name = identity_name(role, worker_id)
         folder = directory / name
@@ -137,6 +141,8 @@ def write_fleet_auth(
             env[ENV["tls_ca_file"]] = str(authority.cert_file)
             env[ENV["tls_cert_file"]], env[ENV["tls_key_file"]] = str(cert), str(key)
         env[ENV["inbox_prefix"]] = prefix
+        if js_api_prefix(role):
+            env[ENV["js_api_prefix"]] = js_api_prefix(role)
         if role is Role.COORDINATOR:
             _write_secret(folder / SIGNING_SEED_FILE, signing_seed + b"\n")
             env[SIGNING_KEY_ENV] = str(folder / SIGNING_SEED_FILE)
@@ -145,12 +151,11 @@ def write_fleet_auth(
         identity = Identity(name, role, worker_id, folder, prefix)
         identities[name] = identity
         allowed = permissions(role, subjects, inbox_prefix=prefix, worker_id=worker_id)
-        users.append(_user_block(user_key, allowed, name))
+        users[layout.of_role[(role, worker_id)]].append(_user_block(user_key, allowed, name))
         _write_env(identity.env_file, env)
 
     conf = directory / SERVER_CONF
-    conf.write_text(_server_conf(subjects, users, server_tls, method))
-    os.chmod(conf, 0o600)
+    _write_secret(conf, _server_conf(subjects, layout, users, server_tls, method).encode())
     return FleetAuth(
         directory,
         conf,
@@ -197,10 +202,42 @@ def _user_block(user_key: tuple[str, str], allowed: Permissions, name: str) -> s
     )
 
 
+def _account_block(account: Account, users: list[str]) -> str:
+    lines = [f"  {json.dumps(account.name)} {{"]
+    if account.jetstream:
+        lines.append("    jetstream: enabled")
+    lines += ["    users: [", ",\n".join(users), "    ]"]
+    if account.exports:
+        lines.append("    exports: [")
+        for export in account.exports:
+            kind = "service" if export.service else "stream"
+            streamed = ", response_type: stream" if export.streamed else ""
+            lines.append(
+                f"      {{ {kind}: {json.dumps(export.subject)}, "
+                f"accounts: [{_quoted(export.to)}]{streamed} }}"
+            )
+        lines.append("    ]")
+    if account.imports:
+        lines.append("    imports: [")
+        for imported in account.imports:
+            kind = "service" if imported.service else "stream"
+            local = f", to: {json.dumps(imported.local)}" if imported.local else ""
+            lines.append(
+                f"      {{ {kind}: {{ account: {json.dumps(imported.account)}, "
+                f"subject: {json.dumps(imported.subject)} }}{local} }}"
+            )
+        lines.append("    ]")
+    lines.append("  }")
+    return "\n".join(lines)
+
+
 def _server_conf(
-    subjects: Subjects, users: list[str], server_tls: tuple[Path, Path, Path] | None, method: str
+    subjects: Subjects,
+    layout: FleetAccounts,
+    users: dict[str, list[str]],
+    server_tls: tuple[Path, Path, Path] | None,
+    method: str,
 ) -> str:
-    account = f"LORABUS_{subjects.fleet.upper().replace('-', '_')}"
     parts = [
         f"# The NATS identities of lorabus fleet {subjects.fleet!r} (lorabus auth init).",
         "# Listen address, port and JetStream store are given by flags, e.g.",
@@ -219,12 +256,7 @@ def _server_conf(
         ]
     parts += [
         "accounts {",
-        f"  {account} {{",
-        "    jetstream: enabled",
-        "    users: [",
-        ",\n".join(users),
-        "    ]",
-        "  }",
+        *(_account_block(account, users[name]) for name, account in layout.accounts.items()),
         "}",
     ]
     return "\n".join(parts) + "\n"

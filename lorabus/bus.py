@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import nats
+import nats.js
 from nats.aio.client import Client as NatsClient
 
 from lorabus.bus_options import BusOptions
@@ -35,6 +36,27 @@ class _TlsCloseNoise(logging.Filter):
 logging.getLogger("asyncio").addFilter(_TlsCloseNoise())
 
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/@]*@")
+
+
+class FleetConnection(NatsClient):
+    """A NATS connection whose JetStream calls go where its identity's account
+    has the fleet's JetStream (``BusOptions.js_api_prefix``): every part that
+    reads a bucket or the audit stream gets it from the connection it is
+    handed, and need not know which role it runs as."""
+
+    def __init__(self, js_api_prefix: str | None = None) -> None:
+        super().__init__()
+        self.js_api_prefix = js_api_prefix
+
+    def jetstream(self, **options: Any) -> nats.js.JetStreamContext:
+        if self.js_api_prefix and "prefix" not in options and "domain" not in options:
+            options["prefix"] = self.js_api_prefix
+        return super().jetstream(**options)
+
+
+def js_api_of(nc: NatsClient) -> str:
+    """The JetStream API prefix of ``nc`` (for calls nats-py has no method for)."""
+    return getattr(nc, "js_api_prefix", None) or "$JS.API"
 
 
 class Bus(msgspec.Struct, frozen=True):
@@ -65,11 +87,12 @@ async def connect(
     ``connect_timeout_s``; no message shows a secret.
     """
     servers = [part.strip() for part in url.split(",") if part.strip()]
+    options = options or BusOptions()
     try:
-        identity = (options or BusOptions()).nats_kwargs(servers)
+        identity = options.nats_kwargs(servers)
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
-    nc = NatsClient()
+    nc = FleetConnection(options.js_api_prefix)
     refused: asyncio.Future[BusError] = asyncio.get_running_loop().create_future()
     refusals = 0
 

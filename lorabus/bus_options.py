@@ -52,6 +52,7 @@ ENV = {
     "tls_cert_file": "LORABUS_TLS_CERT",
     "tls_key_file": "LORABUS_TLS_KEY",
     "inbox_prefix": "LORABUS_INBOX_PREFIX",
+    "js_api_prefix": "LORABUS_JS_API_PREFIX",
     "insecure": "LORABUS_INSECURE",
 }
 _TRUE = {"1", "true", "yes", "on"}
@@ -71,6 +72,10 @@ class BusOptions(msgspec.Struct, frozen=True, kw_only=True):
     tls_key_file: str | None = None
     inbox_prefix: str | None = None
     """Where replies to this identity arrive; default ``_INBOX`` (see above)."""
+    js_api_prefix: str | None = None
+    """Where this identity's account has the fleet's JetStream API (``lorabus auth
+    init`` imports it under ``JS.FLEET.API`` for every role but the
+    coordinator); default ``$JS.API``."""
     insecure: bool = False
     """Allow credentials over plain ``nats://``, or no credentials, to a host
     that is not loopback."""

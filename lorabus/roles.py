@@ -12,7 +12,9 @@ Least privilege, one identity per process:
   subject.
 - **orchestrator**: sends update, status and result requests, hears their replies
   and the agents' heartbeats (for a status when no coordinator answers).
-- **auditor**: reads the audit stream through consumers of its own.
+- **auditor**: reads the audit stream, message by message (direct gets): it
+  creates no consumer, since a consumer's deliver subject would let it have
+  JetStream publish stored commands wherever it names.
 - **operator**: creates the buckets and the audit stream, and changes their
   limits; asks the coordinator to reset an adapter's committed state (and for
   the fleet's status, and hears the heartbeats as the orchestrator does). The
@@ -23,6 +25,18 @@ Of the inboxes, everyone hears only its own (its own inbox prefix), so no role r
 another's replies. These permissions are what ``lorabus auth init`` writes
 into a server configuration, and what an operator of an existing NATS
 deployment grants by hand (docs/security.md lists them).
+
+Permissions say what a client may publish, not where the answer to its
+request goes: whoever answers (JetStream, or the coordinator) publishes to
+the reply subject the requester chose, with the answerer's rights. So only
+the coordinators live in the fleet's account, beside its streams and
+buckets; every other role has an account of its own (one per agent) and
+reaches the fleet's services through imports (:mod:`lorabus.accounts`).
+Across accounts the server replaces each reply subject with one of its own
+(``_R_...``) and carries the answer back into the requester's account: a
+request can no longer aim an answer at a fleet subject. Those roles reach
+JetStream under :data:`FLEET_JS_API` (an account without JetStream of its own
+has its ``$JS.API`` answered by the server with "not enabled").
 """
 
 from __future__ import annotations
@@ -31,6 +45,11 @@ import enum
 from dataclasses import dataclass
 
 from lorabus.schemas import Subjects
+
+FLEET_JS_API = "JS.FLEET.API"
+"""The JetStream API prefix, in every account but the fleet's, under which the
+fleet's JetStream calls a role needs are imported (``js_api_prefix``)."""
+JS_API = "$JS.API"
 
 
 class Role(enum.StrEnum):
@@ -62,9 +81,6 @@ def permissions(
     role: Role, subjects: Subjects, *, inbox_prefix: str, worker_id: str | None = None
 ) -> Permissions:
     """What ``role`` (the agent of ``worker_id``) may publish and subscribe to."""
-    state = _kv_stream(subjects.state_bucket())
-    results = _kv_stream(subjects.results_bucket())
-    audit = subjects.audit_stream()
     inbox = (f"{inbox_prefix}.>",)
     match role:
         case Role.COORDINATOR:
@@ -73,8 +89,8 @@ def permissions(
                     subjects.cmd(),
                     f"{subjects.cmd()}.*",
                     subjects.coordinator_event(">"),
-                    *_kv_read(state),
-                    *_kv_read(results),
+                    *kv_reads(subjects.state_bucket(), JS_API),
+                    *kv_reads(subjects.results_bucket(), JS_API),
                     f"$KV.{subjects.state_bucket()}.>",
                     f"$KV.{subjects.results_bucket()}.>",
                 ),
@@ -97,7 +113,7 @@ def permissions(
                     subjects.ack(worker_id),
                     subjects.heartbeat(worker_id),
                     subjects.agent_event(worker_id, ">"),
-                    *_kv_read(state),
+                    *kv_reads(subjects.state_bucket(), FLEET_JS_API),
                 ),
                 subscribe=(subjects.cmd(), subjects.cmd_worker(worker_id), *inbox),
             )
@@ -111,25 +127,11 @@ def permissions(
                 subscribe=(*_heartbeats(subjects), *inbox),
             )
         case Role.AUDITOR:
-            return Permissions(
-                publish=(
-                    f"$JS.API.STREAM.INFO.{audit}",
-                    f"$JS.API.CONSUMER.CREATE.{audit}",
-                    f"$JS.API.CONSUMER.CREATE.{audit}.>",
-                    f"$JS.API.CONSUMER.DURABLE.CREATE.{audit}.>",
-                    f"$JS.API.CONSUMER.INFO.{audit}.>",
-                    f"$JS.API.CONSUMER.MSG.NEXT.{audit}.>",
-                    f"$JS.API.CONSUMER.DELETE.{audit}.>",
-                    f"$JS.ACK.{audit}.>",
-                ),
-                subscribe=inbox,
-            )
+            return Permissions(publish=audit_reads(subjects, FLEET_JS_API), subscribe=inbox)
         case Role.OPERATOR:
-            streams = (state, results, audit)
             return Permissions(
                 publish=(
-                    "$JS.API.INFO",
-                    *(f"$JS.API.STREAM.{verb}.{s}" for verb in _STREAM_ADMIN for s in streams),
+                    *stream_admin(subjects, FLEET_JS_API),
                     subjects.reset_request(),
                     subjects.status_request(),
                 ),
@@ -141,22 +143,38 @@ def permissions(
 _STREAM_ADMIN = ("CREATE", "UPDATE", "INFO")
 
 
+def kv_reads(bucket: str, api: str) -> tuple[str, ...]:
+    """The JetStream calls that read KV ``bucket`` (``api``: where JetStream is)."""
+    stream = f"KV_{bucket}"
+    return (
+        f"{api}.STREAM.INFO.{stream}",
+        f"{api}.DIRECT.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}.>",
+        f"{api}.STREAM.MSG.GET.{stream}",
+    )
+
+
+def audit_reads(subjects: Subjects, api: str) -> tuple[str, ...]:
+    """The JetStream calls that read the audit stream, one stored message (or
+    one batch) at a time: no consumer, so no deliver subject to aim."""
+    audit = subjects.audit_stream()
+    return (f"{api}.STREAM.INFO.{audit}", f"{api}.DIRECT.GET.{audit}")
+
+
+def stream_admin(subjects: Subjects, api: str) -> tuple[str, ...]:
+    """The JetStream calls that create the fleet's buckets and audit stream, or
+    change their limits (``lorabus provision``)."""
+    streams = (
+        f"KV_{subjects.state_bucket()}",
+        f"KV_{subjects.results_bucket()}",
+        subjects.audit_stream(),
+    )
+    return (f"{api}.INFO", *(f"{api}.STREAM.{verb}.{s}" for verb in _STREAM_ADMIN for s in streams))
+
+
 def _heartbeats(subjects: Subjects) -> tuple[str, ...]:
     """What ``lorabus status`` hears when no coordinator answers. Heartbeats hold
     no secrets (world size, engine kind, paused and ready flags, adapter names,
     beat period, epoch seen, a random instance id), and hearing them changes
     nothing, so the roles that ask for the fleet's status may hear them too."""
     return (subjects.heartbeat_any(),)
-
-
-def _kv_stream(bucket: str) -> str:
-    return f"KV_{bucket}"
-
-
-def _kv_read(stream: str) -> tuple[str, ...]:
-    return (
-        f"$JS.API.STREAM.INFO.{stream}",
-        f"$JS.API.DIRECT.GET.{stream}",
-        f"$JS.API.DIRECT.GET.{stream}.>",
-        f"$JS.API.STREAM.MSG.GET.{stream}",
-    )

@@ -1,10 +1,13 @@
 """Reading a fleet's audit stream: live, or replayed from a time or sequence.
 
-The coordinator creates the stream; the tap only reads it, through a durable
-pull consumer that it acknowledges after each record is written, so a tap
-that stops (or a nats-server that restarts) resumes where it left off. A
-redelivered record (written, but its ack lost) is recognised by its stream
-sequence and not written twice.
+The coordinator (or ``lorabus provision``) creates the stream; the tap only
+reads it, a batch of stored messages at a time by sequence (JetStream's
+direct get), and polls for more when it has caught up. It creates no
+consumer: a consumer's deliver subject would let whoever may create one have
+JetStream publish stored commands wherever it names (docs/security.md). Its
+place is the last sequence it wrote: a tap appending to a trail file starts
+after the file's last record, so a tap that stops (or a nats-server that
+restarts) goes on where it left off, writing nothing twice.
 
 No message can stop the tap: each payload is read by the wire contract's
 reader for its subject, and one that is not a valid message (not JSON, the
@@ -25,11 +28,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from lorabus.audit import (
@@ -40,23 +43,29 @@ from lorabus.audit import (
     read_payload,
     subject_problem,
 )
+from lorabus.bus import js_api_of
 from lorabus.cancellation import raise_if_cancelled
-from lorabus.errors import AuditStreamMissing
+from lorabus.errors import AuditStreamMissing, BusError
 from lorabus.render import printable
 from lorabus.schemas import BadPayload, Subjects, tag_of, to_builtins
 
 log = logging.getLogger(__name__)
 
 _BATCH = 256
-_FETCH_WAIT_S = 1.0
+_READ_DEADLINE_S = 5.0
+_CAUGHT_UP_POLL_S = 0.5
+"""How often a following tap that has caught up asks for more."""
 
 Sink = Callable[[TrailRecord], Awaitable[None]]
 
 
 def to_record(msg: Msg, subjects: Subjects) -> TrailRecord:
-    """The record of one stored message; a malformed payload makes a poison record."""
-    meta = msg.metadata
-    origin = origin_of(msg.subject, subjects.prefix)
+    """The record of one stored message, as a direct get returns it (its
+    subject, sequence and time in headers); a malformed payload makes a poison
+    record."""
+    headers = msg.headers or {}
+    subject = headers.get("Nats-Subject", "")
+    origin = origin_of(subject, subjects.prefix)
     message: dict[str, object] = {}
     poison = ""
     try:
@@ -64,13 +73,23 @@ def to_record(msg: Msg, subjects: Subjects) -> TrailRecord:
     except BadPayload as exc:
         poison = poison_text(f"not a valid {origin.kind} message: {exc}", msg.data)
     return TrailRecord(
-        seq=meta.sequence.stream,
-        subject=msg.subject,
-        ts=meta.timestamp.timestamp() if meta.timestamp else 0.0,
+        seq=int(headers.get("Nats-Sequence", "0")),
+        subject=subject,
+        ts=_stored_at(headers.get("Nats-Time-Stamp", "")),
         kind=origin.kind,
         message=message,
         poison=poison,
     )
+
+
+def _stored_at(stamp: str) -> float:
+    """Seconds since the epoch of a ``Nats-Time-Stamp`` (RFC 3339, nanoseconds)."""
+    if not stamp:
+        return 0.0
+    head, _, rest = stamp.rstrip("Z").partition(".")
+    fraction = "".join(c for c in rest if c.isdigit())[:6]
+    when = dt.datetime.fromisoformat(head).replace(tzinfo=dt.UTC)
+    return when.timestamp() + (int(fraction.ljust(6, "0")) / 1e6 if fraction else 0.0)
 
 
 class Tap:
@@ -79,16 +98,13 @@ class Tap:
         nc: NatsClient,
         subjects: Subjects,
         *,
-        durable: str | None = None,
         start_seq: int | None = None,
         start_time: dt.datetime | None = None,
         after_seq: int = 0,
     ) -> None:
-        """``durable`` names a consumer that remembers its position across runs;
-        ``after_seq`` skips records up to that sequence (already written)."""
+        """``after_seq`` skips records up to that sequence (already written)."""
         self.nc = nc
         self.subjects = subjects
-        self.durable = durable
         self.start_seq = start_seq
         self.start_time = start_time
         self.last_seq = after_seq
@@ -96,15 +112,60 @@ class Tap:
     async def run(self, sink: Sink, *, follow: bool) -> int:
         """Write records to ``sink`` until caught up (or, following, until cancelled)."""
         js = self.nc.jetstream()
-        stream = self.subjects.audit_stream()
-        await self._until_stream(js, stream, follow)
-        sub = await js.pull_subscribe_bind(
-            stream=stream,
-            durable=self.durable,
-            name=await self._consumer(js, stream),
-        )
+        await self._until_stream(js, self.subjects.audit_stream(), follow)
+        written = 0
+        pause = 0.1
+        start: dict[str, object] = {"seq": max(self.last_seq + 1, self.start_seq or 1)}
+        if self.start_time is not None and not self.last_seq:
+            start = {"start_time": self.start_time.astimezone(dt.UTC).isoformat()}
+        while True:
+            raise_if_cancelled()
+            try:
+                batch = await self._read(start)
+                pause = 0.1
+            except (TimeoutError, nats.errors.Error) as exc:
+                # The bus is away (a restart): the next read starts where we are.
+                log.warning("tap: %s; retrying in %.1fs", exc, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 5.0)
+                continue
+            for msg in batch:
+                record = to_record(msg, self.subjects)
+                if record.seq > self.last_seq:
+                    await sink(record)
+                    self.last_seq = record.seq
+                    written += 1
+            if batch:
+                start = {"seq": self.last_seq + 1}
+            elif not follow:
+                return written
+            else:
+                await asyncio.sleep(_CAUGHT_UP_POLL_S)
+
+    async def _read(self, start: dict[str, object]) -> list[Msg]:
+        """Up to ``_BATCH`` stored messages from ``start`` on (none: caught up)."""
+        api = f"{js_api_of(self.nc)}.DIRECT.GET.{self.subjects.audit_stream()}"
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
         try:
-            return await self._drain_into(sub, sink, follow)
+            await self.nc.publish(api, msgspec.json.encode({**start, "batch": _BATCH}), reply=inbox)
+            found: list[Msg] = []
+            async with asyncio.timeout(_READ_DEADLINE_S):
+                while True:
+                    msg = await sub.next_msg(timeout=_READ_DEADLINE_S)
+                    status = (msg.headers or {}).get("Status", "")
+                    if not status:
+                        found.append(msg)
+                    elif status in ("204", "404"):  # the batch's end; nothing (more) stored
+                        return found
+                    elif status == "503":
+                        raise BusError(
+                            f"the audit stream {self.subjects.audit_stream()} does not allow "
+                            "direct reads: run lorabus provision (as the operator) once more"
+                        )
+                    else:
+                        description = (msg.headers or {}).get("Description", "")
+                        raise nats.errors.Error(f"reading the audit stream: {status} {description}")
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -146,60 +207,6 @@ class Tap:
                 await js.stream_info(stream)
         if said:
             log.info("tap: the audit stream %s is there: following it", stream)
-
-    async def _drain_into(self, sub: Any, sink: Sink, follow: bool) -> int:
-        written = 0
-        pause = 0.1
-        while True:
-            raise_if_cancelled()
-            try:
-                if not follow and (await sub.consumer_info()).num_pending == 0:
-                    return written
-                batch = await sub.fetch(batch=_BATCH, timeout=_FETCH_WAIT_S)
-                pause = 0.1
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except (nats.errors.Error, nats.js.errors.Error) as exc:
-                # The bus is away (a restart): the durable consumer keeps our place.
-                log.warning("tap: %s; retrying in %.1fs", exc, pause)
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 5.0)
-                continue
-            for msg in batch:
-                record = to_record(msg, self.subjects)
-                if record.seq > self.last_seq:
-                    await sink(record)
-                    self.last_seq = record.seq
-                    written += 1
-                await msg.ack()
-
-    async def _consumer(self, js: object, stream: str) -> str:
-        extra: dict[str, object] = {}
-        if self.start_seq is not None:
-            policy, extra = DeliverPolicy.BY_START_SEQUENCE, {"opt_start_seq": self.start_seq}
-        elif self.start_time is not None:
-            policy, extra = (
-                DeliverPolicy.BY_START_TIME,
-                {"opt_start_time": self.start_time.astimezone(dt.UTC).isoformat()},
-            )
-        else:
-            policy = DeliverPolicy.ALL
-        config = ConsumerConfig(
-            durable_name=self.durable,
-            name=self.durable,
-            deliver_policy=policy,
-            ack_policy=AckPolicy.EXPLICIT,
-            inactive_threshold=None if self.durable else 60.0,
-            **extra,  # type: ignore[arg-type]
-        )
-        if self.durable:
-            try:
-                await js.consumer_info(stream, self.durable)  # type: ignore[attr-defined]
-                return self.durable  # keep its position: this is a resumed tap
-            except nats.js.errors.NotFoundError:
-                pass
-        info = await js.add_consumer(stream, config=config)  # type: ignore[attr-defined]
-        return str(info.name)
 
 
 def timeline_line(record: TrailRecord, previous_update: str | None) -> tuple[str, str | None]:

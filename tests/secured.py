@@ -13,16 +13,15 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import nats
-from nats.aio.client import Client as NatsClient
 
-from lorabus.bus import Bus
+from lorabus.bus import Bus, FleetConnection
 
 DEADLINE_S = 10.0
 
 
 class Watched:
-    def __init__(self) -> None:
-        self.nc = NatsClient()
+    def __init__(self, js_api_prefix: str | None = None) -> None:
+        self.nc = FleetConnection(js_api_prefix)
         self.errors: list[str] = []
         self._changed = asyncio.Event()
 
@@ -48,7 +47,7 @@ class Watched:
 @contextlib.asynccontextmanager
 async def watched(bus: Bus) -> AsyncIterator[Watched]:
     """A connection as ``bus``'s identity, closed on exit."""
-    client = Watched()
+    client = Watched(bus.options.js_api_prefix)
     servers = [part.strip() for part in bus.url.split(",")]
     await asyncio.wait_for(
         client.nc.connect(

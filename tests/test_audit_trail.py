@@ -4,8 +4,10 @@ without losing or repeating a record, across a nats-server restart too."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 
@@ -15,19 +17,27 @@ from lorabus.schemas import Ack, Subjects, UpdateFinished, UpdateStarted
 from lorabus.tap import Tap
 from lorabus.testbed.natsserver import NatsServer
 from lorabus.testbed.stack import EmbeddedStack
+from lorabus.trail_file import TrailWriter, last_seq_in
 
 
-async def _replay(url: str, fleet: str, durable: str | None = None) -> list[TrailRecord]:
+async def _replay(url: str, fleet: str, trail: Path | None = None) -> list[TrailRecord]:
+    """The records a tap writes; appended to ``trail`` after its last one, as
+    ``lorabus tap --out`` does."""
     nc = await connect(url, name="test-tap")
     records: list[TrailRecord] = []
 
     async def sink(record: TrailRecord) -> None:
         records.append(record)
+        if writer is not None:
+            await writer.write(record)
 
+    after = last_seq_in(str(trail)) if trail is not None else 0
+    writer = TrailWriter(str(trail), echo=print) if trail is not None else None
     try:
-        await asyncio.wait_for(
-            Tap(nc, Subjects(fleet=fleet), durable=durable).run(sink, follow=False), 30
-        )
+        with writer or contextlib.nullcontext():
+            await asyncio.wait_for(
+                Tap(nc, Subjects(fleet=fleet), after_seq=after).run(sink, follow=False), 30
+            )
     finally:
         await close(nc)
     return records
@@ -78,19 +88,20 @@ async def own_server() -> AsyncIterator[NatsServer]:
             server.stop()
 
 
-async def test_a_durable_tap_resumes_after_a_restart_without_losing_or_repeating(
-    own_server: NatsServer, fleet_name: str, make_adapter: Callable[[int], str]
+async def test_a_tap_writing_a_trail_resumes_after_a_restart_without_losing_or_repeating(
+    own_server: NatsServer, fleet_name: str, make_adapter: Callable[[int], str], tmp_path: Path
 ) -> None:
+    trail = tmp_path / "trail.jsonl"
     async with EmbeddedStack(
         [1, 1], fleet=fleet_name, nats_url=own_server.url, heartbeat_s=0.2
     ) as stack:
         assert stack.client is not None
         assert (await stack.client.update("policy", make_adapter(1), version=1)).committed
-        first = await _replay(own_server.url, fleet_name, durable="audit-test")
+        first = await _replay(own_server.url, fleet_name, trail)
         own_server.stop()
         await own_server.start()
         result = await stack.client.update("policy", make_adapter(2), version=2, timeout_s=30)
-        second = await _replay(own_server.url, fleet_name, durable="audit-test")
+        second = await _replay(own_server.url, fleet_name, trail)
 
     assert result.committed, result.error
     seqs = [r.seq for r in first + second]

@@ -32,11 +32,6 @@ from lorabus.schemas import Subjects
     help="Start at this local time, e.g. 2026-11-30T14:05:00.",
 )
 @click.option(
-    "--durable",
-    default=None,
-    help="Consumer name that remembers the position across runs and restarts.",
-)
-@click.option(
     "--out",
     "out_path",
     type=click.Path(dir_okay=False),
@@ -50,7 +45,6 @@ def tap(
     follow: bool,
     from_seq: int | None,
     since: datetime.datetime | None,
-    durable: str | None,
     out_path: str | None,
 ) -> None:
     """Follow or replay the fleet's audit trail (commands, acks, events)."""
@@ -65,7 +59,6 @@ def tap(
         reader = Tap(
             nc,
             subjects,
-            durable=durable,
             start_seq=from_seq,
             start_time=since,
             after_seq=last_seq_in(out_path) if out_path else 0,

@@ -89,6 +89,7 @@ _BUS_FIELDS = (
     "tls_cert_file",
     "tls_key_file",
     "inbox_prefix",
+    "js_api_prefix",
     "insecure",
 )
 
@@ -157,6 +158,13 @@ def _bus_option_list(required: bool) -> list[Callable[[Any], Any]]:
             envvar=ENV["inbox_prefix"],
             show_envvar=True,
             help="Where this identity's replies arrive (default: from its nkey, else _INBOX).",
+        ),
+        click.option(
+            "--js-api-prefix",
+            envvar=ENV["js_api_prefix"],
+            show_envvar=True,
+            help="Where this identity's account has the fleet's JetStream API "
+            "(lorabus auth init sets it; default $JS.API).",
         ),
         click.option(
             "--insecure",

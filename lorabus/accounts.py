@@ -1,0 +1,139 @@
+"""The NATS accounts of a fleet: who lives beside its streams, and what crosses over.
+
+Permissions bound what each client publishes; they do not bound where an
+answer goes. JetStream and the coordinator both answer to the reply subject
+the requester chose, with their own rights, so in one shared account any
+role that may ask JetStream (or the coordinator) something could have the
+answer written into the leader record, a command subject or the audit trail.
+
+Accounts close that. The fleet's account holds the coordinators, the two KV
+buckets and the audit stream, and nobody else. The orchestrator, the
+auditor, the operator and each agent have an account of their own, and
+reach the fleet only through what it exports to them:
+
+- *services* (request and reply): the coordinator's requests, and the few
+  JetStream calls a role needs, imported under :data:`~lorabus.roles.FLEET_JS_API`.
+  The server gives each request that crosses an account a reply subject of
+  its own (``_R_...``) and carries the answer back into the requester's
+  account, so an answer lands nowhere but there;
+- *streams* (one way): commands into each agent's account (each imports the
+  broadcast and its own subject), and each agent's acks, heartbeats and
+  events into the fleet's account (where the audit stream records them),
+  heartbeats also to the orchestrator and the operator for ``lorabus status``.
+
+An account per agent, not one for all agents: an answer carried back into a
+shared account could reach another agent's command subject there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lorabus.roles import FLEET_JS_API, JS_API, Role, audit_reads, kv_reads, stream_admin
+from lorabus.schemas import Subjects
+
+
+@dataclass(frozen=True)
+class Export:
+    subject: str
+    service: bool
+    to: tuple[str, ...]
+    """The accounts that may import it."""
+    streamed: bool = False
+    """A service that answers one request with several messages (a batch read)."""
+
+
+@dataclass(frozen=True)
+class Import:
+    subject: str
+    service: bool
+    account: str
+    """The exporting account."""
+    local: str = ""
+    """The subject in the importing account, when it differs."""
+
+
+@dataclass(frozen=True)
+class Account:
+    name: str
+    jetstream: bool = False
+    exports: list[Export] = field(default_factory=list)
+    imports: list[Import] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FleetAccounts:
+    accounts: dict[str, Account]
+    """By account name, the fleet's first."""
+    of_role: dict[tuple[Role, str | None], str]
+    """The account of each (role, worker id) identity."""
+
+
+def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccounts:
+    """The accounts of ``subjects``' fleet with agents ``worker_ids``."""
+    base = f"LORABUS_{subjects.fleet.upper().replace('-', '_')}"
+    fleet = Account(base, jetstream=True)
+    orchestrator = Account(f"{base}_ORCHESTRATOR")
+    auditor = Account(f"{base}_AUDITOR")
+    operator = Account(f"{base}_OPERATOR")
+    agents = {w: Account(f"{base}_AGENT_{w}") for w in worker_ids}
+    every = (fleet, orchestrator, auditor, operator, *agents.values())
+    by_name = {a.name: a for a in every}
+
+    def share(
+        owner: Account, subject: str, to: Sequence[str], *, service: bool, streamed: bool = False
+    ) -> None:
+        """Export ``subject`` of ``owner`` to the accounts ``to``, and import it
+        there (a JetStream call under the fleet's JetStream prefix)."""
+        owner.exports.append(Export(subject, service, tuple(to), streamed))
+        js = subject.startswith(JS_API + ".")
+        local = FLEET_JS_API + subject.removeprefix(JS_API) if js else ""
+        for name in to:
+            by_name[name].imports.append(Import(subject, service, owner.name, local))
+
+    agent_names = [a.name for a in agents.values()]
+    listeners = [orchestrator.name, operator.name]
+    share(fleet, subjects.update_request(), [orchestrator.name], service=True)
+    share(fleet, subjects.result_request(), [orchestrator.name], service=True)
+    share(fleet, subjects.status_request(), listeners, service=True)
+    share(fleet, subjects.reset_request(), [operator.name], service=True)
+    for subject in kv_reads(subjects.state_bucket(), JS_API):
+        share(fleet, subject, agent_names, service=True)
+    for subject in audit_reads(subjects, JS_API):
+        # A batch read answers with many messages: the import must let them all back.
+        share(fleet, subject, [auditor.name], service=True, streamed=".DIRECT.GET." in subject)
+    for subject in stream_admin(subjects, JS_API):
+        share(fleet, subject, [operator.name], service=True)
+
+    # Commands: each agent's account takes the broadcast and its own subject only.
+    fleet.exports.extend(
+        [
+            Export(subjects.cmd(), False, tuple(agent_names)),
+            Export(f"{subjects.cmd()}.*", False, tuple(agent_names)),
+        ]
+    )
+    for worker, agent in agents.items():
+        agent.imports.extend(
+            [
+                Import(subjects.cmd(), False, fleet.name),
+                Import(subjects.cmd_worker(worker), False, fleet.name),
+            ]
+        )
+        share(agent, subjects.ack(worker), [fleet.name], service=False)
+        share(agent, subjects.agent_event(worker, ">"), [fleet.name], service=False)
+        share(agent, subjects.heartbeat(worker), [fleet.name, *listeners], service=False)
+
+    of_role: dict[tuple[Role, str | None], str] = {
+        (Role.COORDINATOR, None): fleet.name,
+        (Role.ORCHESTRATOR, None): orchestrator.name,
+        (Role.AUDITOR, None): auditor.name,
+        (Role.OPERATOR, None): operator.name,
+        **{(Role.AGENT, w): a.name for w, a in agents.items()},
+    }
+    return FleetAccounts(by_name, of_role)
+
+
+def js_api_prefix(role: Role) -> str:
+    """Where ``role`` reaches the fleet's JetStream ("" for the default, ``$JS.API``)."""
+    return "" if role is Role.COORDINATOR else FLEET_JS_API
