@@ -12,7 +12,12 @@ For a fleet and its worker ids this writes, into one new directory:
   ``lorabus.env``, the ``LORABUS_*`` variables that make a ``lorabus``
   process connect as that identity;
 - with TLS, a CA (``ca.pem``; its key stays beside it, 0600), the server's
-  certificate for the given host names, and a client certificate per identity.
+  certificate for the given host names, and a client certificate per identity;
+- for a cluster (``cluster_nodes``), the ``cluster`` block every node shares:
+  a route user with a random password, route TLS with a certificate of the
+  fleet's CA that every route must present (``verify``), and the routes
+  between the nodes. A server that is not given both cannot join: client
+  permissions, nkeys and client TLS mean nothing to a route.
 
 Users authenticate with nkeys: each identity's seed stays in its own file,
 and the server knows only the public keys. This is nkey authentication in the
@@ -31,6 +36,7 @@ import datetime
 import ipaddress
 import json
 import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +58,8 @@ SIGNING_SEED_FILE = "command-signing.seed"
 """In the coordinator's folder: the key its commands are signed with. Every
 coordinator of the fleet (run two or more for failover) uses this one key."""
 CERTIFICATE_DAYS = 365
+CLUSTER_PORT = 6222
+ROUTE_USER = "route"
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,7 @@ def write_fleet_auth(
     tls: bool = False,
     hosts: Sequence[str] = ("localhost", "127.0.0.1"),
     method: str = "nkey",
+    cluster_nodes: Sequence[str] = (),
 ) -> FleetAuth:
     """Write a fleet's identities and server configuration into ``directory``,
     which must not exist yet or be empty (keys are never overwritten)."""
@@ -97,6 +106,9 @@ def write_fleet_auth(
         raise ValueError(f"authentication method must be nkey or cert, not {method!r}")
     if method == "cert" and not tls:
         raise ValueError("cert authentication needs TLS")
+    if cluster_nodes and not tls:
+        raise ValueError("a cluster's routes need TLS: without it, anyone could join as a route")
+    routes = [_route_address(node) for node in cluster_nodes]
     if len(set(worker_ids)) != len(worker_ids) or not worker_ids:
         raise ValueError("give one or more distinct worker ids")
     for worker in worker_ids:
@@ -118,6 +130,7 @@ def write_fleet_auth(
     signing_key = public_key_of(signing_seed)
     authority = _CertificateAuthority.create(directory) if tls else None
     server_tls = authority.issue_server(directory, hosts) if authority else None
+    cluster = _cluster_block(authority, directory, routes) if authority and routes else ""
     identities: dict[str, Identity] = {}
     layout = fleet_accounts(subjects, worker_ids)
     users: dict[str, list[str]] = {name: [] for name in layout.accounts}
@@ -155,13 +168,56 @@ def write_fleet_auth(
         _write_env(identity.env_file, env)
 
     conf = directory / SERVER_CONF
-    _write_secret(conf, _server_conf(subjects, layout, users, server_tls, method).encode())
+    text = _server_conf(subjects, layout, users, server_tls, method) + cluster
+    _write_secret(conf, text.encode())
     return FleetAuth(
         directory,
         conf,
         identities,
         authority.cert_file if authority is not None else None,
         signing_key,
+    )
+
+
+def _route_address(node: str) -> tuple[str, int]:
+    """``host`` or ``host:port`` of a cluster node's route listener."""
+    host, sep, port = node.rpartition(":") if ":" in node else (node, "", "")
+    if not sep:
+        return node, CLUSTER_PORT
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"cluster node {node!r} is not HOST or HOST:PORT")
+    return host, int(port)
+
+
+def _cluster_block(
+    authority: _CertificateAuthority, directory: Path, routes: list[tuple[str, int]]
+) -> str:
+    """The routes between the nodes, each authenticated twice: a certificate
+    of the fleet's CA (mutual TLS) and the route user's password."""
+    password = secrets.token_urlsafe(24)
+    cert, key = authority.issue_route(directory, sorted({host for host, _ in routes}))
+    urls = [f"nats-route://{ROUTE_USER}:{password}@{host}:{port}" for host, port in routes]
+    return (
+        "\n".join(
+            [
+                "# Routes: only a node with this password and a certificate of the fleet's CA",
+                "# joins. Every node takes this block; its own route in the list is skipped.",
+                "cluster {",
+                '  name: "lorabus"',
+                f'  listen: "0.0.0.0:{routes[0][1]}"',
+                f"  authorization {{ user: {json.dumps(ROUTE_USER)}, "
+                f"password: {json.dumps(password)} }}",
+                "  tls {",
+                f"    cert_file: {json.dumps(str(cert))}",
+                f"    key_file: {json.dumps(str(key))}",
+                f"    ca_file: {json.dumps(str(authority.cert_file))}",
+                "    verify: true",
+                "  }",
+                f"  routes: [{_quoted(urls)}]",
+                "}",
+            ]
+        )
+        + "\n"
     )
 
 
@@ -173,6 +229,14 @@ def _new_user_seed() -> bytes:
 
 def _write_secret(path: Path, data: bytes) -> None:
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(data)
+
+
+def _write_public(path: Path, data: bytes) -> None:
+    """A certificate: 0644 at most, whatever the umask (a plain write asks for
+    0666, which umask 000 leaves writable by anyone)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     with os.fdopen(descriptor, "wb") as file:
         file.write(data)
 
@@ -296,45 +360,62 @@ class _CertificateAuthority:
             .sign(key, hashes.SHA256())
         )
         cert_file = directory / "ca.pem"
-        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_public(cert_file, cert.public_bytes(serialization.Encoding.PEM))
         _write_secret(directory / "ca-key.pem", _pem_key(key))
         return cls(key, cert, cert_file)
 
     def issue_server(self, directory: Path, hosts: Sequence[str]) -> tuple[Path, Path, Path]:
-        names: list[x509.GeneralName] = []
-        for host in hosts:
-            try:
-                names.append(x509.IPAddress(ipaddress.ip_address(host)))
-            except ValueError:
-                names.append(x509.DNSName(host))
         folder = directory / "server"
         folder.mkdir(mode=0o700)
-        cert, key = self._issue(folder, "server", hosts[0], ExtendedKeyUsageOID.SERVER_AUTH, names)
+        cert, key = self._issue(
+            folder, "server", hosts[0], [ExtendedKeyUsageOID.SERVER_AUTH], _general_names(hosts)
+        )
         return cert, key, self.cert_file
 
     def issue_client(self, folder: Path, name: str) -> tuple[Path, Path]:
-        return self._issue(folder, "client", name, ExtendedKeyUsageOID.CLIENT_AUTH, [])
+        return self._issue(folder, "client", name, [ExtendedKeyUsageOID.CLIENT_AUTH], [])
+
+    def issue_route(self, directory: Path, hosts: Sequence[str]) -> tuple[Path, Path]:
+        """One certificate for every node's routes: a route both dials and
+        answers, so it is a client and a server certificate at once."""
+        return self._issue(
+            directory / "server",
+            "route",
+            "lorabus route",
+            [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+            _general_names(hosts),
+        )
 
     def _issue(
         self,
         folder: Path,
         stem: str,
         common_name: str,
-        usage: x509.ObjectIdentifier,
+        usage: list[x509.ObjectIdentifier],
         names: list[x509.GeneralName],
     ) -> tuple[Path, Path]:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
         builder = _builder(subject, self._cert.subject, key.public_key()).add_extension(
-            x509.ExtendedKeyUsage([usage]), critical=False
+            x509.ExtendedKeyUsage(usage), critical=False
         )
         if names:
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self._key, hashes.SHA256())
         cert_file, key_file = folder / f"{stem}-cert.pem", folder / f"{stem}-key.pem"
-        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_public(cert_file, cert.public_bytes(serialization.Encoding.PEM))
         _write_secret(key_file, _pem_key(key))
         return cert_file, key_file
+
+
+def _general_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return names
 
 
 def _builder(

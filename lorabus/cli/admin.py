@@ -73,6 +73,14 @@ def auth() -> None:
     show_default=True,
     help="How identities prove themselves: an nkey seed each, or a client certificate each.",
 )
+@click.option(
+    "--cluster-node",
+    "cluster_nodes",
+    multiple=True,
+    metavar="HOST[:PORT]",
+    help="A node of a NATS cluster, where its routes listen (repeatable; port 6222 by "
+    "default): writes route credentials and route TLS that every node must present.",
+)
 def auth_init(
     fleet: str,
     worker_ids: list[str],
@@ -80,6 +88,7 @@ def auth_init(
     tls: bool,
     hosts: tuple[str, ...],
     method: str,
+    cluster_nodes: tuple[str, ...],
 ) -> None:
     """Write a nats-server configuration that gives each role exactly its
     permissions, and one identity (a folder, 0700) per role and per worker."""
@@ -88,7 +97,13 @@ def auth_init(
     subjects = subjects_of(fleet)
     try:
         written = write_fleet_auth(
-            Path(out_dir), subjects, worker_ids, tls=tls, hosts=hosts, method=method
+            Path(out_dir),
+            subjects,
+            worker_ids,
+            tls=tls,
+            hosts=hosts,
+            method=method,
+            cluster_nodes=cluster_nodes,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
