@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -91,3 +93,24 @@ async def test_a_certificate_mapped_to_an_agent_gets_exactly_its_permissions(
             await client.wait_refusal("publish", subjects.heartbeat("w001"))
             await client.wait_refusal("subscription", subjects.cmd_worker("w001"))
             assert len(client.refusals()) == 2, client.refusals()
+
+
+def test_certificates_are_never_writable_by_others_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        auth = write_fleet_auth(
+            tmp_path / "auth",
+            Subjects(fleet="modes"),
+            ["w000"],
+            tls=True,
+            cluster_nodes=["nats-1", "nats-2"],
+        )
+    finally:
+        os.umask(old)
+    pems = sorted(auth.directory.rglob("*.pem"))
+    assert auth.ca_file in pems and any(p.name == "route-cert.pem" for p in pems)
+    for pem in pems:
+        mode = stat.S_IMODE(pem.stat().st_mode)
+        assert mode & 0o022 == 0, f"{pem.relative_to(auth.directory)} is {oct(mode)}"
+        if "key" in pem.name:
+            assert mode == 0o600, f"{pem.relative_to(auth.directory)} is {oct(mode)}"
