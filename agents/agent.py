@@ -72,7 +72,9 @@ from lorabus.errors import DuplicateWorker
 from lorabus.event_loop import running_loop_name
 from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
+    INSTANCE_BOUND_SINCE,
     Ack,
+    Addressing,
     BadMessage,
     BadPayload,
     Command,
@@ -97,10 +99,10 @@ from lorabus.schemas import (
     ResumeCommand,
     Subjects,
     UnloadCommand,
+    addressing_of,
     carried_load,
     command_decoder,
     encode,
-    is_addressed_to,
     phase_of,
     tag_of,
 )
@@ -207,6 +209,13 @@ class Agent:
         """Failed reloads of the committed adapter in a row."""
         self._reconcile_error = ("", "")
         """(served name, why) of the last failed reload."""
+        self._committed_known = False
+        """A read of the fleet's KV state since this process started showed what
+        is committed (or that nothing is). Until then a committed notice may be
+        an old one replayed, and is not taken: the next read is."""
+        self._unreadable: dict[str, str] = {}
+        """Fleet state records (by key) that did not decode at their latest
+        read, and why: ignored, and said so in every heartbeat."""
         self._held: dict[str, Msg] = {}
         """Per subject, the newest command of an epoch the leader record did not
         show yet, checked once more after the next read of the record."""
@@ -302,7 +311,8 @@ class Agent:
                 )
             )
             return
-        if not is_addressed_to(command, self.worker_id, self._cohorts):
+        addressing = addressing_of(command, self.worker_id, self._cohorts)
+        if addressing is None:
             return
         if self.verifier.required:
             key = await self._signing_key_of(command.epoch)
@@ -313,6 +323,15 @@ class Agent:
             if refusal is not None:
                 await self._refuse_unproven(command, refusal)
                 return
+        if addressing is Addressing.NAME and not self._names_this_process(command):
+            # Before the epoch check: a captured command of an older term gets
+            # no ``fenced`` ack either (its sender is long gone).
+            await self._refuse_unproven(
+                command,
+                f"sent by name to instance {command.instance or '(none)'}, "
+                f"not to this agent process ({self.instance})",
+            )
+            return
         if command.epoch < self.epoch_seen:
             await self._refuse(command)
             return
@@ -340,9 +359,9 @@ class Agent:
             case RenewLeaseCommand(update_id=update_id, lease_s=lease_s):
                 self.lease.renew(update_id, self._lease_length(lease_s))
             case CommittedNotice():
-                self._learn_committed(command)
-                self._retire(command)
-                self._reconcile_if_needed()
+                if self._take_notice(command):
+                    self._retire(command)
+                    self._reconcile_if_needed()
             case PauseCommand():
                 self._pause_received_at = now()
                 if not command.cohort:
@@ -353,6 +372,20 @@ class Agent:
                     await self._accept_carried(command, command.then_load)
             case _:
                 await self._accept(command)
+
+    def _names_this_process(self, command: Command) -> bool:
+        """Whether a command sent by name is for this agent process. One sent
+        before this process started names another (or none, from a coordinator
+        of wire version 4): after a restart, the first named command an agent
+        takes was signed after every command of its epoch captured before, so
+        the per-epoch sequence check refuses those too (docs/protocol.md,
+        "Replays"). An agent that checks no signature takes one that names none
+        (anyone may send it anything)."""
+        if isinstance(command, RefuseInstance):
+            return True  # names the process it stops; every other one ignores it
+        if command.instance:
+            return command.instance == self.instance
+        return command.v < INSTANCE_BOUND_SINCE or not self.verifier.required
 
     def _hold(self, msg: Msg) -> None:
         """Keep ``msg`` to check once more after the next read of the leader
@@ -404,10 +437,55 @@ class Agent:
         try:
             async with asyncio.timeout(_LEADER_READ_TIMEOUT_S):
                 kv = await self._nc.jetstream().key_value(self.subjects.state_bucket())
-                return await _get_record(kv, "leader", _LEADER_RECORD)
+                return await self._get_record(kv, "leader", _LEADER_RECORD)
         except (TimeoutError, nats.errors.Error) as exc:
             log.warning("worker=%s could not read the leader record: %r", self.worker_id, exc)
             return None
+
+    async def _get_record(
+        self, kv: object, key: str, decoder: msgspec.json.Decoder[_T]
+    ) -> _T | None:
+        """The fleet state record ``key``; None when there is none, or when it
+        does not decode: then it is ignored (this agent keeps what it knew),
+        and said so, in its heartbeats and once in the trail."""
+        value = await _get_entry(kv, key)
+        if value is None:
+            self._unreadable.pop(key, None)
+            return None
+        try:
+            record = decoder.decode(value)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            await self._report_unreadable(key, str(exc)[:512], len(value))
+            return None
+        if self._unreadable.pop(key, None) is not None:
+            log.warning("worker=%s the fleet state's %s record decodes again", self.worker_id, key)
+        return record
+
+    async def _report_unreadable(self, key: str, why: str, size: int) -> None:
+        """Log and emit ``bad_message`` when ``key`` turns unreadable (or fails
+        otherwise than before): a record read every minute, and on every new
+        epoch, must not fill the trail with the same news."""
+        if self._unreadable.get(key) == why:
+            return
+        self._unreadable[key] = why
+        log.warning(
+            "worker=%s ignores the fleet state's %s record, which does not decode: %s",
+            self.worker_id,
+            key,
+            why,
+        )
+        if not self._bad_events.take():
+            return
+        await self._emit(
+            BadMessage(
+                ts=time.time(),
+                source=self._source,
+                subject=f"$KV.{self.subjects.state_bucket()}.{key}"[:256],
+                error=f"the fleet state's {key} record does not decode; ignored: {why}"[:1024],
+                size=size,
+                epoch=self.epoch_seen,
+            )
+        )
 
     async def _signing_key_of(self, epoch: int) -> str:
         """The signing key the leader record of ``epoch`` names ("" if unknown)."""
@@ -704,13 +782,31 @@ class Agent:
 
     # -- converging to the committed state -------------------------------------
 
-    def _learn_committed(self, notice: CommittedNotice) -> None:
+    def _learn_committed(self, notice: CommittedNotice) -> bool:
+        """Take ``notice`` unless what this agent knows is committed is newer."""
         # A reset starts a new lineage: its versions may be lower than before.
         if self.committed is None or (notice.lineage, notice.version) >= (
             self.committed.lineage,
             self.committed.version,
         ):
             self.committed = notice
+            return True
+        return False
+
+    def _take_notice(self, notice: CommittedNotice) -> bool:
+        """Whether a committed notice from the bus is news to act on. Only
+        forward from what the fleet's KV showed: a replayed notice of an older
+        commit changes nothing, so before any read has shown what is committed
+        the agent reads again at its next beat instead of taking one."""
+        if not self._committed_known:
+            log.info(
+                "worker=%s update=%s committed notice put off: the fleet state is not read yet",
+                self.worker_id,
+                notice.update_id,
+            )
+            self._state_stale = True
+            return False
+        return self._learn_committed(notice)
 
     def _retire(self, notice: CommittedNotice) -> None:
         """Unload the versions the fleet no longer keeps, behind whatever is queued."""
@@ -734,13 +830,16 @@ class Agent:
         try:
             async with asyncio.timeout(5):
                 kv = await self._nc.jetstream().key_value(self.subjects.state_bucket())
-                committed = await _get_record(kv, "committed", _COMMITTED_VIEW)
-                leader = await _get_record(kv, "leader", _LEADER_RECORD)
+                committed = await self._get_record(kv, "committed", _COMMITTED_VIEW)
+                leader = await self._get_record(kv, "leader", _LEADER_RECORD)
         except nats.js.errors.BucketNotFoundError:
+            self._committed_known = True  # no fleet state yet: nothing is committed
             return True
         except (TimeoutError, nats.errors.Error) as exc:
             log.debug("worker=%s could not read the fleet state: %r", self.worker_id, exc)
             return False
+        if "committed" not in self._unreadable:
+            self._committed_known = True
         if leader is not None:
             self._learn_leader(leader)
         if committed is not None:
@@ -849,6 +948,9 @@ class Agent:
             f"{self._reconcile_failures} times: {self._reconcile_error[1]}"
         )[:4096]
 
+    def _unreadable_state(self) -> str:
+        return "; ".join(f"{key}: {why}" for key, why in sorted(self._unreadable.items()))[:4096]
+
     def _reported(self) -> tuple[list[str], bool, str]:
         """What a heartbeat says of the engine that a check can change."""
         return (
@@ -870,6 +972,7 @@ class Agent:
             epoch_seen=self.epoch_seen,
             instance=self.instance,
             unready_reason=self._unready_reason(),
+            unreadable_state=self._unreadable_state(),
         )
 
     async def _beat(self) -> None:
@@ -964,15 +1067,10 @@ class Agent:
         return f"agent:{self.worker_id}"
 
 
-async def _get_record(kv: object, key: str, decoder: msgspec.json.Decoder[_T]) -> _T | None:
+async def _get_entry(kv: object, key: str) -> bytes | None:
     try:
         entry = await kv.get(key)  # type: ignore[attr-defined]
     except nats.js.errors.KeyNotFoundError:
         return None
-    if entry.value is None:  # an expired key can come back without a value
-        return None
-    try:
-        return decoder.decode(entry.value)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        log.warning("unreadable %s record in the fleet state: %s", key, exc)
-        return None
+    value: bytes | None = entry.value  # an expired key can come back without one
+    return value

@@ -815,6 +815,7 @@ class UpdateRunner:
         version it may have loaded, and describe the outcome."""
         targets = sorted(in_flight.members)
         phases: dict[str, float] = {}
+        await self._wait_heard(targets)
         # By name: the agents' cohort memory may not have outlived the predecessor.
         resume = await self._phase(
             self._command(ResumeCommand, in_flight, targets), targets, phases
@@ -831,6 +832,19 @@ class UpdateRunner:
             message=f"the coordinator of epoch {in_flight.epoch} stopped mid-update (at or "
             f"after {in_flight.phase}); epoch {self.epoch} rolled the update back ({resumed})",
         )
+
+    async def _wait_heard(self, worker_ids: list[str]) -> None:
+        """Until every one of ``worker_ids`` has beaten once, for at most a
+        phase's first re-send gap: a leader that has just started may not have
+        heard them yet, and a command by name names the agent process it is
+        for. One still unheard then counts as gone, as before."""
+        deadline = now() + _first_resend_gap(self.config.phase_timeout_s)
+        unheard = [w for w in worker_ids if self.membership.instance_of(w) is None]
+        while unheard and now() < deadline:
+            await asyncio.sleep(_LIVENESS_TICK_S)
+            unheard = [w for w in unheard if self.membership.instance_of(w) is None]
+        if unheard:
+            log.warning("rolling back without word from %s: their agents were not heard", unheard)
 
     async def _gather(
         self,
@@ -901,11 +915,23 @@ class UpdateRunner:
 
     async def _send_to_each(self, command: PhasedCommand, worker_ids: list[str]) -> None:
         """Each member on its own subject, named alone: a broadcast naming N
-        members would have each of N agents read all N names."""
+        members would have each of N agents read all N names. Each names the
+        agent process it is for, as last heard: an agent refuses a named
+        command for another process, so none captured before it started can
+        drive it. A worker never heard has no known process: it is skipped,
+        and gets the command once it beats (a member that joined after its
+        command was sent gets it again at once)."""
         if isinstance(command, PauseCommand):
             self._named_this_term.update(worker_ids)
         for worker_id in worker_ids:
-            await self.bus.send_to(worker_id, msgspec.structs.replace(command, targets=[worker_id]))
+            instance = self.membership.instance_of(worker_id)
+            if instance is None:
+                log.debug("update=%s %s: no agent heard yet", command.update_id, worker_id)
+                continue
+            await self.bus.send_to(
+                worker_id,
+                msgspec.structs.replace(command, targets=[worker_id], instance=instance),
+            )
 
     def _result(
         self,

@@ -33,7 +33,7 @@ from lorabus.schemas.bounds import (
 from lorabus.schemas.errors import ErrorInfo
 from lorabus.schemas.rankmap import RankMap
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 """2: commands address a pause's cohort and committed notices reach every
 agent; a version-1 agent acts only on commands that name it, so in an
 upgrade the agents go first and the coordinators last.
@@ -42,7 +42,15 @@ version-2 agent only pauses, and loads when the load is sent again by name,
 at its first re-send.
 4: a pause carrying a load may ask for the pause's ack to come with the
 load's (``LoadSpec.ack_hold_s``, ``Ack.with_pause``); a version-3 agent acks
-both on their own, as before."""
+both on their own, as before.
+5: a command sent to one worker by name names the agent process it is for
+(``instance``), and an agent that checks signatures refuses one of this
+version for another process, or for none, so that no command captured
+before it started can drive it; it takes a named command without one from
+a version-4 coordinator, so in an upgrade the agents still go first."""
+
+INSTANCE_BOUND_SINCE = 5
+"""The wire version from which a command sent by name carries ``instance``."""
 
 
 class Phase(enum.StrEnum):
@@ -95,6 +103,11 @@ class _Command(_Message, frozen=True, kw_only=True):
     """How long the agent has, counted from when it receives the command."""
     epoch: Epoch = 0
     """The sending coordinator's term; agents refuse commands of an older term."""
+    instance: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    """The agent process a command sent by name is for: the instance the
+    coordinator last heard beat with that worker id ("" on a command to the
+    fleet or a cohort). An agent refuses a named command for another process
+    (docs/protocol.md, "Replays"): nothing captured before it started names it."""
 
 
 class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -172,6 +185,7 @@ class RefuseInstance(_Command, frozen=True, kw_only=True, tag="refuse_instance")
     the holder included, ignores it."""
 
     instance: Annotated[str, msgspec.Meta(max_length=64)]
+    """The refused process (required here, as it always was)."""
     holder: Annotated[str, msgspec.Meta(max_length=64)]
 
 
@@ -216,22 +230,43 @@ def tag_of(message: msgspec.Struct) -> str:
     return tag
 
 
-def is_addressed_to(
+class Addressing(enum.Enum):
+    """How a command reaches one agent."""
+
+    FLEET = "fleet"
+    """A committed notice: every agent."""
+    COHORT = "cohort"
+    """A broadcast to a pause's cohort, or the broadcast pause that opens it."""
+    NAME = "name"
+    """Its ``targets`` name the worker."""
+
+
+def addressing_of(
     command: Command, worker_id: str, cohort_of: Container[tuple[int, str]]
-) -> bool:
-    """Whether ``worker_id`` must act on ``command``; ``cohort_of`` holds the
-    (epoch, update id) of every pause that worker took."""
+) -> Addressing | None:
+    """How ``command`` reaches ``worker_id`` (None: it does not, and the
+    agent ignores it); ``cohort_of`` holds the (epoch, update id) of every
+    pause that worker took."""
     if isinstance(command, CommittedNotice):
-        return True
+        return Addressing.FLEET
     if isinstance(command, PauseCommand) and command.cohort:
-        return worker_id not in command.excluded  # the pause that opens the cohort
+        # The pause that opens the cohort.
+        return None if worker_id in command.excluded else Addressing.COHORT
     if (
         command.cohort
         and (command.epoch, command.update_id) in cohort_of
         and worker_id not in command.excluded
     ):
-        return True
-    return worker_id in command.targets
+        return Addressing.COHORT
+    return Addressing.NAME if worker_id in command.targets else None
+
+
+def is_addressed_to(
+    command: Command, worker_id: str, cohort_of: Container[tuple[int, str]]
+) -> bool:
+    """Whether ``worker_id`` must act on ``command``; ``cohort_of`` holds the
+    (epoch, update id) of every pause that worker took."""
+    return addressing_of(command, worker_id, cohort_of) is not None
 
 
 def acks_in(ack: Ack) -> list[Ack]:
@@ -323,6 +358,11 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
     """Why the engine cannot load the committed adapter, once loading it has
     failed repeatedly ("" while it converges or is ready): a member that will
     not become ready on its own."""
+    unreadable_state: Text = ""
+    """The fleet state records in KV (``leader``, ``committed``) that did not
+    decode at this agent's latest read of each, and why ("": every record it
+    read decoded). The agent ignores such a record: it keeps the epoch and the
+    committed state it knew, and waits for a writer to replace it."""
 
 
 # -- orchestrator <-> coordinator ---------------------------------------------
