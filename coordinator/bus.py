@@ -14,6 +14,12 @@ must match the body's; the beat period must lie in the coordinator's range;
 an ack counts only from the instance that holds its worker id. Anything else
 is dropped with a ``bad_message`` event, at most ``_BAD_EVENTS_PER_S`` a
 second so that a flood of junk cannot flood the audit trail too.
+
+Nor is a request's reply subject: the coordinator answers with its own rights
+(commands, its events, both buckets, the JetStream API), and the server lets
+a responder publish once to whatever reply subject a request names. So a
+reply goes only to an inbox (:func:`reply_refusal`), or the request is not
+served at all.
 """
 
 from __future__ import annotations
@@ -51,6 +57,11 @@ from lorabus.signing import CommandSigner
 log = logging.getLogger(__name__)
 
 _BAD_EVENTS_PER_S = 10
+INBOX_PREFIXES = ("_INBOX.", "_INBOX_", "_R_.")
+"""Where a reply may go: the default inboxes, the per-identity ``_INBOX_<key>.``
+of ``lorabus auth init``, and the ``_R_.`` subjects the server puts in place of
+a reply subject when a request crosses accounts through a service import."""
+_SHARED_INBOX_PREFIX = "_INBOX"
 _FromAgent = TypeVar("_FromAgent", Ack, Heartbeat)
 _REFUSE_BUDGET_S = 5.0
 
@@ -209,6 +220,31 @@ class CoordinatorBus:
                 size=len(msg.data),
             )
         )
+
+
+def reply_refusal(reply: str, subjects: Subjects, own_inbox_prefix: str = "") -> str | None:
+    """Why the coordinator must not publish an answer on ``reply`` (None: it
+    may). Only inboxes pass; never the fleet's own subjects, a ``$`` subject
+    (``$KV.``, ``$JS.``, ``$O.``: the store and the JetStream API), nor this
+    coordinator's own inbox (where its store reads are answered), unless that
+    is the ``_INBOX`` every unnamed client shares. An empty reply asks for no
+    answer, and nothing is published."""
+    if not reply:
+        return None
+    prefix = subjects.prefix
+    if reply == prefix or reply.startswith(prefix + "."):
+        return f"under the fleet's subject prefix {prefix!r}"
+    if reply.startswith("$"):
+        return "a system subject (store, JetStream API)"
+    if not reply.startswith(INBOX_PREFIXES):
+        return "not an inbox (_INBOX..., _R_....)"
+    if own_inbox_prefix not in ("", _SHARED_INBOX_PREFIX) and reply.startswith(
+        own_inbox_prefix + "."
+    ):
+        return "the coordinator's own inbox"
+    if "*" in reply or ">" in reply:
+        return "a wildcard"
+    return None
 
 
 def _last_token(subject: str) -> str:

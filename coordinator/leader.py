@@ -10,17 +10,27 @@ one standby can win that race. No clocks are compared across machines.
 A holder that cannot renew (someone else wrote, or the store is unreachable
 for a whole lease) has lost the lease and must stop commanding at once; agents
 fence its commands anyway once they have seen the new epoch.
+
+A record that does not decode (garbage written by a leaked credential or a
+bug) names nobody: coordinators elect over it, by compare-and-set on its
+revision, as over a dead holder's record once it has been silent for a lease,
+and at once by the coordinator whose lease it overwrote while that lease
+still ran (no standby can have been elected meanwhile: each waits a lease of
+silence). Its epoch is unknown, so a new term takes one past the highest this
+coordinator knows: its own last term's and the highest the agents' heartbeats
+say they have seen (``epoch_floor``), which agents need to take its commands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
+from lorabus.coordinator.store import CorruptRecord
 from lorabus.errors import LeadershipLost, LostRace, StoreUnavailable
 from lorabus.schemas import LeaderRecord
 
@@ -33,7 +43,8 @@ class LeaderStore(Protocol):
     """The leader record with compare-and-set (the fleet's KV; in memory in tests)."""
 
     async def read_leader(self) -> tuple[LeaderRecord | None, int]:
-        """The record and its revision (0 when there is none); StoreUnavailable."""
+        """The record and its revision (0 when there is none); StoreUnavailable,
+        CorruptRecord (with its revision) when it does not decode."""
         ...
 
     async def write_leader(self, record: LeaderRecord, last_revision: int) -> int:
@@ -51,6 +62,8 @@ class LeaderElection:
         clock: Callable[[], float] = now,
         *,
         signing_key: str = "",
+        epoch_floor: Callable[[], int] = lambda: 0,
+        on_corrupt: Callable[[CorruptRecord], Awaitable[None]] | None = None,
     ) -> None:
         if lease_s <= 0:
             raise ValueError("leader lease must be > 0")
@@ -65,6 +78,12 @@ class LeaderElection:
         self._deferring_s = 0.0
         """Extra silence this coordinator waits for before it campaigns, after
         it stood aside (:meth:`stand_aside`)."""
+        self._renewed_at = -float("inf")
+        """When this coordinator last wrote the record (its lease runs from there)."""
+        self._epoch_floor = epoch_floor
+        """The highest epoch known besides the record (the agents' heartbeats)."""
+        self._on_corrupt = on_corrupt
+        """Told once per revision of a record that does not decode (to audit it)."""
 
     async def campaign(self) -> int:
         """Wait until this coordinator holds the lease; return its new epoch."""
@@ -72,9 +91,11 @@ class LeaderElection:
         while True:
             raise_if_cancelled()
             try:
-                record, revision = await self.store.read_leader()
+                record, revision, corrupt = await self._read()
                 if revision != seen_revision:
                     seen_revision, seen_at = revision, self._clock()
+                    if corrupt is not None and self._on_corrupt is not None:
+                        await self._on_corrupt(corrupt)
                 silent_for = self._clock() - seen_at
                 # Our own record, untouched since we last wrote it (we stepped
                 # down, say, because the bus was away): nobody else leads.
@@ -83,17 +104,42 @@ class LeaderElection:
                     and record.holder == self.holder
                     and revision == self._revision
                 )
-                if record is None or ours or silent_for >= self.lease_s + self._deferring_s:
-                    epoch = (record.epoch if record else 0) + 1
+                # Garbage over the lease we still held: nobody was elected since.
+                overwritten = (
+                    corrupt is not None
+                    and self._deferring_s == 0.0
+                    and self._clock() - self._renewed_at < self.lease_s
+                )
+                vacant = record is None and corrupt is None
+                if vacant or ours or overwritten or silent_for >= self.lease_s + self._deferring_s:
+                    epoch = max(record.epoch if record else 0, self.epoch, self._epoch_floor()) + 1
                     self._revision = await self.store.write_leader(self._record(epoch), revision)
                     self.epoch, self._deferring_s = epoch, 0.0
-                    log.info("coordinator %s leads with epoch %d", self.holder, epoch)
+                    self._renewed_at = self._clock()
+                    if corrupt is not None:
+                        log.warning(
+                            "coordinator %s leads with epoch %d, elected over a leader "
+                            "record that did not decode",
+                            self.holder,
+                            epoch,
+                        )
+                    else:
+                        log.info("coordinator %s leads with epoch %d", self.holder, epoch)
                     return epoch
             except LostRace:
                 seen_revision = -1  # someone else moved first: watch the new holder
             except StoreUnavailable as exc:
                 log.warning("leader election: %s", exc)
             await asyncio.sleep(self.lease_s / 4)
+
+    async def _read(self) -> tuple[LeaderRecord | None, int, CorruptRecord | None]:
+        """The record and its revision; one that does not decode reads as none,
+        with the error beside it."""
+        try:
+            record, revision = await self.store.read_leader()
+        except CorruptRecord as corrupt:
+            return None, corrupt.revision, corrupt
+        return record, revision, None
 
     async def hold(self) -> None:
         """Renew the lease until it is lost; then raise LeadershipLost."""
@@ -105,7 +151,7 @@ class LeaderElection:
                 self._revision = await self.store.write_leader(
                     self._record(self.epoch), self._revision
                 )
-                renewed_at = self._clock()
+                renewed_at = self._renewed_at = self._clock()
             except LostRace as exc:
                 raise LeadershipLost(f"another coordinator took the lease: {exc}") from exc
             except StoreUnavailable as exc:

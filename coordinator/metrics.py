@@ -52,6 +52,13 @@ class CoordinatorMetrics:
             ["phase", "outcome"],
             registry=self.registry,
         )
+        self.replies_refused = Counter(
+            "lorabus_replies_refused",
+            "Requests refused and not acted on because their reply subject is no "
+            "inbox, by request (update, status, result, reset).",
+            ["request"],
+            registry=self.registry,
+        )
         # One series each, whatever the number of terms: an epoch as a label
         # would start a new series at every failover.
         self.leading = Gauge(

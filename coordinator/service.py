@@ -23,6 +23,21 @@ update id (its first result, or ``bad_request`` for other content; see
 So junk costs a pause only if it is a valid update, and at most
 ``--max-queued`` of those wait ahead of any request; an orchestrator's
 credentials still allow that many, each a pause of the fleet.
+
+Nor is where a request wants its answer: before anything else, a request
+whose reply subject is no inbox (the store, the JetStream API, a command, an
+ack, an event; ``bus.reply_refusal``) is refused and not acted on, counted
+(``lorabus_replies_refused_total``) and reported as a ``bad_message`` event.
+An update whose answer could go nowhere safe does not run: its requester
+would never learn the outcome, and a refusal costs the fleet nothing.
+
+A record of the store that does not decode (``CorruptRecord``) is reported
+the same way and replaced by what is safe, so that no one record stops the
+fleet: the leader record is elected over (``leader.py``); an adapter's
+commit point whose version is unknown is reset to a new lineage (no served
+name is reused, whatever version comes next); the latest record is treated
+as absent and rewritten by the next commit; an in-flight record is rolled
+back as far as can be without knowing its update (every live member resumed).
 """
 
 from __future__ import annotations
@@ -49,7 +64,7 @@ from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
 from lorabus.coordinator.alerts import MemberAlerts
 from lorabus.coordinator.book import UpdateBook, failed_result
-from lorabus.coordinator.bus import CoordinatorBus
+from lorabus.coordinator.bus import CoordinatorBus, reply_refusal
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.fit import fit_result, fit_status
 from lorabus.coordinator.frontend import FrontendClient
@@ -64,7 +79,7 @@ from lorabus.coordinator.plan import (
     plan_update_off_loop,
     retired_names,
 )
-from lorabus.coordinator.store import FleetStore
+from lorabus.coordinator.store import CorruptRecord, FleetStore
 from lorabus.errors import (
     BadRequest,
     LeadershipLost,
@@ -183,6 +198,8 @@ class Coordinator:
         self._answering: dict[str, set[asyncio.Task[None]]] = {}
         """Per update id, the tasks that will answer its askers once it finishes
         (owned by the request subscription, which cancels them at the end)."""
+        self._own_inbox = ""
+        """This coordinator's inbox prefix, where no request may have its answer sent."""
 
     async def run(self, nc: NatsClient, ready: asyncio.Event | None = None) -> None:
         """Serve the fleet until cancelled; set ``ready`` once following the bus.
@@ -200,11 +217,18 @@ class Coordinator:
             signer=self.signer,
         )
         store = await self._open_store(nc)
+        self._own_inbox = nc.new_inbox().rpartition(".")[0]
         election = LeaderElection(
             store,
             self.holder,
             self.config.leader_lease_s,
             signing_key=self.signer.public_key if self.signer is not None else "",
+            epoch_floor=self._highest_epoch_seen,
+            on_corrupt=partial(
+                self._report_corrupt,
+                bus,
+                remedy="elected over by compare-and-set on its revision, once no lease runs",
+            ),
         )
         frontend = FrontendClient(
             self.config.frontend_url,
@@ -282,20 +306,24 @@ class Coordinator:
                     recovered=recovered,
                 )
             )
-            subs = [
-                await nc.subscribe(
+            served = {
+                "update": (
                     self.subjects.update_request(),
-                    cb=self._make_request_cb(replies, bus, store),
+                    self._make_request_cb(replies, bus, store),
                 ),
-                await nc.subscribe(self.subjects.status_request(), cb=self._on_status),
-                await nc.subscribe(
+                "status": (self.subjects.status_request(), self._on_status),
+                "result": (
                     self.subjects.result_request(),
-                    cb=self._make_result_cb(replies, bus, store),
+                    self._make_result_cb(replies, bus, store),
                 ),
-                await nc.subscribe(
+                "reset": (
                     self.subjects.reset_request(),
-                    cb=self._make_reset_cb(replies, bus, store),
+                    self._make_reset_cb(replies, bus, store),
                 ),
+            }
+            subs = [
+                await nc.subscribe(subject, cb=self._inbox_only(kind, bus, serve))
+                for kind, (subject, serve) in served.items()
             ]
             self.leading.set()
             self.metrics.leading.set(1)
@@ -765,6 +793,8 @@ class Coordinator:
         record is no evidence either way (the agents still fence by epoch)."""
         try:
             record, _ = await store.read_leader()
+        except CorruptRecord:
+            return False  # overwritten: this term's lease is gone, and it steps down
         except StoreUnavailable:
             return True
         return record is not None and (record.holder, record.epoch) == (self.holder, self.epoch)
@@ -817,7 +847,7 @@ class Coordinator:
                 request = result_request_decoder.decode(msg.data)
             except BadPayload as exc:
                 error = f"malformed result request: {exc}"[:1024]
-                await self._report_malformed(msg, bus, error)
+                await self._report_bad(msg, bus, error)
                 info = BadRequest(error).info()
                 await self._reply(
                     msg,
@@ -860,7 +890,7 @@ class Coordinator:
                 request = reset_request_decoder.decode(msg.data)
             except BadPayload as exc:
                 error = f"malformed reset request: {exc}"[:1024]
-                await self._report_malformed(msg, bus, error)
+                await self._report_bad(msg, bus, error)
                 await self._reply(
                     msg, ResetResult(adapter="", ok=False, error=BadRequest(error).info())
                 )
@@ -944,30 +974,67 @@ class Coordinator:
             previous_path=committed.path,
         )
 
+    def _inbox_only(
+        self, kind: str, bus: CoordinatorBus, serve: Callable[[Msg], Awaitable[None]]
+    ) -> Callable[[Msg], Awaitable[None]]:
+        """``serve`` for requests whose answer may go where they ask; any other
+        is refused before anything is done for it (see the module docstring)."""
+
+        async def on_request(msg: Msg) -> None:
+            why = reply_refusal(msg.reply, self.subjects, self._own_inbox)
+            if why is None:
+                await serve(msg)
+                return
+            self.metrics.replies_refused.labels(kind).inc()
+            reply = msg.reply[:256]
+            error = f"{kind} request refused, not acted on: its reply subject {reply!r} is {why}"
+            await self._report_bad(msg, bus, error)
+
+        return on_request
+
     async def _malformed(self, msg: Msg, bus: CoordinatorBus, exc: BadPayload) -> None:
         """Answer and report a request that does not decode; nothing it says is used."""
         error = f"malformed update request: {exc}"[:1024]
-        await self._report_malformed(msg, bus, error)
+        await self._report_bad(msg, bus, error)
         info = BadRequest(error).info()
         await self._reply(
             msg, UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info)
         )
 
-    async def _report_malformed(self, msg: Msg, bus: CoordinatorBus, error: str) -> None:
-        """Log a request that does not decode, and emit ``bad_message`` at most
+    async def _report_bad(self, msg: Msg, bus: CoordinatorBus, error: str) -> None:
+        """Log a request that is not served as sent (it does not decode, or its
+        reply subject is no inbox), and emit ``bad_message`` at most
         ``_BAD_EVENTS_PER_S`` times a second."""
         log.warning("epoch=%d %s (%d bytes on %s)", self.epoch, error, len(msg.data), msg.subject)
+        await self._emit_bad(bus, msg.subject, error[:1024], len(msg.data))
+
+    async def _emit_bad(self, bus: CoordinatorBus, subject: str, error: str, size: int) -> None:
         if self._bad_events.take():
             await bus.emit(
                 BadMessage(
                     ts=time.time(),
                     source="coordinator",
                     epoch=self.epoch,
-                    subject=msg.subject[:256],
+                    subject=subject[:256],
                     error=error,
-                    size=len(msg.data),
+                    size=size,
                 )
             )
+
+    async def _report_corrupt(
+        self, bus: CoordinatorBus, corrupt: CorruptRecord, *, remedy: str
+    ) -> None:
+        """Log and audit (``bad_message``, on the record's KV subject) a record
+        of the store that does not decode, and what is done about it."""
+        error = f"{corrupt}; {remedy}; it began {corrupt.excerpt}"[:1024]
+        log.error("epoch=%d %s", self.epoch, error)
+        subject = f"$KV.{self.subjects.state_bucket()}.{corrupt.key}"
+        await self._emit_bad(bus, subject, error, 0)
+
+    def _highest_epoch_seen(self) -> int:
+        """The highest epoch the live agents' heartbeats say they have seen."""
+        live = self.membership.live().values()
+        return max((member.heartbeat.epoch_seen for member in live), default=0)
 
     async def _answer(
         self,

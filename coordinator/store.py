@@ -8,7 +8,11 @@ the commands of its pause and its load), and every result by update id (kept a d
 retrying an id after a failover still gets the outcome).
 
 Every call has a deadline; a failure raises :class:`StoreUnavailable` and the
-caller decides whether it can go on without the write.
+caller decides whether it can go on without the write. A record that does not
+decode raises :class:`CorruptRecord`, a StoreUnavailable that also says which
+key and revision hold it: unreadable is not absent (a caller that acted on
+"none" could withdraw a commit), yet a caller that knows what is safe to write
+over it can (the leader record by compare-and-set on that revision).
 """
 
 from __future__ import annotations
@@ -49,10 +53,27 @@ server allowed when it was written (only coordinators may write results);
 one over what readers take is answered trimmed (coordinator/fit.py)."""
 _stored_results: Reader[UpdateResult] = Reader(UpdateResult, max_bytes=_STORED_RESULT_MAX_BYTES)
 
+_EXCERPT_BYTES = 96
+"""How much of a record that does not decode goes into the log and the trail."""
+
 LEADER = "leader"
 COMMITTED = "committed"
 INFLIGHT = "inflight"
 RESET = "reset"
+
+
+class CorruptRecord(StoreUnavailable):
+    """Raised when a key holds a record that does not decode (written by a
+    leaked credential, a bug, a disk): ``key``, its ``revision``, and an
+    escaped ``excerpt`` of its first bytes for the audit trail."""
+
+    def __init__(self, key: str, revision: int, error: str, excerpt: str) -> None:
+        super().__init__(
+            f"{key} holds a record that does not decode (revision {revision}): {error}"
+        )
+        self.key = key
+        self.revision = revision
+        self.excerpt = excerpt
 
 
 class FleetStore:
@@ -126,8 +147,12 @@ class FleetStore:
 
     async def latest_behind(self, adapter: str) -> bool:
         """Whether the latest record was written before ``adapter``'s own (or
-        is missing): both keys are in one bucket, whose revisions only grow."""
-        _, latest = await self._read(self._state, COMMITTED, CommittedRecord)
+        is missing, or does not decode: a real record replaces garbage): both
+        keys are in one bucket, whose revisions only grow."""
+        try:
+            _, latest = await self._read(self._state, COMMITTED, CommittedRecord)
+        except CorruptRecord:
+            return True
         _, own = await self._read(self._state, f"{COMMITTED}.{adapter}", CommittedRecord)
         return latest < own
 
@@ -139,7 +164,10 @@ class FleetStore:
         the latest record, if it is that adapter's): the lineage is written
         first, so no later commit can reuse a name of an earlier lineage."""
         await self._put(self._state, f"{RESET}.{record.adapter}", msgspec.json.encode(record))
-        latest = await self.read_committed()
+        try:
+            latest = await self.read_committed()
+        except CorruptRecord:  # whose it was is unknown: the next commit replaces it
+            latest = None
         await self._delete(self._state, f"{COMMITTED}.{record.adapter}")
         if latest is not None and latest.adapter == record.adapter:
             await self._delete(self._state, COMMITTED)
@@ -160,7 +188,7 @@ class FleetStore:
     # -- results ----------------------------------------------------------------
 
     async def read_result(self, update_id: str) -> UpdateResult | None:
-        key = _result_key(update_id)
+        key = result_key(update_id)
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S):
                 entry = await self._results.get(key)
@@ -173,7 +201,7 @@ class FleetStore:
         return _stored_results.decode(entry.value)
 
     async def write_result(self, result: UpdateResult) -> None:
-        await self._put(self._results, _result_key(result.update_id), msgspec.json.encode(result))
+        await self._put(self._results, result_key(result.update_id), msgspec.json.encode(result))
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -189,11 +217,13 @@ class FleetStore:
             raise StoreUnavailable(f"cannot read {key}: {exc!r}") from exc
         if entry.value is None:  # an expired key can come back without a value
             return None, int(entry.revision or 0)
+        revision = int(entry.revision or 0)
         try:
-            return msgspec.json.decode(entry.value, type=kind), int(entry.revision or 0)
+            return msgspec.json.decode(entry.value, type=kind), revision
         except msgspec.DecodeError as exc:
             # Unreadable, not absent: a caller that would act on "none" must not.
-            raise StoreUnavailable(f"{key} holds a record that does not decode: {exc}") from exc
+            excerpt = repr(bytes(entry.value[:_EXCERPT_BYTES]))
+            raise CorruptRecord(key, revision, str(exc)[:256], excerpt) from exc
 
     async def _delete(self, kv: KeyValue, key: str) -> None:
         try:
@@ -243,6 +273,8 @@ async def provision(nc: NatsClient, config: StorageConfig) -> None:
             num_replicas=config.kv_replicas,
             deny_delete=True,
             deny_purge=True,
+            # The auditor reads it message by message (lorabus/tap.py): no consumer.
+            allow_direct=True,
         ),
     )
 
@@ -264,6 +296,6 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     await js.update_stream(config)
 
 
-def _result_key(update_id: str) -> str:
+def result_key(update_id: str) -> str:
     # Update ids are free text; KV keys are not. A hex digest is a safe key.
     return "r." + hashlib.sha256(update_id.encode()).hexdigest()[:32]
