@@ -86,7 +86,13 @@ def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccoun
     ) -> None:
         """Export ``subject`` of ``owner`` to the accounts ``to``, and import it
         there (a JetStream call under the fleet's JetStream prefix)."""
-        owner.exports.append(Export(subject, service, tuple(to), streamed))
+        # One export per subject: a second would replace the first's importers.
+        same = [i for i, e in enumerate(owner.exports) if e.subject == subject]
+        if same:
+            earlier = owner.exports[same[0]]
+            owner.exports[same[0]] = Export(subject, service, (*earlier.to, *to), streamed)
+        else:
+            owner.exports.append(Export(subject, service, tuple(to), streamed))
         js = subject.startswith(JS_API + ".")
         local = FLEET_JS_API + subject.removeprefix(JS_API) if js else ""
         for name in to:

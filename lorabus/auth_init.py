@@ -47,6 +47,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from lorabus.accounts import Account, FleetAccounts, fleet_accounts, js_api_prefix
+from lorabus.auth_jwt import JwtAuthority
 from lorabus.bus_options import ENV, ENV_FILE, inbox_prefix_for, public_key_of
 from lorabus.roles import Permissions, Role, identity_name, permissions
 from lorabus.schemas import Subjects, check_token
@@ -54,6 +55,9 @@ from lorabus.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, new_signing_s
 
 SERVER_CONF = "nats-server.conf"
 SEED_FILE = "nkey.seed"
+CREDS_FILE = "user.creds"
+JWT_SEEDS = "jwt-keys"
+"""With ``--method jwt``: the operator's and the accounts' seeds, to sign more."""
 SIGNING_SEED_FILE = "command-signing.seed"
 """In the coordinator's folder: the key its commands are signed with. Every
 coordinator of the fleet (run two or more for failover) uses this one key."""
@@ -102,8 +106,8 @@ def write_fleet_auth(
 ) -> FleetAuth:
     """Write a fleet's identities and server configuration into ``directory``,
     which must not exist yet or be empty (keys are never overwritten)."""
-    if method not in ("nkey", "cert"):
-        raise ValueError(f"authentication method must be nkey or cert, not {method!r}")
+    if method not in ("nkey", "cert", "jwt"):
+        raise ValueError(f"authentication method must be nkey, cert or jwt, not {method!r}")
     if method == "cert" and not tls:
         raise ValueError("cert authentication needs TLS")
     if cluster_nodes and not tls:
@@ -134,12 +138,21 @@ def write_fleet_auth(
     identities: dict[str, Identity] = {}
     layout = fleet_accounts(subjects, worker_ids)
     users: dict[str, list[str]] = {name: [] for name in layout.accounts}
+    jwts = JwtAuthority.create(layout) if method == "jwt" else None
     for role, worker_id in roles:
         name = identity_name(role, worker_id)
+        account = layout.of_role[(role, worker_id)]
         folder = directory / name
         folder.mkdir(mode=0o700)
         env: dict[str, str] = {}
-        if method == "nkey":
+        if jwts is not None:
+            # The user's key is in its JWT: the inbox prefix comes from it too.
+            user = _new_user_seed()
+            prefix = inbox_prefix_for(public_key_of(user))
+            allowed = permissions(role, subjects, inbox_prefix=prefix, worker_id=worker_id)
+            _write_secret(folder / CREDS_FILE, jwts.user_creds(account, name, allowed, user))
+            env[ENV["creds_file"]] = str(folder / CREDS_FILE)
+        elif method == "nkey":
             seed = _new_user_seed()
             _write_secret(folder / SEED_FILE, seed + b"\n")
             public_key = public_key_of(seed)
@@ -163,12 +176,20 @@ def write_fleet_auth(
             env[COORDINATOR_KEYS_ENV] = signing_key
         identity = Identity(name, role, worker_id, folder, prefix)
         identities[name] = identity
-        allowed = permissions(role, subjects, inbox_prefix=prefix, worker_id=worker_id)
-        users[layout.of_role[(role, worker_id)]].append(_user_block(user_key, allowed, name))
+        if jwts is None:
+            allowed = permissions(role, subjects, inbox_prefix=prefix, worker_id=worker_id)
+            users[account].append(_user_block(user_key, allowed, name))
         _write_env(identity.env_file, env)
 
     conf = directory / SERVER_CONF
-    text = _server_conf(subjects, layout, users, server_tls, method) + cluster
+    if jwts is not None:
+        (directory / JWT_SEEDS).mkdir(mode=0o700)
+        for file_name, seed in jwts.seeds().items():
+            _write_secret(directory / JWT_SEEDS / file_name, seed + b"\n")
+        accounts = jwts.server_conf(layout)
+    else:
+        accounts = _accounts_conf(layout, users)
+    text = _server_conf(subjects, accounts, server_tls, method) + cluster
     _write_secret(conf, text.encode())
     return FleetAuth(
         directory,
@@ -295,10 +316,19 @@ def _account_block(account: Account, users: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _accounts_conf(layout: FleetAccounts, users: dict[str, list[str]]) -> str:
+    return "\n".join(
+        [
+            "accounts {",
+            *(_account_block(account, users[name]) for name, account in layout.accounts.items()),
+            "}",
+        ]
+    )
+
+
 def _server_conf(
     subjects: Subjects,
-    layout: FleetAccounts,
-    users: dict[str, list[str]],
+    accounts: str,
     server_tls: tuple[Path, Path, Path] | None,
     method: str,
 ) -> str:
@@ -318,11 +348,7 @@ def _server_conf(
             f"  {mapping}",
             "}",
         ]
-    parts += [
-        "accounts {",
-        *(_account_block(account, users[name]) for name, account in layout.accounts.items()),
-        "}",
-    ]
+    parts.append(accounts)
     return "\n".join(parts) + "\n"
 
 

@@ -9,51 +9,12 @@ them, so that ``--creds`` is tested against a real nats-server.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import nkeys
 
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).decode().rstrip("=")
-
-
-@dataclass(frozen=True)
-class Key:
-    seed: bytes
-    public: str
-
-    @classmethod
-    def new(cls, prefix: int) -> Key:
-        seed = bytes(nkeys.encode_seed(os.urandom(32), prefix))
-        pair = nkeys.from_seed(bytearray(seed))
-        return cls(seed, bytes(pair.public_key).decode())
-
-    def sign(self, data: bytes) -> bytes:
-        return bytes(nkeys.from_seed(bytearray(self.seed)).sign(data))
-
-
-def _jwt(issuer: Key, subject: str, name: str, nats: dict[str, Any]) -> str:
-    claims: dict[str, Any] = {
-        "iat": int(time.time()),
-        "iss": issuer.public,
-        "name": name,
-        "sub": subject,
-        "nats": {**nats, "version": 2},
-    }
-    digest = hashlib.sha256(json.dumps(claims, sort_keys=True).encode()).digest()
-    claims["jti"] = base64.b32encode(digest).decode().rstrip("=")
-    header = _b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
-    body = _b64(json.dumps(claims).encode())
-    signature = _b64(issuer.sign(f"{header}.{body}".encode()))
-    return f"{header}.{body}.{signature}"
+from lorabus.nats_jwt import Key, creds, encode
 
 
 @dataclass(frozen=True)
@@ -79,10 +40,10 @@ class Account:
         return cls(
             operator,
             account,
-            _jwt(operator, operator.public, "operator", {"type": "operator"}),
-            _jwt(operator, account.public, name, {"type": "account", "limits": unlimited}),
+            encode(operator, operator.public, "operator", {"type": "operator"}),
+            encode(operator, account.public, name, {"type": "account", "limits": unlimited}),
             system,
-            _jwt(operator, system.public, "SYS", {"type": "account"}),
+            encode(operator, system.public, "SYS", {"type": "account"}),
         )
 
     def server_conf(self) -> str:
@@ -103,7 +64,7 @@ class Account:
     def creds(self, path: Path, name: str, publish: list[str], subscribe: list[str]) -> Path:
         """A ``.creds`` file of a new user of this account with these permissions."""
         user = Key.new(nkeys.PREFIX_BYTE_USER)
-        token = _jwt(
+        token = encode(
             self.key,
             user.public,
             name,
@@ -116,13 +77,6 @@ class Account:
                 "payload": -1,
             },
         )
-        path.write_text(
-            "-----BEGIN NATS USER JWT-----\n"
-            f"{token}\n"
-            "------END NATS USER JWT------\n\n"
-            "-----BEGIN USER NKEY SEED-----\n"
-            f"{user.seed.decode()}\n"
-            "------END USER NKEY SEED------\n"
-        )
+        path.write_bytes(creds(token, user))
         path.chmod(0o600)
         return path

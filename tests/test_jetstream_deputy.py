@@ -34,9 +34,13 @@ from lorabus.testbed.stack import EmbeddedStack
 WORKERS = ("w000", "w001")
 
 
-@pytest.fixture
-async def stack(fleet_name: str) -> AsyncIterator[EmbeddedStack]:
-    async with EmbeddedStack([1, 1], fleet=fleet_name, secure=True, heartbeat_s=0.2) as started:
+@pytest.fixture(params=["nkey", "jwt"])
+async def stack(request: pytest.FixtureRequest, fleet_name: str) -> AsyncIterator[EmbeddedStack]:
+    """A secured stack: the static configuration of ``auth init``, and its
+    operator/JWT form."""
+    async with EmbeddedStack(
+        [1, 1], fleet=fleet_name, secure=True, auth_method=request.param, heartbeat_s=0.2
+    ) as started:
         yield started
 
 

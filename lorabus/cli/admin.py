@@ -68,10 +68,11 @@ def auth() -> None:
 )
 @click.option(
     "--method",
-    type=click.Choice(["nkey", "cert"]),
+    type=click.Choice(["nkey", "cert", "jwt"]),
     default="nkey",
     show_default=True,
-    help="How identities prove themselves: an nkey seed each, or a client certificate each.",
+    help="How identities prove themselves: an nkey seed each, a client certificate each, "
+    "or a .creds file each of an operator's accounts (JWTs; the server trusts the operator).",
 )
 @click.option(
     "--cluster-node",

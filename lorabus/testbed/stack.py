@@ -55,6 +55,7 @@ class EmbeddedStack:
         nats_url: str | None = None,
         heartbeat_s: float = 0.5,
         secure: bool = False,
+        auth_method: str = "nkey",
         adapter_roots: Sequence[str] = (),
         **coordinator: Any,
     ) -> None:
@@ -65,6 +66,8 @@ class EmbeddedStack:
         self._nats_url = nats_url
         self._heartbeat_s = heartbeat_s
         self.secure = secure
+        self.auth_method = auth_method
+        """How a secure stack's identities prove themselves (``lorabus auth init --method``)."""
         self.adapter_roots = list(adapter_roots)
         """Where the agents (and the coordinator) accept adapters from (empty: anywhere)."""
         self.auth: FleetAuth | None = None
@@ -105,7 +108,11 @@ class EmbeddedStack:
         if self.secure:
             folder = Path(self._exit.enter_context(tempfile.TemporaryDirectory()))
             self.auth = write_fleet_auth(
-                folder / "auth", Subjects(fleet=self.fleet_name), worker_ids, tls=True
+                folder / "auth",
+                Subjects(fleet=self.fleet_name),
+                worker_ids,
+                tls=True,
+                method=self.auth_method,
             )
         if self._nats_url is None:
             include = self.auth.server_conf if self.auth is not None else None
