@@ -31,6 +31,14 @@ next read, so the agent need not wait for the leader's re-send.
 Signatures: an agent pinned to the fleet's coordinator keys obeys a command
 only if it is signed by the key that the leader record of its epoch names,
 for the subject it arrived on, and not replayed (see :mod:`lorabus.signing`).
+The sequence numbers it took live only in this process: a command sent by
+name names the agent process it is for (``instance``), so after a restart
+none signed before reaches it, and the first it takes is its floor for the
+broadcasts of that epoch (docs/protocol.md, "Replays").
+
+Fleet state: a record in KV that does not decode is ignored (the agent keeps
+the epoch and committed state it knew) and reported, in every heartbeat
+(``unreadable_state``) and once as a ``bad_message`` event.
 
 Identity: each agent process beats and acks with a random instance id. If
 another live agent already holds the worker id, the coordinator refuses this
