@@ -70,7 +70,7 @@ from lorabus.coordinator.fit import fit_result, fit_status
 from lorabus.coordinator.frontend import FrontendClient
 from lorabus.coordinator.gather import AckRouter
 from lorabus.coordinator.leader import LeaderElection
-from lorabus.coordinator.lifecycle import UpdateRunner
+from lorabus.coordinator.lifecycle import CommandBus, UpdateRunner
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.plan import (
@@ -79,7 +79,8 @@ from lorabus.coordinator.plan import (
     plan_update_off_loop,
     retired_names,
 )
-from lorabus.coordinator.store import CorruptRecord, FleetStore
+from lorabus.coordinator.store import COMMITTED as COMMITTED_KEY
+from lorabus.coordinator.store import INFLIGHT, CorruptRecord, FleetStore
 from lorabus.errors import (
     BadRequest,
     LeadershipLost,
@@ -106,6 +107,7 @@ from lorabus.schemas import (
     LeaderElected,
     MemberAlert,
     MemberStatus,
+    Phase,
     ResetRecord,
     ResetRequest,
     ResetResult,
@@ -131,6 +133,13 @@ reply is one publish; this bounds a connection that stalls)."""
 _T = TypeVar("_T")
 ALERT_CHECK_S = 1.0
 """How often the leader looks for members that need a person's look."""
+_REMEDIES = {
+    False: "read as absent: an adapter whose commit point it is is reset at its next update, "
+    "and the latest record is rewritten at the next commit",
+    True: "read as an update of unknown content: every live member resumed, nothing withdrawn",
+}
+"""What recovery does with a committed record, and an in-flight record, that
+does not decode."""
 _BAD_EVENTS_PER_S = 10
 """Malformed requests are all answered and logged; this many a second are also
 ``bad_message`` events, so junk cannot flood the audit trail."""
@@ -435,6 +444,7 @@ class Coordinator:
         in_flight: InflightRecord,
         recorded: UpdateResult,
         committed: CommittedRecord | None,
+        bus: CommandBus,
     ) -> CommittedRecord:
         """The committed record of an update answered committed, rebuilt from
         its in-flight record and its result (its lineage is the one it ran in:
@@ -448,7 +458,7 @@ class Coordinator:
         assert recorded.rank_map is not None
         try:
             lineage = await _until_stored(
-                lambda: self._lineage(store, in_flight.adapter, committed),
+                lambda: self._lineage(store, in_flight.adapter, committed, bus),
                 for_s=self.config.leader_lease_s,
             )
         except StoreUnavailable as exc:
@@ -511,9 +521,17 @@ class Coordinator:
     async def _recover(self, store: FleetStore, runner: UpdateRunner) -> str | None:
         """Load the committed state; roll back an update a predecessor left in flight."""
         found = await self._read_left_state(store)
+        for corrupt in found.corrupt:
+            await self._report_corrupt(
+                runner.bus, corrupt, remedy=_REMEDIES[corrupt.key == INFLIGHT]
+            )
         if found.committed is not None:
             self.book.commit(found.committed)
         in_flight, recorded, committed_it = found.in_flight, found.result, found.commit_point
+        if found.in_flight_unknown:
+            await self._resume_everyone(runner)
+            await _quietly(store.clear_inflight())
+            return None
         if in_flight is None:
             return None
         settled = True
@@ -531,10 +549,16 @@ class Coordinator:
             # Answered "committed" with its result stored, while its commit
             # point failed, before the answer and again after it: left out,
             # the adapter's committed version would go back to the one before.
-            record = await self._commit_answered(store, in_flight, recorded, committed_it)
+            record = await self._commit_answered(
+                store, in_flight, recorded, committed_it, runner.bus
+            )
             settled = await self._record_committed(
                 store, runner, in_flight, record, recorded, commit_point=True
             )
+        elif recorded is None and found.commit_point_unknown:
+            # It may have committed: resume everyone, withdraw nothing, and
+            # record no outcome (its adapter is reset at its next update).
+            await self._resume_everyone(runner, in_flight)
         elif recorded is None:
             await self._roll_back(store, runner, in_flight)
         if settled:  # else it stays until written again, before this term's first update
@@ -557,6 +581,30 @@ class Coordinator:
             raise SteppedAside(
                 f"could not read the state a predecessor left for a whole lease: {exc}"
             ) from exc
+
+    async def _resume_everyone(
+        self, runner: UpdateRunner, in_flight: InflightRecord | None = None
+    ) -> None:
+        """Roll back an update in flight as far as can be without knowing what
+        it loaded: resume every member it named (or, unknown, every live one)."""
+        members = (
+            in_flight.members
+            if in_flight is not None
+            else {wid: m.heartbeat.world_size for wid, m in self.membership.live().items()}
+        )
+        if not members:
+            return  # an agent's pause lease runs out on its own
+        blind = InflightRecord(
+            update_id=in_flight.update_id if in_flight is not None else f"unknown-{self.epoch}",
+            epoch=in_flight.epoch if in_flight is not None else 0,
+            phase=Phase.PAUSE,  # nothing is withdrawn
+            adapter="",
+            served_name="",
+            version=0,
+            members=members,
+        )
+        error = await runner.roll_back(blind)
+        log.warning("epoch=%d resumed %d members: %s", self.epoch, len(members), error.message)
 
     async def _roll_back(
         self, store: FleetStore, runner: UpdateRunner, in_flight: InflightRecord
@@ -693,8 +741,12 @@ class Coordinator:
         else it needs stored and sent is returned for after the answer."""
         try:
             await self._settle_earlier_commit(store)
-            committed = await self._committed(store, request.adapter)
-            lineage = await self._lineage(store, request.adapter, committed)
+            try:
+                committed = await self._committed(store, request.adapter)
+            except CorruptRecord as corrupt:
+                await self._reset_unknown(store, runner.bus, request.adapter, corrupt)
+                committed = None
+            lineage = await self._lineage(store, request.adapter, committed, runner.bus)
             plan = await plan_update_off_loop(request, self.config, committed, lineage)
             if committed is not None and is_already_committed(plan, committed):
                 return _Executed(_already_committed(request, committed))
@@ -773,7 +825,11 @@ class Coordinator:
         return True, all(landed)
 
     async def _lineage(
-        self, store: FleetStore, adapter: str, committed: CommittedRecord | None
+        self,
+        store: FleetStore,
+        adapter: str,
+        committed: CommittedRecord | None,
+        bus: CommandBus | None = None,
     ) -> int:
         """The lineage ``adapter``'s next commit belongs to. Without a committed
         record, the reset record decides, and an unreadable one fails the
@@ -782,15 +838,68 @@ class Coordinator:
             return committed.lineage
         known = self.book.lineages.get(adapter)
         if known is None:
-            reset = await store.read_reset(adapter)
-            known = self.book.lineages[adapter] = reset.lineage if reset is not None else 0
+            known = self.book.lineages[adapter] = await self._reset_lineage(store, bus, adapter)
         return known
+
+    async def _reset_lineage(self, store: FleetStore, bus: CommandBus | None, adapter: str) -> int:
+        """The lineage of ``adapter``'s latest reset (0: none). A reset record
+        that does not decode stands for its revision plus one: every reset
+        writes a record of the bucket, so no lineage yet exceeds a revision,
+        and the names of a lineage past it were never served."""
+        try:
+            reset = await store.read_reset(adapter)
+        except CorruptRecord as corrupt:
+            await self._report_corrupt(bus, corrupt, remedy="taken for a lineage past its revision")
+            return corrupt.revision + 1
+        return reset.lineage if reset is not None else 0
+
+    async def _reset_unknown(
+        self, store: FleetStore, bus: CommandBus, adapter: str, corrupt: CorruptRecord
+    ) -> int:
+        """Reset an adapter whose commit point does not decode: its committed
+        version is unknown, so no version can be checked against it, and a
+        new lineage makes every later served name new whatever comes next.
+        Recorded like an operator's reset (``committed_reset``); the new lineage."""
+        reason = f"the committed record of {adapter!r} does not decode: its version is unknown"
+        await self._report_corrupt(bus, corrupt, remedy="reset to a new lineage")
+        if not self.leading.is_set() or not await self._still_leading(store):
+            raise LeadershipLost(f"epoch {self.epoch} no longer leads: nothing was reset")
+        lineage = max(
+            await self._reset_lineage(store, bus, adapter), self.book.lineages.get(adapter, 0)
+        )
+        lineage += 1
+        await store.reset_committed(
+            ResetRecord(
+                adapter=adapter,
+                lineage=lineage,
+                previous_version=0,
+                previous_path="",
+                reason=reason,
+                ts=time.time(),
+            )
+        )
+        self.book.reset(adapter, lineage)
+        await bus.emit(
+            CommittedReset(
+                ts=time.time(),
+                source="coordinator",
+                epoch=self.epoch,
+                adapter=adapter,
+                lineage=lineage,
+                previous_version=0,
+                previous_path="",
+                previous_served_name="",
+                reason=reason,
+            )
+        )
+        return lineage
 
     async def _still_leading(self, store: FleetStore) -> bool:
         """Whether the leader record still names this term: a coordinator that
         was stopped (SIGSTOP) may run on before it notices it was replaced,
         and must not commit over its successor's roll-back. An unreadable
-        record is no evidence either way (the agents still fence by epoch)."""
+        record is no evidence either way (the agents still fence by epoch);
+        one that does not decode no longer names this term."""
         try:
             record, _ = await store.read_leader()
         except CorruptRecord:
@@ -921,7 +1030,13 @@ class Coordinator:
     ) -> ResetResult:
         """Forget what is committed for the request's adapter (between updates)."""
         adapter = request.adapter
-        committed = self.book.committed.get(adapter) or await store.read_committed(adapter)
+        try:
+            committed = self.book.committed.get(adapter) or await store.read_committed(adapter)
+        except CorruptRecord as corrupt:  # unknown version: no expected_version can match
+            lineage = await self._reset_unknown(store, bus, adapter, corrupt)
+            return ResetResult(
+                adapter=adapter, ok=True, lineage=lineage, previous_version=0, previous_path=""
+            )
         if committed is None:
             raise BadRequest(f"nothing is committed for adapter {adapter!r}: nothing to reset")
         if request.expected_version is not None and request.expected_version != committed.version:
@@ -931,8 +1046,7 @@ class Coordinator:
             )
         if not self.leading.is_set() or not await self._still_leading(store):
             raise LeadershipLost(f"epoch {self.epoch} no longer leads: nothing was reset")
-        previous = await store.read_reset(adapter)
-        lineage = max(committed.lineage, previous.lineage if previous else 0) + 1
+        lineage = max(committed.lineage, await self._reset_lineage(store, bus, adapter)) + 1
         await store.reset_committed(
             ResetRecord(
                 adapter=adapter,
@@ -1008,7 +1122,7 @@ class Coordinator:
         log.warning("epoch=%d %s (%d bytes on %s)", self.epoch, error, len(msg.data), msg.subject)
         await self._emit_bad(bus, msg.subject, error[:1024], len(msg.data))
 
-    async def _emit_bad(self, bus: CoordinatorBus, subject: str, error: str, size: int) -> None:
+    async def _emit_bad(self, bus: CommandBus, subject: str, error: str, size: int) -> None:
         if self._bad_events.take():
             await bus.emit(
                 BadMessage(
@@ -1022,14 +1136,16 @@ class Coordinator:
             )
 
     async def _report_corrupt(
-        self, bus: CoordinatorBus, corrupt: CorruptRecord, *, remedy: str
+        self, bus: CommandBus | None, corrupt: CorruptRecord, *, remedy: str
     ) -> None:
-        """Log and audit (``bad_message``, on the record's KV subject) a record
-        of the store that does not decode, and what is done about it."""
+        """Log and audit (``bad_message``, on the record's KV subject; with no
+        bus, only log) a record of the store that does not decode, and what is
+        done about it."""
         error = f"{corrupt}; {remedy}; it began {corrupt.excerpt}"[:1024]
         log.error("epoch=%d %s", self.epoch, error)
-        subject = f"$KV.{self.subjects.state_bucket()}.{corrupt.key}"
-        await self._emit_bad(bus, subject, error, 0)
+        if bus is not None:
+            subject = f"$KV.{self.subjects.state_bucket()}.{corrupt.key}"
+            await self._emit_bad(bus, subject, error, 0)
 
     def _highest_epoch_seen(self) -> int:
         """The highest epoch the live agents' heartbeats say they have seen."""
@@ -1231,17 +1347,47 @@ class _LeftState:
     """The stored result of the update in flight."""
     commit_point: CommittedRecord | None
     """The committed record of the in-flight update's adapter."""
+    corrupt: tuple[CorruptRecord, ...] = ()
+    """Records that did not decode, each read as absent: the latest record (or
+    its adapter's commit point: then neither is taken for committed), the
+    in-flight record, the in-flight adapter's commit point."""
+
+    @property
+    def in_flight_unknown(self) -> bool:
+        return any(c.key == INFLIGHT for c in self.corrupt)
+
+    @property
+    def commit_point_unknown(self) -> bool:
+        """The in-flight adapter's commit point did not decode: whether its
+        update committed is unknown."""
+        return self.in_flight is not None and any(
+            c.key == f"{COMMITTED_KEY}.{self.in_flight.adapter}" for c in self.corrupt
+        )
 
     @classmethod
     async def read(cls, store: FleetStore) -> _LeftState:
-        """Every record, or StoreUnavailable: none is read as absent on a failure."""
-        latest = await store.read_committed()
+        """Every record, or StoreUnavailable: none is read as absent on a
+        failure, but one that does not decode is (reported in ``corrupt``)."""
+        corrupt: list[CorruptRecord] = []
+
+        async def readable(read: Awaitable[_T]) -> _T | None:
+            try:
+                return await read
+            except CorruptRecord as exc:
+                if all(c.key != exc.key for c in corrupt):
+                    corrupt.append(exc)
+                return None
+
+        latest = await readable(store.read_committed())
         if latest is not None:
-            own = await store.read_committed(latest.adapter)
-            latest = latest if own is None else own
-        in_flight = await store.read_inflight()
+            own = await readable(store.read_committed(latest.adapter))
+            if corrupt:
+                latest = None  # its adapter is reset when it is next updated
+            elif own is not None:
+                latest = own
+        in_flight = await readable(store.read_inflight())
         if in_flight is None:
-            return cls(latest, None, None, None)
+            return cls(latest, None, None, None, tuple(corrupt))
         try:
             result = await store.read_result(in_flight.update_id)
         except BadPayload as exc:
@@ -1249,7 +1395,8 @@ class _LeftState:
                 "the stored result of %s does not decode, ignored: %s", in_flight.update_id, exc
             )
             result = None
-        return cls(latest, in_flight, result, await store.read_committed(in_flight.adapter))
+        commit_point = await readable(store.read_committed(in_flight.adapter))
+        return cls(latest, in_flight, result, commit_point, tuple(corrupt))
 
 
 async def _stored_result(store: FleetStore, update_id: str) -> UpdateResult | None:
