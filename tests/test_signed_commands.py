@@ -12,6 +12,7 @@ import msgspec
 import pytest
 from nats.aio.msg import Msg
 
+from lorabus.audit import TrailRecord, decode_message
 from lorabus.bus import close
 from lorabus.roles import Role
 from lorabus.schemas import (
@@ -20,9 +21,9 @@ from lorabus.schemas import (
     Subjects,
     command_decoder,
     encode,
-    event_decoder,
 )
 from lorabus.signing import CommandSigner, CommandVerifier, new_signing_seed
+from lorabus.tap import Tap
 from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 15.0
@@ -59,18 +60,15 @@ async def test_a_signed_fleet_commits_and_refuses_unsigned_moved_and_replayed_co
         if isinstance(command_decoder.decode(msg.data), PauseCommand):
             captured.append(msg)
 
-    async def on_event(msg: Msg) -> None:
-        event = event_decoder.decode(msg.data)
-        if isinstance(event, CommandRefused):
+    async def on_record(record: TrailRecord) -> None:
+        if not record.poison and isinstance(event := decode_message(record), CommandRefused):
             refusals.put_nowait(event)
 
+    # The auditor reads events from the audit stream, its only source.
+    following = asyncio.create_task(Tap(auditor, subjects).run(on_record, follow=True))
     try:
         await eavesdropper.subscribe(subjects.cmd_worker("w000"), cb=capture)
         await eavesdropper.flush()
-        # The auditor reads events from the audit stream, its only source.
-        await auditor.jetstream().subscribe(
-            subjects.event_any(), stream=subjects.audit_stream(), cb=on_event, ordered_consumer=True
-        )
         result = await stack.client.update("policy", make_adapter(1), version=1)
         assert result.committed, result.error
         assert captured, "the update's pause of w000 was not seen"
@@ -94,6 +92,8 @@ async def test_a_signed_fleet_commits_and_refuses_unsigned_moved_and_replayed_co
             refused = [await refusals.get() for _ in range(4)]
         second = await stack.client.update("policy", make_adapter(2), version=2)
     finally:
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
         for nc in (eavesdropper, peer, auditor):
             await close(nc)
 
