@@ -2,7 +2,10 @@
 
 The bus callback hands every ack to :class:`AckRouter`, which passes it to the
 gather waiting for that (update, phase); acks for anything else (late, repeated,
-from non-members) are dropped there. Completion is a single event, so 1000 acks
+from non-members, of another term's command) are dropped there. The epoch
+matters when an update id runs again in a later term: a ``fenced`` ack that an
+agent sends to a command of an earlier term (replayed, or late) must not count
+for the new one. Completion is a single event, so 1000 acks
 cost 1000 dict look-ups and one wake-up.
 """
 
@@ -21,9 +24,12 @@ class PhaseGather:
         phase: Phase,
         members: Iterable[str],
         first_ok: asyncio.Event | None = None,
+        epoch: int = 0,
     ) -> None:
         self.update_id = update_id
         self.phase = phase
+        self.epoch = epoch
+        """The term whose commands these acks answer (0: any, for tests)."""
         self.acks: dict[str, Ack] = {}
         self.waiting: set[str] = set(members)
         self.lost: set[str] = set()
@@ -42,7 +48,7 @@ class PhaseGather:
         return self._done.is_set()
 
     def offer(self, ack: Ack) -> None:
-        if ack.worker_id not in self.waiting:
+        if ack.worker_id not in self.waiting or (self.epoch and ack.epoch != self.epoch):
             return
         self.waiting.discard(ack.worker_id)
         self.acks[ack.worker_id] = ack
@@ -88,8 +94,9 @@ class AckRouter:
         phase: Phase,
         members: Iterable[str],
         first_ok: asyncio.Event | None = None,
+        epoch: int = 0,
     ) -> PhaseGather:
-        gather = PhaseGather(update_id, phase, members, first_ok)
+        gather = PhaseGather(update_id, phase, members, first_ok, epoch)
         self._open[gather.key] = gather
         return gather
 

@@ -431,9 +431,11 @@ class UpdateRunner:
         budget_s = self.config.phase_timeout_s
         load_command = msgspec.structs.replace(load_command, budget_s=2 * budget_s)
         first_loaded = asyncio.Event()
-        load_gather = self.bus.acks.expect(plan.update_id, Phase.LOAD, targets, first_loaded)
+        load_gather = self.bus.acks.expect(
+            plan.update_id, Phase.LOAD, targets, first_loaded, self.epoch
+        )
         # Opened last, so the status shows the pause while it lasts.
-        pause_gather = self.bus.acks.expect(plan.update_id, Phase.PAUSE, targets)
+        pause_gather = self.bus.acks.expect(plan.update_id, Phase.PAUSE, targets, None, self.epoch)
         pause_ended: list[float] = []
 
         def took_the_pause(worker_id: str) -> bool:
@@ -856,7 +858,9 @@ class UpdateRunner:
     ) -> PhaseOutcome:
         phase = phase_of(command)
         timeout_s = command.budget_s
-        gather = how.opened or self.bus.acks.expect(command.update_id, phase, expected, first_ok)
+        gather = how.opened or self.bus.acks.expect(
+            command.update_id, phase, expected, first_ok, command.epoch
+        )
         started = now()
         deadline = started + timeout_s
         resend_gap = _first_resend_gap(timeout_s)

@@ -60,6 +60,7 @@ async def test_a_member_that_missed_the_broadcast_gets_the_command_on_its_own_su
                         world_size=1,
                         adapters=["policy-v1"],
                         paused=False,
+                        epoch=command.epoch,
                     )
                 ),
             )
