@@ -461,8 +461,9 @@ class Agent:
             self._unreadable.pop(key, None)
             return None
         try:
-            record = decoder.decode(value)
-        except (msgspec.DecodeError, RecursionError) as exc:
+            # Pinned to the fleet's keys, only a record the leader sealed counts.
+            record = decoder.decode(self.verifier.open_record(key, value))
+        except (msgspec.DecodeError, RecursionError, ValueError) as exc:
             await self._report_unreadable(key, str(exc)[:512], len(value))
             return None
         if self._unreadable.pop(key, None) is not None:
@@ -477,7 +478,8 @@ class Agent:
             return
         self._unreadable[key] = why
         log.warning(
-            "worker=%s ignores the fleet state's %s record, which does not decode: %s",
+            "worker=%s ignores the fleet state's %s record, which does not decode or "
+            "is not sealed by the fleet's key: %s",
             self.worker_id,
             key,
             why,
@@ -489,7 +491,8 @@ class Agent:
                 ts=time.time(),
                 source=self._source,
                 subject=f"$KV.{self.subjects.state_bucket()}.{key}"[:256],
-                error=f"the fleet state's {key} record does not decode; ignored: {why}"[:1024],
+                error=f"the fleet state's {key} record does not decode (or is not the "
+                f"leader's); ignored: {why}"[:1024],
                 size=size,
                 epoch=self.epoch_seen,
             )

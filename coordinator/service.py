@@ -292,7 +292,7 @@ class Coordinator:
     async def _open_store(self, nc: NatsClient) -> FleetStore:
         """Open the fleet's KV; JetStream can take a while (a cluster electing its
         meta leader, a server restarting), so keep trying with a growing pause."""
-        return await _until_stored(lambda: FleetStore.open(nc, self.config))
+        return await _until_stored(lambda: FleetStore.open(nc, self.config, self.signer))
 
     async def _lead(
         self, nc: NatsClient, store: FleetStore, runner: UpdateRunner, bus: CoordinatorBus

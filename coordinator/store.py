@@ -41,6 +41,7 @@ from lorabus.schemas import (
     Subjects,
     UpdateResult,
 )
+from lorabus.signing import CommandSigner, CommandVerifier
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +78,21 @@ class CorruptRecord(StoreUnavailable):
 
 
 class FleetStore:
-    def __init__(self, state: KeyValue, results: KeyValue) -> None:
+    def __init__(
+        self, state: KeyValue, results: KeyValue, signer: CommandSigner | None = None
+    ) -> None:
+        """With ``signer``, every record is sealed with it, and a record is read
+        only if it is sealed with its key (:mod:`lorabus.signing`): anything
+        else is a :class:`CorruptRecord`, whoever wrote it."""
         self._state = state
         self._results = results
+        self._signer = signer
+        self._opener = CommandVerifier([signer.public_key] if signer is not None else [])
 
     @classmethod
-    async def open(cls, nc: NatsClient, config: StorageConfig) -> FleetStore:
+    async def open(
+        cls, nc: NatsClient, config: StorageConfig, signer: CommandSigner | None = None
+    ) -> FleetStore:
         """Bind to the fleet's buckets. Where nobody has set the fleet up yet,
         set it up (:func:`provision`): that works for a coordinator allowed
         to, as on a development server without permissions; in a deployment
@@ -92,11 +102,11 @@ class FleetStore:
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S * 2):
                 try:
-                    return cls(*await _bind(js, subjects))
+                    return cls(*await _bind(js, subjects), signer)
                 except nats.js.errors.BucketNotFoundError:
                     log.info("fleet %s has no KV buckets yet: setting them up", config.fleet)
                 await provision(nc, config)
-                return cls(*await _bind(js, subjects))
+                return cls(*await _bind(js, subjects), signer)
         except (TimeoutError, nats.errors.Error) as exc:
             raise StoreUnavailable(
                 f"cannot open the KV buckets of fleet {config.fleet!r} ({exc!r}); if they do "
@@ -112,7 +122,7 @@ class FleetStore:
 
     async def write_leader(self, record: LeaderRecord, last_revision: int) -> int:
         """Compare-and-set the leader record; return its new revision or raise LostRace."""
-        payload = msgspec.json.encode(record)
+        payload = self._sealed(LEADER, msgspec.json.encode(record))
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S):
                 if last_revision == 0:
@@ -198,7 +208,10 @@ class FleetStore:
             raise StoreUnavailable(f"cannot read result {update_id}: {exc!r}") from exc
         if entry.value is None:
             return None
-        return _stored_results.decode(entry.value)
+        try:
+            return _stored_results.decode(self._opener.open_record(key, entry.value))
+        except ValueError as exc:  # not sealed by the fleet's key: not the fleet's result
+            raise CorruptRecord(key, int(entry.revision or 0), str(exc), "") from exc
 
     async def write_result(self, result: UpdateResult) -> None:
         await self._put(self._results, result_key(result.update_id), msgspec.json.encode(result))
@@ -219,8 +232,10 @@ class FleetStore:
             return None, int(entry.revision or 0)
         revision = int(entry.revision or 0)
         try:
-            return msgspec.json.decode(entry.value, type=kind), revision
-        except msgspec.DecodeError as exc:
+            return msgspec.json.decode(
+                self._opener.open_record(key, entry.value), type=kind
+            ), revision
+        except (msgspec.DecodeError, ValueError) as exc:
             # Unreadable, not absent: a caller that would act on "none" must not.
             excerpt = repr(bytes(entry.value[:_EXCERPT_BYTES]))
             raise CorruptRecord(key, revision, str(exc)[:256], excerpt) from exc
@@ -234,7 +249,11 @@ class FleetStore:
         except (TimeoutError, nats.errors.Error) as exc:
             raise StoreUnavailable(f"cannot delete {key}: {exc!r}") from exc
 
+    def _sealed(self, key: str, payload: bytes) -> bytes:
+        return payload if self._signer is None else self._signer.seal(key, payload)
+
     async def _put(self, kv: KeyValue, key: str, payload: bytes) -> None:
+        payload = self._sealed(key, payload)
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S):
                 await kv.put(key, payload)

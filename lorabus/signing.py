@@ -16,6 +16,14 @@ out for the subject it arrived on, and its sequence number is above the last
 one that agent took in that epoch (publishes of one connection arrive in
 order). Anything else is refused with a ``command_refused`` event: unsigned,
 signed by another key, moved onto another subject, or replayed.
+
+The same key seals the fleet's state records in KV (the leader record, the
+committed and in-flight records, resets and results): a sealed record holds
+the record's JSON, the signing public key and the signature over the KV key
+and that JSON. An agent pinned to the fleet's keys, and every coordinator
+with the signing key, acts only on records sealed by a key it trusts (a
+record moved to another key does not verify); anything else is treated as
+garbage, which the coordinators replace and the agents ignore and report.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import msgspec
 import nacl.exceptions
 import nacl.signing
 import nkeys
@@ -63,6 +72,25 @@ def _signed_bytes(subject: str, seq: int, body: bytes) -> bytes:
     return b"%s\n%d\n%s" % (subject.encode(), seq, body)
 
 
+class SealedRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A fleet state record as a signing coordinator stores it."""
+
+    record: msgspec.Raw
+    """The record's JSON, exactly as signed."""
+    key: str
+    """The public key that signed it."""
+    sig: str
+    """Base64 of the signature over the KV key and ``record``."""
+
+
+_SEALED = msgspec.json.Decoder(SealedRecord)
+
+
+def _sealed_bytes(name: str, record: bytes) -> bytes:
+    # A domain of its own: no command signature is ever a record's, or back.
+    return b"lorabus-record\n%s\n%s" % (name.encode(), record)
+
+
 class CommandSigner:
     """Signs this coordinator's commands with the seed in ``seed_file``."""
 
@@ -86,6 +114,16 @@ class CommandSigner:
             return cls(seed)
         except (nkeys.NkeysError, binascii.Error, ValueError) as exc:
             raise BadRequest(f"{str(path)!r} holds no nkey seed: {exc}") from None
+
+    def seal(self, name: str, record: bytes) -> bytes:
+        """``record`` (JSON) sealed for the KV key ``name``."""
+        signature = self._key.sign(_sealed_bytes(name, record)).signature
+        sealed = SealedRecord(
+            record=msgspec.Raw(record),
+            key=self.public_key,
+            sig=base64.b64encode(signature).decode(),
+        )
+        return msgspec.json.encode(sealed)
 
     def headers(self, subject: str, body: bytes) -> dict[str, str]:
         self._seq += 1
@@ -158,6 +196,30 @@ class CommandVerifier:
         for old in [e for e in self._last_seq if e < epoch - 1]:
             del self._last_seq[old]
         return None
+
+    def open_record(self, name: str, data: bytes) -> bytes:
+        """The record JSON inside ``data`` (the value of KV key ``name``).
+
+        When signatures are required, it must be sealed by a trusted key for
+        that KV key, else ValueError says why; otherwise a sealed record is
+        opened unchecked and a plain one returned as it is."""
+        try:
+            sealed = _SEALED.decode(data)
+        except (msgspec.DecodeError, RecursionError):
+            if self.required:
+                raise ValueError("not sealed by the fleet's signing key") from None
+            return data
+        if self.required:
+            if not self.trust(sealed.key):
+                raise ValueError(f"sealed by {sealed.key}, which is not trusted")
+            try:
+                signature = base64.b64decode(sealed.sig, validate=True)
+                self._check_signature(
+                    sealed.key, _sealed_bytes(name, bytes(sealed.record)), signature
+                )
+            except (ValueError, binascii.Error, nacl.exceptions.BadSignatureError):
+                raise ValueError(f"the seal does not match key {sealed.key} for {name}") from None
+        return bytes(sealed.record)
 
     def _check_signature(self, key: str, signed: bytes, signature: bytes) -> None:
         """Raises BadSignatureError unless ``signature`` is ``key``'s over ``signed``."""

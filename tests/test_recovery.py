@@ -234,8 +234,10 @@ async def test_a_leader_that_cannot_read_what_was_left_gives_the_fleet_to_a_stan
     blind: set[int] = set()
     opening, reading = FleetStore.open.__func__, FleetStore.read_inflight  # type: ignore[attr-defined]
 
-    async def open_(cls: type[FleetStore], nc: NatsClient, config: Any) -> FleetStore:
-        store = await opening(cls, nc, config)
+    async def open_(
+        cls: type[FleetStore], nc: NatsClient, config: Any, signer: Any = None
+    ) -> FleetStore:
+        store = await opening(cls, nc, config, signer)
         if nc is nc_a:
             blind.add(id(store))
         return store
