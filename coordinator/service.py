@@ -1389,7 +1389,9 @@ class _LeftState:
         if in_flight is None:
             return cls(latest, None, None, None, tuple(corrupt))
         try:
-            result = await store.read_result(in_flight.update_id)
+            # Unsealed or garbled, it is no result (and is reported): the
+            # commit point, not a stored answer, says whether it committed.
+            result = await readable(store.read_result(in_flight.update_id))
         except BadPayload as exc:
             log.warning(
                 "the stored result of %s does not decode, ignored: %s", in_flight.update_id, exc

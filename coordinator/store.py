@@ -294,6 +294,10 @@ async def provision(nc: NatsClient, config: StorageConfig) -> None:
             deny_purge=True,
             # The auditor reads it message by message (lorabus/tap.py): no consumer.
             allow_direct=True,
+            # No "stored" answers: an agent's ack or event keeps the reply
+            # subject it was published with, and JetStream would answer there,
+            # in the fleet's account (a KV key, say), with its own rights.
+            no_ack=True,
         ),
     )
 

@@ -223,6 +223,8 @@ def _cluster_block(
             [
                 "# Routes: only a node with this password and a certificate of the fleet's CA",
                 "# joins. Every node takes this block; its own route in the list is skipped.",
+                f"# A node whose routes listen elsewhere than port {routes[0][1]} says so with",
+                "# nats-server --cluster nats://0.0.0.0:<its port> (the rest of this block holds).",
                 "cluster {",
                 '  name: "lorabus"',
                 f'  listen: "0.0.0.0:{routes[0][1]}"',

@@ -52,7 +52,11 @@ from lorabus.schemas import BadPayload, Subjects, tag_of, to_builtins
 log = logging.getLogger(__name__)
 
 _BATCH = 256
+_BATCH_MAX_BYTES = 4 * 1024 * 1024
+"""A batch stops at this many bytes, so that messages of up to a MiB each
+arrive within the deadline of each message on a slow link."""
 _READ_DEADLINE_S = 5.0
+"""How long the next message of a batch may take."""
 _CAUGHT_UP_POLL_S = 0.5
 """How often a following tap that has caught up asks for more."""
 
@@ -148,24 +152,29 @@ class Tap:
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         try:
-            await self.nc.publish(api, msgspec.json.encode({**start, "batch": _BATCH}), reply=inbox)
+            request = {**start, "batch": _BATCH, "max_bytes": _BATCH_MAX_BYTES}
+            await self.nc.publish(api, msgspec.json.encode(request), reply=inbox)
             found: list[Msg] = []
-            async with asyncio.timeout(_READ_DEADLINE_S):
-                while True:
+            while True:
+                try:
                     msg = await sub.next_msg(timeout=_READ_DEADLINE_S)
-                    status = (msg.headers or {}).get("Status", "")
-                    if not status:
-                        found.append(msg)
-                    elif status in ("204", "404"):  # the batch's end; nothing (more) stored
+                except nats.errors.TimeoutError:
+                    if found:  # keep what came: the next read starts after it
                         return found
-                    elif status == "503":
-                        raise BusError(
-                            f"the audit stream {self.subjects.audit_stream()} does not allow "
-                            "direct reads: run lorabus provision (as the operator) once more"
-                        )
-                    else:
-                        description = (msg.headers or {}).get("Description", "")
-                        raise nats.errors.Error(f"reading the audit stream: {status} {description}")
+                    raise
+                status = (msg.headers or {}).get("Status", "")
+                if not status:
+                    found.append(msg)
+                elif status in ("204", "404"):  # the batch's end; nothing (more) stored
+                    return found
+                elif status == "503":
+                    raise BusError(
+                        f"the audit stream {self.subjects.audit_stream()} does not allow "
+                        "direct reads: run lorabus provision (as the operator) once more"
+                    )
+                else:
+                    description = (msg.headers or {}).get("Description", "")
+                    raise nats.errors.Error(f"reading the audit stream: {status} {description}")
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -92,15 +92,29 @@ async def _trail(stack: EmbeddedStack) -> list[TrailRecord]:
     return records
 
 
-@pytest.mark.parametrize("role", [Role.AGENT, Role.AUDITOR, Role.OPERATOR])
+OWN = "its own acks and events"
+"""What an agent publishes into the fleet's account, where the audit stream
+stores it: with a reply subject, JetStream would answer "stored" there."""
+
+
+@pytest.mark.parametrize(
+    ("role", "what"),
+    [
+        (Role.AGENT, "JetStream calls"),
+        (Role.AUDITOR, "JetStream calls"),
+        (Role.OPERATOR, "JetStream calls"),
+        (Role.AGENT, OWN),
+    ],
+)
 async def test_no_jetstream_answer_can_be_aimed_into_the_fleet(
-    stack: EmbeddedStack, role: Role, make_adapter: Callable[[int], str]
+    stack: EmbeddedStack, role: Role, what: str, make_adapter: Callable[[int], str]
 ) -> None:
     assert stack.client is not None
     s = Subjects(fleet=stack.fleet_name)
     first = await stack.client.update("policy", make_adapter(1), version=1, timeout_s=30)
     assert first.committed, first.error
-    calls = _calls(role, s)
+    own = [s.ack("w000"), s.agent_event("w000", "reconciled")]
+    calls = [(subject, b"{}") for subject in own] if what == OWN else _calls(role, s)
     assert calls, f"{role} makes no JetStream call: nothing was tried"
 
     coordinator = await stack.bus_as(Role.COORDINATOR).connect("test-observer")
@@ -128,14 +142,22 @@ async def test_no_jetstream_answer_can_be_aimed_into_the_fleet(
             for subject, body in calls:
                 for aim in _aims(s):
                     await attacker.nc.publish(subject, body, reply=aim)
-            # Proof that JetStream does answer these calls (a direct get of a
-            # bucket that allows none has no responder, and so no deputy).
-            answered = []
-            for subject, body in calls:
-                with contextlib.suppress(nats.errors.NoRespondersError):
-                    await attacker.nc.request(subject, body, timeout=10)
-                    answered.append(subject)
-            assert answered, "JetStream answered none of the calls: nothing was tried"
+            if what == OWN:
+                # Once the trail holds them all, any "stored" answer went out.
+                await attacker.nc.flush()
+                wanted = len(calls) * len(_aims(s)) + max(r.seq for r in trail_before)
+                async with asyncio.timeout(30):
+                    while max(r.seq for r in await _trail(stack)) < wanted:  # noqa: ASYNC110
+                        await asyncio.sleep(0.1)
+            else:
+                # Proof that JetStream does answer these calls (a direct get of a
+                # bucket that allows none has no responder, and so no deputy).
+                answered = []
+                for subject, body in calls:
+                    with contextlib.suppress(nats.errors.NoRespondersError):
+                        await attacker.nc.request(subject, body, timeout=10)
+                        answered.append(subject)
+                assert answered, "JetStream answered none of the calls: nothing was tried"
             assert attacker.refusals() == [], "the attack made only calls the role may make"
 
         assert heard == [], [m.subject for m in heard]
@@ -154,8 +176,8 @@ async def test_no_jetstream_answer_can_be_aimed_into_the_fleet(
         await close(other)
         await close(coordinator)
 
-    # Nothing reached the audit stream: every record past the attack is the fleet's own.
+    # Nothing reached the audit stream but what the attacker may publish itself.
     new = [r for r in await _trail(stack) if r.seq > max(r.seq for r in trail_before)]
-    assert [r for r in new if r.poison] == []
+    assert [r.subject for r in new if r.poison and r.subject not in own] == []
     second = await stack.client.update("policy", make_adapter(2), version=2, timeout_s=30)
     assert second.committed, second.error

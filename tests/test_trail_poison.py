@@ -7,6 +7,7 @@ Everything runs against a real nats-server, the commands as processes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import tempfile
@@ -64,11 +65,18 @@ async def _publish_poisoned_trail(url: str, fleet: str) -> Published:
     assert provisioned.returncode == 0, provisioned
     s = Subjects(fleet=fleet)
     nc = await connect(url, name="test-poisoner")
-    js = nc.jetstream()
     published = Published(good={}, poison={}, mismatch=0)
 
+    stored = 0
+
     async def put(subject: str, payload: bytes) -> int:
-        return int((await js.publish(subject, payload)).seq)
+        # The audit stream sends no "stored" answers (an ack's reply subject
+        # could aim one into the fleet): one publisher, so sequences count up.
+        nonlocal stored
+        await nc.publish(subject, payload)
+        await nc.flush()
+        stored += 1
+        return stored
 
     async def good(subject: str, message: msgspec.Struct, tag: str) -> None:
         published.good[await put(subject, encode(message))] = tag
@@ -113,6 +121,10 @@ async def _publish_poisoned_trail(url: str, fleet: str) -> Published:
             LeaderElected(ts=2.0, source="coordinator", holder="c2", epoch=2),
             "leader_elected",
         )
+        # Every message published is stored, in order, before anyone reads.
+        async with asyncio.timeout(10):
+            while (await nc.jetstream().stream_info(s.audit_stream())).state.last_seq < stored:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
     finally:
         await close(nc)
     return published
