@@ -123,3 +123,16 @@ def make_stack(nats_url: str, fleet_name: str) -> Callable[..., EmbeddedStack]:
         return EmbeddedStack(world_sizes, fleet=fleet_name, nats_url=nats_url, **settings)
 
     return make
+
+
+@pytest.fixture(params=["nkey", "jwt"])
+async def secured_stack(
+    request: pytest.FixtureRequest, fleet_name: str
+) -> AsyncIterator[EmbeddedStack]:
+    """A two-worker stack on its own nats-server, every process as its own
+    identity: the static configuration of ``auth init``, and its operator/JWT
+    form (``--method jwt``)."""
+    async with EmbeddedStack(
+        [1, 1], fleet=fleet_name, secure=True, auth_method=request.param, heartbeat_s=0.2
+    ) as started:
+        yield started

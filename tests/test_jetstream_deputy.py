@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
@@ -34,14 +34,9 @@ from lorabus.testbed.stack import EmbeddedStack
 WORKERS = ("w000", "w001")
 
 
-@pytest.fixture(params=["nkey", "jwt"])
-async def stack(request: pytest.FixtureRequest, fleet_name: str) -> AsyncIterator[EmbeddedStack]:
-    """A secured stack: the static configuration of ``auth init``, and its
-    operator/JWT form."""
-    async with EmbeddedStack(
-        [1, 1], fleet=fleet_name, secure=True, auth_method=request.param, heartbeat_s=0.2
-    ) as started:
-        yield started
+@pytest.fixture
+def stack(secured_stack: EmbeddedStack) -> EmbeddedStack:
+    return secured_stack
 
 
 def _aims(s: Subjects) -> list[str]:

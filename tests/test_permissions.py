@@ -9,7 +9,7 @@ thing a role must do still works.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 from secured import watched
@@ -26,16 +26,6 @@ WORKERS = ("w000", "w001")
 FORGED_PAUSE = PauseCommand(
     update_id="forged", targets=list(WORKERS), budget_s=30, epoch=1_000_000, lease_s=0
 )
-
-
-@pytest.fixture(params=["nkey", "jwt"])
-async def stack(request: pytest.FixtureRequest, fleet_name: str) -> AsyncIterator[EmbeddedStack]:
-    """A secured stack: the static configuration of ``auth init``, and its
-    operator/JWT form."""
-    async with EmbeddedStack(
-        [1, 1], fleet=fleet_name, secure=True, auth_method=request.param, heartbeat_s=0.2
-    ) as started:
-        yield started
 
 
 def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, list[str]]:
@@ -96,6 +86,11 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
 
 
 _HEAR_HEARTBEATS = (Role.ORCHESTRATOR, Role.OPERATOR)
+
+
+@pytest.fixture
+def stack(secured_stack: EmbeddedStack) -> EmbeddedStack:
+    return secured_stack
 
 
 @pytest.mark.parametrize(
