@@ -1287,6 +1287,7 @@ class Coordinator:
                 rank_offset=offsets.get(wid),
                 ready=m.heartbeat.ready,
                 unready_reason=m.heartbeat.unready_reason,
+                unreadable_state=m.heartbeat.unreadable_state,
             )
             for wid, m in sorted(live.items())
         ]

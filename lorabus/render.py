@@ -153,8 +153,10 @@ def heartbeat_view_text(view: HeartbeatView) -> str:
 
 def member_warnings(members: Sequence[MemberStatus], *, update_in_flight: bool) -> list[str]:
     """One ``WARNING`` line per member that needs a look: an engine paused while no
-    update is in flight (nobody will resume it but its agent's pause lease), and
-    an engine not ready (its agent has not brought it to the committed state)."""
+    update is in flight (nobody will resume it but its agent's pause lease), an
+    engine not ready (its agent has not brought it to the committed state), and
+    an agent that ignores a fleet state record it cannot trust (garbage, or not
+    sealed by the fleet's key)."""
     lines = []
     for m in members:
         if m.paused and not update_in_flight:
@@ -166,6 +168,10 @@ def member_warnings(members: Sequence[MemberStatus], *, update_in_flight: bool) 
             lines.append(
                 f"WARNING: {m.worker_id} is not ready (its agent has not brought the engine "
                 "to the committed state)"
+            )
+        if m.unreadable_state:
+            lines.append(
+                f"WARNING: {m.worker_id} ignores fleet state it cannot trust: {m.unreadable_state}"
             )
     return lines
 

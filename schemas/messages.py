@@ -483,6 +483,9 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     ready: bool = True
     unready_reason: str = ""
     """From its last heartbeat: why it cannot load the committed adapter."""
+    unreadable_state: str = ""
+    """From its last heartbeat: the fleet state records in KV its agent
+    ignores (unsealed, or not decoding), and why."""
 
 
 class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):

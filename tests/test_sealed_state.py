@@ -20,10 +20,13 @@ from nats.aio.msg import Msg
 
 from lorabus.agents import AgentConfig
 from lorabus.bus import close
+from lorabus.render import status_text
 from lorabus.roles import Role
 from lorabus.schemas import (
+    FleetStatus,
     Heartbeat,
     LeaderRecord,
+    MemberStatus,
     PauseCommand,
     Subjects,
     encode,
@@ -150,3 +153,18 @@ def _leader(opener: CommandVerifier, value: bytes | None) -> LeaderRecord | None
         return leader_decoder.decode(opener.open_record("leader", value or b""))
     except ValueError:
         return None
+
+
+def test_status_warns_of_a_member_that_ignores_state_it_cannot_trust() -> None:
+    why = "leader: not sealed by the fleet's signing key"
+    member = MemberStatus(
+        worker_id=WORKER,
+        world_size=1,
+        engine="dynamo",
+        paused=False,
+        adapters=[],
+        heartbeat_age_s=0.1,
+        unreadable_state=why,
+    )
+    status = FleetStatus(fleet="f", expected_world_size=1, live_world_size=1, members=[member])
+    assert f"WARNING: {WORKER} ignores fleet state it cannot trust: {why}" in status_text(status)
