@@ -2,7 +2,7 @@
 
 What ``nsc`` writes for an operator-managed deployment: an operator key that
 signs account JWTs, account keys that sign user JWTs, and per user a
-``.creds`` file (its JWT and its nkey seed). ``lorabus auth init --form jwt``
+``.creds`` file (its JWT and its nkey seed). ``lorabus auth init --method jwt``
 writes a fleet's this way, so that it runs on a server that trusts the
 operator (or is imported into an existing ``nsc`` setup) with the same
 accounts and permissions as the static configuration.
