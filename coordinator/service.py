@@ -81,6 +81,7 @@ from lorabus.coordinator.plan import (
 )
 from lorabus.coordinator.store import COMMITTED as COMMITTED_KEY
 from lorabus.coordinator.store import INFLIGHT, CorruptRecord, FleetStore
+from lorabus.coordinator.streams import unsafe_settings
 from lorabus.errors import (
     BadRequest,
     LeadershipLost,
@@ -284,6 +285,7 @@ class Coordinator:
                 term.create_task(election.hold())
                 term.create_task(self._lead(nc, store, runner, bus))
                 term.create_task(self._watch_members(bus))
+                term.create_task(self._check_streams(nc, bus))
         except* LeadershipLost as lost:
             log.warning("epoch=%d stepped down: %s", self.epoch, lost.exceptions[0])
             if any(isinstance(exc, SteppedAside) for exc in lost.exceptions):
@@ -1146,6 +1148,14 @@ class Coordinator:
         if bus is not None:
             subject = f"$KV.{self.subjects.state_bucket()}.{corrupt.key}"
             await self._emit_bad(bus, subject, error, 0)
+
+    async def _check_streams(self, nc: NatsClient, bus: CommandBus) -> None:
+        """Log and audit (``bad_message``) each setting of the fleet's streams
+        that lorabus would not have made: no lorabus role may change them, so
+        one found is the work of another hand (docs/security.md)."""
+        for stream, problem in await unsafe_settings(nc.jetstream(), self.config):
+            log.error("epoch=%d %s", self.epoch, problem)
+            await self._emit_bad(bus, f"$JS.API.STREAM.INFO.{stream}", problem, 0)
 
     def _highest_epoch_seen(self) -> int:
         """The highest epoch the live agents' heartbeats say they have seen."""

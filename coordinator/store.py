@@ -26,11 +26,11 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
-from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from lorabus.coordinator.config import StorageConfig
+from lorabus.coordinator.streams import provision
 from lorabus.errors import LostRace, StoreUnavailable
 from lorabus.schemas import (
     CommittedRecord,
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _CALL_DEADLINE_S = 5.0
-RESULTS_KEPT_S = 24 * 3600.0
 _STORED_RESULT_MAX_BYTES = 64 * 1024 * 1024
 """nats-server's largest max_payload: a stored result is as large as the
 server allowed when it was written (only coordinators may write results);
@@ -261,62 +260,11 @@ class FleetStore:
             raise StoreUnavailable(f"cannot write {key}: {exc!r}") from exc
 
 
-async def provision(nc: NatsClient, config: StorageConfig) -> None:
-    """Create the fleet's KV buckets and audit stream, or bring their limits to
-    ``config``: the operator's job (``lorabus provision``). The audit stream
-    refuses delete and purge, so nobody erases the trail through the API."""
-    subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
-    js = nc.jetstream()
-    for bucket, ttl in (
-        (subjects.state_bucket(), None),
-        (subjects.results_bucket(), RESULTS_KEPT_S),
-    ):
-        await js.create_key_value(
-            KeyValueConfig(
-                bucket=bucket,
-                history=1,
-                storage=StorageType.FILE,
-                replicas=config.kv_replicas,
-                ttl=ttl,
-            )
-        )
-    await _ensure_stream(
-        js,
-        StreamConfig(
-            name=subjects.audit_stream(),
-            subjects=subjects.audited(),
-            storage=StorageType.FILE,
-            retention=RetentionPolicy.LIMITS,
-            max_age=config.audit_max_age_s,
-            max_bytes=config.audit_max_bytes,
-            num_replicas=config.kv_replicas,
-            deny_delete=True,
-            deny_purge=True,
-            # The auditor reads it message by message (lorabus/tap.py): no consumer.
-            allow_direct=True,
-            # No "stored" answers: an agent's ack or event keeps the reply
-            # subject it was published with, and JetStream would answer there,
-            # in the fleet's account (a KV key, say), with its own rights.
-            no_ack=True,
-        ),
-    )
-
-
 async def _bind(js: JetStreamContext, subjects: Subjects) -> tuple[KeyValue, KeyValue]:
     return (
         await js.key_value(subjects.state_bucket()),
         await js.key_value(subjects.results_bucket()),
     )
-
-
-async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    """Create the stream, or bring an existing one's limits to ``config``."""
-    try:
-        await js.stream_info(config.name or "")
-    except nats.js.errors.NotFoundError:
-        await js.add_stream(config)
-        return
-    await js.update_stream(config)
 
 
 def result_key(update_id: str) -> str:

@@ -15,11 +15,13 @@ Least privilege, one identity per process:
 - **auditor**: reads the audit stream, message by message (direct gets): it
   creates no consumer, since a consumer's deliver subject would let it have
   JetStream publish stored commands wherever it names.
-- **operator**: creates the buckets and the audit stream, and changes their
-  limits; asks the coordinator to reset an adapter's committed state (and for
-  the fleet's status, and hears the heartbeats as the orchestrator does). The
-  stream refuses delete and purge, so no role can erase the trail, and no
-  running role may change its limits.
+- **operator**: creates the buckets and the audit stream; asks the
+  coordinator to reset an adapter's committed state (and for the fleet's
+  status, and hears the heartbeats as the orchestrator does). No role may
+  change a stream's configuration: whoever may can aim JetStream (republish
+  onto a KV key, seal a bucket, answer acks); a creation where the stream
+  exists with another configuration is refused by the server. The stream
+  refuses delete and purge, so no role can erase the trail.
 
 Of the inboxes, everyone hears only its own (its own inbox prefix), so no role reads
 another's replies. These permissions are what ``lorabus auth init`` writes
@@ -91,6 +93,8 @@ def permissions(
                     subjects.coordinator_event(">"),
                     *kv_reads(subjects.state_bucket(), JS_API),
                     *kv_reads(subjects.results_bucket(), JS_API),
+                    # A new leader checks the streams' settings (coordinator/streams.py).
+                    f"{JS_API}.STREAM.INFO.{subjects.audit_stream()}",
                     f"$KV.{subjects.state_bucket()}.>",
                     f"$KV.{subjects.results_bucket()}.>",
                 ),
@@ -140,7 +144,7 @@ def permissions(
     raise ValueError(f"unknown role {role!r}")
 
 
-_STREAM_ADMIN = ("CREATE", "UPDATE", "INFO")
+_STREAM_ADMIN = ("CREATE", "INFO")
 
 
 def kv_reads(bucket: str, api: str) -> tuple[str, ...]:
@@ -162,8 +166,8 @@ def audit_reads(subjects: Subjects, api: str) -> tuple[str, ...]:
 
 
 def stream_admin(subjects: Subjects, api: str) -> tuple[str, ...]:
-    """The JetStream calls that create the fleet's buckets and audit stream, or
-    change their limits (``lorabus provision``)."""
+    """The JetStream calls that create the fleet's buckets and audit stream
+    (``lorabus provision``): no update, which could aim JetStream."""
     streams = (
         f"KV_{subjects.state_bucket()}",
         f"KV_{subjects.results_bucket()}",

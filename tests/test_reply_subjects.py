@@ -37,7 +37,8 @@ from lorabus.bus import Bus, close, connect
 from lorabus.bus_options import BusOptions, inbox_prefix_for, public_key_of
 from lorabus.coordinator.bus import reply_refusal
 from lorabus.coordinator.config import StorageConfig
-from lorabus.coordinator.store import FleetStore, provision, result_key
+from lorabus.coordinator.store import FleetStore, result_key
+from lorabus.coordinator.streams import provision
 from lorabus.roles import Role, permissions
 from lorabus.schemas import (
     ResetRequest,

@@ -62,6 +62,19 @@ async def test_every_process_on_its_own_identity_commits_and_no_secret_shows(
         "provision", "--nats", url, "--fleet", fleet_name, env=_as(auth_dir / "operator")
     )
     assert operator.returncode == 0, operator
+    # Once set up, the fleet's streams are the operator's to create, not to change.
+    again = await run_lorabus(
+        "provision",
+        "--nats",
+        url,
+        "--fleet",
+        fleet_name,
+        "--audit-max-bytes",
+        "1048576",
+        env=_as(auth_dir / "operator"),
+    )
+    assert again.returncode == 1, again
+    assert "may not change a stream's configuration" in again.stderr, again
     sim = await start_sim(WORLD_SIZES)
     coordinator = CoordinatorConfig(
         fleet=fleet_name,

@@ -132,18 +132,26 @@ def auth_init(
 @config_options(StorageConfig, STORAGE_FLAGS)
 def provision(nats_url: str, bus: BusOptions, fleet: str, **settings: Any) -> None:
     """Create the fleet's KV buckets and audit stream (which refuses delete and
-    purge), or bring their limits to these; run once, as the fleet's operator."""
+    purge); run once, as the fleet's operator. Where they exist with other
+    settings, only an identity that may change a stream's configuration (a
+    server without roles) brings them to these."""
     from lorabus.bus import close
-    from lorabus.coordinator.store import provision as set_up
+    from lorabus.coordinator.streams import StreamChangeRefused
+    from lorabus.coordinator.streams import provision as set_up
 
     config = build_config(StorageConfig, STORAGE_FLAGS, settings, fleet=fleet)
 
     async def go() -> int:
         nc = await Bus(nats_url, bus).connect(f"lorabus-operator-{fleet}")
         try:
-            await set_up(nc, config)
+            changed = await set_up(nc, config)
+        except StreamChangeRefused as exc:
+            click.echo(f"error: {exc}", err=True)
+            return 1
         finally:
             await close(nc)
+        for name in changed:
+            click.echo(f"stream {name}: brought to these settings")
         click.echo(f"fleet {fleet!r}: KV buckets and audit stream ready")
         return 0
 

@@ -31,7 +31,7 @@ from lorabus.bus_options import BusOptions
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
 from lorabus.coordinator.config import StorageConfig
-from lorabus.coordinator.store import provision
+from lorabus.coordinator.streams import provision
 from lorabus.errors import StartFailed
 from lorabus.roles import Role
 from lorabus.schemas import Subjects

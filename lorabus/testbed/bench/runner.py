@@ -41,7 +41,7 @@ from lorabus.bus_options import BusOptions, identity_env
 from lorabus.cli.flags import agent_args, coordinator_args
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig, StorageConfig
-from lorabus.coordinator.store import provision
+from lorabus.coordinator.streams import provision
 from lorabus.errors import NoCoordinator
 from lorabus.roles import Role
 from lorabus.schemas import Subjects, UpdateMode

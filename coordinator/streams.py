@@ -1,0 +1,166 @@
+"""The fleet's streams: the two KV buckets' and the audit stream, as lorabus
+sets them up, and the check of what another hand may have changed.
+
+Whoever may change a stream's configuration may aim JetStream: make it
+republish what it stores onto a KV key, take stored commands from another
+stream (``sources``), seal a bucket, or answer "stored" onto an ack's reply
+subject. So the operator may create the streams (a creation where the stream
+already exists with another configuration is refused by the server), and no
+lorabus role may change them (docs/security.md, "The fleet's streams"). A
+leader checks them when it takes office and reports what it would not have
+set (:func:`unsafe_settings`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+
+from lorabus.coordinator.config import StorageConfig
+from lorabus.schemas import Subjects
+
+RESULTS_KEPT_S = 24 * 3600.0
+_CALL_DEADLINE_S = 5.0
+_NAME_IN_USE = 10058
+"""JetStream's error code for a creation whose stream exists with another
+configuration."""
+_KV_DUPLICATE_WINDOW_S = 120.0
+
+
+class StreamChangeRefused(Exception):
+    """Raised when a fleet's stream exists with other settings than those asked
+    for, and this identity may not change them."""
+
+
+def fleet_streams(config: StorageConfig) -> tuple[StreamConfig, ...]:
+    """The state bucket's stream, the results bucket's and the audit stream,
+    as :func:`provision` creates them. The buckets' are what nats-py's
+    ``create_key_value`` makes of a one-value history, so that a bucket made
+    either way is the same to the server."""
+    subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
+    buckets = tuple(
+        StreamConfig(
+            name=f"KV_{bucket}",
+            subjects=[f"$KV.{bucket}.>"],
+            allow_rollup_hdrs=True,
+            allow_msg_ttl=True,
+            deny_delete=True,
+            discard=DiscardPolicy.NEW,
+            duplicate_window=min(_KV_DUPLICATE_WINDOW_S, ttl or _KV_DUPLICATE_WINDOW_S),
+            max_age=ttl,
+            max_consumers=-1,
+            max_msgs=-1,
+            max_msgs_per_subject=1,
+            num_replicas=config.kv_replicas,
+            storage=StorageType.FILE,
+        )
+        for bucket, ttl in (
+            (subjects.state_bucket(), None),
+            (subjects.results_bucket(), RESULTS_KEPT_S),
+        )
+    )
+    audit = StreamConfig(
+        name=subjects.audit_stream(),
+        subjects=subjects.audited(),
+        storage=StorageType.FILE,
+        retention=RetentionPolicy.LIMITS,
+        max_age=config.audit_max_age_s,
+        max_bytes=config.audit_max_bytes,
+        num_replicas=config.kv_replicas,
+        # Nobody erases the trail through the API.
+        deny_delete=True,
+        deny_purge=True,
+        # The auditor reads it message by message (lorabus/tap.py): no consumer.
+        allow_direct=True,
+        # No "stored" answers: an agent's ack or event keeps the reply
+        # subject it was published with, and JetStream would answer there,
+        # in the fleet's account (a KV key, say), with its own rights.
+        no_ack=True,
+    )
+    return (*buckets, audit)
+
+
+async def provision(nc: NatsClient, config: StorageConfig) -> list[str]:
+    """Create the fleet's streams where they do not exist, and bring those that
+    do to ``config`` where this identity may (a server without roles); return
+    the names of the streams changed. Raise :class:`StreamChangeRefused` when
+    one differs and this identity may not change it (the operator's)."""
+    js = nc.jetstream()
+    changed = []
+    for stream in fleet_streams(config):
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                # A creation is a no-op where the stream is already so.
+                await js.add_stream(stream)
+            continue
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != _NAME_IN_USE:
+                raise
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                await js.update_stream(stream)
+        except (TimeoutError, nats.errors.NoRespondersError) as exc:
+            # A permissions violation has no answer: the request times out.
+            raise StreamChangeRefused(
+                f"stream {stream.name} exists with other settings, and this identity may "
+                "not change a stream's configuration (whoever may could aim JetStream at the "
+                "fleet's state): see docs/security.md, 'The fleet's streams'"
+            ) from exc
+        changed.append(str(stream.name))
+    return changed
+
+
+# Each would have JetStream write or answer somewhere else, or let the trail
+# (or a bucket) be erased or frozen.
+_ABSENT = ("republish", "sources", "mirror", "subject_transform")
+_GUARDED = (
+    "subjects",
+    *_ABSENT,
+    "sealed",
+    "deny_delete",
+    "no_ack",
+    "allow_msg_schedules",
+    "mirror_direct",
+)
+_AUDIT_GUARDED = ("deny_purge", "allow_direct", "allow_msg_ttl")
+
+
+def _setting(field: str, value: Any) -> Any:
+    """A setting as compared: unset flags are off, empty lists absent."""
+    if field == "subjects":
+        return sorted(value or [])
+    if field in _ABSENT:
+        return value or None
+    return bool(value)
+
+
+async def unsafe_settings(js: JetStreamContext, config: StorageConfig) -> list[tuple[str, str]]:
+    """What of the fleet's streams is set otherwise than lorabus sets it, in
+    the settings that decide where JetStream writes and answers and whether
+    the trail can be erased: (stream, what) for each. A stream that cannot be
+    read is said so too."""
+    found = []
+    streams = fleet_streams(config)
+    audit_name = streams[-1].name
+    for canonical in streams:
+        name = str(canonical.name)
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                info = await js.stream_info(name)
+        except (TimeoutError, nats.errors.Error) as exc:
+            found.append((name, f"stream {name} could not be read: {exc!r}"[:256]))
+            continue
+        for field in (*_GUARDED, *(_AUDIT_GUARDED if name == audit_name else ())):
+            wanted = _setting(field, getattr(canonical, field))
+            actual = _setting(field, getattr(info.config, field, None))
+            if actual != wanted:
+                found.append(
+                    (name, f"stream {name}: {field} is {actual!r}, lorabus sets {wanted!r}")
+                )
+    return found
