@@ -6,7 +6,7 @@ under the test's tmp dir, and stops every one of them on exit, also when the
 test fails: SIGTERM, then SIGKILL after a deadline, and always a wait, so no
 child outlives its test (see :mod:`lorabus.testbed.child_processes`). The ``processes``
 fixture of ``conftest.py`` gives each test one. Command lines come from
-configs (:mod:`lorabus.cli.flags`), as the testbed builds them.
+configs (:mod:`lorabus.service_flags`), as the testbed builds them.
 
 :func:`run_lorabus` runs one short-lived command (``update``, ``status``,
 ``schema``) to completion with a deadline. :func:`wait_live_workers` polls a
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorabus.agents import AgentConfig
-from lorabus.cli.flags import agent_args, coordinator_args
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.errors import NoCoordinator
 from lorabus.schemas import FleetStatus, UpdateMode
+from lorabus.service_flags import agent_args, coordinator_args
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.child_processes import LORABUS, ChildGroup, ChildProcess, child_env
 

@@ -21,6 +21,8 @@ FORBIDDEN = {
     "coordinator": ("lorabus.agents", "lorabus.cli", "lorabus.testbed", "lorabus.simfleet"),
     "simfleet": ("lorabus.agents", "lorabus.coordinator", "lorabus.cli", "lorabus.testbed"),
     "lorabus": ("lorabus.testbed", "lorabus.simfleet"),  # the product, less its dev tools
+    # The CLI starts the testbed, never the other way round.
+    "lorabus/testbed": ("lorabus.cli",),
 }
 #: The CLI modules of the development tools start them (lazily, inside the commands).
 DEV_COMMANDS = {"lorabus/cli/demo.py", "lorabus/cli/measure.py"}

@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 from processes import Processes, wait_live_workers
 
 from lorabus.agents import AgentConfig
-from lorabus.cli.flags import agent_args, coordinator_args
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
+from lorabus.service_flags import agent_args, coordinator_args
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.child_processes import LORABUS, ChildProcess, child_env
 

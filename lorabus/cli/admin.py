@@ -13,9 +13,9 @@ import click
 from lorabus.bus import Bus
 from lorabus.bus_options import BusOptions
 from lorabus.cli.common import bus_options, fleet_option, run, subjects_of
-from lorabus.cli.flags import COORDINATOR_FLAGS, build_config, config_options
 from lorabus.coordinator.config import StorageConfig
 from lorabus.operator import RESET_TIMEOUT_S
+from lorabus.service_flags import COORDINATOR_FLAGS, build_config, config_options
 
 STORAGE_FLAGS = tuple(f for f in COORDINATOR_FLAGS if f.field in StorageConfig.__struct_fields__)
 

@@ -1,7 +1,7 @@
 """The serving processes: ``lorabus agent`` (one per worker) and ``lorabus coordinator``.
 
 Both run until SIGTERM or SIGINT, and take their settings from the tables in
-:mod:`lorabus.cli.flags`.
+:mod:`lorabus.service_flags`.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from lorabus.agents.config import AgentConfig
 from lorabus.bus import Bus
 from lorabus.bus_options import BusOptions
 from lorabus.cli.common import auth_options, bus_options, fleet_option, headers_from, log, run
-from lorabus.cli.flags import (
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.event_loop import serving_loop_factory, settle_collector
+from lorabus.metrics_http import serving
+from lorabus.service_flags import (
     AGENT_FLAGS,
     COORDINATOR_FLAGS,
     Flag,
     build_config,
     config_options,
 )
-from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.event_loop import serving_loop_factory, settle_collector
-from lorabus.metrics_http import serving
 
 _Config = TypeVar("_Config", AgentConfig, CoordinatorConfig)
 

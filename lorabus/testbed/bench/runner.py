@@ -38,13 +38,13 @@ from lorabus.agents.config import AgentConfig
 from lorabus.auth_init import FleetAuth, write_fleet_auth
 from lorabus.bus import close, connect
 from lorabus.bus_options import BusOptions, identity_env
-from lorabus.cli.flags import agent_args, coordinator_args
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig, StorageConfig
 from lorabus.coordinator.streams import provision
 from lorabus.errors import NoCoordinator
 from lorabus.roles import Role
 from lorabus.schemas import Subjects, UpdateMode
+from lorabus.service_flags import agent_args, coordinator_args
 from lorabus.simfleet.identity import numbered_worker_ids
 from lorabus.testbed.bench.children import Child, ChildFailed, Children
 from lorabus.testbed.bench.config import BenchConfig

@@ -21,10 +21,10 @@ from types import TracebackType
 import nats.errors
 
 from lorabus.agents.config import AgentConfig
-from lorabus.cli.flags import agent_args, coordinator_args
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.errors import NoCoordinator, StartFailed
+from lorabus.service_flags import agent_args, coordinator_args
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.chaos.config import FleetSettings
 from lorabus.testbed.chaos.procs import Child, ProcessGroup
