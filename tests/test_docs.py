@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from lorabus.agents import AgentConfig
-from lorabus.cli.flags import AGENT_FLAGS, COORDINATOR_FLAGS
+from lorabus.service_flags import AGENT_FLAGS, COORDINATOR_FLAGS
 from lorabus.cli.main import main
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.roles import Role, permissions
