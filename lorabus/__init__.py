@@ -38,7 +38,9 @@ from lorabus.schemas import (
     MemberStatus,
     RankEntry,
     RankMap,
+    UpdateMode,
     UpdateResult,
+    UpdateStatus,
     WorkerOutcome,
 )
 
@@ -63,7 +65,9 @@ __all__ = [
     "RankMap",
     "StaleVersion",
     "UpdateClient",
+    "UpdateMode",
     "UpdateResult",
+    "UpdateStatus",
     "WorkerOutcome",
     "__version__",
 ]

@@ -289,9 +289,10 @@ class UpdateClient:
         )
 
     async def result(self, update_id: str, *, timeout_s: float = STATUS_TIMEOUT_S) -> UpdateResult:
-        """The outcome of an earlier update, by its id alone: its result
-        (``committed`` or ``failed``), ``pending`` while it is queued or runs,
-        ``unknown`` when no coordinator record of it is left (results are
+        """The outcome of an earlier update, by its id alone: a result whose
+        ``status`` (an :class:`~lorabus.UpdateStatus`) is ``committed`` or
+        ``failed`` once it has ended, ``pending`` while it is queued or runs,
+        and ``unknown`` when no coordinator record of it is left (results are
         kept a day). Runs nothing; raises NoCoordinator when nobody answers."""
         request = ResultRequest(update_id=update_id)
         try:

@@ -16,11 +16,11 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     │   ├── PermissionDenied      NATS refused the credentials, a publish or a subscribe
     │   └── InsecureConnection    the link would expose credentials, or the fleet
     ├── NoCoordinator             nobody answered on the fleet's request subjects
+    │   └── AuditStreamMissing    the fleet has no audit stream yet
     ├── Busy                      the coordinator's queue of waiting requests is full
     ├── MalformedReply            a reply to a request was not a valid answer
     ├── DigestMismatch            a worker sees other adapter bytes than the request's digest
     ├── DuplicateWorker           another live agent holds this agent's worker id
-    ├── AuditStreamMissing        the fleet has no audit stream yet
     ├── QuorumNotReached          live world sizes did not reach the expected sum in time
     ├── FrontendUnverified        the frontend did not list an adapter in time
     ├── StoreUnavailable          the fleet's KV store could not be read or written in time
@@ -36,6 +36,17 @@ and ``MalformedReply`` from either call when what answered sent something that
 does not decode; ``update()`` returns a failed result instead of raising, and
 :meth:`LorabusError.from_info` turns that result's error into the matching
 exception for code that prefers raising.
+
+Each code belongs to one class, the one that sets ``code``: that is what
+:meth:`LorabusError.from_info` returns for it, and the map from code to class
+is read from the classes. A code no class sets (``phase_timeout``, say) comes
+back as the root carrying that code. A class that sets none is a finer kind
+of its parent and crosses the bus as the parent's code: ``StaleMembership`` as
+``stale_version``, ``AuditStreamMissing`` as ``no_coordinator``,
+``MalformedReply`` and ``StartFailed`` as the root's ``internal``.
+``BusError`` sets none either (each of its subclasses is a code of its own),
+and ``InsecureConnection`` is a ``BadRequest`` as well as a ``BusError``: an
+option that cannot be used as given, it crosses the bus as ``bad_request``.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ __all__ = [
     "BusError",
     "BusUnreachable",
     "Busy",
+    "DigestMismatch",
     "DuplicateWorker",
     "EngineError",
     "ErrorCode",
@@ -63,10 +75,12 @@ __all__ = [
     "NotListed",
     "PermissionDenied",
     "QuorumNotReached",
+    "StaleMembership",
     "StaleVersion",
     "StartFailed",
     "SteppedAside",
     "StoreUnavailable",
+    "TorchMissing",
 ]
 
 
@@ -132,8 +146,6 @@ class NotListed(EngineError):
 class BusError(LorabusError):
     """Raised when NATS cannot be used."""
 
-    code = ErrorCode.BUS_UNREACHABLE
-
 
 class BusUnreachable(BusError):
     """Raised when the first connection to NATS cannot be made in time."""
@@ -147,11 +159,9 @@ class PermissionDenied(BusError):
     code = ErrorCode.PERMISSION_DENIED
 
 
-class InsecureConnection(BusError):
+class InsecureConnection(BusError, BadRequest):
     """Raised instead of sending credentials in the clear to a remote host, or of
     connecting to one without any (unless the user allowed it)."""
-
-    code = ErrorCode.BAD_REQUEST
 
 
 class NoCoordinator(LorabusError):
@@ -171,8 +181,6 @@ class MalformedReply(LorabusError):
     """Raised when a reply to a request does not decode as the expected answer:
     whatever answered is not a coordinator of this wire version, or lies."""
 
-    code = ErrorCode.INTERNAL
-
 
 class DigestMismatch(LorabusError):
     """An agent's host shows other bytes at the adapter path than the request's
@@ -187,10 +195,8 @@ class DuplicateWorker(LorabusError):
     code = ErrorCode.DUPLICATE_WORKER
 
 
-class AuditStreamMissing(LorabusError):
+class AuditStreamMissing(NoCoordinator):
     """Raised when the fleet has no audit stream (no coordinator has run yet)."""
-
-    code = ErrorCode.NO_COORDINATOR
 
 
 class QuorumNotReached(LorabusError):
@@ -207,8 +213,6 @@ class FrontendUnverified(LorabusError):
 
 class StoreUnavailable(LorabusError):
     """Raised when the fleet's KV store cannot be read or written in time."""
-
-    code = ErrorCode.INTERNAL
 
 
 class LeadershipLost(LorabusError):
@@ -230,26 +234,27 @@ class SteppedAside(LeadershipLost):
 class StartFailed(LorabusError):
     """Raised when a part of the embedded stack or testbed does not start."""
 
-    code = ErrorCode.INTERNAL
-
 
 class NatsServerMissing(StartFailed):
     """Raised when the embedded stack finds no nats-server binary."""
 
 
-_CLASS_OF_CODE: dict[ErrorCode, type[LorabusError]] = {
-    kind.code: kind
-    for kind in (
-        BadRequest,
-        StaleVersion,
-        EngineError,
-        NotListed,
-        BusUnreachable,
-        PermissionDenied,
-        NoCoordinator,
-        Busy,
-        QuorumNotReached,
-        FrontendUnverified,
-        LeadershipLost,
-    )
-}
+def _class_of_code(root: type[LorabusError]) -> dict[ErrorCode, type[LorabusError]]:
+    """Each code set by a class of the tree under ``root``, to that class."""
+    owners: dict[ErrorCode, type[LorabusError]] = {}
+    kinds = [root]
+    while kinds:
+        kind = kinds.pop()
+        kinds.extend(kind.__subclasses__())
+        if "code" in vars(kind) and owners.setdefault(kind.code, kind) is not kind:
+            raise TypeError(
+                f"{owners[kind.code].__name__} and {kind.__name__} both set code {kind.code}"
+            )
+    return owners
+
+
+_CLASS_OF_CODE = _class_of_code(LorabusError)
+"""Read when this module is imported, so it holds the tree drawn above and
+nothing else: a subclass defined elsewhere crosses the bus as the code it
+inherits or sets, and comes back as this tree's class of that code, or as
+the root carrying it."""

@@ -13,12 +13,11 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from lorabus.schemas.messages import (
-    Ack,
-    Command,
-    Event,
+from lorabus.schemas.commands import Command
+from lorabus.schemas.events import Event
+from lorabus.schemas.reports import Ack, Heartbeat
+from lorabus.schemas.requests import (
     FleetStatus,
-    Heartbeat,
     ResetRequest,
     ResetResult,
     ResultRequest,

@@ -19,7 +19,9 @@ def test_the_documented_names_import_from_the_package() -> None:
         LorabusError,
         RankMap,
         UpdateClient,
+        UpdateMode,
         UpdateResult,
+        UpdateStatus,
         __version__,
     )
 

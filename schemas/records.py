@@ -1,0 +1,59 @@
+"""The fleet's durable state in JetStream KV, written by the active coordinator.
+
+A successor reads them to take over (the leader record, what is committed,
+the update in flight); agents read the leader and committed records to
+converge on the committed state. Sealed when the coordinator signs
+(:mod:`lorabus.signing`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from lorabus.schemas.bounds import Epoch, Version
+from lorabus.schemas.rankmap import RankMap
+from lorabus.schemas.wire import Phase
+
+
+class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
+    holder: str
+    epoch: Epoch
+    signing_key: str = ""
+    """The public key this leader signs its commands with ("": it does not sign)."""
+
+
+class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
+    adapter: str
+    version: Version
+    path: str
+    served_name: str
+    rank_map: RankMap
+    lineage: Epoch = 0
+    """The adapter's lineage when this was committed (see ``ResetRequest``)."""
+    digest: str = ""
+    """The content digest the members saw (see ``UpdateResult.digest``)."""
+
+
+class ResetRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The latest reset of an adapter's committed state: its lineage outlives
+    the committed record it removed, for the next commit and a successor."""
+
+    adapter: str
+    lineage: Epoch
+    previous_version: Version
+    previous_path: str
+    reason: str
+    ts: float
+
+
+class InflightRecord(msgspec.Struct, frozen=True, kw_only=True):
+    update_id: str
+    epoch: Epoch
+    phase: Phase
+    adapter: str
+    served_name: str
+    version: Version
+    members: dict[str, int]
+    """The membership snapshot: everyone here may have been told to pause."""
+    path: str = ""
+    """The adapter directory, for the result a successor records."""

@@ -1,0 +1,60 @@
+"""What every wire message shares: the wire version, the tagged base Struct,
+the phases of an update.
+
+The messages themselves are in the module of their kind: :mod:`.commands`
+(coordinator -> agents), :mod:`.reports` (agents -> coordinator: acks and
+heartbeats), :mod:`.requests` (orchestrator and operator <-> coordinator),
+:mod:`.events` (anyone -> the audit tap) and :mod:`.records` (the fleet's
+state in KV). Each subject family has one tagged union (``type`` is the tag)
+so a receiver decodes with one reused Decoder and dispatches with ``match``.
+Every message has a version field ``v``; new fields get defaults and field
+types never change, so an older peer ignores what it does not know (msgspec
+drops unknown fields).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+WIRE_VERSION = 5
+"""2: commands address a pause's cohort and committed notices reach every
+agent; a version-1 agent acts only on commands that name it, so in an
+upgrade the agents go first and the coordinators last.
+3: a pause carries the load that follows it (``PauseCommand.then_load``); a
+version-2 agent only pauses, and loads when the load is sent again by name,
+at its first re-send.
+4: a pause carrying a load may ask for the pause's ack to come with the
+load's (``LoadSpec.ack_hold_s``, ``Ack.with_pause``); a version-3 agent acks
+both on their own, as before.
+5: a command sent to one worker by name names the agent process it is for
+(``instance``), and an agent that checks signatures refuses one of this
+version for another process, or for none, so that no command captured
+before it started can drive it; it takes a named command without one from
+a version-4 coordinator, so in an upgrade the agents still go first."""
+
+INSTANCE_BOUND_SINCE = 5
+"""The wire version from which a command sent by name carries ``instance``."""
+
+
+class Phase(enum.StrEnum):
+    """The phases of one update, in the order they run."""
+
+    QUORUM = "quorum"
+    PAUSE = "pause"
+    LOAD = "load"
+    VERIFY = "verify"
+    RESUME = "resume"
+    UNLOAD = "unload"
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    v: int = WIRE_VERSION
+
+
+def tag_of(message: msgspec.Struct) -> str:
+    """The ``type`` tag a message is sent with (a command's tag is its phase)."""
+    tag = type(message).__struct_config__.tag
+    assert isinstance(tag, str), "every wire message has a string tag"
+    return tag
