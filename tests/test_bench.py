@@ -29,7 +29,7 @@ SIZES = (8, 16)
 UPDATES = 3
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.bench,
     pytest.mark.timeout(200),
     pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc"),
 ]

@@ -38,7 +38,7 @@ def test_the_seed_schedules_every_kind_of_fault() -> None:
     assert {f.kind for f in schedule} == set(ALL_KINDS)
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 @pytest.mark.timeout(90)
 async def test_a_short_chaos_run_breaks_no_invariant(tmp_path: Path) -> None:
     lines: list[str] = []
@@ -63,7 +63,7 @@ async def test_a_short_chaos_run_breaks_no_invariant(tmp_path: Path) -> None:
     assert report.attempted == report.committed + report.failed_cleanly, story
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 @pytest.mark.timeout(90)
 async def test_one_call_made_while_the_leader_is_frozen_gets_a_terminal_result(
     tmp_path: Path,
