@@ -1,9 +1,10 @@
 """Carries out one command on one engine and turns the outcome into an ack.
 
 Kept apart from the bus so the command logic reads as plain async code: the
-agent's bus module feeds commands in, one at a time and in order, and publishes
-what comes out. Commands are idempotent: a pause of a paused engine, a load of
-a loaded name and an unload of a name the engine lacks all succeed.
+agent's command queue (:mod:`lorabus.agents.command_queue`) feeds commands in,
+one at a time and in order, and publishes what comes out. Commands are
+idempotent: a pause of a paused engine, a load of a loaded name and an unload
+of a name the engine lacks all succeed.
 
 A command is trusted no further than this host can check it: before any engine
 call, its served names must follow the coordinator's rule (``bad_request``
@@ -118,6 +119,32 @@ class CommandExecutor:
             duration_s=now() - started,
             epoch=command.epoch,
             digest=self._seen_digest,
+        )
+
+    async def resume_unasked(self) -> None:
+        """Resume the engine outside any command: at an agent's start (a
+        predecessor may have died with it paused) and on its way out."""
+        await self.driver.resume()
+        self.paused = False
+
+    def late_pause_undone(self) -> None:
+        """A resume ran after the lease of an unanswered pause ran out: a pause
+        that landed late is undone, and no other can land now."""
+        self.maybe_paused = False
+
+    def refusal(self, command: PhasedCommand, error: ErrorInfo) -> Ack:
+        """The failed ack of ``command``, refused before it reached the engine,
+        with what this executor last saw of the engine."""
+        return Ack(
+            update_id=command.update_id,
+            phase=phase_of(command),
+            worker_id=self.worker_id,
+            ok=False,
+            world_size=self.world_size,
+            adapters=list(self.adapters),
+            paused=self.paused,
+            error=error,
+            epoch=command.epoch,
         )
 
     async def _run(self, command: PhasedCommand, budget_s: float, *, retire: bool) -> None:
