@@ -1,4 +1,4 @@
-"""Driver for an NVIDIA Dynamo worker's system server (docs/engines.md, Running against NVIDIA Dynamo).
+"""Driver for an NVIDIA Dynamo worker's system server (docs/engines.md).
 
 Every path and payload of Dynamo's LoRA and engine-control API lives here and
 nowhere else: these APIs are experimental upstream and change between releases.
