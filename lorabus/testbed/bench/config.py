@@ -45,7 +45,7 @@ class BenchConfig:
     agent_procs: int = 4
     """Agent host processes the fleet's agents are spread over."""
     heartbeat_s: float | None = None
-    """Agents' heartbeat interval; default max(1, N/128) (see the README)."""
+    """Agents' heartbeat interval; default max(1, N/128) (docs/performance.md)."""
     keep: int | None = None
     """The coordinator's ``--keep``; default every version of the run, so that
     lorabus does the same engine work as the baseline, which unloads nothing."""
