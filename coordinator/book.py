@@ -30,10 +30,14 @@ result names the adapter (or its served name) and the version it ran as, and
 for a committed result whose version is still the adapter's committed one the
 committed record gives its path.
 
+What waits in the queue is the request as checked on arrival
+(:class:`~lorabus.coordinator.plan.CheckedRequest`), which the update loop
+plans when its turn comes.
+
 Results the book decides without running anything (``superseded``, and the
-refusals the service decides at arrival, through :meth:`UpdateBook.settle`)
-are handed to the service through :meth:`UpdateBook.take_settled`, to be
-written to the results bucket and announced like the results of updates run.
+refusals decided at arrival, through :meth:`UpdateBook.settle`) are handed
+over through :meth:`UpdateBook.take_settled`, to be written to the results
+bucket and announced like the results of updates run.
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ import posixpath
 import re
 from collections import OrderedDict
 
+from lorabus.coordinator.plan import CheckedRequest
 from lorabus.errors import BadRequest, Busy
 from lorabus.schemas import (
+    COMMITTED,
     FAILED,
     PENDING,
     CommittedRecord,
@@ -61,6 +67,18 @@ result the bucket did not take is kept here for the whole term instead."""
 _REMEMBERED_REQUESTS = 1024
 """First requests kept beyond their results (at most about 4.5 kB each), so a
 repeated id is checked against its whole content while the term lasts."""
+
+
+def committed_result(request: UpdateRequest, committed: CommittedRecord) -> UpdateResult:
+    """The answer to a request for exactly what is committed."""
+    return UpdateResult(
+        update_id=request.update_id,
+        status=COMMITTED,
+        adapter=committed.served_name,
+        version=committed.version,
+        rank_map=committed.rank_map,
+        path=committed.path,
+    )
 
 
 def failed_result(request: UpdateRequest, error: ErrorInfo) -> UpdateResult:
@@ -86,7 +104,7 @@ class UpdateBook:
         self._unpersisted: dict[str, UpdateResult] = {}
         self._requests: OrderedDict[str, UpdateRequest] = OrderedDict()
         self._pending: dict[str, tuple[UpdateRequest, asyncio.Future[UpdateResult]]] = {}
-        self._queue: list[UpdateRequest] = []
+        self._queue: list[CheckedRequest] = []
         self._queued = asyncio.Event()
         self._settled: list[UpdateResult] = []
         self._closed_with: ErrorInfo | None = None
@@ -123,10 +141,10 @@ class UpdateBook:
             or update_id in self._unpersisted
         )
 
-    def submit(self, request: UpdateRequest) -> asyncio.Future[UpdateResult]:
-        """The future result of ``request``: :meth:`look_up`, else :meth:`enqueue`."""
-        known = self.look_up(request)
-        return known if known is not None else self.enqueue(request)
+    def submit(self, checked: CheckedRequest) -> asyncio.Future[UpdateResult]:
+        """The future result of a request: :meth:`look_up`, else :meth:`enqueue`."""
+        known = self.look_up(checked.request)
+        return known if known is not None else self.enqueue(checked)
 
     def look_up(
         self,
@@ -166,16 +184,17 @@ class UpdateBook:
             return _done(failed_result(request, self._closed_with))
         return None
 
-    def enqueue(self, request: UpdateRequest) -> asyncio.Future[UpdateResult]:
+    def enqueue(self, checked: CheckedRequest) -> asyncio.Future[UpdateResult]:
         """Queue a request of a new id; answers at once the one of a request a
         queued one supersedes, the queued ones it supersedes, and a request that
         finds the queue full (``busy``, not kept)."""
+        request = checked.request
         for queued in self._queue:
-            if _supersedes(queued, request):
-                return self.settle(request, _superseded(request, by=queued))
-        for older in [queued for queued in self._queue if _supersedes(request, queued)]:
+            if _supersedes(queued.request, request):
+                return self.settle(request, _superseded(request, by=queued.request))
+        for older in [queued for queued in self._queue if _supersedes(request, queued.request)]:
             self._queue.remove(older)
-            self._settle(older, _superseded(older, by=request))
+            self._settle(older.request, _superseded(older.request, by=request))
         if len(self._queue) >= self.max_queued:
             busy = Busy(
                 f"{len(self._queue)} update requests already wait behind the one running "
@@ -184,7 +203,7 @@ class UpdateBook:
             return _done(failed_result(request, busy.info()))
         future: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
         self._pending[request.update_id] = (request, future)
-        self._queue.append(request)
+        self._queue.append(checked)
         self._queued.set()
         return future
 
@@ -204,14 +223,14 @@ class UpdateBook:
         """The results bucket now holds the id's result."""
         self._unpersisted.pop(update_id, None)
 
-    async def next_request(self) -> UpdateRequest:
+    async def next_request(self) -> CheckedRequest:
         """Wait for the next request to run."""
         while not self._queue:
             self._queued.clear()
             await self._queued.wait()
-        request = self._queue.pop(0)
-        self.running = request.update_id
-        return request
+        checked = self._queue.pop(0)
+        self.running = checked.update_id
+        return checked
 
     def finish(
         self, request: UpdateRequest, result: UpdateResult, *, persisted: bool = True

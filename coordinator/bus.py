@@ -5,7 +5,7 @@ the membership the moment it takes over); only the leader publishes
 commands. Heartbeats feed the membership, acks go to the gather waiting for
 them through :class:`~lorabus.coordinator.gather.AckRouter` and refresh the
 membership's view of each engine. The lifecycle sees only the
-:class:`~lorabus.coordinator.lifecycle.CommandBus` protocol, which tests also
+:class:`~lorabus.coordinator.ports.CommandBus` protocol, which tests also
 implement in memory.
 
 Nothing a heartbeat or an ack claims is taken on trust: the worker id comes

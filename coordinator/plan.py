@@ -5,6 +5,13 @@ must meet are tested without a bus: name syntax, an absolute path (under the
 configured roots), a version not older than the committed one, and the served
 name for the naming policy.
 
+A request is checked once, as it arrives (:func:`check_request`): what holds
+whatever is committed (its name, its path, its mode). The rest depends on
+the committed state, which may move while the request waits in the queue (a
+version of none means one past the committed one when it runs), so the plan
+is made once, when it runs (:meth:`CheckedRequest.plan`); on arrival only its
+version is checked against what is committed then (:meth:`CheckedRequest.version`).
+
 The roots check resolves symlinks where it can: if the path exists on the
 coordinator's host, its real path must lie under one of the roots' real
 paths; if not, the normalized text must lie under a root, and each agent,
@@ -12,7 +19,7 @@ which checks the path again on its own host, has the last word. The planned
 path stays the requested one (normalized), since hosts may mount adapters
 differently. The look is made only when roots are set, costs a few ``lstat``
 calls, and is isolated in :func:`_visible_realpath`; the coordinator makes it
-off its event loop, under a deadline (:func:`plan_update_off_loop`).
+off its event loop, under a deadline (:func:`check_request_off_loop`).
 """
 
 from __future__ import annotations
@@ -47,14 +54,55 @@ class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
     """Load and verify without pausing any engine (``UpdateMode.LIVE``)."""
 
 
-def plan_update(
-    request: UpdateRequest,
-    config: CoordinatorConfig,
-    committed: CommittedRecord | None,
-    lineage: int = 0,
-) -> UpdatePlan:
-    """Validate ``request`` against the config and the committed state, in the
-    adapter's ``lineage`` (how many times its committed state was reset)."""
+class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """An update request that passed the checks that hold whatever is committed."""
+
+    request: UpdateRequest
+    path: str
+    """The request's path, normalized (and under the adapter roots, if set)."""
+    live: bool
+    """Load and verify without pausing any engine (``UpdateMode.LIVE``)."""
+    replace: bool
+    """Fixed naming: the load replaces what the adapter's own name serves."""
+
+    @property
+    def update_id(self) -> str:
+        return self.request.update_id
+
+    @property
+    def adapter(self) -> str:
+        return self.request.adapter
+
+    def version(self, committed: CommittedRecord | None) -> int:
+        """The version it runs as, against ``committed``: raises StaleVersion
+        for an older one, BadRequest for the committed one from another path."""
+        return _checked_version(self.request, committed, self.path)
+
+    def plan(self, committed: CommittedRecord | None, lineage: int = 0) -> UpdatePlan:
+        """The plan against what is committed now, in the adapter's ``lineage``
+        (how many times its committed state was reset)."""
+        version = self.version(committed)
+        request = self.request
+        return UpdatePlan(
+            update_id=request.update_id,
+            adapter=request.adapter,
+            version=version,
+            path=self.path,
+            served_name=(
+                request.adapter
+                if self.replace
+                else versioned_name(request.adapter, lineage, version)
+            ),
+            replace=self.replace,
+            lineage=lineage,
+            digest=request.digest,
+            live=self.live,
+        )
+
+
+def check_request(request: UpdateRequest, config: CoordinatorConfig) -> CheckedRequest:
+    """Check what ``request`` must meet whatever is committed: its update id
+    and adapter name, its path (under the roots), its mode for the naming."""
     if not request.update_id or len(request.update_id) > 128:
         raise BadRequest("update_id must be 1-128 characters")
     if not _NAME.match(request.adapter) or ".." in request.adapter or "//" in request.adapter:
@@ -68,27 +116,14 @@ def plan_update(
             "which served names use after a reset: choose another name"
         )
     path = _checked_path(request.path, config.adapter_roots)
-    version = _checked_version(request, committed, path)
     live = (request.mode or config.mode) is UpdateMode.LIVE
     if live and config.naming is not Naming.VERSIONED:
         raise BadRequest(
             "live mode needs versioned naming: this coordinator serves fixed names, "
             "which cannot be replaced while engines serve them"
         )
-    if config.naming is Naming.VERSIONED:
-        served_name, replace = versioned_name(request.adapter, lineage, version), False
-    else:
-        served_name, replace = request.adapter, True
-    return UpdatePlan(
-        update_id=request.update_id,
-        adapter=request.adapter,
-        version=version,
-        path=path,
-        served_name=served_name,
-        replace=replace,
-        lineage=lineage,
-        digest=request.digest,
-        live=live,
+    return CheckedRequest(
+        request=request, path=path, live=live, replace=config.naming is not Naming.VERSIONED
     )
 
 
@@ -100,20 +135,17 @@ def versioned_name(adapter: str, lineage: int, version: int) -> str:
     return f"{adapter}-v{version}"
 
 
-async def plan_update_off_loop(
-    request: UpdateRequest,
-    config: CoordinatorConfig,
-    committed: CommittedRecord | None,
-    lineage: int = 0,
-) -> UpdatePlan:
-    """:func:`plan_update`, with its look at the filesystem (made only when
+async def check_request_off_loop(
+    request: UpdateRequest, config: CoordinatorConfig
+) -> CheckedRequest:
+    """:func:`check_request`, with its look at the filesystem (made only when
     roots are set) in a thread under a deadline: a hung network mount must
-    not stall the coordinator's event loop, nor an update forever."""
+    not stall the coordinator's event loop, nor a request forever."""
     if not config.adapter_roots:
-        return plan_update(request, config, committed, lineage)
+        return check_request(request, config)
     try:
         async with asyncio.timeout(RESOLVE_DEADLINE_S):
-            return await asyncio.to_thread(plan_update, request, config, committed, lineage)
+            return await asyncio.to_thread(check_request, request, config)
     except TimeoutError:
         raise BadRequest(
             f"could not resolve adapter path {request.path!r} within {RESOLVE_DEADLINE_S:g} s "
@@ -121,10 +153,10 @@ async def plan_update_off_loop(
         ) from None
 
 
-def is_already_committed(plan: UpdatePlan, committed: CommittedRecord | None) -> bool:
-    return (
-        committed is not None and committed.version == plan.version and committed.path == plan.path
-    )
+def is_committed(committed: CommittedRecord, version: int, path: str) -> bool:
+    """Whether ``committed`` is exactly ``version`` from ``path``: asked for
+    again, it is answered committed without touching an engine."""
+    return (committed.version, committed.path) == (version, path)
 
 
 def retired_names(adapter: str, loaded: set[str], keep: int) -> list[str]:

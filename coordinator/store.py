@@ -13,6 +13,8 @@ decode raises :class:`CorruptRecord`, a StoreUnavailable that also says which
 key and revision hold it: unreadable is not absent (a caller that acted on
 "none" could withdraw a commit), yet a caller that knows what is safe to write
 over it can (the leader record by compare-and-set on that revision).
+Three helpers say how a caller goes on: :func:`until_stored` tries again,
+:func:`quietly` and :func:`or_none` go on without.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import msgspec
@@ -29,6 +33,8 @@ from nats.aio.client import Client as NatsClient
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
+from lorabus.cancellation import raise_if_cancelled
+from lorabus.clock import now
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.streams import provision
 from lorabus.errors import LostRace, StoreUnavailable
@@ -150,8 +156,8 @@ class FleetStore:
 
     async def write_latest(self, record: CommittedRecord) -> None:
         """The fleet's latest commit, which an agent reads when it (re)connects.
-        It may lag the commit point: a successor that finds the update in flight
-        rewrites it (coordinator/service.py)."""
+        Written after the commit point: a successor that finds the update in
+        flight writes it if it lags (coordinator/recovery.py)."""
         await self._put(self._state, COMMITTED, msgspec.json.encode(record))
 
     async def latest_behind(self, adapter: str) -> bool:
@@ -270,3 +276,40 @@ async def _bind(js: JetStreamContext, subjects: Subjects) -> tuple[KeyValue, Key
 def result_key(update_id: str) -> str:
     # Update ids are free text; KV keys are not. A hex digest is a safe key.
     return "r." + hashlib.sha256(update_id.encode()).hexdigest()[:32]
+
+
+async def until_stored(call: Callable[[], Awaitable[_T]], *, for_s: float = math.inf) -> _T:
+    """``call()`` again, after a pause growing from 0.2 s to 5 s, while it
+    raises StoreUnavailable; past ``for_s`` the last such error is raised."""
+    give_up_at = now() + for_s
+    pause = 0.2
+    while True:
+        raise_if_cancelled()
+        try:
+            return await call()
+        except StoreUnavailable as exc:
+            if now() >= give_up_at:
+                raise
+            log.warning("%s; retrying in %.1fs", exc, pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
+
+async def quietly(awaitable: Awaitable[object]) -> bool:
+    """Await a store write whose failure must not stop the fleet (it is logged);
+    False when it failed."""
+    try:
+        await awaitable
+    except StoreUnavailable as exc:
+        log.warning("store: %s", exc)
+        return False
+    return True
+
+
+async def or_none(awaitable: Awaitable[_T]) -> _T | None:
+    """Await a store read; an unreachable store reads as "nothing there" (logged)."""
+    try:
+        return await awaitable
+    except StoreUnavailable as exc:
+        log.warning("store: %s", exc)
+        return None

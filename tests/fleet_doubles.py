@@ -35,9 +35,10 @@ from lorabus.coordinator.alerts import MemberAlerts
 from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.gather import AckRouter
-from lorabus.coordinator.lifecycle import CommandBus, UpdateRunner
+from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
+from lorabus.coordinator.ports import CommandBus
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import FrontendUnverified, LostRace, StoreUnavailable
 from lorabus.schemas import (
@@ -251,16 +252,15 @@ class _Fleet:
 
     def runner(self, **settings: Any) -> UpdateRunner:
         """An update runner of epoch 1 over this fleet; ``settings`` go to the config."""
-        runner = UpdateRunner(
+        return UpdateRunner(
             self.config(**settings),
             self.membership,
             self.frontend,
             self.bus,
             self.journal(),
             CoordinatorMetrics(self.membership, MemberAlerts()),
+            epoch=1,
         )
-        runner.epoch = 1
-        return runner
 
     def journal(self) -> Any:
         raise NotImplementedError

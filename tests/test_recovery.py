@@ -55,8 +55,8 @@ async def _leave_in_flight(
 ) -> None:
     """The store as a leader leaves it when it dies after its update's resume:
     the in-flight record, and the committed ``record`` if it got that far (with
-    ``latest`` False, its commit point only: it died answering; ``result``:
-    and its result had landed)."""
+    ``latest`` False, its commit point only: it died writing the rest, before
+    its answer; ``result``: and its result had landed)."""
     nc = await connect(nats_url, name="test-predecessor")
     try:
         config = CoordinatorConfig(
@@ -110,16 +110,16 @@ async def test_an_update_that_committed_before_its_leader_died_stays_committed(
 
 
 @pytest.mark.parametrize("result_landed", [False, True], ids=["nothing", "the result"])
-async def test_a_commit_whose_leader_died_answering_is_recorded_in_full(
+async def test_a_commit_whose_leader_died_before_answering_is_recorded_in_full(
     result_landed: bool,
     nats_url: str,
     fleet_name: str,
     make_stack: Callable[..., EmbeddedStack],
 ) -> None:
-    """A leader answers a commit once its commit point is written, and writes
-    the result and the fleet's latest record after, together: dying before
-    either (or both) landed, it leaves them to its successor, which writes
-    them from the commit point."""
+    """A leader writes a commit's commit point, then its result and the
+    fleet's latest record together, and answers after: dying before either
+    (or both) landed, it leaves them to its successor, which writes them
+    from the commit point and answers the requester's retry committed."""
     await _leave_in_flight(nats_url, fleet_name, committed=True, latest=False, result=result_landed)
     async with make_stack(list(MEMBERS.values())) as stack:
         assert stack.client is not None
@@ -137,31 +137,63 @@ async def test_a_commit_whose_leader_died_answering_is_recorded_in_full(
     assert in_flight is None, in_flight
 
 
-async def test_a_commit_answered_without_its_commit_point_gets_it_from_a_successor(
+@pytest.mark.parametrize(
+    ("method", "commits"),
+    [("commit", False), ("write_result", True)],
+    ids=["the commit point", "the result"],
+)
+async def test_a_commit_the_store_refuses_for_a_lease_is_left_to_the_next_term(
+    method: str,
+    commits: bool,
     nats_url: str,
     fleet_name: str,
+    make_adapter: Callable[[int], str],
     make_stack: Callable[..., EmbeddedStack],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Its commit point failed before the answer (so its result was stored
-    first) and again after it, and its leader died. The successor writes the
-    commit point from the in-flight record and the result: else the adapter's
-    committed version would go back to the one before, and a request for an
-    older version than the one answered committed would run."""
-    await _leave_in_flight(nats_url, fleet_name, committed=False, result=True)
-    async with make_stack(list(MEMBERS.values())) as stack:
-        assert stack.client is not None and stack.sim is not None
-        await stack.client.status(timeout_s=5)  # answered once recovery is done
-        requests = [r for w in stack.sim.workers.values() for r in w.requests]
-        async with _reading(nats_url, fleet_name) as store:
-            own = await store.read_committed("policy")
-            latest = await store.read_committed()
-            in_flight = await store.read_inflight()
+    """A write of the commit fails for a whole lease, in the first term only.
+    That term answers nothing but ``not_leader``: it steps aside with the
+    update in flight, and whoever leads next (here the same coordinator, two
+    leases later) finishes the commit from its commit point, or, without
+    one, rolls it back. The requester asks again and gets that outcome, so
+    no requester is ever told "committed" of a commit the store lacks."""
+    stacks: list[EmbeddedStack] = []
 
-    assert own is not None, "the commit point was not written"
-    assert (own.served_name, own.version, own.rank_map) == ("policy-v7", 7, COMMITTED_7.rank_map)
-    assert latest == own
+    def in_the_first_term(*_: object) -> bool:
+        return (
+            bool(stacks)
+            and stacks[0].coordinator is not None
+            and (stacks[0].coordinator.epoch == 1)
+        )
+
+    failing = _TimesOut(monkeypatch, method, 1000, in_the_first_term)
+    async with make_stack([1, 1], leader_lease_s=1.0) as stack:
+        stacks.append(stack)
+        assert stack.client is not None and stack.sim is not None
+        answer = await stack.client.update(
+            "policy", make_adapter(1), version=1, update_id="step-1", timeout_s=60
+        )
+        async with _reading(nats_url, fleet_name) as store:
+            recorded = await store.read_result("step-1")
+            own = await store.read_committed("policy")
+            in_flight = await store.read_inflight()
+            leader = (await store.read_leader())[0]
+        held = {w.worker_id: list(w.adapters) for w in stack.sim.workers.values()}
+        paused = [w.worker_id for w in stack.sim.workers.values() if w.paused]
+
+    assert failing.left < 1000, "the write never failed"
+    assert leader is not None and leader.epoch == 2, leader
+    assert recorded is not None and recorded == answer, (recorded, answer)
     assert in_flight is None, in_flight
-    assert not [r for r in requests if r.method == "DELETE"], "a committed version was withdrawn"
+    assert not paused, paused
+    if commits:
+        assert answer.committed, answer.error
+        assert own is not None and own.served_name == "policy-v1", own
+        assert all("policy-v1" in adapters for adapters in held.values()), held
+    else:
+        assert answer.error is not None and answer.error.code == ErrorCode.FAILOVER, answer
+        assert own is None, own
+        assert not any("policy-v1" in adapters for adapters in held.values()), held
 
 
 async def test_a_commit_point_that_cannot_be_read_at_first_is_read_again_not_rolled_back(
@@ -193,32 +225,32 @@ async def test_a_commit_point_that_cannot_be_read_at_first_is_read_again_not_rol
     assert latest == COMMITTED_7, latest
 
 
-async def test_a_result_not_stored_after_its_answer_is_stored_before_the_next_update(
+async def test_a_commit_is_answered_once_a_result_that_failed_at_first_is_stored(
     nats_url: str,
     fleet_name: str,
     make_adapter: Callable[[int], str],
     make_stack: Callable[..., EmbeddedStack],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A commit's result is written after its answer; when that write fails,
-    the update stays in flight for a successor. The next update of the same
-    term would replace that record, so the leader writes the result again
-    first."""
-    failing = _TimesOut(monkeypatch, "write_result", 1, lambda r: r.update_id == "step-1")
+    """A commit's result is written before its answer; when that write fails,
+    it is tried again, and the answer waits for it: once the requester hears
+    "committed", the result is stored and the update no longer in flight, so
+    the next update has nothing to wait for."""
+    failing = _TimesOut(monkeypatch, "write_result", 2, lambda r: r.update_id == "step-1")
     async with make_stack([1, 1]) as stack:
         assert stack.client is not None
         first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
         async with _reading(nats_url, fleet_name) as store:
-            await failing.tried()  # after the answer
-            kept = await store.read_inflight()
+            recorded = await store.read_result("step-1")
+            left = await store.read_inflight()
             second = await stack.client.update(
                 "policy", make_adapter(2), version=2, update_id="step-2"
             )
-            recorded = await store.read_result("step-1")
 
+    assert failing.left == 0
     assert first.committed and second.committed, (first.error, second.error)
-    assert kept is not None and kept.update_id == "step-1", kept
     assert recorded is not None and recorded.committed and recorded.version == 1, recorded
+    assert left is None, left
 
 
 async def test_a_leader_that_cannot_read_what_was_left_gives_the_fleet_to_a_standby(
@@ -287,72 +319,35 @@ async def test_a_leader_that_cannot_read_what_was_left_gives_the_fleet_to_a_stan
     assert rolled_back is not None and not rolled_back.committed, rolled_back
 
 
-async def test_writes_a_commit_still_owes_hold_off_the_next_update_until_they_land(
+async def test_a_recovered_commit_whose_result_failed_at_first_is_stored_before_serving(
     nats_url: str,
     fleet_name: str,
     make_adapter: Callable[[int], str],
     make_stack: Callable[..., EmbeddedStack],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A commit's result fails after its answer and again before the next
-    update: that update is refused with nothing done (it would replace the
-    in-flight record the result can still be rebuilt from), and the one
-    after it, once the store takes the write, runs."""
-    failing = _TimesOut(monkeypatch, "write_result", 2, lambda r: r.update_id == "step-1")
-    async with make_stack([1, 1]) as stack:
-        assert stack.client is not None and stack.sim is not None
-        first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
-        pauses = _pauses(stack)
-        refused = await stack.client.update(
-            "policy", make_adapter(2), version=2, update_id="step-2"
-        )
-        paused_for_refused = _pauses(stack) - pauses
-        third = await stack.client.update("policy", make_adapter(3), version=3, update_id="step-3")
-        async with _reading(nats_url, fleet_name) as store:
-            result_1 = await store.read_result("step-1")
-
-    assert failing.left == 0
-    assert first.committed and third.committed, (first.error, third.error)
-    assert refused.error is not None and not refused.committed, refused
-    assert "step-1" in refused.error.message and "nothing was done" in refused.error.message
-    assert paused_for_refused == 0, "a refused update paused engines"
-    assert result_1 is not None and result_1.committed and result_1.version == 1, result_1
-
-
-def _pauses(stack: EmbeddedStack) -> int:
-    assert stack.sim is not None
-    return sum(
-        w.count_requests("POST", "/engine/pause_generation") for w in stack.sim.workers.values()
-    )
-
-
-async def test_a_recovered_commit_whose_result_failed_is_stored_before_the_next_update(
-    nats_url: str,
-    fleet_name: str,
-    make_adapter: Callable[[int], str],
-    make_stack: Callable[..., EmbeddedStack],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The predecessor died after its commit point; the successor's write of
-    the result fails. The update stays in flight, and the successor's own
-    next update would replace that record: the result is written first."""
+    """The predecessor died after its commit point; the successor's first
+    write of the result fails. It is tried again before the successor serves
+    anything: its own next update would replace the in-flight record the
+    result is rebuilt from."""
     # At a real path, so that the agents load it and the next update can run.
     record = msgspec.structs.replace(COMMITTED_7, path=make_adapter(7))
     await _leave_in_flight(nats_url, fleet_name, committed=True, latest=False, record=record)
     failing = _TimesOut(monkeypatch, "write_result", 1, lambda r: r.update_id == "step-7")
     async with make_stack(list(MEMBERS.values())) as stack:
         assert stack.client is not None
+        await stack.client.status(timeout_s=5)  # answered once recovery is done
         async with _reading(nats_url, fleet_name) as store:
-            await failing.tried()  # at recovery
-            kept = await store.read_inflight()
+            recorded = await store.read_result("step-7")
+            left = await store.read_inflight()
             later = await stack.client.update(
                 "policy", make_adapter(8), version=8, update_id="step-8"
             )
-            recorded = await store.read_result("step-7")
 
-    assert kept is not None and kept.update_id == "step-7", kept
-    assert later.committed, later.error
+    assert failing.left == 0
     assert recorded is not None and recorded.committed and recorded.version == 7, recorded
+    assert left is None, left
+    assert later.committed, later.error
 
 
 async def test_a_reset_after_a_commit_whose_latest_record_failed_is_not_undone(
@@ -362,20 +357,20 @@ async def test_a_reset_after_a_commit_whose_latest_record_failed_is_not_undone(
     make_stack: Callable[..., EmbeddedStack],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The latest record of a commit failed after its answer, then an operator
-    reset the adapter: the write the leader owes is made before the reset, not
-    after it, where it would bring back the record the reset removed (and
-    agents that reconnect would load it)."""
+    """The latest record of a commit failed at first, then an operator reset
+    the adapter: the write is made again before the commit is answered and
+    the reset runs, not after it, where it would bring back the record the
+    reset removed (and agents that reconnect would load it)."""
     failing = _TimesOut(monkeypatch, "write_latest", 1, lambda _record: True)
     async with make_stack([1, 1]) as stack:
         assert stack.client is not None
         first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
         nc = await connect(nats_url, name="test-operator")
         try:
-            await failing.tried()  # after the answer
+            await failing.tried()  # before the answer
             reset = await reset_committed(nc, Subjects(fleet=fleet_name), "policy", "bogus step")
-            # Any next update runs after what was owed; this one fails (no
-            # adapter at its path), so it writes no latest record of its own.
+            # This one fails (no adapter at its path), so it writes no latest
+            # record of its own.
             later = await stack.client.update(
                 "policy", make_adapter(2) + "-missing", version=2, update_id="step-2"
             )

@@ -41,6 +41,9 @@ from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 20.0
 WORKERS = ("w000", "w001")
+BEAT_S = 0.5
+"""An agent counts as gone after three beats missed: at 0.2 s, a loaded machine
+stalled the worker id's holder long enough for the duplicate to take it."""
 
 
 class _Heard(logging.Handler):
@@ -73,7 +76,7 @@ class _AgentProcess:
             worker_id=worker_id,
             system_url=stack.sim.system_url(worker_id),
             world_size=1,
-            heartbeat_s=0.2,
+            heartbeat_s=BEAT_S,
             coordinator_keys=[key],
         )
         self.stack = stack
@@ -189,7 +192,7 @@ async def fleet(tmp_path: Path, nats_url: str, fleet_name: str) -> AsyncIterator
         [1, 1],
         fleet=fleet_name,
         nats_url=nats_url,
-        heartbeat_s=0.2,
+        heartbeat_s=BEAT_S,
         signing_key_file=str(seed),
         phase_timeout_s=4.0,
         pause_lease_s=3.0,

@@ -19,9 +19,13 @@ from events import EventListener
 from processes import run_lorabus
 
 from lorabus.bus import close, connect
+from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.reports import Reports
+from lorabus.coordinator.resets import lineage as lineage_of
 from lorabus.coordinator.service import Coordinator
 from lorabus.coordinator.store import FleetStore
+from lorabus.coordinator.term import Term
 from lorabus.operator import reset_committed
 from lorabus.schemas import (
     INT64_MAX,
@@ -147,7 +151,20 @@ async def test_the_lineage_outlives_the_term_that_reset_it(
         )
         store = await FleetStore.open(nc, config)
         successor = Coordinator(config)
-        lineage = await successor._lineage(store, "policy", None)
+        bus = CoordinatorBus(nc, subjects, successor.membership)
+        term = Term(
+            epoch=2,
+            holder=successor.holder,
+            config=config,
+            store=store,
+            bus=bus,
+            membership=successor.membership,
+            metrics=successor.metrics,
+            reports=Reports(bus, subjects, lambda: 2),
+            leading=successor.leading,
+            max_payload=lambda: nc.max_payload,
+        )
+        lineage = await lineage_of(term, "policy", None)
         committed = await store.read_committed("policy")
     finally:
         await close(nc)

@@ -7,8 +7,10 @@ The same rules run end to end against a real coordinator in
 from __future__ import annotations
 
 import asyncio
+import posixpath
 
 from lorabus.coordinator.book import UpdateBook
+from lorabus.coordinator.plan import CheckedRequest
 from lorabus.schemas import (
     COMMITTED,
     CommittedRecord,
@@ -23,6 +25,18 @@ def _request(
     update_id: str, *, adapter: str = "policy", path: str = "/adapters/policy", version: int | None
 ) -> UpdateRequest:
     return UpdateRequest(update_id=update_id, adapter=adapter, path=path, version=version)
+
+
+def _queued(
+    update_id: str, *, adapter: str = "policy", path: str = "/adapters/policy", version: int | None
+) -> CheckedRequest:
+    return _checked(_request(update_id, adapter=adapter, path=path, version=version))
+
+
+def _checked(request: UpdateRequest) -> CheckedRequest:
+    """A request as the coordinator queues it, checked on arrival."""
+    path = posixpath.normpath(request.path)
+    return CheckedRequest(request=request, path=path, live=False, replace=False)
 
 
 def _result(update_id: str, version: int = 1) -> UpdateResult:
@@ -53,7 +67,7 @@ async def test_a_result_the_bucket_did_not_take_is_kept_for_the_term() -> None:
         book.finish(_request(f"u{i}", version=1), _result(f"u{i}"))
 
     assert book.knows("lost-write")
-    again = book.submit(_request("lost-write", version=1))
+    again = book.submit(_queued("lost-write", version=1))
     assert again.done() and again.result() == _result("lost-write")
 
 
@@ -67,13 +81,13 @@ async def test_a_repeated_id_with_other_content_is_refused_naming_the_first() ->
         _request("step-1", path="/adapters/step_2", version=1),
         _request("step-1", adapter="critic", path="/adapters/step_1", version=1),
     ):
-        answer = book.submit(other)
+        answer = book.submit(_checked(other))
         assert _code(answer) == ErrorCode.BAD_REQUEST, other
         message = answer.result().error.message  # type: ignore[union-attr]
         assert "'policy' version 1 from /adapters/step_1" in message, message
-    same = book.submit(_request("step-1", path="/adapters/step_1/", version=1))
+    same = book.submit(_queued("step-1", path="/adapters/step_1/", version=1))
     assert same.result() == _result("step-1"), "a normalised path is the same directory"
-    assert book.submit(first).result() == _result("step-1"), "the refusals kept nothing"
+    assert book.submit(_checked(first)).result() == _result("step-1"), "the refusals kept nothing"
 
 
 async def test_without_a_version_a_request_asks_for_what_its_first_was_taken_as() -> None:
@@ -82,23 +96,23 @@ async def test_without_a_version_a_request_asks_for_what_its_first_was_taken_as(
     explicit_first = _request("fixed", version=3)
     book.finish(explicit_first, _result("fixed", version=3))
 
-    assert book.submit(_request("auto", version=None)).result() == _result("auto", 3)
-    assert book.submit(_request("auto", version=3)).result() == _result("auto", 3)
-    assert _code(book.submit(_request("auto", version=4))) == ErrorCode.BAD_REQUEST
-    assert book.submit(_request("fixed", version=None)).result() == _result("fixed", 3)
+    assert book.submit(_queued("auto", version=None)).result() == _result("auto", 3)
+    assert book.submit(_queued("auto", version=3)).result() == _result("auto", 3)
+    assert _code(book.submit(_queued("auto", version=4))) == ErrorCode.BAD_REQUEST
+    assert book.submit(_queued("fixed", version=None)).result() == _result("fixed", 3)
 
 
 async def test_a_version_is_checked_once_a_first_request_without_one_has_run() -> None:
     book = UpdateBook()
-    first = book.submit(_request("auto", version=None))
-    as_three = book.submit(_request("auto", version=3))
-    as_four = book.submit(_request("auto", version=4))
-    elsewhere = book.submit(_request("auto", path="/adapters/other", version=3))
+    first = book.submit(_queued("auto", version=None))
+    as_three = book.submit(_queued("auto", version=3))
+    as_four = book.submit(_queued("auto", version=4))
+    elsewhere = book.submit(_queued("auto", path="/adapters/other", version=3))
     assert not as_three.done() and not as_four.done()
     assert _code(elsewhere) == ErrorCode.BAD_REQUEST, "the path is known before it runs"
 
     running = await book.next_request()
-    book.finish(running, _result("auto", version=3))
+    book.finish(running.request, _result("auto", version=3))
 
     assert await first == await as_three == _result("auto", 3)
     await as_four
@@ -135,26 +149,26 @@ async def test_a_stored_result_stands_for_a_first_request_the_book_never_saw() -
 async def test_past_max_queued_a_request_is_answered_busy_and_not_kept() -> None:
     book = UpdateBook(max_queued=2)
     await _run_one(book)
-    queued = [book.submit(_request(f"a{i}", adapter=f"a{i}", version=1)) for i in range(2)]
-    refused = book.submit(_request("late", adapter="late", version=1))
+    queued = [book.submit(_queued(f"a{i}", adapter=f"a{i}", version=1)) for i in range(2)]
+    refused = book.submit(_queued("late", adapter="late", version=1))
 
     assert _code(refused) == ErrorCode.BUSY
     assert not any(f.done() for f in queued)
     assert not book.knows("late"), "busy is no result: the id may come again"
-    assert book.submit(_request("a0", adapter="a0", version=1)) is queued[0], "re-asks are free"
+    assert book.submit(_queued("a0", adapter="a0", version=1)) is queued[0], "re-asks are free"
     await book.next_request()
-    assert not book.submit(_request("late", adapter="late", version=1)).done()
+    assert not book.submit(_queued("late", adapter="late", version=1)).done()
 
 
 async def test_supersession_is_answered_on_arrival_both_ways() -> None:
     book = UpdateBook()
     await _run_one(book)
-    five = book.submit(_request("v5", version=5))
-    four = book.submit(_request("v4", version=4))
+    five = book.submit(_queued("v5", version=5))
+    four = book.submit(_queued("v4", version=4))
     assert _code(four) == ErrorCode.SUPERSEDED, "older than a queued one: answered at once"
     assert not five.done()
 
-    seven = book.submit(_request("v7", version=7))
+    seven = book.submit(_queued("v7", version=7))
     assert _code(five) == ErrorCode.SUPERSEDED, "a newer one answers the queued older one"
     assert book.queued == 1 and not seven.done()
     assert sorted(r.update_id for r in book.take_settled()) == ["v4", "v5"]
@@ -163,7 +177,7 @@ async def test_supersession_is_answered_on_arrival_both_ways() -> None:
 
 async def _run_one(book: UpdateBook) -> None:
     """Make the book busy with a running update, so that others queue."""
-    book.submit(_request("running", adapter="running", version=1))
+    book.submit(_queued("running", adapter="running", version=1))
     await book.next_request()
 
 

@@ -48,18 +48,17 @@ async def test_update_commits_on_every_worker_with_heterogeneous_ranks(
         assert "policy-v1" in {model["id"] for model in listing["data"]}
 
 
-async def test_a_commit_is_written_before_its_answer_and_recorded_in_full_after(
+async def test_a_commit_is_recorded_in_full_before_its_answer_and_announced_after(
     make_adapter: Callable[[int], str],
     make_stack: Callable[..., EmbeddedStack],
     nats_url: str,
 ) -> None:
     """The in-flight record goes out ahead of the first command; the commit
-    point (the adapter's own key) is stored before the answer says committed;
-    the result and the fleet's latest record follow it, the in-flight record
-    is cleared only once both are, and the notice goes last: the answer
-    queues behind neither those writes nor the notice's fan-out. One
-    subscription to everything sees the coordinator's messages in the order
-    it sent them."""
+    point (the adapter's own key) is stored first, then the result and the
+    fleet's latest record; the in-flight record is cleared once both are,
+    then the answer says committed, and the notice goes last: the answer
+    does not queue behind the notice's fan-out. One subscription to
+    everything sees the coordinator's messages in the order it sent them."""
     watcher = await connect(nats_url, name="order-watcher")
     try:
         everything = await watcher.subscribe(">")
@@ -95,9 +94,9 @@ async def test_a_commit_is_written_before_its_answer_and_recorded_in_full_after(
                         with contextlib.suppress(BadPayload):
                             if update_result_decoder.decode(msg.data) == result:
                                 order.append("answer")
-        assert order[:4] == ["in flight", "command", "commit point", "answer"], order
-        assert sorted(order[4:6]) == ["latest", "result"], order
-        assert order[6:] == ["in flight cleared", "notice"], order
+        assert order[:3] == ["in flight", "command", "commit point"], order
+        assert sorted(order[3:5]) == ["latest", "result"], order
+        assert order[5:] == ["in flight cleared", "answer", "notice"], order
     finally:
         await close(watcher)
 

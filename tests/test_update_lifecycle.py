@@ -83,7 +83,7 @@ async def test_every_member_acks_and_the_update_commits_with_its_rank_map(
     open_fleet: OpenFleet,
 ) -> None:
     fleet = await open_fleet()
-    result = await fleet.runner().run(PLAN)
+    result = (await fleet.runner().run(PLAN)).result
 
     assert result.committed, result.error
     assert result.rank_map is not None
@@ -103,7 +103,7 @@ async def test_a_failed_load_fails_the_update_resumes_everyone_and_withdraws_the
     open_fleet: OpenFleet,
 ) -> None:
     fleet = await open_fleet({"w1": Script(fail_load=True)})
-    result = await fleet.runner().run(PLAN)
+    result = (await fleet.runner().run(PLAN)).result
 
     assert result.status == "failed"
     assert result.error is not None and result.error.code is ErrorCode.WORKER_FAILED
@@ -119,7 +119,7 @@ async def test_a_pause_that_fails_on_one_member_withdraws_the_load_it_carried_el
 ) -> None:
     # w2's pause never completes: the others loaded right behind their own pause.
     fleet = await open_fleet({"w2": Script(silent=frozenset({Phase.PAUSE}))})
-    result = await fleet.runner(phase_timeout_s=2).run(PLAN)
+    result = (await fleet.runner(phase_timeout_s=2).run(PLAN)).result
 
     assert result.status == "failed"
     assert result.error is not None and "pause failed" in result.error.message
@@ -140,7 +140,7 @@ async def test_a_member_whose_pause_never_acked_is_left_out_and_sent_no_load(
     open_fleet: OpenFleet,
 ) -> None:
     fleet = await open_fleet({"w2": Script(silent=frozenset({Phase.PAUSE}))})
-    result = await fleet.runner(phase_timeout_s=2, quorum=0.75).run(PLAN)
+    result = (await fleet.runner(phase_timeout_s=2, quorum=0.75).run(PLAN)).result
 
     assert result.committed, result.error
     assert result.rank_map is not None
@@ -158,7 +158,7 @@ async def test_a_member_left_out_for_its_pause_is_withdrawn_from_when_the_update
     # fails, which leaves too little of the fleet to commit.
     scripts = {"w2": Script(silent=frozenset({Phase.PAUSE})), "w1": Script(fail_load=True)}
     fleet = await open_fleet(scripts)
-    result = await fleet.runner(phase_timeout_s=2, quorum=0.75).run(PLAN)
+    result = (await fleet.runner(phase_timeout_s=2, quorum=0.75).run(PLAN)).result
 
     assert result.status == "failed"
     for worker_id in ("w0", "w2"):
@@ -170,7 +170,7 @@ async def test_a_member_left_out_for_its_pause_is_withdrawn_from_when_the_update
 async def test_a_fixed_name_load_waits_for_the_whole_fleet_pause(open_fleet: OpenFleet) -> None:
     fleet = await open_fleet()
     fixed = msgspec.structs.replace(PLAN, served_name="policy", replace=True)
-    result = await fleet.runner().run(fixed)
+    result = (await fleet.runner().run(fixed)).result
 
     assert result.committed, result.error
     for agent in fleet.agents.values():
@@ -185,7 +185,7 @@ async def test_a_member_whose_engine_refused_the_pause_refuses_its_load_and_is_l
     open_fleet: OpenFleet,
 ) -> None:
     fleet = await open_fleet({"w2": Script(fail_pause=True)})
-    result = await fleet.runner(quorum=0.75).run(PLAN)
+    result = (await fleet.runner(quorum=0.75).run(PLAN)).result
 
     assert result.committed, result.error
     assert result.rank_map is not None
@@ -201,7 +201,7 @@ async def test_a_member_that_never_acks_times_the_phase_out_and_everyone_resumes
     open_fleet: OpenFleet,
 ) -> None:
     fleet = await open_fleet({"w2": Script(silent=frozenset({Phase.LOAD}))})
-    result = await fleet.runner(phase_timeout_s=2).run(PLAN)
+    result = (await fleet.runner(phase_timeout_s=2).run(PLAN)).result
 
     assert result.error is not None and result.error.code is ErrorCode.PHASE_TIMEOUT
     # The load goes out with the pause: its deadline is both phases' timeouts.
@@ -216,7 +216,7 @@ async def test_a_member_that_stops_heartbeating_is_given_up_before_the_deadline(
     open_fleet: OpenFleet,
 ) -> None:
     fleet = await open_fleet({"w2": Script(dies_at=Phase.LOAD)})
-    result = await fleet.runner(phase_timeout_s=60).run(PLAN)
+    result = (await fleet.runner(phase_timeout_s=60).run(PLAN)).result
 
     assert result.error is not None and result.error.code is ErrorCode.PHASE_TIMEOUT
     assert "stopped heartbeating during load" in _error_of(result, "w2")
@@ -227,7 +227,7 @@ async def test_a_member_that_missed_a_command_gets_it_again_on_its_own_subject(
     open_fleet: OpenFleet,
 ) -> None:
     fleet = await open_fleet({"w0": Script(lose_first=frozenset({Phase.PAUSE, Phase.LOAD}))})
-    result = await fleet.runner().run(PLAN)
+    result = (await fleet.runner().run(PLAN)).result
 
     assert result.committed, result.error
     w0 = fleet.agents["w0"]
@@ -255,7 +255,7 @@ async def test_the_frontend_is_looked_at_once_one_member_loaded_while_another_st
     fleet = await open_fleet({"w2": Script(lose_first=frozenset({Phase.LOAD}))})
     frontend = LookRecordingFrontend(fleet.agents)
     fleet.frontend = frontend
-    result = await fleet.runner().run(PLAN)
+    result = (await fleet.runner().run(PLAN)).result
 
     assert result.committed, result.error
     assert frontend.first_look is not None
@@ -267,7 +267,7 @@ async def test_a_partial_quorum_commits_without_the_member_that_failed(
     open_fleet: OpenFleet,
 ) -> None:
     fleet = await open_fleet({"w2": Script(fail_load=True)})
-    result = await fleet.runner(quorum=0.75).run(PLAN)
+    result = (await fleet.runner(quorum=0.75).run(PLAN)).result
 
     assert result.committed, result.error
     assert result.rank_map is not None
@@ -279,7 +279,7 @@ async def test_a_partial_quorum_commits_without_the_member_that_failed(
 async def test_without_a_quorum_no_engine_is_paused(open_fleet: OpenFleet) -> None:
     fleet = await open_fleet()
     runner = fleet.runner(expected_world_size=100, quorum_timeout_s=1)
-    result = await runner.run(PLAN)
+    result = (await runner.run(PLAN)).result
 
     assert result.error is not None and result.error.code is ErrorCode.QUORUM_TIMEOUT
     assert "sum to 7, which is short of the expected 100" in result.error.message
@@ -288,7 +288,7 @@ async def test_without_a_quorum_no_engine_is_paused(open_fleet: OpenFleet) -> No
 
 async def test_pause_leases_are_renewed_while_the_pause_lasts(open_fleet: OpenFleet) -> None:
     fleet = await open_fleet({"w1": Script(silent=frozenset({Phase.LOAD}))})
-    result = await fleet.runner(pause_lease_s=1.5, phase_timeout_s=3).run(PLAN)
+    result = (await fleet.runner(pause_lease_s=1.5, phase_timeout_s=3).run(PLAN)).result
 
     assert result.error is not None and result.error.code is ErrorCode.PHASE_TIMEOUT
     w0 = fleet.agents["w0"]

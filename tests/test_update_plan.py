@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.coordinator.plan import plan_update, plan_update_off_loop, retired_names
+from lorabus.coordinator.plan import check_request, check_request_off_loop, retired_names
 from lorabus.errors import BadRequest, StaleVersion
 from lorabus.schemas import CommittedRecord, Naming, UpdateRequest, build_rank_map
 from lorabus.testbed.trainer import write_adapter
@@ -31,7 +31,7 @@ def _request(**kw: object) -> UpdateRequest:
 
 
 def test_versioned_naming_serves_a_new_name_per_version() -> None:
-    plan = plan_update(_request(version=7), CONFIG, None)
+    plan = check_request(_request(version=7), CONFIG).plan(None)
 
     assert (plan.served_name, plan.replace, plan.version) == ("policy-v7", False, 7)
 
@@ -40,33 +40,33 @@ def test_fixed_naming_replaces_the_name_in_place() -> None:
     config = CoordinatorConfig(
         fleet="f", frontend_url="http://x", expected_world_size=1, naming=Naming.FIXED
     )
-    plan = plan_update(_request(version=7), config, None)
+    plan = check_request(_request(version=7), config).plan(None)
 
     assert (plan.served_name, plan.replace) == ("policy", True)
 
 
 def test_a_missing_version_is_one_past_the_committed_one() -> None:
-    assert plan_update(_request(), CONFIG, None).version == 1
-    assert plan_update(_request(), CONFIG, _committed(5)).version == 6
+    assert check_request(_request(), CONFIG).plan(None).version == 1
+    assert check_request(_request(), CONFIG).plan(_committed(5)).version == 6
 
 
 @pytest.mark.parametrize("name", ["", "-x", "a b", "a..b", "x/", "a//b", "ü"])
 def test_bad_adapter_names_are_refused(name: str) -> None:
     with pytest.raises(BadRequest, match="adapter name"):
-        plan_update(_request(adapter=name), CONFIG, None)
+        check_request(_request(adapter=name), CONFIG).plan(None)
 
 
 def test_paths_must_be_absolute_and_under_the_roots() -> None:
     with pytest.raises(BadRequest, match="absolute"):
-        plan_update(_request(path="ckpt/step_1"), CONFIG, None)
+        check_request(_request(path="ckpt/step_1"), CONFIG).plan(None)
     rooted = CoordinatorConfig(
         fleet="f", frontend_url="http://x", expected_world_size=1, adapter_roots=["/ckpt"]
     )
-    assert plan_update(_request(path="/ckpt/step_1"), rooted, None).path == "/ckpt/step_1"
+    assert check_request(_request(path="/ckpt/step_1"), rooted).plan(None).path == "/ckpt/step_1"
     with pytest.raises(BadRequest, match="outside the adapter roots"):
-        plan_update(_request(path="/ckpt/../etc"), rooted, None)
+        check_request(_request(path="/ckpt/../etc"), rooted).plan(None)
     with pytest.raises(BadRequest, match="outside the adapter roots"):
-        plan_update(_request(path="/ckpt-other/step_1"), rooted, None)
+        check_request(_request(path="/ckpt-other/step_1"), rooted).plan(None)
 
 
 def _rooted(*roots: Path | str) -> CoordinatorConfig:
@@ -85,7 +85,7 @@ def test_a_visible_symlink_out_of_the_root_is_refused_by_where_it_leads(tmp_path
     (root / "step_1").symlink_to(outside)
 
     with pytest.raises(BadRequest, match="outside the adapter roots") as refused:
-        plan_update(_request(path=str(root / "step_1")), _rooted(root), None)
+        check_request(_request(path=str(root / "step_1")), _rooted(root)).plan(None)
     assert f"resolved: {outside}" in str(refused.value)
 
 
@@ -96,7 +96,7 @@ def test_a_root_that_is_a_symlink_covers_what_it_holds_and_the_path_is_kept(
     (tmp_path / "current").symlink_to(tmp_path / "real")
     path = str(tmp_path / "current" / "step_1")
 
-    assert plan_update(_request(path=path), _rooted(tmp_path / "current"), None).path == path
+    assert check_request(_request(path=path), _rooted(tmp_path / "current")).plan(None).path == path
 
 
 def test_a_path_this_host_cannot_see_is_checked_as_text(tmp_path: Path) -> None:
@@ -104,18 +104,18 @@ def test_a_path_this_host_cannot_see_is_checked_as_text(tmp_path: Path) -> None:
     root = tmp_path / "root"
     unseen = str(root / "step_404")
 
-    assert plan_update(_request(path=unseen), _rooted(root), None).path == unseen
+    assert check_request(_request(path=unseen), _rooted(root)).plan(None).path == unseen
     with pytest.raises(BadRequest, match="outside the adapter roots"):
-        plan_update(_request(path=f"{root}/../elsewhere/step_1"), _rooted(root), None)
+        check_request(_request(path=f"{root}/../elsewhere/step_1"), _rooted(root)).plan(None)
     with pytest.raises(BadRequest, match="absolute"):
-        plan_update(_request(path=f"{root}/step_1\0"), _rooted(root), None)
+        check_request(_request(path=f"{root}/step_1\0"), _rooted(root)).plan(None)
 
 
 def test_an_older_version_is_stale_and_the_same_version_needs_the_same_path() -> None:
     with pytest.raises(StaleVersion, match="older than the committed version 5"):
-        plan_update(_request(version=4), CONFIG, _committed(5))
+        check_request(_request(version=4), CONFIG).plan(_committed(5))
     with pytest.raises(BadRequest, match="already committed"):
-        plan_update(_request(version=5, path="/ckpt/other"), CONFIG, _committed(5))
+        check_request(_request(version=5, path="/ckpt/other"), CONFIG).plan(_committed(5))
 
 
 def test_retired_names_keep_the_newest_versions_of_that_adapter_only() -> None:
@@ -128,8 +128,10 @@ def test_retired_names_keep_the_newest_versions_of_that_adapter_only() -> None:
 def test_after_a_reset_names_carry_the_lineage_and_every_earlier_one_retires_first() -> None:
     loaded = {"policy-v9000", "policy-v9001", "policy-r1-v2", "policy-r2-v1", "policy-r2-v2"}
 
-    assert plan_update(_request(version=3), CONFIG, None, lineage=2).served_name == ("policy-r2-v3")
-    assert plan_update(_request(version=3), CONFIG, None).served_name == "policy-v3"
+    assert check_request(_request(version=3), CONFIG).plan(None, lineage=2).served_name == (
+        "policy-r2-v3"
+    )
+    assert check_request(_request(version=3), CONFIG).plan(None).served_name == "policy-v3"
     assert retired_names("policy", loaded, keep=2) == [
         "policy-r1-v2",
         "policy-v9001",
@@ -139,8 +141,8 @@ def test_after_a_reset_names_carry_the_lineage_and_every_earlier_one_retires_fir
 
 def test_an_adapter_name_that_ends_like_a_lineage_is_refused() -> None:
     with pytest.raises(BadRequest, match="lineage"):
-        plan_update(_request(adapter="policy-r1"), CONFIG, None)
-    assert plan_update(_request(adapter="policy-rl"), CONFIG, None).adapter == "policy-rl"
+        check_request(_request(adapter="policy-r1"), CONFIG).plan(None)
+    assert check_request(_request(adapter="policy-rl"), CONFIG).plan(None).adapter == "policy-rl"
 
 
 async def test_a_path_the_coordinator_cannot_resolve_in_time_is_refused(
@@ -163,7 +165,7 @@ async def test_a_path_the_coordinator_cannot_resolve_in_time_is_refused(
     )
     try:
         with pytest.raises(BadRequest, match="could not resolve"):
-            await plan_update_off_loop(_request(path=str(tmp_path / "a")), rooted, None)
+            await check_request_off_loop(_request(path=str(tmp_path / "a")), rooted)
     finally:
         release.set()
 

@@ -1,0 +1,293 @@
+"""The leader's request subjects: update, result, status and reset.
+
+Callbacks never wait for an update: they hand each request to a reply task
+of the term (``term.py``), which admits it to the book and answers once its
+result is known; the term answers or cancels those tasks when it ends.
+
+Nothing a request claims is taken on trust. One that does not decode (not
+JSON, nested too deeply, too large, an id or a version out of bounds) is
+answered ``bad_request`` and reported as a ``bad_message`` event. An update
+request is checked once, as it arrives (``plan.py``), and one that needs no
+engine is answered on arrival, without queueing: invalid as given, a version
+older than the committed one, exactly what is committed, a repeated update
+id (its first result, or ``bad_request`` for other content; see
+``book.py``), superseded by a queued one, or one past a full queue
+(``busy``). So junk costs a pause only if it is a valid update, and at most
+``--max-queued`` of those wait ahead of any request; an orchestrator's
+credentials still allow that many, each a pause of the fleet. Requests join
+the book in the order they arrived, though their look-ups run at once.
+
+Nor is where a request wants its answer: before anything else, a request
+whose reply subject is no inbox (the store, the JetStream API, a command, an
+ack, an event; ``bus.reply_refusal``) is refused and not acted on, counted
+(``lorabus_replies_refused_total``) and reported as a ``bad_message`` event.
+An update whose answer could go nowhere safe does not run: its requester
+would never learn the outcome, and a refusal costs the fleet nothing.
+
+The operator's reset runs between updates, under the term's lock
+(``resets.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from lorabus.coordinator.book import committed_result, failed_result
+from lorabus.coordinator.bus import reply_refusal
+from lorabus.coordinator.fit import fit_result, fit_status
+from lorabus.coordinator.plan import check_request_off_loop, is_committed
+from lorabus.coordinator.resets import reset_committed
+from lorabus.coordinator.store import or_none, quietly
+from lorabus.coordinator.term import Term
+from lorabus.errors import BadRequest, LorabusError, StoreUnavailable
+from lorabus.schemas import (
+    FAILED,
+    UNKNOWN,
+    BadPayload,
+    CommittedRecord,
+    ErrorCode,
+    ErrorInfo,
+    FleetStatus,
+    ResetRequest,
+    ResetResult,
+    UpdateRequest,
+    UpdateResult,
+    encode,
+    reset_request_decoder,
+    result_request_decoder,
+    update_request_decoder,
+)
+
+log = logging.getLogger(__name__)
+
+_Serve = Callable[[Msg], Awaitable[None]]
+
+
+class Admission:
+    """A term's request subscriptions and what they answer."""
+
+    def __init__(self, term: Term, *, status: Callable[[], FleetStatus], own_inbox: str) -> None:
+        self.term = term
+        self._status = status
+        self._own_inbox = own_inbox
+        """This coordinator's inbox prefix, where no request may have its answer sent."""
+        self._last_joined: asyncio.Event | None = None
+        """Set once the latest update request to arrive has joined the book."""
+        self._answering: dict[tuple[str, str], asyncio.Task[None]] = {}
+        """(reply subject, update id) -> the task that will answer it."""
+
+    async def subscribe(self, nc: NatsClient) -> list[Subscription]:
+        """Serve the request subjects; the caller unsubscribes."""
+        subjects = self.term.subjects
+        served: dict[str, tuple[str, _Serve]] = {
+            "update": (subjects.update_request(), self._on_update),
+            "status": (subjects.status_request(), self._on_status),
+            "result": (subjects.result_request(), self._on_result),
+            "reset": (subjects.reset_request(), self._on_reset),
+        }
+        return [
+            await nc.subscribe(subject, cb=self._inbox_only(kind, serve))
+            for kind, (subject, serve) in served.items()
+        ]
+
+    def _inbox_only(self, kind: str, serve: _Serve) -> _Serve:
+        """``serve`` for requests whose answer may go where they ask; any other
+        is refused before anything is done for it (see the module docstring)."""
+
+        async def on_request(msg: Msg) -> None:
+            why = reply_refusal(msg.reply, self.term.subjects, self._own_inbox)
+            if why is None:
+                await serve(msg)
+                return
+            self.term.metrics.replies_refused.labels(kind).inc()
+            reply = msg.reply[:256]
+            error = f"{kind} request refused, not acted on: its reply subject {reply!r} is {why}"
+            await self.term.reports.bad_request(msg, error)
+
+        return on_request
+
+    # -- update -------------------------------------------------------------------
+
+    async def _on_update(self, msg: Msg) -> None:
+        try:
+            request = update_request_decoder.decode(msg.data)
+        except BadPayload as exc:
+            error = f"malformed update request: {exc}"[:1024]
+            await self.term.reports.bad_request(msg, error)
+            info = BadRequest(error).info()
+            await self._reply(
+                msg, UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info)
+            )
+            return
+        key = (msg.reply, request.update_id)
+        if msg.reply and key in self._answering:
+            # A requester asks again on the inbox of its first ask: one answer
+            # reaches it. More would also break a server's one-response-per-
+            # request permission (allow_responses) of a secured coordinator.
+            return
+        previous, self._last_joined = self._last_joined, asyncio.Event()
+        reply = self.term.replies.start(self._answer(msg, request, previous, self._last_joined))
+        if msg.reply:
+            self._answering[key] = reply
+            reply.add_done_callback(lambda _: self._answering.pop(key, None))
+
+    async def _answer(
+        self,
+        msg: Msg,
+        request: UpdateRequest,
+        previous: asyncio.Event | None,
+        joined: asyncio.Event,
+    ) -> None:
+        """Reply with the request's result. Look-ups run at once, but requests
+        join the book in the order they arrived: each waits for the one before."""
+        term = self.term
+        try:
+            stored: UpdateResult | None = None
+            committed: CommittedRecord | None = None
+            if not term.book.knows(request.update_id):
+                # A predecessor may have finished (or rolled back) this update.
+                stored, committed = await asyncio.gather(
+                    _stored_result(term, request.update_id),
+                    or_none(term.committed(request.adapter)),
+                )
+            if previous is not None:
+                await previous.wait()
+            future = await self._admit(request, stored, committed)
+        except Exception as exc:
+            log.exception("epoch=%d update=%s could not be admitted", term.epoch, request.update_id)
+            error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+            await self._reply(msg, failed_result(request, error))
+            return
+        finally:
+            joined.set()
+        await self._save_settled()
+        if future.done():
+            await self._reply(msg, future.result())
+            return
+        # Known as answering this update: its notice to the agents waits for us.
+        with term.replies.answering(request.update_id):
+            await self._reply(msg, await asyncio.shield(future))
+
+    async def _admit(
+        self, request: UpdateRequest, stored: UpdateResult | None, committed: CommittedRecord | None
+    ) -> asyncio.Future[UpdateResult]:
+        """The future result of ``request``, answered at once unless it must
+        run: the request is checked here, once, and its version against what
+        is committed now (planned when it runs: the committed state may have
+        moved on by then)."""
+        book = self.term.book
+        known = book.look_up(request, stored=stored, committed=committed)
+        if known is not None:
+            return known
+        committed = book.committed.get(request.adapter) or committed
+        try:
+            checked = await check_request_off_loop(request, self.term.config)
+            version = checked.version(committed)
+        except LorabusError as exc:
+            return book.settle(request, failed_result(request, exc.info()))
+        if committed is not None and is_committed(committed, version, checked.path):
+            return book.settle(request, committed_result(request, committed))
+        return book.enqueue(checked)
+
+    async def _save_settled(self) -> None:
+        """Write and announce the results the book settled without running them."""
+        term = self.term
+        for result in term.book.take_settled():
+            if await quietly(term.store.write_result(result)):
+                term.book.saved(result.update_id)
+            await term.bus.emit(term.finished(result, ran=False))
+
+    # -- result, status, reset ------------------------------------------------------
+
+    async def _on_result(self, msg: Msg) -> None:
+        try:
+            request = result_request_decoder.decode(msg.data)
+        except BadPayload as exc:
+            error = f"malformed result request: {exc}"[:1024]
+            await self.term.reports.bad_request(msg, error)
+            info = BadRequest(error).info()
+            await self._reply(
+                msg, UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info)
+            )
+            return
+        self.term.replies.start(self._answer_result(msg, request.update_id))
+
+    async def _answer_result(self, msg: Msg, update_id: str) -> None:
+        """The id's outcome: this term's, else the results bucket's, else unknown
+        (a store that cannot be read says so, rather than "unknown")."""
+        outcome = self.term.book.outcome(update_id)
+        if outcome is None:
+            try:
+                outcome = await self.term.store.read_result(update_id)
+            except StoreUnavailable as exc:
+                outcome = UpdateResult(
+                    update_id=update_id,
+                    status=FAILED,
+                    adapter="",
+                    version=None,
+                    error=ErrorInfo(code=ErrorCode.INTERNAL, message=str(exc)),
+                )
+            except BadPayload:
+                outcome = None
+        await self._reply(
+            msg,
+            outcome or UpdateResult(update_id=update_id, status=UNKNOWN, adapter="", version=None),
+        )
+
+    async def _on_status(self, msg: Msg) -> None:
+        await self._reply(msg, self._status())
+
+    async def _on_reset(self, msg: Msg) -> None:
+        try:
+            request = reset_request_decoder.decode(msg.data)
+        except BadPayload as exc:
+            error = f"malformed reset request: {exc}"[:1024]
+            await self.term.reports.bad_request(msg, error)
+            await self._reply(
+                msg, ResetResult(adapter="", ok=False, error=BadRequest(error).info())
+            )
+            return
+        self.term.replies.start(self._answer_reset(msg, request))
+
+    async def _answer_reset(self, msg: Msg, request: ResetRequest) -> None:
+        term = self.term
+        try:
+            async with term.serial:
+                result = await reset_committed(term, request)
+        except LorabusError as exc:
+            result = ResetResult(adapter=request.adapter, ok=False, error=exc.info())
+        except Exception as exc:
+            log.exception("epoch=%d reset of %r crashed", term.epoch, request.adapter)
+            error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+            result = ResetResult(adapter=request.adapter, ok=False, error=error)
+        await self._reply(msg, result)
+
+    async def _reply(self, msg: Msg, message: msgspec.Struct) -> None:
+        """Answer ``msg``. A result or a status too large for one message goes
+        trimmed (fit.py), whether it was made now or read from the store."""
+        if isinstance(message, UpdateResult):
+            message = fit_result(message, self.term.max_payload())
+        elif isinstance(message, FleetStatus):
+            message = fit_status(message, self.term.max_payload())
+        if not msg.reply:
+            return
+        try:
+            await msg.respond(encode(message))
+        except Exception as exc:
+            log.warning("could not reply on %s: %s", msg.reply, exc)
+
+
+async def _stored_result(term: Term, update_id: str) -> UpdateResult | None:
+    """The id's result in the results bucket; one that does not decode counts as none."""
+    try:
+        return await or_none(term.store.read_result(update_id))
+    except BadPayload as exc:
+        log.warning("the stored result of update %s does not decode, ignored: %s", update_id, exc)
+        return None

@@ -1,0 +1,142 @@
+"""How an update ends: its writes, then its answer, then its announcement.
+
+One order, for every update:
+
+1. **Write.** A commit's commit point (the adapter's own committed record)
+   first, then its result and the fleet's latest record, together; then
+   the in-flight record is removed. Any other result (a failure, "already
+   committed") is written, and the in-flight record removed, only while
+   this term still leads: a deposed term's successor rolled its update back
+   and may have one of its own in flight.
+2. **Answer.** The book resolves the request (``book.finish``), and every
+   asker's reply task sends the result.
+3. **Announce.** A commit's ``committed`` notice goes to every agent, once
+   the answers are out (an agent that misses it reads the latest record
+   when it reconnects, or hears the next term's).
+
+So a requester told "committed" finds the commit in the store whoever leads
+next, and nothing is owed after the answer. A coordinator that dies before
+its answer leaves the in-flight record, from which a successor finishes the
+commit (the commit point stored) or rolls it back (not): ``recovery.py``.
+A commit's write that fails is tried again (0.2 s, doubling to 5 s) for a
+lease; still failing, the term steps aside unanswered, and its requesters,
+told ``not_leader``, ask whoever leads next, which recovers it the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+from lorabus.clock import now
+from lorabus.coordinator.fit import fit_result
+from lorabus.coordinator.store import quietly, until_stored
+from lorabus.coordinator.term import Term
+from lorabus.errors import LeadershipLost, SteppedAside, StoreUnavailable
+from lorabus.schemas import CommittedNotice, CommittedRecord, UpdateRequest, UpdateResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Executed:
+    """How an update ran: its result, and for a commit what it commits."""
+
+    result: UpdateResult
+    committed: CommittedRecord | None = None
+    """The commit's record, stored (commit point, then latest) before the answer."""
+    notice: CommittedNotice | None = None
+    """What tells the agents of the commit, after the answer."""
+    journalled: bool = False
+    """The update sent an in-flight record, to be removed once its result is stored."""
+
+
+async def conclude(term: Term, request: UpdateRequest, executed: Executed, started: float) -> None:
+    """Write, answer, announce (see the module docstring). Raises
+    LeadershipLost once a deposed term has answered, SteppedAside when a
+    commit could not be stored."""
+    # One form for the store, the trail and every answer.
+    result = fit_result(executed.result, term.max_payload())
+    if executed.committed is not None:
+        # The update loop saw this term lead once the update had run.
+        await _store_commit(term, executed.committed, result)
+        leading = persisted = True
+    else:
+        leading = await term.still_leading()
+        persisted = leading and await quietly(term.store.write_result(result))
+    if leading and executed.journalled:
+        await quietly(term.store.clear_inflight())
+    term.metrics.update_seconds.observe(now() - started)
+    term.metrics.updates.labels(result.status).inc()
+    # Before the answer: a trail read once the answer is in holds the end of
+    # the update (one publish, to the audit stream only).
+    await term.bus.emit(term.finished(result))
+    # Before the answer too: the requester may stop this process once it has
+    # it (as a test, or a script, does).
+    log.info(
+        "epoch=%d update=%s %s %s",
+        term.epoch,
+        request.update_id,
+        result.status,
+        result.error.message if result.error else result.adapter,
+    )
+    term.book.finish(request, result, persisted=persisted)
+    if executed.notice is not None:
+        # The notice to N agents last: the answers do not queue behind it.
+        await term.replies.sent(request.update_id)
+        await announce(term, executed.notice)
+    if not leading:
+        # Deposed: step down now, not at the next lease renewal, so no later
+        # request gets an answer from this term.
+        raise LeadershipLost(f"epoch {term.epoch} was deposed during an update")
+
+
+async def _store_commit(term: Term, committed: CommittedRecord, result: UpdateResult) -> None:
+    """The commit point, then the result and the fleet's latest record
+    together (a latest record must never name what no commit point holds),
+    each tried again for a lease; then the term's book has it."""
+    lease_s = term.config.leader_lease_s
+    try:
+        await until_stored(partial(term.store.commit, committed), for_s=lease_s)
+        written = await asyncio.gather(
+            until_stored(partial(term.store.write_result, result), for_s=lease_s),
+            until_stored(partial(term.store.write_latest, committed), for_s=lease_s),
+            return_exceptions=True,
+        )
+        for failed in written:
+            if isinstance(failed, BaseException):
+                raise failed
+    except StoreUnavailable as exc:
+        raise SteppedAside(
+            f"could not store the commit of {result.update_id} for a whole lease: {exc}"
+        ) from exc
+    term.book.commit(committed)
+
+
+async def announce_term(term: Term) -> None:
+    """Tell every agent the committed state under this term's epoch: those
+    outside any update learn the new epoch (and refuse the old leader) at
+    once, and one that missed a notice converges."""
+    committed = term.book.latest
+    if committed is None:
+        return
+    notice = CommittedNotice(
+        update_id=f"term-{term.epoch}",
+        budget_s=0.0,
+        epoch=term.epoch,
+        served_name=committed.served_name,
+        path=committed.path,
+        version=committed.version,
+        lineage=committed.lineage,
+        digest=committed.digest,
+    )
+    await announce(term, notice)  # if lost, agents learn the epoch from a command
+
+
+async def announce(term: Term, notice: CommittedNotice) -> None:
+    try:
+        await term.bus.broadcast(notice)
+    except Exception as exc:  # the next term's notice, or a reconnect's read, converges
+        log.warning("epoch=%d could not announce %s: %s", term.epoch, notice.served_name, exc)

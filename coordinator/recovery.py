@@ -1,0 +1,276 @@
+"""What a new leader does first: take over what its predecessor left.
+
+It reads the fleet's records whole before it acts on any of them, and reads
+them again until it can (a commit point that could not be read is no
+evidence that there is none: rolling back on it would withdraw a version
+whose requester was told it committed). It serves nothing meanwhile, and
+after a lease of failed reads it steps aside, so that a standby may try.
+
+Then, for the update found in flight:
+
+- its commit point is stored: it committed (its requester may not have been
+  told yet). Its result and the fleet's latest record are written, those
+  that did not land;
+- no commit point and no result: it is rolled back (every member it named
+  resumed, the version withdrawn) and that result recorded, so a requester
+  retrying the same update id gets a terminal answer;
+- its adapter's commit point does not decode: whether it committed is
+  unknown, so every member is resumed, nothing withdrawn, nothing recorded;
+- the in-flight record itself does not decode: every live member is resumed.
+
+Then the in-flight record is removed. A record of the store that does not
+decode is reported (``bad_message``) with what is done about it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
+
+from lorabus.coordinator.lifecycle import UpdateRunner
+from lorabus.coordinator.store import COMMITTED as COMMITTED_KEY
+from lorabus.coordinator.store import (
+    INFLIGHT,
+    CorruptRecord,
+    FleetStore,
+    quietly,
+    until_stored,
+)
+from lorabus.coordinator.term import Term
+from lorabus.errors import LeadershipLost, SteppedAside, StoreUnavailable
+from lorabus.schemas import (
+    COMMITTED,
+    FAILED,
+    BadPayload,
+    CommittedRecord,
+    InflightRecord,
+    Phase,
+    UpdateResult,
+)
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_REMEDIES = {
+    False: "read as absent: an adapter whose commit point it is is reset at its next update, "
+    "and the latest record is rewritten at the next commit",
+    True: "read as an update of unknown content: every live member resumed, nothing withdrawn",
+}
+"""What recovery does with a committed record, and an in-flight record, that
+does not decode."""
+
+
+async def recover(term: Term, runner: UpdateRunner) -> str | None:
+    """Load the committed state; finish or roll back an update a predecessor
+    left in flight, and return its id."""
+    found = await _read_left_state(term)
+    for corrupt in found.corrupt:
+        await term.reports.corrupt(corrupt, remedy=_REMEDIES[corrupt.key == INFLIGHT])
+    if found.committed is not None:
+        term.book.commit(found.committed)
+    in_flight, recorded, commit_point = found.in_flight, found.result, found.commit_point
+    if found.in_flight_unknown:
+        await _resume_everyone(term, runner)
+        await quietly(term.store.clear_inflight())
+        return None
+    if in_flight is None:
+        return None
+    if commit_point is not None and _records_commit_of(commit_point, in_flight):
+        # It stopped after its commit point (every member had resumed),
+        # maybe before its result and the latest record were written:
+        # rolling back would withdraw a committed version.
+        await _record_commit(term, in_flight, commit_point, recorded)
+    elif recorded is None and found.commit_point_unknown:
+        # It may have committed: resume everyone, withdraw nothing, and
+        # record no outcome (its adapter is reset at its next update).
+        await _resume_everyone(term, runner, in_flight)
+    elif recorded is None:
+        await _roll_back(term, runner, in_flight)
+    await quietly(term.store.clear_inflight())
+    return in_flight.update_id
+
+
+async def _read_left_state(term: Term) -> _LeftState:
+    """Every record a predecessor left, read again until it can be, for at most
+    a lease; then the term steps aside (the lease itself holds as long as the
+    state bucket does, and the results bucket may be what fails)."""
+    try:
+        return await until_stored(
+            partial(_LeftState.read, term.store), for_s=term.config.leader_lease_s
+        )
+    except StoreUnavailable as exc:
+        raise SteppedAside(
+            f"could not read the state a predecessor left for a whole lease: {exc}"
+        ) from exc
+
+
+async def _record_commit(
+    term: Term,
+    in_flight: InflightRecord,
+    committed: CommittedRecord,
+    recorded: UpdateResult | None,
+) -> None:
+    """Write what a commit left in flight may lack: the latest record, unless
+    a later commit's is there, and its result. Tried again (0.2 s, doubling
+    to 5 s) for a lease; still failing, the term steps aside with the update
+    left in flight, for whoever leads next."""
+    result = None
+    if recorded is None:
+        log.warning(
+            "epoch=%d update=%s found in flight but committed: recording its result",
+            term.epoch,
+            in_flight.update_id,
+        )
+        result = UpdateResult(
+            update_id=in_flight.update_id,
+            status=COMMITTED,
+            adapter=committed.served_name,
+            version=committed.version,
+            rank_map=committed.rank_map,
+            path=committed.path,
+            digest=committed.digest,
+        )
+        # Ahead of the writes: stopped between them, a successor writes
+        # the result again, and the trail still has the update's end.
+        await term.bus.emit(term.finished(result))
+    try:
+        await until_stored(
+            partial(_write_commit, term, committed, result), for_s=term.config.leader_lease_s
+        )
+    except StoreUnavailable as exc:
+        raise SteppedAside(
+            f"could not record the commit of {in_flight.update_id} for a whole lease: {exc}"
+        ) from exc
+
+
+async def _write_commit(
+    term: Term, committed: CommittedRecord, result: UpdateResult | None
+) -> None:
+    """The latest record of a recovered commit, unless a later commit's is
+    there, and its ``result`` (if it had none). Written twice, neither
+    changes what the first write did."""
+    if not await term.still_leading():
+        raise LeadershipLost(f"epoch {term.epoch} was deposed while it recovered")
+    if await term.store.latest_behind(committed.adapter):
+        await term.store.write_latest(committed)
+        term.book.commit(committed)
+    if result is not None:
+        await term.store.write_result(result)
+
+
+async def _resume_everyone(
+    term: Term, runner: UpdateRunner, in_flight: InflightRecord | None = None
+) -> None:
+    """Roll back an update in flight as far as can be without knowing what
+    it loaded: resume every member it named (or, unknown, every live one)."""
+    members = (
+        in_flight.members
+        if in_flight is not None
+        else {wid: m.heartbeat.world_size for wid, m in term.membership.live().items()}
+    )
+    if not members:
+        return  # an agent's pause lease runs out on its own
+    blind = InflightRecord(
+        update_id=in_flight.update_id if in_flight is not None else f"unknown-{term.epoch}",
+        epoch=in_flight.epoch if in_flight is not None else 0,
+        phase=Phase.PAUSE,  # nothing is withdrawn
+        adapter="",
+        served_name="",
+        version=0,
+        members=members,
+    )
+    error = await runner.roll_back(blind)
+    log.warning("epoch=%d resumed %d members: %s", term.epoch, len(members), error.message)
+
+
+async def _roll_back(term: Term, runner: UpdateRunner, in_flight: InflightRecord) -> None:
+    log.warning(
+        "epoch=%d update=%s found in flight (%s): rolling back",
+        term.epoch,
+        in_flight.update_id,
+        in_flight.phase,
+    )
+    error = await runner.roll_back(in_flight)
+    result = UpdateResult(
+        update_id=in_flight.update_id,
+        status=FAILED,
+        adapter=in_flight.served_name,
+        version=in_flight.version,
+        error=error,
+        path=in_flight.path or None,
+    )
+    await quietly(term.store.write_result(result))
+    await term.bus.emit(term.finished(result))
+
+
+def _records_commit_of(committed: CommittedRecord, in_flight: InflightRecord) -> bool:
+    return (committed.served_name, committed.version) == (in_flight.served_name, in_flight.version)
+
+
+@dataclass(frozen=True)
+class _LeftState:
+    """The fleet's records as a new leader finds them."""
+
+    committed: CommittedRecord | None
+    """The latest commit: the adapter's own record (the commit point), as the
+    fleet's latest record is written after it and may lag or be missing."""
+    in_flight: InflightRecord | None
+    result: UpdateResult | None
+    """The stored result of the update in flight."""
+    commit_point: CommittedRecord | None
+    """The committed record of the in-flight update's adapter."""
+    corrupt: tuple[CorruptRecord, ...] = ()
+    """Records that did not decode, each read as absent: the latest record (or
+    its adapter's commit point: then neither is taken for committed), the
+    in-flight record, the in-flight adapter's commit point."""
+
+    @property
+    def in_flight_unknown(self) -> bool:
+        return any(c.key == INFLIGHT for c in self.corrupt)
+
+    @property
+    def commit_point_unknown(self) -> bool:
+        """The in-flight adapter's commit point did not decode: whether its
+        update committed is unknown."""
+        return self.in_flight is not None and any(
+            c.key == f"{COMMITTED_KEY}.{self.in_flight.adapter}" for c in self.corrupt
+        )
+
+    @classmethod
+    async def read(cls, store: FleetStore) -> _LeftState:
+        """Every record, or StoreUnavailable: none is read as absent on a
+        failure, but one that does not decode is (reported in ``corrupt``)."""
+        corrupt: list[CorruptRecord] = []
+
+        async def readable(read: Awaitable[_T]) -> _T | None:
+            try:
+                return await read
+            except CorruptRecord as exc:
+                if all(c.key != exc.key for c in corrupt):
+                    corrupt.append(exc)
+                return None
+
+        latest = await readable(store.read_committed())
+        if latest is not None:
+            own = await readable(store.read_committed(latest.adapter))
+            if corrupt:
+                latest = None  # its adapter is reset when it is next updated
+            elif own is not None:
+                latest = own
+        in_flight = await readable(store.read_inflight())
+        if in_flight is None:
+            return cls(latest, None, None, None, tuple(corrupt))
+        try:
+            # Unsealed or garbled, it is no result (and is reported): the
+            # commit point, not a stored answer, says whether it committed.
+            result = await readable(store.read_result(in_flight.update_id))
+        except BadPayload as exc:
+            log.warning(
+                "the stored result of %s does not decode, ignored: %s", in_flight.update_id, exc
+            )
+            result = None
+        commit_point = await readable(store.read_committed(in_flight.adapter))
+        return cls(latest, in_flight, result, commit_point, tuple(corrupt))

@@ -1,0 +1,86 @@
+"""The fleet's status, as the leader sees it.
+
+What ``lorabus status`` shows: the live members with their engines' state
+and their place in the latest commit's rank map (with nothing committed, in
+a rank map of the live members), the latest commit, the update in flight
+and, while it runs, which members have acked its phase, and any worker id
+that a second live agent claims. Read from memory alone (the membership,
+the term's book, the open ack gather), so it costs no round trip.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorabus.coordinator.book import UpdateBook
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.gather import AckRouter
+from lorabus.coordinator.membership import Membership
+from lorabus.schemas import FleetStatus, MemberStatus, WorkerIdConflict, build_rank_map
+
+
+def fleet_status(
+    config: CoordinatorConfig,
+    membership: Membership,
+    book: UpdateBook,
+    acks: AckRouter | None,
+    *,
+    epoch: int,
+    leader: str,
+) -> FleetStatus:
+    live = membership.live()
+    latest = book.latest
+    rank_map = (
+        latest.rank_map
+        if latest
+        else build_rank_map({wid: m.heartbeat.world_size for wid, m in live.items()})
+    )
+    offsets = {entry.worker_id: entry.rank_offset for entry in rank_map.entries}
+    members = [
+        MemberStatus(
+            worker_id=wid,
+            world_size=m.heartbeat.world_size,
+            engine=m.heartbeat.engine,
+            paused=m.heartbeat.paused,
+            adapters=m.heartbeat.adapters,
+            heartbeat_age_s=round(membership.age_of(m), 3),
+            rank_offset=offsets.get(wid),
+            ready=m.heartbeat.ready,
+            unready_reason=m.heartbeat.unready_reason,
+            unreadable_state=m.heartbeat.unreadable_state,
+        )
+        for wid, m in sorted(live.items())
+    ]
+    return FleetStatus(
+        fleet=config.fleet,
+        expected_world_size=config.expected_world_size,
+        live_world_size=sum(m.world_size for m in members),
+        members=members,
+        committed_adapter=latest.served_name if latest else None,
+        committed_version=latest.version if latest else None,
+        rank_map=latest.rank_map if latest else None,
+        in_flight=book.running,
+        epoch=epoch,
+        leader=leader,
+        conflicts=[
+            WorkerIdConflict(
+                worker_id=contender.heartbeat.worker_id,
+                holder=membership.instance_of(contender.heartbeat.worker_id) or "",
+                refused=contender.heartbeat.instance,
+                age_s=age_s,
+            )
+            for contender, age_s in membership.conflicts()
+        ],
+        **_phase_progress(book, acks),
+    )
+
+
+def _phase_progress(book: UpdateBook, acks: AckRouter | None) -> dict[str, Any]:
+    gather = acks.latest() if acks is not None else None
+    if gather is None or gather.update_id != book.running:
+        return {}
+    return {
+        "in_flight_phase": str(gather.phase),
+        "acked": sorted(gather.acks),
+        "waiting": sorted(gather.waiting),
+    }

@@ -1,0 +1,499 @@
+"""One update's run: quorum -> pause (carrying the load) -> verify -> resume.
+
+An :class:`UpdateRun` lives for one update and ends as one
+:class:`RunOutcome`: the result, and whether an in-flight record was sent
+for it (the caller clears it once the result is stored). Everything it
+learns on the way (the membership snapshot, the time of each phase, the
+members whose pause may have landed unanswered) is its own, so no state
+crosses from one update to the next but the term's (``phases.py``).
+
+The pause carries the load: each agent loads as soon as its own engine is
+paused, so the fleet's pause acks are no barrier before any load (one
+message and one round of the bus fewer per update). A fixed-name load
+(``replace``) is not carried: it changes what the committed name serves,
+so it waits for the whole fleet's pause. A phase that fails on some members
+ends the update, unless the quorum policy allows going on without them:
+then they are left out. Resume runs in a ``finally``: whatever failed,
+every member that may have paused is told to resume. A version that did
+not commit is unloaded where it may have loaded. Retiring versions beyond
+``keep`` is not a phase: the committed notice names them and each agent
+unloads them itself. Live mode loads and verifies with no pause at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from lorabus.clock import now
+from lorabus.coordinator.digests import agreed_digest, digest_problem
+from lorabus.coordinator.gather import PhaseGather
+from lorabus.coordinator.inflight import InflightJournal
+from lorabus.coordinator.phases import Commands, Gathering, PhaseOutcome, first_resend_gap
+from lorabus.coordinator.plan import UpdatePlan
+from lorabus.coordinator.ports import Frontend, Journal
+from lorabus.coordinator.quorum import QuorumPolicy
+from lorabus.errors import FrontendUnverified, QuorumNotReached
+from lorabus.schemas import (
+    COMMITTED,
+    FAILED,
+    ErrorCode,
+    ErrorInfo,
+    LoadCommand,
+    LoadSpec,
+    Phase,
+    PhasedCommand,
+    RankMap,
+    ResumeCommand,
+    UnloadCommand,
+    UpdateResult,
+    UpdateStarted,
+    UpdateStatus,
+    WorkerOutcome,
+    build_rank_map,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How an update's run ended."""
+
+    result: UpdateResult
+    journalled: bool
+    """An in-flight record was sent for it (its writes have ended, stored or
+    failed and logged): the caller may clear it."""
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    outcome: PhaseOutcome
+    listed: bool
+    """The frontend listed the new name by the load's end."""
+
+
+@dataclass(frozen=True)
+class _Carried:
+    """The pause that carried the load, and that load."""
+
+    error: ErrorInfo | None
+    """Why the pause failed the update (its loads not waited for), or None."""
+    paused: list[str]
+    """The members whose pause held."""
+    errors: dict[str, ErrorInfo]
+    """The members left out, and why."""
+    loaded: _Loaded
+    """The loads among the paused (when the pause failed: what was known of them)."""
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What happened inside the pause."""
+
+    error: ErrorInfo | None
+    """Why the update failed, or None: it commits if every member resumes."""
+    errors: dict[str, ErrorInfo]
+    """The members left out or failed, and why."""
+    load: PhaseOutcome | None
+    serving: list[str]
+    """The members that serve the new version."""
+
+
+class UpdateRun:
+    """One update, from its quorum to its result, on its term's commands."""
+
+    def __init__(
+        self, plan: UpdatePlan, commands: Commands, frontend: Frontend, journal: Journal
+    ) -> None:
+        self.plan = plan
+        self.commands = commands
+        self.config = commands.config
+        self.frontend = frontend
+        self.members: dict[str, int] = {}
+        """The membership snapshot the update runs on: worker id -> world size."""
+        self.durations: dict[str, float] = {}
+        """Seconds spent in each phase that ran."""
+        self.quorum = QuorumPolicy(self.config)
+        self._in_flight = InflightJournal(journal, plan, commands.epoch)
+        self._may_have_loaded: set[str] = set()
+        """Members left out whose pause may still have landed, and with it
+        the load it carried."""
+
+    async def run(self) -> RunOutcome:
+        """Run the plan to a terminal result; never leaves a member told to
+        pause unresumed. The writes of the in-flight record have ended by
+        then (stored, or failed and logged)."""
+        try:
+            result = await self._run()
+        finally:
+            journalled = await self._in_flight.ended()
+        return RunOutcome(result, journalled)
+
+    async def _run(self) -> UpdateResult:
+        started = now()
+        try:
+            self.members = await self.commands.membership.wait_quorum(
+                self.config.expected_world_size,
+                self.config.quorum_timeout_s,
+                needed=self.quorum.needed_world_size,
+                grace_s=self.config.quorum_grace_s,
+            )
+        except QuorumNotReached as exc:
+            self.durations[Phase.QUORUM] = now() - started
+            quorum_error = ErrorInfo(code=ErrorCode.QUORUM_TIMEOUT, message=str(exc))
+            return self._failed(quorum_error, {}, None)
+        self.durations[Phase.QUORUM] = now() - started
+        await self.commands.bus.emit(
+            UpdateStarted(
+                ts=time.time(),
+                source="coordinator",
+                update_id=self.plan.update_id,
+                adapter=self.plan.served_name,
+                version=self.plan.version,
+                members=self.members,
+                epoch=self.commands.epoch,
+            )
+        )
+        if self.plan.live:
+            return await self._run_live()
+        return await self._run_paused()
+
+    async def _run_paused(self) -> UpdateResult:
+        targets = sorted(self.members)  # every later command of this update addresses them
+        renewing = asyncio.create_task(self.commands.renew_leases(self.plan.update_id))
+        paused_at = now()
+        try:
+            window = await self._pause_load_verify(targets)
+        finally:
+            try:
+                resume = await self._phase(
+                    self.commands.cohort(ResumeCommand, self.plan.update_id, targets, targets),
+                    targets,
+                )
+            finally:
+                renewing.cancel()
+                await asyncio.gather(renewing, return_exceptions=True)
+                self.commands.metrics.pause_window_seconds.observe(now() - paused_at)
+        unresumed = resume.worker_errors()
+        errors = unresumed | window.errors
+        error, serving = window.error, window.serving
+        if unresumed and error is None:
+            resumed = self.quorum.resumed(unresumed, serving, self.members)
+            if resumed is None:
+                error = resume.summary()
+            else:
+                serving = resumed
+        if error is not None:
+            await self._withdraw_uncommitted(window.load)
+            return self._failed(error, errors, window.load)
+        return self._committed(serving, errors, window.load)
+
+    async def _run_live(self) -> UpdateResult:
+        """Load and verify the new versioned name on every member while engines
+        keep serving: nothing pauses, so there is nothing to resume; what did
+        not commit is unloaded where it loaded, as in pause mode."""
+        plan, targets = self.plan, sorted(self.members)
+        # Named targets, not a pause's cohort: no agent took a pause to join one.
+        loaded = await self._load(
+            self.commands.named(
+                LoadCommand,
+                plan.update_id,
+                targets,
+                served_name=plan.served_name,
+                path=plan.path,
+                replace=False,
+                digest=plan.digest,
+            ),
+            targets,
+        )
+        load = loaded.outcome
+        error = digest_problem(plan.digest, load.acks)
+        serving = self.quorum.going_on(load, targets, self.members) if error is None else None
+        if serving is not None:
+            error = await self._verify(load, serving, loaded.listed)
+            if error is None:
+                return self._committed(serving, load.worker_errors(), load)
+        await self._withdraw_uncommitted(load)
+        # No error of its own: too few members loaded it.
+        return self._failed(error or load.summary(), load.worker_errors(), load)
+
+    async def _pause_load_verify(self, targets: list[str]) -> _Window:
+        """The phases inside the pause."""
+        plan = self.plan
+        load_command = self.commands.cohort(
+            LoadCommand,
+            plan.update_id,
+            targets,
+            targets,
+            served_name=plan.served_name,
+            path=plan.path,
+            replace=plan.replace,
+            digest=plan.digest,
+            after_pause=True,
+        )
+        if plan.replace:
+            pause = await self._pause(targets)
+            paused = self.quorum.going_on(pause, targets, self.members)
+            if paused is None:
+                return _Window(pause.summary(), pause.worker_errors(), None, [])
+            left_out = pause.worker_errors()
+            kept = set(paused)
+            excluded = [w for w in targets if w not in kept]
+            loaded = await self._load(
+                msgspec.structs.replace(load_command, excluded=excluded), paused
+            )
+        else:
+            carried = await self._pause_carrying(targets, load_command)
+            if carried.error is not None:
+                return _Window(carried.error, carried.errors, carried.loaded.outcome, [])
+            paused, left_out, loaded = carried.paused, carried.errors, carried.loaded
+        load = loaded.outcome
+        mismatch = digest_problem(plan.digest, load.acks)
+        if mismatch is not None:
+            # Whatever the quorum allows: replicas serving other bytes under one
+            # name is the failure this check exists for, not a member to drop.
+            return _Window(mismatch, left_out | load.worker_errors(), load, [])
+        serving = self.quorum.going_on(load, paused, self.members)
+        if serving is None:
+            return _Window(load.summary(), left_out | load.worker_errors(), load, [])
+        left_out = left_out | load.worker_errors()
+        return _Window(await self._verify(load, serving, loaded.listed), left_out, load, serving)
+
+    async def _pause_carrying(self, targets: list[str], load_command: LoadCommand) -> _Carried:
+        """The pause carrying the load, both gathered at once. When the pause
+        fails the update, the loads are not waited for: the engines resume at
+        once, and the version is withdrawn wherever it may have loaded."""
+        # One write, before any engine is told anything: a successor resumes
+        # every member and withdraws the version, wherever this one stopped.
+        await self._in_flight.record(Phase.LOAD, self.members)
+        # The pause and the load each have a phase timeout; the load's clock
+        # starts with the pause.
+        budget_s = self.config.phase_timeout_s
+        load_command = msgspec.structs.replace(load_command, budget_s=2 * budget_s)
+        first_loaded = asyncio.Event()
+        acks, update_id, epoch = self.commands.bus.acks, self.plan.update_id, self.commands.epoch
+        load_gather = acks.expect(update_id, Phase.LOAD, targets, first_loaded, epoch)
+        # Opened last, so the status shows the pause while it lasts.
+        pause_gather = acks.expect(update_id, Phase.PAUSE, targets, None, epoch)
+        pause_ended: list[float] = []
+
+        def took_the_pause(worker_id: str) -> bool:
+            """A load is sent again only to a member whose pause held: one whose
+            pause failed, or which has not taken it, must not load (an agent of
+            wire version 2 would)."""
+            ack = pause_gather.acks.get(worker_id)
+            return ack is not None and ack.ok
+
+        loading = asyncio.create_task(
+            self._load(
+                load_command,
+                targets,
+                first_loaded,
+                Gathering(
+                    opened=load_gather,
+                    sent=True,
+                    resend_if=took_the_pause,
+                    # The load phase is the time it adds after the fleet's pause.
+                    counted_from=lambda: pause_ended[0] if pause_ended else now(),
+                ),
+            )
+        )
+        try:
+            # Half the pause's first re-send gap: a pause acked with a load
+            # that is still running then gets its own ack before any re-send.
+            hold_s = min(first_resend_gap(budget_s), budget_s) / 2
+            spec = msgspec.structs.replace(
+                load_command.spec(), budget_s=budget_s, ack_hold_s=hold_s
+            )
+            pause = await self._pause(targets, then_load=spec, opened=pause_gather)
+            pause_ended.append(now())
+            paused = self.quorum.going_on(pause, targets, self.members)
+            if paused is None:
+                known = PhaseOutcome(
+                    phase=Phase.LOAD,
+                    acks=dict(load_gather.acks),
+                    missing=sorted(load_gather.waiting),
+                    lost=sorted(load_gather.lost),
+                    duration_s=0.0,
+                    timeout_s=load_command.budget_s,
+                )
+                return _Carried(pause.summary(), [], pause.worker_errors(), _Loaded(known, False))
+            kept = set(paused)
+            load_gather.drop(w for w in targets if w not in kept)
+            # A pause that landed after all (its ack late or lost) runs the load
+            # it carried: such members are withdrawn from too if this fails.
+            self._may_have_loaded.update(pause.missing + pause.lost)
+            loaded = await loading
+        finally:
+            loading.cancel()
+            acks.close(pause_gather)
+            acks.close(load_gather)
+            await asyncio.gather(loading, return_exceptions=True)
+        among = _Loaded(loaded.outcome.among(paused), loaded.listed)
+        return _Carried(None, paused, pause.worker_errors(), among)
+
+    async def _pause(
+        self,
+        targets: list[str],
+        *,
+        then_load: LoadSpec | None = None,
+        opened: PhaseGather | None = None,
+    ) -> PhaseOutcome:
+        await self._in_flight.record(Phase.PAUSE, self.members)
+        pause = await self.commands.pause(
+            self.plan.update_id, targets, then_load=then_load, opened=opened
+        )
+        self.durations[pause.phase] = pause.duration_s
+        return pause
+
+    async def _load(
+        self,
+        command: LoadCommand,
+        expected: list[str],
+        first_loaded: asyncio.Event | None = None,
+        gathering: Gathering | None = None,
+    ) -> _Loaded:
+        """The load phase, and whether the frontend listed the new name by its
+        end. ``/v1/models`` is a union over workers, so the listing may be
+        looked for from the first successful load on, while the other loads
+        run, instead of after the last one. A load the pause carried comes
+        with the gather opened for it and its first-success event."""
+        first_loaded = first_loaded or asyncio.Event()
+        looking = asyncio.create_task(self._listed_once(first_loaded, command.served_name))
+        try:
+            await self._in_flight.record(Phase.LOAD, self.members)
+            load = await self._phase(command, expected, first_ok=first_loaded, gather=gathering)
+        finally:
+            # A look still under way is dropped: verify looks again, in full.
+            listed = (
+                looking.done()
+                and not looking.cancelled()
+                and looking.exception() is None
+                and looking.result()
+            )
+            looking.cancel()
+            await asyncio.gather(looking, return_exceptions=True)
+        return _Loaded(load, listed)
+
+    async def _listed_once(self, loaded: asyncio.Event, model: str) -> bool:
+        await loaded.wait()
+        try:
+            await self.frontend.wait_listed(model, self.config.verify_timeout_s)
+        except FrontendUnverified:
+            return False
+        return True
+
+    async def _verify(
+        self, load: PhaseOutcome, serving: list[str], listed: bool
+    ) -> ErrorInfo | None:
+        """Every serving member's read-back names the new version, and the
+        frontend lists it (``listed``: it already did during the load)."""
+        started = now()
+        served_name = self.plan.served_name
+        try:
+            unlisted = [w for w in serving if served_name not in load.acks[w].adapters]
+            if unlisted:
+                return ErrorInfo(
+                    code=ErrorCode.NOT_LISTED,
+                    message=f"{served_name!r} is missing from the read-back of {unlisted}",
+                )
+            if listed:
+                return None
+            try:
+                await self.frontend.wait_listed(served_name, self.config.verify_timeout_s)
+            except FrontendUnverified as exc:
+                return ErrorInfo(code=ErrorCode.VERIFY_TIMEOUT, message=str(exc))
+            return None
+        finally:
+            self.durations[Phase.VERIFY] = now() - started
+            self.commands.metrics.phase_seconds.labels(Phase.VERIFY).observe(
+                self.durations[Phase.VERIFY]
+            )
+
+    async def _withdraw_uncommitted(self, load: PhaseOutcome | None) -> None:
+        """Unload a version that failed to commit where it did load, so no
+        request for it is routed to a subset of the fleet: where a load ack
+        lists it, and where a load went unanswered or a pause that carried one
+        was (unloading a name an engine lacks succeeds). Each agent runs it
+        behind any load of its own, and it is gathered and re-sent like any
+        phase. Reported, never fatal to the update."""
+        plan = self.plan
+        if plan.replace or load is None:
+            return
+        holders = {w for w, a in load.acks.items() if plan.served_name in a.adapters}
+        targets = sorted(holders | set(load.missing) | set(load.lost) | self._may_have_loaded)
+        if not targets:
+            return
+        names = [plan.served_name]
+        outcome = await self._phase(
+            self.commands.named(UnloadCommand, plan.update_id, targets, names=names), targets
+        )
+        if not outcome.ok:
+            log.warning(
+                "update=%s unloading %s: %s", plan.update_id, names, outcome.summary().message
+            )
+
+    async def _phase(
+        self,
+        command: PhasedCommand,
+        expected: list[str],
+        *,
+        first_ok: asyncio.Event | None = None,
+        gather: Gathering | None = None,
+    ) -> PhaseOutcome:
+        outcome = await self.commands.phase(command, expected, first_ok=first_ok, gather=gather)
+        self.durations[outcome.phase] = outcome.duration_s
+        return outcome
+
+    def _failed(
+        self, error: ErrorInfo, errors: dict[str, ErrorInfo], load: PhaseOutcome | None
+    ) -> UpdateResult:
+        return self._result(FAILED, error=error, errors=errors, load=load)
+
+    def _committed(
+        self, serving: list[str], errors: dict[str, ErrorInfo], load: PhaseOutcome | None
+    ) -> UpdateResult:
+        rank_map = build_rank_map({wid: self.members[wid] for wid in serving})
+        return self._result(COMMITTED, errors=errors, load=load, rank_map=rank_map)
+
+    def _result(
+        self,
+        status: UpdateStatus,
+        *,
+        errors: dict[str, ErrorInfo],
+        load: PhaseOutcome | None,
+        error: ErrorInfo | None = None,
+        rank_map: RankMap | None = None,
+    ) -> UpdateResult:
+        plan = self.plan
+        acks = load.acks if load is not None else {}
+        workers = {
+            wid: WorkerOutcome(
+                ok=wid not in errors,
+                world_size=size,
+                error=errors.get(wid),
+                adapters=acks[wid].adapters if wid in acks else [],
+            )
+            for wid, size in sorted(self.members.items())
+        }
+        return UpdateResult(
+            update_id=plan.update_id,
+            status=status,
+            adapter=plan.served_name,
+            version=plan.version,
+            rank_map=rank_map,
+            phases={str(k): round(v, 6) for k, v in self.durations.items()},
+            workers=workers,
+            error=error,
+            path=plan.path,
+            digest=(
+                agreed_digest(plan.digest, acks, [e.worker_id for e in rank_map.entries])
+                if rank_map is not None
+                else ""
+            ),
+        )
