@@ -44,9 +44,10 @@ from lorabus.coordinator.bus import reply_refusal
 from lorabus.coordinator.fit import fit_result, fit_status
 from lorabus.coordinator.plan import check_request_off_loop, is_committed
 from lorabus.coordinator.resets import reset_committed
+from lorabus.coordinator.signals import StoreUnavailable
 from lorabus.coordinator.store import or_none, quietly
 from lorabus.coordinator.term import Term
-from lorabus.errors import BadRequest, LorabusError, StoreUnavailable
+from lorabus.errors import BadRequest, LorabusError
 from lorabus.schemas import (
     FAILED,
     UNKNOWN,

@@ -32,9 +32,9 @@ from functools import partial
 
 from lorabus.clock import now
 from lorabus.coordinator.fit import fit_result
+from lorabus.coordinator.signals import LeadershipLost, SteppedAside, StoreUnavailable
 from lorabus.coordinator.store import quietly, until_stored
 from lorabus.coordinator.term import Term
-from lorabus.errors import LeadershipLost, SteppedAside, StoreUnavailable
 from lorabus.schemas import CommittedNotice, CommittedRecord, UpdateRequest, UpdateResult
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from typing import Protocol
 
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
+from lorabus.coordinator.signals import LeadershipLost, LostRace, StoreUnavailable
 from lorabus.coordinator.store import CorruptRecord
-from lorabus.errors import LeadershipLost, LostRace, StoreUnavailable
 from lorabus.schemas import LeaderRecord
 
 log = logging.getLogger(__name__)

@@ -31,6 +31,7 @@ from functools import partial
 from typing import TypeVar
 
 from lorabus.coordinator.lifecycle import UpdateRunner
+from lorabus.coordinator.signals import LeadershipLost, SteppedAside, StoreUnavailable
 from lorabus.coordinator.store import COMMITTED as COMMITTED_KEY
 from lorabus.coordinator.store import (
     INFLIGHT,
@@ -40,7 +41,6 @@ from lorabus.coordinator.store import (
     until_stored,
 )
 from lorabus.coordinator.term import Term
-from lorabus.errors import LeadershipLost, SteppedAside, StoreUnavailable
 from lorabus.schemas import (
     COMMITTED,
     FAILED,

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import time
 
+from lorabus.coordinator.signals import LeadershipLost
 from lorabus.coordinator.store import CorruptRecord
 from lorabus.coordinator.term import Term
-from lorabus.errors import BadRequest, LeadershipLost
+from lorabus.errors import BadRequest
 from lorabus.schemas import (
     CommittedRecord,
     CommittedReset,

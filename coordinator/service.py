@@ -53,12 +53,12 @@ from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.recovery import recover
 from lorabus.coordinator.reports import Reports
+from lorabus.coordinator.signals import LeadershipLost, SteppedAside
 from lorabus.coordinator.status import fleet_status
 from lorabus.coordinator.store import FleetStore, until_stored
 from lorabus.coordinator.streams import unsafe_settings
 from lorabus.coordinator.term import Term
 from lorabus.coordinator.updates import run_updates
-from lorabus.errors import LeadershipLost, SteppedAside
 from lorabus.event_loop import running_loop_name
 from lorabus.schemas import MAX_MESSAGE_BYTES, FleetStatus, LeaderElected, MemberAlert, Subjects
 from lorabus.signing import CommandSigner

@@ -36,8 +36,8 @@ from nats.js.kv import KeyValue
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
 from lorabus.coordinator.config import StorageConfig
+from lorabus.coordinator.signals import LostRace, StoreUnavailable
 from lorabus.coordinator.streams import provision
-from lorabus.errors import LostRace, StoreUnavailable
 from lorabus.schemas import (
     CommittedRecord,
     InflightRecord,

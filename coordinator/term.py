@@ -27,8 +27,8 @@ from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.ports import CommandBus
 from lorabus.coordinator.reports import Reports
+from lorabus.coordinator.signals import StoreUnavailable
 from lorabus.coordinator.store import CorruptRecord, FleetStore
-from lorabus.errors import StoreUnavailable
 from lorabus.schemas import (
     CommittedRecord,
     ErrorCode,

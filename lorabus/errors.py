@@ -23,10 +23,6 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     ├── DuplicateWorker           another live agent holds this agent's worker id
     ├── QuorumNotReached          live world sizes did not reach the expected sum in time
     ├── FrontendUnverified        the frontend did not list an adapter in time
-    ├── StoreUnavailable          the fleet's KV store could not be read or written in time
-    ├── LeadershipLost            this coordinator no longer holds the fleet's lease
-    │   ├── LostRace              another coordinator wrote the leader record first
-    │   └── SteppedAside          it gave the lease up for a standby to take
     └── StartFailed               a part of the embedded stack or testbed did not start
         └── NatsServerMissing     no nats-server binary to start
 
@@ -66,9 +62,7 @@ __all__ = [
     "ErrorInfo",
     "FrontendUnverified",
     "InsecureConnection",
-    "LeadershipLost",
     "LorabusError",
-    "LostRace",
     "MalformedReply",
     "NatsServerMissing",
     "NoCoordinator",
@@ -78,8 +72,6 @@ __all__ = [
     "StaleMembership",
     "StaleVersion",
     "StartFailed",
-    "SteppedAside",
-    "StoreUnavailable",
     "TorchMissing",
 ]
 
@@ -209,26 +201,6 @@ class FrontendUnverified(LorabusError):
     """Raised when the frontend did not list a model before the deadline."""
 
     code = ErrorCode.VERIFY_TIMEOUT
-
-
-class StoreUnavailable(LorabusError):
-    """Raised when the fleet's KV store cannot be read or written in time."""
-
-
-class LeadershipLost(LorabusError):
-    """Raised when this coordinator no longer holds the fleet's lease."""
-
-    code = ErrorCode.NOT_LEADER
-
-
-class LostRace(LeadershipLost):
-    """Raised when a compare-and-set finds that another coordinator wrote first."""
-
-
-class SteppedAside(LeadershipLost):
-    """Raised when a coordinator gives its lease up so that a standby may lead
-    instead: it campaigns again only after two leases of silence, behind any
-    standby (which waits one)."""
 
 
 class StartFailed(LorabusError):

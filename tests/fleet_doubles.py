@@ -39,8 +39,9 @@ from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.ports import CommandBus
+from lorabus.coordinator.signals import LostRace, StoreUnavailable
 from lorabus.coordinator.store import FleetStore
-from lorabus.errors import FrontendUnverified, LostRace, StoreUnavailable
+from lorabus.errors import FrontendUnverified
 from lorabus.schemas import (
     Ack,
     Command,

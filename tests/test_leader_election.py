@@ -10,7 +10,7 @@ import pytest
 from fleet_doubles import MemoryLeaderStore
 
 from lorabus.coordinator.leader import LeaderElection
-from lorabus.errors import LeadershipLost
+from lorabus.coordinator.signals import LeadershipLost
 from lorabus.schemas import LeaderRecord
 
 pytestmark = pytest.mark.looptime

@@ -16,8 +16,8 @@ from nats.aio.client import Client as NatsClient
 from lorabus.bus import close, connect
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.service import Coordinator
+from lorabus.coordinator.signals import StoreUnavailable
 from lorabus.coordinator.store import FleetStore
-from lorabus.errors import StoreUnavailable
 from lorabus.operator import reset_committed
 from lorabus.schemas import (
     CommittedRecord,
