@@ -69,7 +69,9 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PauseCommand(_Command, frozen=True, kw_only=True, tag="pause"):
-    mode: Annotated[str, msgspec.Meta(max_length=32)] = "keep"
+    # No pause mode: each driver pauses as its engine allows (Dynamo keeps
+    # in-flight requests, falling back to wait). A ``mode`` an older
+    # coordinator sends is ignored, as every unknown field is.
     lease_s: Seconds = 0.0
     """The agent resumes on its own unless renewed or resumed within this (0: the
     agent's own ``--max-pause-lease``); agents also cap it with that limit and

@@ -140,7 +140,7 @@ FAMILIES = (
             RefuseInstance,
         ),
         (
-            PauseCommand(**_COMMAND, cohort=True, excluded=["w009"], mode="keep", lease_s=30.0),
+            PauseCommand(**_COMMAND, cohort=True, excluded=["w009"], lease_s=30.0),
             LoadCommand(**_COMMAND, served_name="policy-v1", path="/adapters/1", replace=True),
             ResumeCommand(**_COMMAND, cohort=True, excluded=["w009"]),
             UnloadCommand(**_COMMAND, names=["policy-v0"]),

@@ -61,6 +61,15 @@ def test_unknown_fields_from_a_newer_peer_are_ignored() -> None:
     assert ack_decoder.decode(json.dumps(newer)) == ack
 
 
+def test_a_pause_from_an_older_coordinator_with_its_mode_still_decodes() -> None:
+    """Version-5 coordinators before the field went sent ``mode: "keep"``."""
+    pause = PauseCommand(update_id="u", targets=["w1"], budget_s=5, lease_s=30.0)
+    older = json.loads(encode(pause)) | {"mode": "keep"}
+
+    assert command_decoder.decode(json.dumps(older)) == pause
+    assert "mode" not in json.loads(encode(pause))
+
+
 def test_an_unknown_command_type_is_a_decode_error() -> None:
     with pytest.raises(msgspec.DecodeError):
         command_decoder.decode(b'{"type": "reboot", "v": 1}')
