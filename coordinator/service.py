@@ -51,6 +51,7 @@ from lorabus.coordinator.leader import LeaderElection
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
+from lorabus.coordinator.ports import Frontend
 from lorabus.coordinator.recovery import recover
 from lorabus.coordinator.reports import Reports
 from lorabus.coordinator.signals import LeadershipLost, SteppedAside
@@ -70,8 +71,11 @@ ALERT_CHECK_S = 1.0
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(self, config: CoordinatorConfig, *, frontend: Frontend | None = None) -> None:
+        """``frontend``: what the verify phase asks; by default an HTTP client of
+        ``config.frontend_url``, opened and closed by :meth:`run`."""
         self.config = config
+        self._frontend = frontend
         self.subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
         self.holder = (
             config.holder or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -125,11 +129,14 @@ class Coordinator:
                 remedy="elected over by compare-and-set on its revision, once no lease runs",
             ),
         )
-        frontend = FrontendClient(
-            self.config.frontend_url,
-            headers=self.config.headers,
-            timeout_s=self.config.http_timeout_s,
-        )
+        owned: FrontendClient | None = None
+        frontend = self._frontend
+        if frontend is None:
+            frontend = owned = FrontendClient(
+                self.config.frontend_url,
+                headers=self.config.headers,
+                timeout_s=self.config.http_timeout_s,
+            )
         self._acks = bus.acks
         subs = await bus.follow()
         try:
@@ -175,7 +182,8 @@ class Coordinator:
                 await asyncio.create_task(self._term(nc, term, runner, election))
         finally:
             await _unsubscribe(subs)
-            await frontend.aclose()
+            if owned is not None:
+                await owned.aclose()
 
     def status(self) -> FleetStatus:
         return fleet_status(

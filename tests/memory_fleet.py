@@ -1,0 +1,212 @@
+"""The real agents and the real coordinator of one fleet, on the in-memory bus.
+
+Nothing here re-implements either: each :class:`~lorabus.agents.Agent` and
+the :class:`~lorabus.coordinator.service.Coordinator` run as they do in
+production, on :class:`~memory_bus.MemoryNats` connections of one
+:class:`~memory_bus.MemoryServer`, so a test can run on looptime's fake clock.
+What is in memory is what is not the agent nor the coordinator: the engines
+(:class:`MemoryEngine`, with faults), the frontend (lists what any engine
+holds, as Dynamo's union of workers does) and the requester (the real
+:class:`~lorabus.client.UpdateClient` on a connection of its own). A tap
+connection records every command, so a test can say what a worker was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from memory_bus import MemoryNats, MemoryServer
+
+from lorabus.agents import Agent, CommandExecutor
+from lorabus.client import UpdateClient
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.service import Coordinator
+from lorabus.errors import EngineError, FrontendUnverified
+from lorabus.schemas import (
+    Ack,
+    Command,
+    Phase,
+    Subjects,
+    ack_decoder,
+    command_decoder,
+    is_addressed_to,
+    phase_of,
+)
+
+HEARTBEAT_S = 0.2
+
+
+@dataclass
+class MemoryEngine:
+    """An inference engine in memory (an :class:`~lorabus.agents.EngineDriver`)."""
+
+    kind: str = "memory"
+    adapters: list[str] = field(default_factory=list)
+    paused: bool = False
+    fail_load: bool = False
+    fail_pause: bool = False
+    on_load: Callable[[], Awaitable[None]] | None = None
+    """Runs at the start of every load (a hang, a crash of the worker)."""
+    on_pause: Callable[[], Awaitable[None]] | None = None
+    """Runs at the start of every pause (a hang)."""
+
+    async def pause(self) -> None:
+        if self.on_pause is not None:
+            await self.on_pause()
+        if self.fail_pause:
+            raise EngineError("cannot pause")
+        self.paused = True
+
+    async def resume(self) -> None:
+        self.paused = False
+
+    async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        if self.on_load is not None:
+            await self.on_load()
+        if self.fail_load:
+            raise EngineError(f"cannot load {name}")
+        if name not in self.adapters:
+            self.adapters.append(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        self.adapters = [a for a in self.adapters if a != name]
+
+    async def list_adapters(self) -> list[str]:
+        return list(self.adapters)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class ListingFrontend:
+    def __init__(self, engines: Mapping[str, MemoryEngine]) -> None:
+        self.engines = engines
+        self.first_look: list[str] | None = None
+        """Who held the model when the frontend was first asked."""
+
+    async def wait_listed(self, model: str, timeout_s: float) -> float:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if self.first_look is None:
+            self.first_look = sorted(w for w, e in self.engines.items() if model in e.adapters)
+        while not any(model in engine.adapters for engine in self.engines.values()):
+            if loop.time() - started >= timeout_s:
+                raise FrontendUnverified(f"{model!r} not listed within {timeout_s:.1f}s")
+            await asyncio.sleep(0.02)
+        return loop.time() - started
+
+
+class InMemoryFleet:
+    """A coordinator and one agent per worker on one :class:`MemoryServer`."""
+
+    def __init__(
+        self, world_sizes: Mapping[str, int], *, fleet: str = "memory", **settings: Any
+    ) -> None:
+        self.server = MemoryServer()
+        self.subjects = Subjects(fleet=fleet)
+        self.world_sizes = dict(world_sizes)
+        self.engines = {wid: MemoryEngine() for wid in world_sizes}
+        self.frontend = ListingFrontend(self.engines)
+        settings.setdefault("expected_world_size", sum(world_sizes.values()))
+        settings.setdefault("holder", "c1")
+        self.config = CoordinatorConfig(
+            fleet=fleet, frontend_url="http://frontend.invalid", **settings
+        )
+        self.coordinator = Coordinator(self.config, frontend=self.frontend)
+        self.connections: dict[str, MemoryNats] = {}
+        self.commands: list[tuple[str, Command]] = []
+        """(subject, command) of every command sent, in order."""
+        self.acks: list[Ack] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> InMemoryFleet:
+        tap = self.server.connect("tap")
+        await tap.subscribe(f"{self.subjects.cmd()}.>", cb=self._on_command)
+        await tap.subscribe(self.subjects.cmd(), cb=self._on_command)
+        await tap.subscribe(self.subjects.ack_any(), cb=self._on_ack)
+        ready = asyncio.Event()
+        self._start(self.coordinator.run(self.server.connect("coordinator"), ready))
+        await ready.wait()
+        await asyncio.wait_for(self.coordinator.leading.wait(), timeout=30)
+        for wid, size in self.world_sizes.items():
+            await self.start_agent(wid, size)
+        await self.coordinator.membership.wait_quorum(sum(self.world_sizes.values()), 30)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        for task in reversed(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def start_agent(self, worker_id: str, world_size: int) -> None:
+        conn = self.connections[worker_id] = self.server.connect(worker_id)
+        agent = Agent(
+            self.subjects,
+            CommandExecutor(worker_id, world_size, self.engines[worker_id]),
+            heartbeat_s=HEARTBEAT_S,
+        )
+        ready = asyncio.Event()
+        self._start(agent.run(conn, ready))  # type: ignore[arg-type]
+        await asyncio.wait_for(ready.wait(), timeout=30)
+
+    def _start(self, coro: Any) -> None:
+        self._tasks.append(asyncio.ensure_future(coro))
+
+    async def _on_command(self, msg: Any) -> None:
+        self.commands.append((msg.subject, command_decoder.decode(msg.data)))
+
+    async def _on_ack(self, msg: Any) -> None:
+        self.acks.append(ack_decoder.decode(msg.data))
+
+    def client(self) -> UpdateClient:
+        return UpdateClient(self.server.connect("client"), self.subjects.fleet)  # type: ignore[arg-type]
+
+    def sent_to(self, worker_id: str) -> list[Command]:
+        """The commands ``worker_id`` was sent (by name, or as one of those addressed)."""
+        cohorts: set[tuple[int, str]] = set()
+        sent = []
+        for _, command in self.commands:
+            if is_addressed_to(command, worker_id, cohorts):
+                sent.append(command)
+                if _phase(command) is Phase.PAUSE:
+                    cohorts.add((command.epoch, command.update_id))
+        return sent
+
+    def phases_acked(self, worker_id: str) -> list[Phase]:
+        return [ack.phase for ack in self.acks if ack.worker_id == worker_id]
+
+    def lose(self, worker_id: str, phase: Phase, *, times: int = 1) -> None:
+        """The next ``times`` commands of ``phase`` never reach ``worker_id``."""
+
+        def rule(conn: str, subject: str, data: bytes) -> bool:
+            if conn != worker_id or not subject.startswith(self.subjects.cmd()):
+                return False
+            return _phase_or_none(data) is phase
+
+        self.server.drop(rule, times=times)
+
+    def lose_acks(self, worker_id: str, phase: Phase, *, times: int = 1_000_000) -> None:
+        """``worker_id``'s acks of ``phase`` never reach the coordinator."""
+
+        def rule(conn: str, subject: str, data: bytes) -> bool:
+            if conn != "coordinator" or subject != self.subjects.ack(worker_id):
+                return False
+            return ack_decoder.decode(data).phase is phase
+
+        self.server.drop(rule, times=times)
+
+
+def _phase(command: Command) -> Phase | None:
+    with contextlib.suppress(ValueError):
+        return phase_of(command)  # type: ignore[arg-type]
+    return None
+
+
+def _phase_or_none(data: bytes) -> Phase | None:
+    with contextlib.suppress(Exception):
+        return _phase(command_decoder.decode(data))
+    return None
