@@ -2,8 +2,7 @@
 
 The lifecycle (``lifecycle.py``, ``phases.py``, ``update_run.py``) reaches
 NATS, the frontend's HTTP and the fleet's KV only through these small
-protocols, so it reads as plain async code and tests run it against an
-in-memory bus and journal (``tests/fleet_doubles.py``), on a fake clock.
+protocols, so it reads as plain async code.
 The real ones are :class:`~lorabus.coordinator.bus.CoordinatorBus`,
 :class:`~lorabus.coordinator.frontend.FrontendClient` and
 :class:`~lorabus.coordinator.store.FleetStore`.

@@ -265,6 +265,8 @@ class MemoryJetStream:
 class _Bucket:
     entries: dict[str, KeyValue.Entry] = field(default_factory=dict)
     revision: int = 0
+    written: list[KeyValue.Entry] = field(default_factory=list)
+    """Every write, oldest first (JetStream keeps a key's history too)."""
 
 
 class MemoryKeyValue:
@@ -280,6 +282,10 @@ class MemoryKeyValue:
         view = MemoryKeyValue(self.bucket, self._data)
         view._conn = conn
         return view
+
+    def history(self, key: str) -> list[KeyValue.Entry]:
+        """Every write of ``key``, oldest first, delete markers included."""
+        return [entry for entry in self._data.written if entry.key == key]
 
     def _check(self) -> None:
         if self._conn is not None and (self._conn.is_cut or self._conn.is_closed):
@@ -329,7 +335,7 @@ class MemoryKeyValue:
 
     def _write(self, key: str, value: bytes | None, operation: str | None) -> int:
         self._data.revision += 1
-        self._data.entries[key] = KeyValue.Entry(
+        entry = self._data.entries[key] = KeyValue.Entry(
             bucket=self.bucket,
             key=key,
             value=value,
@@ -338,4 +344,5 @@ class MemoryKeyValue:
             created=None,
             operation=operation,
         )
+        self._data.written.append(entry)
         return self._data.revision
