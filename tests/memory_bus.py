@@ -75,6 +75,8 @@ class MemoryServer:
         self.streams: dict[str, StreamConfig] = {}
         self.buckets: dict[str, MemoryKeyValue] = {}
         self._drops: list[tuple[DropRule, list[int]]] = []
+        self.published: list[tuple[str, bytes]] = []
+        """(subject, payload) of every message a connection sent, in order."""
 
     def connect(self, name: str = "") -> MemoryNats:
         return MemoryNats(self, name)
@@ -166,6 +168,7 @@ class MemoryNats:
         if self.is_cut:
             return
         await asyncio.sleep(0)  # a publish returns before anyone has read it
+        self.server.published.append((subject, payload))
         matched = self.server._route(subject, reply, payload, headers)
         if not matched and reply:
             self.server._route(reply, "", b"", {"Status": "503"})

@@ -31,10 +31,12 @@ from lorabus.schemas import (
     Command,
     Phase,
     Subjects,
+    UpdateRequest,
     ack_decoder,
     command_decoder,
     is_addressed_to,
     phase_of,
+    update_request_decoder,
 )
 
 HEARTBEAT_S = 0.2
@@ -53,8 +55,11 @@ class MemoryEngine:
     """Runs at the start of every load (a hang, a crash of the worker)."""
     on_pause: Callable[[], Awaitable[None]] | None = None
     """Runs at the start of every pause (a hang)."""
+    calls: list[str] = field(default_factory=list)
+    """What the engine was asked, in order: "pause", "resume", "load", "unload"."""
 
     async def pause(self) -> None:
+        self.calls.append("pause")
         if self.on_pause is not None:
             await self.on_pause()
         if self.fail_pause:
@@ -62,9 +67,11 @@ class MemoryEngine:
         self.paused = True
 
     async def resume(self) -> None:
+        self.calls.append("resume")
         self.paused = False
 
     async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        self.calls.append("load")
         if self.on_load is not None:
             await self.on_load()
         if self.fail_load:
@@ -73,6 +80,7 @@ class MemoryEngine:
             self.adapters.append(name)
 
     async def unload_adapter(self, name: str) -> None:
+        self.calls.append("unload")
         self.adapters = [a for a in self.adapters if a != name]
 
     async def list_adapters(self) -> list[str]:
@@ -118,6 +126,7 @@ class InMemoryFleet:
         )
         self.coordinator = Coordinator(self.config, frontend=self.frontend)
         self.connections: dict[str, MemoryNats] = {}
+        self.agents: dict[str, Agent] = {}
         self.commands: list[tuple[str, Command]] = []
         """(subject, command) of every command sent, in order."""
         self.acks: list[Ack] = []
@@ -142,16 +151,20 @@ class InMemoryFleet:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def start_agent(self, worker_id: str, world_size: int) -> None:
+    async def start_agent(self, worker_id: str, world_size: int) -> Agent:
+        """Start ``worker_id``'s agent (on a new engine if it has none yet);
+        return it once it reports ready."""
+        engine = self.engines.setdefault(worker_id, MemoryEngine())
         conn = self.connections[worker_id] = self.server.connect(worker_id)
-        agent = Agent(
+        agent = self.agents[worker_id] = Agent(
             self.subjects,
-            CommandExecutor(worker_id, world_size, self.engines[worker_id]),
+            CommandExecutor(worker_id, world_size, engine),
             heartbeat_s=HEARTBEAT_S,
         )
         ready = asyncio.Event()
         self._start(agent.run(conn, ready))  # type: ignore[arg-type]
         await asyncio.wait_for(ready.wait(), timeout=30)
+        return agent
 
     def _start(self, coro: Any) -> None:
         self._tasks.append(asyncio.ensure_future(coro))
@@ -161,6 +174,11 @@ class InMemoryFleet:
 
     async def _on_ack(self, msg: Any) -> None:
         self.acks.append(ack_decoder.decode(msg.data))
+
+    def requests(self) -> list[UpdateRequest]:
+        """Every update request sent (asked again included), in order."""
+        subject = self.subjects.update_request()
+        return [update_request_decoder.decode(d) for s, d in self.server.published if s == subject]
 
     def client(self) -> UpdateClient:
         return UpdateClient(self.server.connect("client"), self.subjects.fleet)  # type: ignore[arg-type]
