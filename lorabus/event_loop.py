@@ -4,8 +4,7 @@ garbage collector tuned for a long-running service.
 A coordinator handles every agent's acks and heartbeats, an agent its
 commands and its engine's HTTP answers; in both, asyncio's own overhead (its
 Python-level TLS layer, its callback scheduling) is a large share of the CPU.
-uvloop implements both in C: at N = 1024 with auth, TLS and signed commands,
-29% less coordinator CPU per update and 23% less agent CPU
+uvloop implements both in C, which takes about a quarter off both
 (docs/performance.md). ``LORABUS_EVENT_LOOP=asyncio`` keeps asyncio's loop.
 """
 
@@ -34,10 +33,9 @@ def settle_collector() -> None:
     """Tune the cyclic garbage collector for a long-running service, once what
     lives as long as the process has been built.
 
-    Frozen, those objects are left out of every later collection (a
-    coordinator's imports are about 50,000 objects, and each full pass
-    traversed them: about 17 ms of its CPU per update at N = 1024); the
-    youngest generation is larger, so passes run less often.
+    Frozen, those objects (a coordinator's imports are about 50,000) are
+    left out of every later collection, which traversed them all on each
+    full pass; the youngest generation is larger, so passes run less often.
     """
     gc.collect()  # garbage frozen would never be collected
     gc.freeze()
