@@ -229,11 +229,22 @@ async def _capture_every_command(
         await eavesdropper.subscribe(f"{subjects.cmd()}.*", cb=capture)
         await eavesdropper.flush()
         # A second agent process claims w000: the leader refuses it by name.
+        # Only the refusal is wanted here (that the refused process exits is
+        # test_trust_identity's), so the test stops it once it is sent.
         duplicate = _AgentProcess(stack, "w000", fleet.key)
         with contextlib.suppress(Exception):
             await duplicate.start()
-        assert duplicate._task is not None
-        await asyncio.wait_for(asyncio.gather(duplicate._task, return_exceptions=True), DEADLINE_S)
+        assert duplicate.agent is not None
+        refused = duplicate.agent.instance
+
+        def refusal_sent() -> bool:
+            decoded = (command_decoder.decode(m.data) for m in captured)
+            return any(isinstance(c, RefuseInstance) and c.instance == refused for c in decoded)
+
+        async with asyncio.timeout(DEADLINE_S):
+            while not refusal_sent():
+                changed.clear()
+                await changed.wait()
         await duplicate.stop()
         # A slow load and resume on w000: the load is sent again by name (after
         # its pause), so is the resume, and the pause lease is renewed.
