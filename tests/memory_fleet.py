@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from memory_bus import MemoryNats, MemoryServer
 
 from lorabus.agents import Agent, CommandExecutor
@@ -125,6 +126,8 @@ class InMemoryFleet:
             fleet=fleet, frontend_url="http://frontend.invalid", **settings
         )
         self.coordinator = Coordinator(self.config, frontend=self.frontend)
+        self.coordinators: dict[str, Coordinator] = {}
+        """Every coordinator started, by holder (the first is :attr:`coordinator`)."""
         self.connections: dict[str, MemoryNats] = {}
         self.agents: dict[str, Agent] = {}
         self.commands: list[tuple[str, Command]] = []
@@ -137,9 +140,7 @@ class InMemoryFleet:
         await tap.subscribe(f"{self.subjects.cmd()}.>", cb=self._on_command)
         await tap.subscribe(self.subjects.cmd(), cb=self._on_command)
         await tap.subscribe(self.subjects.ack_any(), cb=self._on_ack)
-        ready = asyncio.Event()
-        self._start(self.coordinator.run(self.server.connect("coordinator"), ready))
-        await ready.wait()
+        await self._run_coordinator(self.coordinator, "coordinator")
         await asyncio.wait_for(self.coordinator.leading.wait(), timeout=30)
         for wid, size in self.world_sizes.items():
             await self.start_agent(wid, size)
@@ -165,6 +166,21 @@ class InMemoryFleet:
         self._start(agent.run(conn, ready))  # type: ignore[arg-type]
         await asyncio.wait_for(ready.wait(), timeout=30)
         return agent
+
+    async def start_coordinator(self, holder: str, **settings: Any) -> Coordinator:
+        """Start another coordinator of this fleet (a standby while the first
+        leads); return it once it is up, leading or not."""
+        config = msgspec.structs.replace(self.config, holder=holder, **settings)
+        coordinator = Coordinator(config, frontend=self.frontend)
+        await self._run_coordinator(coordinator, holder)
+        return coordinator
+
+    async def _run_coordinator(self, coordinator: Coordinator, connection: str) -> None:
+        self.coordinators[coordinator.config.holder] = coordinator
+        conn = self.connections[connection] = self.server.connect(connection)
+        ready = asyncio.Event()
+        self._start(coordinator.run(conn, ready))  # type: ignore[arg-type]
+        await asyncio.wait_for(ready.wait(), timeout=30)
 
     def _start(self, coro: Any) -> None:
         self._tasks.append(asyncio.ensure_future(coro))

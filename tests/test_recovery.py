@@ -23,14 +23,10 @@ from lorabus.schemas import (
     CommittedRecord,
     ErrorCode,
     InflightRecord,
-    LeaderRecord,
     Phase,
     Subjects,
-    UpdateRequest,
     UpdateResult,
     build_rank_map,
-    encode,
-    update_result_decoder,
 )
 from lorabus.testbed.stack import EmbeddedStack
 
@@ -494,70 +490,6 @@ async def test_an_update_that_had_not_committed_is_rolled_back(
     assert answer.error is not None and answer.error.code == "failover"
 
 
-async def test_a_leader_deposed_while_its_update_runs_records_nothing(
-    nats_url: str,
-    fleet_name: str,
-    make_adapter: Callable[[int], str],
-    make_stack: Callable[..., EmbeddedStack],
-) -> None:
-    """Another coordinator took the leader record while the update was loading
-    (the leader was frozen or cut off, and has not renewed yet). Its agents
-    still obey its epoch, so the update runs to the end; but the successor
-    owns the store now: the deposed leader answers ``not_leader`` and writes
-    neither a committed record nor a result over the successor's."""
-    # A long lease: the leader does not look at its record again on its own
-    # before the update ends, so only the check before committing can see it.
-    async with make_stack([1, 1], leader_lease_s=120) as stack:
-        assert stack.client is not None and stack.sim is not None
-        stack.sim.workers["w001"].set_faults(latency_s={"load": 2.0})
-        nc = await connect(nats_url, name="test-usurper")
-        try:
-            store = await _store_of(nc, fleet_name)
-            answer, usurper = await _usurped_while_paused(stack, nc, store, make_adapter(1))
-            after = (await store.read_leader())[0]
-            committed = await store.read_committed("policy")
-            recorded = await store.read_result("step-1")
-        finally:
-            await close(nc)
-
-    assert answer.error is not None and answer.error.code == ErrorCode.NOT_LEADER, answer
-    assert "deposed before committing" in answer.error.message
-    assert after == usurper, "the deposed leader wrote over its successor's record"
-    assert committed is None and recorded is None, (committed, recorded)
-
-
-async def test_a_leader_deposed_while_its_update_fails_answers_not_leader_and_steps_down(
-    nats_url: str,
-    fleet_name: str,
-    make_adapter: Callable[[int], str],
-    make_stack: Callable[..., EmbeddedStack],
-) -> None:
-    """The same, but the update fails (as it does when the agents already
-    fence the deposed term off): that failure is this term's, not the fleet's
-    outcome, so it is no answer; the requester asks again and the new leader
-    answers. The deposed leader steps down at once instead of answering
-    later requests until its next lease renewal."""
-    async with make_stack([1, 1], leader_lease_s=120) as stack:
-        assert stack.client is not None and stack.sim is not None
-        stack.sim.workers["w001"].set_faults(latency_s={"load": 2.0}, fail_next_loads=100)
-        nc = await connect(nats_url, name="test-usurper")
-        try:
-            store = await _store_of(nc, fleet_name)
-            answer, _ = await _usurped_while_paused(stack, nc, store, make_adapter(1))
-            assert stack.coordinator is not None
-            async with asyncio.timeout(10):
-                while stack.coordinator.leading.is_set():  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
-            recorded = await store.read_result("step-1")
-        finally:
-            await close(nc)
-
-    assert answer.error is not None and answer.error.code == ErrorCode.NOT_LEADER, answer
-    assert "ask again" in answer.error.message
-    assert recorded is None
-    assert all(not w.paused for w in stack.sim.workers.values())
-
-
 async def _until_running(stack: EmbeddedStack, update_id: str) -> None:
     assert stack.client is not None
     async with asyncio.timeout(10):
@@ -613,23 +545,3 @@ async def _store_of(nc: NatsClient, fleet: str) -> FleetStore:
             fleet=fleet, frontend_url="http://frontend.invalid", expected_world_size=2
         ),
     )
-
-
-async def _usurped_while_paused(
-    stack: EmbeddedStack, nc: NatsClient, store: FleetStore, path: str
-) -> tuple[UpdateResult, LeaderRecord]:
-    """Request update ``step-1``; once w001 is paused (its load is slow), write a
-    successor's leader record over the leader's; the answer, and that record."""
-    assert stack.client is not None and stack.sim is not None
-    inbox = nc.new_inbox()
-    answers = await nc.subscribe(inbox)
-    request = UpdateRequest(update_id="step-1", adapter="policy", path=path)
-    await nc.publish(stack.client.subjects.update_request(), encode(request), reply=inbox)
-    worker = stack.sim.workers["w001"]
-    await asyncio.wait_for(worker.wait_until(lambda: worker.paused), 10)
-    leader, revision = await store.read_leader()
-    assert leader is not None
-    usurper = LeaderRecord(holder="usurper", epoch=leader.epoch + 1)
-    await store.write_leader(usurper, revision)
-    answer = update_result_decoder.decode((await answers.next_msg(timeout=30)).data)
-    return answer, usurper
