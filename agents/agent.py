@@ -37,10 +37,16 @@ from functools import partial
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.beats import BeatPolicy
 from lorabus.agents.bus import AgentBus
 from lorabus.agents.command_queue import CommandQueue, Work
-from lorabus.agents.config import MAX_PAUSE_LEASE_S, AgentConfig
+from lorabus.agents.config import (
+    MAX_ADAPTER_BYTES,
+    MAX_PAUSE_LEASE_S,
+    AgentConfig,
+    default_cache_dir,
+)
 from lorabus.agents.convergence import Convergence
 from lorabus.agents.engine import EngineDriver
 from lorabus.agents.executor import CommandExecutor
@@ -100,6 +106,7 @@ class Agent:
         heartbeat_s: float,
         max_pause_lease_s: float = MAX_PAUSE_LEASE_S,
         verifier: CommandVerifier | None = None,
+        max_adapter_bytes: int = MAX_ADAPTER_BYTES,
     ) -> None:
         if heartbeat_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
@@ -108,6 +115,7 @@ class Agent:
         self.worker_id = executor.worker_id
         self.heartbeat_s = heartbeat_s
         self.max_pause_lease_s = max_pause_lease_s
+        self.max_adapter_bytes = max_adapter_bytes
         self.lease = PauseLease()
         self.verifier = verifier or CommandVerifier()
         self.instance = secrets.token_hex(8)
@@ -127,14 +135,20 @@ class Agent:
     @classmethod
     def from_config(cls, config: AgentConfig, driver: EngineDriver) -> Agent:
         """The agent ``config`` describes, driving its engine through ``driver``."""
+        cache = AdapterCache(config.cache_dir or default_cache_dir(), keep=config.cache_keep)
         return cls(
             Subjects(fleet=config.fleet, prefix=config.subject_prefix),
             CommandExecutor(
-                config.worker_id, config.world_size, driver, adapter_roots=config.adapter_roots
+                config.worker_id,
+                config.world_size,
+                driver,
+                adapter_roots=config.adapter_roots,
+                adapter_cache=cache,
             ),
             heartbeat_s=config.heartbeat_s,
             max_pause_lease_s=config.max_pause_lease_s,
             verifier=CommandVerifier(config.coordinator_keys, config.trust_file or None),
+            max_adapter_bytes=config.max_adapter_bytes,
         )
 
     @property
@@ -159,7 +173,15 @@ class Agent:
 
     def _assemble(self, nc: NatsClient) -> _Parts:
         beats = BeatPolicy()
-        bus = AgentBus(nc, self.subjects, self.worker_id, instance=self.instance, beats=beats)
+        bus = AgentBus(
+            nc,
+            self.subjects,
+            self.worker_id,
+            instance=self.instance,
+            beats=beats,
+            max_adapter_bytes=self.max_adapter_bytes,
+        )
+        self.executor.fetch = bus.fetch_adapter
         fencing = Fencing(bus, self.executor, self.verifier, instance=self.instance)
         queue = CommandQueue(
             bus, self.executor, self.lease, max_pause_lease_s=self.max_pause_lease_s

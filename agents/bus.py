@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import BinaryIO
 
 import msgspec
 import nats.js.errors
@@ -20,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
+from lorabus.adapter_objects import fetch_object
 from lorabus.agents.beats import BeatPolicy
 from lorabus.rate_limit import PerSecond
 from lorabus.schemas import Ack, Event, Heartbeat, Subjects, encode, tag_of
@@ -29,6 +31,8 @@ log = logging.getLogger("lorabus.agents.agent")
 
 _BAD_EVENTS_PER_S = 10
 _FLUSH_TIMEOUT_S = 5
+_FETCH_TIMEOUT_S = 24 * 3600.0
+"""A fetch runs under its command's budget; this only ends one nobody bounds."""
 
 
 class AgentBus:
@@ -42,6 +46,7 @@ class AgentBus:
         *,
         instance: str,
         beats: BeatPolicy,
+        max_adapter_bytes: int,
     ) -> None:
         self._nc = nc
         self._subjects = subjects
@@ -50,6 +55,7 @@ class AgentBus:
         self._beats = beats
         """Told of every beat and ack that went out: it decides which beats to skip."""
         self._reports = PerSecond(_BAD_EVENTS_PER_S)
+        self._max_adapter_bytes = max_adapter_bytes
 
     @property
     def source(self) -> str:
@@ -81,6 +87,17 @@ class AgentBus:
     async def state_bucket(self) -> KeyValue:
         """The fleet's state bucket in KV (the leader record, the committed state)."""
         return await self._nc.jetstream().key_value(self._subjects.state_bucket())
+
+    async def fetch_adapter(self, digest: str, into: BinaryIO) -> int:
+        """Write the object store's adapter ``digest`` into ``into``; its size."""
+        return await fetch_object(
+            self._nc,
+            self._subjects,
+            digest,
+            into,
+            timeout_s=_FETCH_TIMEOUT_S,
+            max_bytes=self._max_adapter_bytes,
+        )
 
     def state_subject(self, key: str) -> str:
         """The subject a state record is stored on, to name it in a report."""

@@ -6,6 +6,8 @@ embedded stack all take their defaults from here.
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 from lorabus.bus import redact
@@ -21,6 +23,16 @@ MAX_PAUSE_LEASE_S = 300.0
 """The longest pause lease an agent grants by default, whatever a command asks."""
 MIN_PAUSE_LEASE_S = 0.5
 """The shortest: a command cannot make an agent resume in the middle of a load."""
+
+
+MAX_ADAPTER_BYTES = 64 << 30
+"""An adapter larger than this is no adapter: a fetch stops before reading it."""
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/lorabus/adapters``, else ``~/.cache/lorabus/adapters``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lorabus", "adapters")
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,6 +63,13 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     headers: dict[str, str] = {}
     """Sent with every engine call (auth)."""
     subject_prefix: str = "lorabus"
+    cache_dir: str = ""
+    """Where adapters from the fleet's object store are kept on this node
+    ("": :func:`default_cache_dir`)."""
+    cache_keep: int = 2
+    """Adapters kept in the cache besides those the engine serves."""
+    max_adapter_bytes: int = MAX_ADAPTER_BYTES
+    """The largest adapter this agent fetches from the object store."""
 
     def __post_init__(self) -> None:
         check_token("worker id", self.worker_id)
@@ -71,6 +90,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not 1 <= self.world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"world size must be 1-{MAX_WORLD_SIZE}, got {self.world_size}")
         check_engine_url(self.system_url)
+        if self.cache_keep < 0:
+            raise ValueError(f"cache keep must be >= 0, got {self.cache_keep}")
+        if self.max_adapter_bytes < 1:
+            raise ValueError(f"max adapter bytes must be >= 1, got {self.max_adapter_bytes}")
 
 
 def check_engine_url(url: str) -> None:

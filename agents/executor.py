@@ -11,19 +11,34 @@ call, its served names must follow the coordinator's rule (``bad_request``
 otherwise) and a load's path must pass :func:`resolve_adapter_dir` against the
 agent's adapter roots (``path_refused`` otherwise); the engine is handed the
 resolved path. The refusing ack is the record of it, on the worker's own ack
-subject.
+subject. An adapter from the fleet's object store (a ``bus:<digest>`` path)
+is fetched into this node's cache (:class:`~lorabus.agents.adapter_cache.AdapterCache`,
+verified against its digest before the engine sees it) and the engine is
+handed the cached directory; a ``prepare`` does the fetch alone, ahead of
+the update's pause.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import BinaryIO
 
 from lorabus.adapter_digest import read_adapter_digest
+from lorabus.adapter_objects import digest_of
+from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
 from lorabus.agents.engine import EngineDriver
 from lorabus.clock import now
-from lorabus.errors import BadRequest, DigestMismatch, EngineError, LorabusError, NotListed
+from lorabus.errors import (
+    BadRequest,
+    DigestMismatch,
+    EngineError,
+    FetchFailed,
+    LorabusError,
+    NotListed,
+)
 from lorabus.schemas import (
     Ack,
     ErrorCode,
@@ -31,12 +46,16 @@ from lorabus.schemas import (
     LoadCommand,
     PauseCommand,
     PhasedCommand,
+    PrepareCommand,
     ResumeCommand,
     UnloadCommand,
     phase_of,
 )
 
 log = logging.getLogger(__name__)
+
+Fetch = Callable[[str, BinaryIO], Awaitable[int]]
+"""Writes the object store's adapter of a digest into a file; returns its size."""
 
 
 class CommandExecutor:
@@ -49,6 +68,7 @@ class CommandExecutor:
         driver: EngineDriver,
         *,
         adapter_roots: list[str] | None = None,
+        adapter_cache: AdapterCache | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.adapter_roots = list(adapter_roots or [])
@@ -64,6 +84,14 @@ class CommandExecutor:
         self.adapters: list[str] = []
         self.last_contact = 0.0
         """When a command last talked to the engine (monotonic seconds)."""
+        self.adapter_cache = adapter_cache
+        """This node's adapters from the fleet's object store (None: it takes
+        filesystem paths only)."""
+        self.fetch: Fetch | None = None
+        """Reads the fleet's object store: the agent's connection sets it."""
+        self._stored_digests: dict[str, str] = {}
+        """Served name -> digest of each adapter loaded from the object store:
+        the cache keeps those the engine still serves."""
 
     async def refresh(self) -> None:
         """Read the engine's adapter list (at start, so heartbeats tell the truth)."""
@@ -149,6 +177,8 @@ class CommandExecutor:
 
     async def _run(self, command: PhasedCommand, budget_s: float, *, retire: bool) -> None:
         match command:
+            case PrepareCommand(digest=digest):
+                await self._from_store(digest, budget_s)
             case PauseCommand():
                 try:
                     await self.driver.pause()
@@ -164,6 +194,9 @@ class CommandExecutor:
                 self.paused = False
             case LoadCommand(served_name=name, path=path, replace=replace, digest=asked):
                 self._check_names([name])
+                if (stored := self._stored_digest(path)) is not None:
+                    await self._load_stored(name, stored, asked, replace=replace, budget_s=budget_s)
+                    return
                 real = await self._adapter_dir(path, command.update_id)
                 if asked is not None:
                     await self._check_digest(real, asked)  # before anything is loaded
@@ -187,6 +220,39 @@ class CommandExecutor:
             case UnloadCommand(names=names):
                 self._check_names(names)
                 await self._unload(names)
+
+    def _stored_digest(self, path: str) -> str | None:
+        try:
+            return digest_of(path)
+        except ValueError as exc:
+            raise BadRequest(f"{self.worker_id} refused the load: {exc}") from exc
+
+    async def _from_store(self, digest: str, budget_s: float) -> str:
+        """The cached directory of ``digest``, fetched first if this node lacks it."""
+        if self.adapter_cache is None or self.fetch is None:
+            raise FetchFailed(
+                f"{self.worker_id} has no adapter cache: it cannot take {digest} "
+                "from the fleet's object store"
+            )
+        path = await self.adapter_cache.get(digest, self.fetch, timeout_s=budget_s)
+        self._seen_digest = digest  # verified by the cache before it was handed out
+        return path
+
+    async def _load_stored(
+        self, name: str, digest: str, asked: str | None, *, replace: bool, budget_s: float
+    ) -> None:
+        if asked is not None and asked != digest:
+            raise DigestMismatch(f"{self.worker_id} was asked to load {digest} as {asked}: refused")
+        started = now()
+        real = await self._from_store(digest, budget_s)
+        await self._load(name, real, replace=replace, budget_s=budget_s - (now() - started))
+        self._stored_digests[name] = digest
+        assert self.adapter_cache is not None  # _from_store checked it
+        serving = {d for n, d in self._stored_digests.items() if n in self.adapters}
+        self._stored_digests = {n: d for n, d in self._stored_digests.items() if d in serving}
+        removed = await asyncio.to_thread(self.adapter_cache.prune, serving)
+        if removed:
+            log.info("worker=%s removed from the adapter cache: %s", self.worker_id, removed)
 
     def _check_names(self, names: list[str]) -> None:
         """Refuse the command if a name could leave its place in an engine URL."""

@@ -39,6 +39,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from lorabus.adapter_objects import digest_of
 from lorabus.coordinator.book import committed_result, failed_result
 from lorabus.coordinator.bus import reply_refusal
 from lorabus.coordinator.fit import fit_result, fit_status
@@ -191,10 +192,12 @@ class Admission:
         try:
             checked = await check_request_off_loop(request, self.term.config)
             version = checked.version(committed)
+            if committed is not None and is_committed(committed, version, checked.path):
+                return book.settle(request, committed_result(request, committed))
+            if (pushed := digest_of(checked.path)) is not None:
+                await self.term.adapters.check_stored(pushed)
         except LorabusError as exc:
             return book.settle(request, failed_result(request, exc.info()))
-        if committed is not None and is_committed(committed, version, checked.path):
-            return book.settle(request, committed_result(request, committed))
         return book.enqueue(checked)
 
     async def _save_settled(self) -> None:

@@ -22,7 +22,12 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     audit_max_bytes: int = 1 << 30
     """How large the audit stream may grow before dropping its oldest records."""
     kv_replicas: int = 1
-    """Replicas of the fleet's KV buckets and audit stream (3 on a three-node cluster)."""
+    """Replicas of the fleet's KV buckets, object store and audit stream (3 on a
+    three-node cluster)."""
+    adapter_store_max_bytes: int = -1
+    """How large the fleet's adapter object store may grow: a push beyond it is
+    refused (the store drops nothing on its own). -1: as large as the server
+    allows (a limit is reserved on the server's disk when the store is made)."""
 
     def __post_init__(self) -> None:
         check_token("fleet", self.fleet)
@@ -30,6 +35,11 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"audit max age must be >= 60s, got {self.audit_max_age_s}")
         if self.audit_max_bytes < 1 << 20:
             raise ValueError(f"audit max bytes must be >= 1 MiB, got {self.audit_max_bytes}")
+        if self.adapter_store_max_bytes != -1 and self.adapter_store_max_bytes < 1 << 20:
+            raise ValueError(
+                "adapter store max bytes must be -1 (no limit) or >= 1 MiB, "
+                f"got {self.adapter_store_max_bytes}"
+            )
         if not 1 <= self.kv_replicas <= 5:
             raise ValueError("kv replicas must be 1 to 5")
 
@@ -42,6 +52,9 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     a load the pause carries has twice this, counted from the pause."""
     verify_timeout_s: float = 60.0
     """Deadline for the frontend to list the new adapter."""
+    prepare_timeout_s: float = 300.0
+    """Deadline for all members to fetch an adapter from the fleet's object
+    store (``bus:`` paths), before anything is paused."""
     quorum_timeout_s: float = 30.0
     """Deadline for live agents' world sizes to reach the expected sum."""
     keep: int = 2
@@ -83,6 +96,7 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
         for name in (
             "phase_timeout_s",
             "verify_timeout_s",
+            "prepare_timeout_s",
             "quorum_timeout_s",
             "http_timeout_s",
             "pause_lease_s",

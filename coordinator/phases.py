@@ -45,6 +45,7 @@ from lorabus.schemas import (
     Phase,
     PhasedCommand,
     PhaseFinished,
+    PrepareCommand,
     RenewLeaseCommand,
     ResumeCommand,
     UnloadCommand,
@@ -53,7 +54,7 @@ from lorabus.schemas import (
 
 log = logging.getLogger(__name__)
 
-_C = TypeVar("_C", PauseCommand, LoadCommand, ResumeCommand, UnloadCommand)
+_C = TypeVar("_C", PrepareCommand, PauseCommand, LoadCommand, ResumeCommand, UnloadCommand)
 _FIRST_RESEND_S = 1.0
 """A re-send only helps a member whose command was lost, and each costs a
 signed publish per member still busy: engines answer a load in seconds, not

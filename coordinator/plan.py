@@ -2,8 +2,9 @@
 
 Everything here is pure but one look at the filesystem, so the rules a request
 must meet are tested without a bus: name syntax, an absolute path (under the
-configured roots), a version not older than the committed one, and the served
-name for the naming policy.
+configured roots) or an object of the fleet's store (``bus:<digest>``), a
+version not older than the committed one, and the served name for the
+naming policy.
 
 A request is checked once, as it arrives (:func:`check_request`): what holds
 whatever is committed (its name, its path, its mode). The rest depends on
@@ -31,6 +32,7 @@ import re
 
 import msgspec
 
+from lorabus.adapter_objects import digest_of
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.errors import BadRequest, StaleVersion
 from lorabus.schemas import CommittedRecord, Naming, UpdateMode, UpdateRequest
@@ -95,7 +97,7 @@ class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
             ),
             replace=self.replace,
             lineage=lineage,
-            digest=request.digest,
+            digest=request.digest or digest_of(self.path),
             live=self.live,
         )
 
@@ -115,7 +117,7 @@ def check_request(request: UpdateRequest, config: CoordinatorConfig) -> CheckedR
             f"adapter name {request.adapter!r} ends like a reset lineage (-r<number>), "
             "which served names use after a reset: choose another name"
         )
-    path = _checked_path(request.path, config.adapter_roots)
+    path = _checked_source(request, config.adapter_roots)
     live = (request.mode or config.mode) is UpdateMode.LIVE
     if live and config.naming is not Naming.VERSIONED:
         raise BadRequest(
@@ -172,6 +174,23 @@ def retired_names(adapter: str, loaded: set[str], keep: int) -> list[str]:
         reverse=True,
     )
     return [name for _, _, name in versions[keep:]]
+
+
+def _checked_source(request: UpdateRequest, roots: list[str]) -> str:
+    """A filesystem path (see :func:`_checked_path`), or a ``bus:<digest>``
+    path: the fleet's object store, which roots do not apply to; a digest
+    the request also gives must be the one the path names."""
+    try:
+        stored = digest_of(request.path)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    if stored is None:
+        return _checked_path(request.path, roots)
+    if request.digest is not None and request.digest != stored:
+        raise BadRequest(
+            f"the request's digest {request.digest} is not the one its path names ({stored})"
+        )
+    return request.path
 
 
 def _checked_path(path: str, roots: list[str]) -> str:

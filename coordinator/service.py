@@ -39,6 +39,7 @@ from nats.aio.subscription import Subscription
 
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
+from lorabus.coordinator.adapter_store import AdapterStore
 from lorabus.coordinator.admission import Admission
 from lorabus.coordinator.alerts import MemberAlerts
 from lorabus.coordinator.book import UpdateBook
@@ -129,6 +130,7 @@ class Coordinator:
                 remedy="elected over by compare-and-set on its revision, once no lease runs",
             ),
         )
+        adapters = AdapterStore(nc, self.subjects)
         owned: FrontendClient | None = None
         frontend = self._frontend
         if frontend is None:
@@ -164,6 +166,7 @@ class Coordinator:
                     reports=reports,
                     leading=self.leading,
                     max_payload=self._max_payload,
+                    adapters=adapters,
                 )
                 self.book = term.book
                 runner = UpdateRunner(

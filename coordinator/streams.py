@@ -1,5 +1,6 @@
-"""The fleet's streams: the two KV buckets' and the audit stream, as lorabus
-sets them up, and the check of what another hand may have changed.
+"""The fleet's streams: the two KV buckets', the adapter object store's and
+the audit stream, as lorabus sets them up, and the check of what another
+hand may have changed.
 
 Whoever may change a stream's configuration may aim JetStream: make it
 republish what it stores onto a KV key, take stored commands from another
@@ -22,6 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 
+from lorabus.adapter_objects import store_config
 from lorabus.coordinator.config import StorageConfig
 from lorabus.schemas import Subjects
 
@@ -39,8 +41,8 @@ class StreamChangeRefused(Exception):
 
 
 def fleet_streams(config: StorageConfig) -> tuple[StreamConfig, ...]:
-    """The state bucket's stream, the results bucket's and the audit stream,
-    as :func:`provision` creates them. The buckets' are what nats-py's
+    """The state bucket's stream, the results bucket's, the adapter object
+    store's and the audit stream, as :func:`provision` creates them. The buckets' are what nats-py's
     ``create_key_value`` makes of a one-value history, so that a bucket made
     either way is the same to the server."""
     subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
@@ -83,7 +85,11 @@ def fleet_streams(config: StorageConfig) -> tuple[StreamConfig, ...]:
         # in the fleet's account (a KV key, say), with its own rights.
         no_ack=True,
     )
-    return (*buckets, audit)
+    adapters = store_config(
+        subjects, replicas=config.kv_replicas, max_bytes=config.adapter_store_max_bytes
+    )
+    # The audit stream last: unsafe_settings checks more of it.
+    return (*buckets, adapters, audit)
 
 
 async def provision(nc: NatsClient, config: StorageConfig) -> list[str]:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
+from lorabus.coordinator.adapter_store import AdapterStore
 from lorabus.coordinator.book import UpdateBook
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.membership import Membership
@@ -109,6 +110,7 @@ class Term:
         reports: Reports,
         leading: asyncio.Event,
         max_payload: Callable[[], int],
+        adapters: AdapterStore,
     ) -> None:
         self.epoch = epoch
         self.holder = holder
@@ -123,6 +125,8 @@ class Term:
         """Set while this term serves requests (after its recovery)."""
         self.max_payload = max_payload
         """The largest message the bus carries (the server's, once connected)."""
+        self.adapters = adapters
+        """The fleet's object store of adapters (``bus:`` paths)."""
         self.book = UpdateBook(max_queued=config.max_queued)
         self.serial = asyncio.Lock()
         """Held by each update while it runs and by each reset: a reset never

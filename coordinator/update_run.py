@@ -1,4 +1,4 @@
-"""One update's run: quorum -> pause (carrying the load) -> verify -> resume.
+"""One update's run: quorum -> prepare -> pause (carrying the load) -> verify -> resume.
 
 An :class:`UpdateRun` lives for one update and ends as one
 :class:`RunOutcome`: the result, and whether an in-flight record was sent
@@ -18,6 +18,8 @@ every member that may have paused is told to resume. A version that did
 not commit is unloaded where it may have loaded. Retiring versions beyond
 ``keep`` is not a phase: the committed notice names them and each agent
 unloads them itself. Live mode loads and verifies with no pause at all.
+An adapter from the fleet's object store (a ``bus:`` path) is fetched by
+every member first (prepare), so no pause window holds a transfer.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from lorabus.adapter_objects import digest_of
 from lorabus.clock import now
 from lorabus.coordinator.digests import agreed_digest, digest_problem
 from lorabus.coordinator.gather import PhaseGather
@@ -47,6 +50,7 @@ from lorabus.schemas import (
     LoadSpec,
     Phase,
     PhasedCommand,
+    PrepareCommand,
     RankMap,
     ResumeCommand,
     UnloadCommand,
@@ -120,6 +124,10 @@ class UpdateRun:
         """Seconds spent in each phase that ran."""
         self.quorum = QuorumPolicy(self.config)
         self._in_flight = InflightJournal(journal, plan, commands.epoch)
+        self._targets: list[str] = []
+        """The members the update's commands address: those that prepared."""
+        self._left_out: dict[str, ErrorInfo] = {}
+        """Members that failed to prepare, when the quorum let it go on without them."""
         self._may_have_loaded: set[str] = set()
         """Members left out whose pause may still have landed, and with it
         the load it carried."""
@@ -159,12 +167,41 @@ class UpdateRun:
                 epoch=self.commands.epoch,
             )
         )
+        self._targets = sorted(self.members)
+        if digest_of(self.plan.path) is not None:
+            prepared = await self._prepare()
+            if prepared is not None:
+                return prepared
         if self.plan.live:
             return await self._run_live()
         return await self._run_paused()
 
+    async def _prepare(self) -> UpdateResult | None:
+        """Every member fetches the adapter into its node's cache, before any
+        engine is paused; the failed result, or None to go on (without those
+        that failed, where the quorum allows)."""
+        plan = self.plan
+        command = self.commands.cohort(
+            PrepareCommand,
+            plan.update_id,
+            self._targets,
+            self._targets,
+            path=plan.path,
+            digest=digest_of(plan.path),
+        )
+        command = msgspec.structs.replace(command, budget_s=self.config.prepare_timeout_s)
+        prepared = await self._phase(command, self._targets)
+        going_on = self.quorum.going_on(prepared, self._targets, self.members)
+        if going_on is None:
+            return self._failed(prepared.summary(), prepared.worker_errors(), None)
+        self._left_out = {
+            wid: error for wid, error in prepared.worker_errors().items() if wid not in going_on
+        }
+        self._targets = going_on
+        return None
+
     async def _run_paused(self) -> UpdateResult:
-        targets = sorted(self.members)  # every later command of this update addresses them
+        targets = self._targets  # every later command of this update addresses them
         renewing = asyncio.create_task(self.commands.renew_leases(self.plan.update_id))
         paused_at = now()
         try:
@@ -197,7 +234,7 @@ class UpdateRun:
         """Load and verify the new versioned name on every member while engines
         keep serving: nothing pauses, so there is nothing to resume; what did
         not commit is unloaded where it loaded, as in pause mode."""
-        plan, targets = self.plan, sorted(self.members)
+        plan, targets = self.plan, self._targets
         # Named targets, not a pause's cohort: no agent took a pause to join one.
         loaded = await self._load(
             self.commands.named(
@@ -472,6 +509,7 @@ class UpdateRun:
     ) -> UpdateResult:
         plan = self.plan
         acks = load.acks if load is not None else {}
+        errors = self._left_out | errors
         workers = {
             wid: WorkerOutcome(
                 ok=wid not in errors,

@@ -30,7 +30,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lorabus.roles import FLEET_JS_API, JS_API, Role, audit_reads, kv_reads, stream_admin
+from lorabus.roles import (
+    FLEET_JS_API,
+    JS_API,
+    Role,
+    audit_reads,
+    kv_reads,
+    object_reads,
+    object_writes,
+    stream_admin,
+)
 from lorabus.schemas import Subjects
 
 
@@ -90,7 +99,9 @@ def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccoun
         same = [i for i, e in enumerate(owner.exports) if e.subject == subject]
         if same:
             earlier = owner.exports[same[0]]
-            owner.exports[same[0]] = Export(subject, service, (*earlier.to, *to), streamed)
+            owner.exports[same[0]] = Export(
+                subject, service, (*earlier.to, *to), earlier.streamed or streamed
+            )
         else:
             owner.exports.append(Export(subject, service, tuple(to), streamed))
         js = subject.startswith(JS_API + ".")
@@ -106,6 +117,13 @@ def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccoun
     share(fleet, subjects.reset_request(), [operator.name], service=True)
     for subject in kv_reads(subjects.state_bucket(), JS_API):
         share(fleet, subject, agent_names, service=True)
+    for subject in object_reads(subjects, JS_API):
+        # A batch read answers with many messages: the import must let them all back.
+        share(fleet, subject, agent_names, service=True, streamed=".DIRECT.GET." in subject)
+    # The pusher's chunks and meta record reach the store's stream in the
+    # fleet's account as requests: JetStream's acks come back into its own.
+    for subject in object_writes(subjects, JS_API):
+        share(fleet, subject, [orchestrator.name], service=True)
     for subject in audit_reads(subjects, JS_API):
         # A batch read answers with many messages: the import must let them all back.
         share(fleet, subject, [auditor.name], service=True, streamed=".DIRECT.GET." in subject)

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import uuid
 from typing import TypeVar
 
@@ -44,10 +45,11 @@ from tenacity import (
     wait_exponential,
 )
 
+from lorabus.adapter_objects import bus_path, push_adapter
 from lorabus.bus import close, connect
 from lorabus.bus_options import BusOptions
 from lorabus.clock import now
-from lorabus.errors import MalformedReply, NoCoordinator
+from lorabus.errors import BadRequest, MalformedReply, NoCoordinator
 from lorabus.schemas import (
     FAILED,
     BadPayload,
@@ -74,6 +76,8 @@ CONNECT_TIMEOUT_S = 10.0
 """How long connecting to NATS may take before ``BusUnreachable``."""
 UPDATE_TIMEOUT_S = 300.0
 """How long ``update()`` waits for a result unless told otherwise."""
+PUSH_TIMEOUT_S = 600.0
+"""How long a push of an adapter to the fleet's object store may take."""
 STATUS_TIMEOUT_S = 5.0
 REASK_S = 3.0
 """Seconds without an answer after which ``update()`` asks again (same update id).
@@ -159,18 +163,37 @@ class UpdateClient:
         if self._owns_connection:
             await close(self.nc)
 
+    async def push_adapter(
+        self, directory: str | os.PathLike[str], *, timeout_s: float = PUSH_TIMEOUT_S
+    ) -> str:
+        """Store the adapter in ``directory`` in the fleet's object store and
+        return its content digest, which an update names instead of a path
+        (``update(adapter, digest=...)``): each agent fetches it into its
+        node's cache, so trainer and workers share no filesystem. Content the
+        store holds already is not sent again. Raises
+        :class:`~lorabus.errors.BadRequest` for a directory that is not an
+        adapter (no ``adapter_config.json``, no weights), before any upload."""
+        digest, _ = await push_adapter(self.nc, self.subjects, directory, timeout_s=timeout_s)
+        return digest
+
     async def update(
         self,
         adapter: str,
-        path: str,
+        path: str | None = None,
         *,
         version: int | None = None,
         update_id: str | None = None,
         timeout_s: float = UPDATE_TIMEOUT_S,
         digest: str | None = None,
         mode: UpdateMode | str | None = None,
+        source: str | os.PathLike[str] | None = None,
     ) -> UpdateResult:
         """Request an update and wait for its result (committed or failed).
+
+        The adapter comes from ``path``, a directory every worker sees at that
+        path, or from the fleet's object store: by ``digest`` alone (pushed
+        before with :meth:`push_adapter`), or from ``source``, a local
+        directory pushed first. Give ``path`` or one of the others.
 
         ``digest`` (``sha256:...``, see :func:`lorabus.adapter_digest`) is what
         every member must see at ``path`` on its own host, or the update fails
@@ -200,6 +223,17 @@ class UpdateClient:
         later. Raises :class:`~lorabus.errors.MalformedReply` when the reply
         does not decode.
         """
+        if path is None:
+            if source is not None:
+                pushed = await self.push_adapter(source)
+                if digest is not None and digest != pushed:
+                    raise BadRequest(f"{source} holds {pushed}, not the digest given ({digest})")
+                digest = pushed
+            if digest is None:
+                raise BadRequest("give the adapter's path, its digest, or a source directory")
+            path = bus_path(digest)
+        elif source is not None:
+            raise BadRequest("give a path or a source directory, not both")
         request = UpdateRequest(
             update_id=update_id or uuid.uuid4().hex,
             adapter=adapter,

@@ -20,6 +20,7 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     ├── Busy                      the coordinator's queue of waiting requests is full
     ├── MalformedReply            a reply to a request was not a valid answer
     ├── DigestMismatch            a worker sees other adapter bytes than the request's digest
+    ├── FetchFailed               an agent could not fetch an adapter from the fleet's store
     ├── DuplicateWorker           another live agent holds this agent's worker id
     ├── QuorumNotReached          live world sizes did not reach the expected sum in time
     ├── FrontendUnverified        the frontend did not list an adapter in time
@@ -60,6 +61,7 @@ __all__ = [
     "EngineError",
     "ErrorCode",
     "ErrorInfo",
+    "FetchFailed",
     "FrontendUnverified",
     "InsecureConnection",
     "LorabusError",
@@ -179,6 +181,13 @@ class DigestMismatch(LorabusError):
     digest (or the coordinator found members that disagree)."""
 
     code = ErrorCode.DIGEST_MISMATCH
+
+
+class FetchFailed(LorabusError):
+    """An agent could not fetch an adapter from the fleet's object store (gone,
+    unreachable, too slow, or not what its name says): nothing was loaded."""
+
+    code = ErrorCode.FETCH_FAILED
 
 
 class DuplicateWorker(LorabusError):

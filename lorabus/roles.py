@@ -8,10 +8,11 @@ Least privilege, one identity per process:
   requests.
 - **agent** of worker ``w``: publishes only its own ack, heartbeat and event
   subjects, reads the state bucket (the committed adapter, the leader's
-  epoch) and writes nothing; hears only the broadcast and its own command
-  subject.
+  epoch) and the adapter object store, and writes nothing; hears only the
+  broadcast and its own command subject.
 - **orchestrator**: sends update, status and result requests, hears their replies
-  and the agents' heartbeats (for a status when no coordinator answers).
+  and the agents' heartbeats (for a status when no coordinator answers);
+  pushes adapters into the fleet's object store (which agents only read).
 - **auditor**: reads the audit stream, message by message (direct gets): it
   creates no consumer, since a consumer's deliver subject would let it have
   JetStream publish stored commands wherever it names.
@@ -95,6 +96,8 @@ def permissions(
                     *kv_reads(subjects.results_bucket(), JS_API),
                     # A new leader checks the streams' settings (coordinator/streams.py).
                     f"{JS_API}.STREAM.INFO.{subjects.audit_stream()}",
+                    # Admission looks for the object an update names.
+                    *object_reads(subjects, JS_API),
                     f"$KV.{subjects.state_bucket()}.>",
                     f"$KV.{subjects.results_bucket()}.>",
                 ),
@@ -118,6 +121,7 @@ def permissions(
                     subjects.heartbeat(worker_id),
                     subjects.agent_event(worker_id, ">"),
                     *kv_reads(subjects.state_bucket(), FLEET_JS_API),
+                    *object_reads(subjects, FLEET_JS_API),
                 ),
                 subscribe=(subjects.cmd(), subjects.cmd_worker(worker_id), *inbox),
             )
@@ -127,6 +131,7 @@ def permissions(
                     subjects.update_request(),
                     subjects.status_request(),
                     subjects.result_request(),
+                    *object_writes(subjects, FLEET_JS_API),
                 ),
                 subscribe=(*_heartbeats(subjects), *inbox),
             )
@@ -158,6 +163,37 @@ def kv_reads(bucket: str, api: str) -> tuple[str, ...]:
     )
 
 
+def object_reads(subjects: Subjects, api: str) -> tuple[str, ...]:
+    """The JetStream calls that read the fleet's adapter object store, one
+    stored message at a time (direct gets): no consumer, so no deliver
+    subject to aim."""
+    stream = f"OBJ_{subjects.adapter_store()}"
+    return (
+        f"{api}.STREAM.INFO.{stream}",
+        f"{api}.DIRECT.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}.>",
+    )
+
+
+def object_writes(subjects: Subjects, api: str) -> tuple[str, ...]:
+    """What ``lorabus adapter push`` publishes: the object's chunks and its
+    meta record (JetStream answers each with its ack, into the pusher's own
+    account), and the reads it makes first. No purge nor delete: only the
+    store's stream limits drop anything."""
+    bucket = subjects.adapter_store()
+    return (
+        *object_reads(subjects, api),
+        f"{api}.STREAM.MSG.GET.OBJ_{bucket}",
+        *object_subjects(subjects),
+    )
+
+
+def object_subjects(subjects: Subjects) -> tuple[str, ...]:
+    """The subjects the adapter object store keeps: chunks and meta records."""
+    bucket = subjects.adapter_store()
+    return (f"$O.{bucket}.C.>", f"$O.{bucket}.M.>")
+
+
 def audit_reads(subjects: Subjects, api: str) -> tuple[str, ...]:
     """The JetStream calls that read the audit stream, one stored message (or
     one batch) at a time: no consumer, so no deliver subject to aim."""
@@ -171,6 +207,7 @@ def stream_admin(subjects: Subjects, api: str) -> tuple[str, ...]:
     streams = (
         f"KV_{subjects.state_bucket()}",
         f"KV_{subjects.results_bucket()}",
+        f"OBJ_{subjects.adapter_store()}",
         subjects.audit_stream(),
     )
     return (f"{api}.INFO", *(f"{api}.STREAM.{verb}.{s}" for verb in _STREAM_ADMIN for s in streams))

@@ -127,6 +127,25 @@ AGENT_FLAGS = (
         "after resolving symlinks (repeatable).",
         multiple=True,
     ),
+    Flag(
+        "cache_dir",
+        "--cache-dir",
+        "Where adapters fetched from the fleet's object store are kept on this node "
+        "(agents of one node may share it: each adapter is fetched once). "
+        "Default: $XDG_CACHE_HOME/lorabus/adapters, else ~/.cache/lorabus/adapters.",
+    ),
+    Flag(
+        "cache_keep",
+        "--keep",
+        "Adapters kept in the cache besides those the engine serves.",
+        type=click.IntRange(min=0),
+    ),
+    Flag(
+        "max_adapter_bytes",
+        "--max-adapter-bytes",
+        "The largest adapter fetched from the fleet's object store.",
+        type=click.IntRange(min=1),
+    ),
 )
 
 COORDINATOR_FLAGS = (
@@ -138,6 +157,12 @@ COORDINATOR_FLAGS = (
         int,
     ),
     Flag("phase_timeout_s", "--phase-timeout", "Seconds for every member to ack a phase.", float),
+    Flag(
+        "prepare_timeout_s",
+        "--prepare-timeout",
+        "Seconds for every member to fetch an adapter from the fleet's object store.",
+        float,
+    ),
     Flag(
         "verify_timeout_s",
         "--verify-timeout",
@@ -210,6 +235,12 @@ COORDINATOR_FLAGS = (
         "audit_max_bytes",
         "--audit-max-bytes",
         "Bytes the audit stream may hold before dropping its oldest records.",
+        int,
+    ),
+    Flag(
+        "adapter_store_max_bytes",
+        "--adapter-store-max-bytes",
+        "Bytes the fleet's adapter object store may hold; a push beyond is refused.",
         int,
     ),
 )

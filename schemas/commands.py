@@ -68,6 +68,17 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     0: ack the pause at once."""
 
 
+class PrepareCommand(_Command, frozen=True, kw_only=True, tag="prepare"):
+    """Fetch the adapter at ``path`` (a ``bus:<digest>`` path: the fleet's
+    object store) into this node's cache, before any engine is paused, so
+    no pause window holds a transfer. Sent to the update's members as a
+    cohort that this command opens (as a pause does): one broadcast, and by
+    name again to those whose ack does not come."""
+
+    path: Path
+    digest: Digest
+
+
 class PauseCommand(_Command, frozen=True, kw_only=True, tag="pause"):
     # No pause mode: each driver pauses as its engine allows (Dynamo keeps
     # in-flight requests, falling back to wait). A ``mode`` an older
@@ -155,7 +166,8 @@ class CommittedNotice(_Command, frozen=True, kw_only=True, tag="committed"):
 
 
 Command = (
-    PauseCommand
+    PrepareCommand
+    | PauseCommand
     | LoadCommand
     | ResumeCommand
     | UnloadCommand
@@ -163,7 +175,7 @@ Command = (
     | CommittedNotice
     | RefuseInstance
 )
-PhasedCommand = PauseCommand | LoadCommand | ResumeCommand | UnloadCommand
+PhasedCommand = PrepareCommand | PauseCommand | LoadCommand | ResumeCommand | UnloadCommand
 
 
 class Addressing(enum.Enum):
@@ -185,8 +197,8 @@ def addressing_of(
     pause that worker took."""
     if isinstance(command, CommittedNotice):
         return Addressing.FLEET
-    if isinstance(command, PauseCommand) and command.cohort:
-        # The pause that opens the cohort.
+    if isinstance(command, PauseCommand | PrepareCommand) and command.cohort:
+        # The pause (or prepare) that opens the cohort.
         return None if worker_id in command.excluded else Addressing.COHORT
     if (
         command.cohort

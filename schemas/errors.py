@@ -27,6 +27,8 @@ class ErrorCode(enum.StrEnum):
     DIGEST_MISMATCH = "digest_mismatch"
     """Members see other bytes at the adapter path than the request's digest, or
     than each other: a stale or half-synced shared filesystem."""
+    FETCH_FAILED = "fetch_failed"
+    """An agent could not fetch the adapter from the fleet's object store."""
     DUPLICATE_WORKER = "duplicate_worker"
     """Another live agent already holds this worker id."""
     QUORUM_TIMEOUT = "quorum_timeout"

@@ -95,6 +95,10 @@ class Subjects(msgspec.Struct, frozen=True):
         """JetStream KV bucket of update results, kept for late or repeated requests."""
         return f"{self.prefix.replace('.', '_')}_{self.fleet}_results"
 
+    def adapter_store(self) -> str:
+        """The fleet's JetStream object store of adapters, keyed by content digest."""
+        return f"{self.prefix.replace('.', '_')}_{self.fleet}_adapters"
+
     def audit_stream(self) -> str:
         """JetStream stream that records the fleet's commands, acks and events."""
         return f"{self.prefix.replace('.', '_')}_{self.fleet}_audit"

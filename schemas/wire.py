@@ -18,7 +18,7 @@ import enum
 
 import msgspec
 
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 """2: commands address a pause's cohort and committed notices reach every
 agent; a version-1 agent acts only on commands that name it, so in an
 upgrade the agents go first and the coordinators last.
@@ -32,7 +32,11 @@ both on their own, as before.
 (``instance``), and an agent that checks signatures refuses one of this
 version for another process, or for none, so that no command captured
 before it started can drive it; it takes a named command without one from
-a version-4 coordinator, so in an upgrade the agents still go first."""
+a version-4 coordinator, so in an upgrade the agents still go first.
+6: an adapter may come from the fleet's object store (a ``bus:<digest>``
+path), which agents fetch in a ``prepare`` phase before any engine is
+paused; a version-5 agent refuses such a path, so the agents go first
+again, and requesters use ``bus:`` paths only once every agent runs 6."""
 
 INSTANCE_BOUND_SINCE = 5
 """The wire version from which a command sent by name carries ``instance``."""
@@ -42,6 +46,8 @@ class Phase(enum.StrEnum):
     """The phases of one update, in the order they run."""
 
     QUORUM = "quorum"
+    PREPARE = "prepare"
+    """Agents fetch an adapter from the fleet's object store (``bus:`` paths)."""
     PAUSE = "pause"
     LOAD = "load"
     VERIFY = "verify"

@@ -34,6 +34,10 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
     erase = [f"$JS.API.STREAM.DELETE.{audit}", f"$JS.API.STREAM.PURGE.{audit}"]
     kv_write = [f"$KV.{state}.leader", f"$KV.{state}.committed"]
     commands = [s.cmd(), s.cmd_worker("w000"), s.cmd_worker("w001")]
+    # Only the orchestrator pushes adapters; nobody purges or deletes them.
+    store = s.adapter_store()
+    object_writes = [f"$O.{store}.C.forged", f"$O.{store}.M.forged"]
+    object_erase = [f"$JS.API.STREAM.PURGE.OBJ_{store}", f"$JS.API.STREAM.DELETE.OBJ_{store}"]
     others = [f"{prefix}.x" for other, prefix in inboxes.items() if other is not role]
     if role is Role.AGENT:  # the agent of w000
         return {
@@ -47,6 +51,8 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
                 s.reset_request(),
                 *kv_write,
                 *erase,
+                *object_writes,
+                *object_erase,
             ],
             "subscription": [s.cmd_worker("w001"), s.ack_any(), s.update_request(), *others],
         }
@@ -60,6 +66,8 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
                 s.reset_request(),
                 f"$JS.API.STREAM.UPDATE.{audit}",
                 *erase,
+                *object_writes,
+                *object_erase,
             ],
             "subscription": [s.cmd(), *others],
         }
@@ -73,6 +81,8 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
             *([] if role is Role.OPERATOR else [s.reset_request()]),
             *kv_write,
             *erase,
+            *([] if role is Role.ORCHESTRATOR else object_writes),
+            *object_erase,
         ],
         # The orchestrator and the operator may hear heartbeats (``lorabus status``
         # without a coordinator); the auditor may not.
@@ -142,6 +152,11 @@ async def test_each_role_can_do_its_own_work(
     # ... and fetch that update's outcome by its id (``lorabus result``).
     outcome = await stack.client.result(result.update_id, timeout_s=10)
     assert outcome.status == "committed", outcome
+
+    # ... and push an adapter to the object store, which the agents fetch.
+    digest = await stack.client.push_adapter(make_adapter(2))
+    pushed = await stack.client.update("policy", digest=digest, version=2, timeout_s=30)
+    assert pushed.committed and pushed.digest == digest, pushed.error
 
     # The auditor reads the trail of that update.
     records: list[TrailRecord] = []

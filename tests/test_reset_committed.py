@@ -19,6 +19,7 @@ from events import EventListener
 from processes import run_lorabus
 
 from lorabus.bus import close, connect
+from lorabus.coordinator.adapter_store import AdapterStore
 from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.reports import Reports
@@ -163,6 +164,7 @@ async def test_the_lineage_outlives_the_term_that_reset_it(
             reports=Reports(bus, subjects, lambda: 2),
             leading=successor.leading,
             max_payload=lambda: nc.max_payload,
+            adapters=AdapterStore(nc, subjects),
         )
         lineage = await lineage_of(term, "policy", None)
         committed = await store.read_committed("policy")

@@ -105,7 +105,7 @@ async def test_a_new_leader_audits_stream_settings_lorabus_would_not_make(
     and the state bucket to republish."""
     s = Subjects(fleet=fleet_name)
     storage = StorageConfig(fleet=fleet_name)
-    state, results, audit = fleet_streams(storage)
+    state, results, _, audit = fleet_streams(storage)
     nc = await connect(nats_url, name="test-another-hand")
     try:
         assert set(await provision(nc, storage)) <= {state.name, results.name, audit.name}

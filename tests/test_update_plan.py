@@ -179,3 +179,32 @@ def test_bad_settings_are_refused_with_the_setting_named() -> None:
         )
     with pytest.raises(ValueError, match="http"):
         CoordinatorConfig(fleet="f", frontend_url="ftp://x", expected_world_size=1)
+
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def test_an_adapter_from_the_object_store_is_planned_with_its_digest_whatever_the_roots() -> None:
+    """A ``bus:`` path is no host path: the roots do not apply, and every
+    member must see the digest it names."""
+    config = CoordinatorConfig(
+        fleet="f", frontend_url="http://x", expected_world_size=1, adapter_roots=["/ckpt"]
+    )
+    plan = check_request(_request(path=f"bus:{DIGEST}", version=3), config).plan(None)
+
+    assert (plan.path, plan.digest) == (f"bus:{DIGEST}", DIGEST)
+
+
+@pytest.mark.parametrize(
+    ("path", "digest", "said"),
+    [
+        ("bus:sha256:XYZ", None, "not a valid"),
+        ("bus:", None, "not a valid"),
+        (f"bus:{DIGEST}", "sha256:" + "cd" * 32, "is not the one its path names"),
+    ],
+)
+def test_an_object_store_path_with_a_bad_or_other_digest_is_refused(
+    path: str, digest: str | None, said: str
+) -> None:
+    with pytest.raises(BadRequest, match=said):
+        check_request(_request(path=path, digest=digest), CONFIG)

@@ -14,6 +14,7 @@ from lorabus.schemas import (
     LoadSpec,
     PauseCommand,
     Phase,
+    PrepareCommand,
     ResumeCommand,
     Subjects,
     UnloadCommand,
@@ -24,6 +25,13 @@ from lorabus.schemas import (
 )
 
 COMMANDS = [
+    PrepareCommand(
+        update_id="u1",
+        cohort=True,
+        budget_s=300,
+        path="bus:sha256:" + "0" * 64,
+        digest="sha256:" + "0" * 64,
+    ),
     PauseCommand(update_id="u1", targets=["w1"], budget_s=5),
     PauseCommand(
         update_id="u1",
@@ -42,7 +50,7 @@ def test_commands_round_trip_with_tag_and_version(command: object) -> None:
     wire = encode(command)  # type: ignore[arg-type]
     as_json = json.loads(wire)
 
-    assert as_json["v"] == WIRE_VERSION == 5 and "type" in as_json
+    assert as_json["v"] == WIRE_VERSION == 6 and "type" in as_json
     assert command_decoder.decode(wire) == command
 
 

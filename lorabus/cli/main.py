@@ -58,6 +58,7 @@ for command in (
     serve.agent,
     serve.coordinator,
     orchestrate.update,
+    orchestrate.adapter,
     orchestrate.status,
     orchestrate.result,
     orchestrate.schema,

@@ -13,7 +13,7 @@ import click
 
 from lorabus.bus_options import BusOptions
 from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
-from lorabus.client import UPDATE_TIMEOUT_S
+from lorabus.client import PUSH_TIMEOUT_S, UPDATE_TIMEOUT_S
 from lorabus.schemas import DIGEST_PATTERN, UPDATE_ID_PATTERN, UpdateMode
 
 if TYPE_CHECKING:
@@ -54,7 +54,20 @@ async def _digest_of(path: str) -> str:
 @bus_options()
 @fleet_option
 @click.option("--adapter", required=True, help="Adapter name (served as <name>-v<version>).")
-@click.option("--path", required=True, help="Absolute adapter directory, as workers see it.")
+@click.option(
+    "--path",
+    default=None,
+    help="Absolute adapter directory, as every worker sees it (a shared filesystem). "
+    "Without it, the adapter comes from the fleet's object store: --digest names "
+    "one pushed before, or --source pushes one first.",
+)
+@click.option(
+    "--source",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="A local adapter directory: pushed to the fleet's object store (once per "
+    "content), then fetched by each agent into its node's cache. No shared filesystem.",
+)
 @click.option(
     "--version",
     type=click.IntRange(min=0),
@@ -82,7 +95,8 @@ async def _digest_of(path: str) -> str:
     callback=_digest,
     help="The adapter's content digest every worker must see at --path: 'auto' computes "
     "it from the directory here, or give 'sha256:<64 hex>'. Default: the workers "
-    "must agree among themselves.",
+    "must agree among themselves. Without --path: the object store's adapter to load "
+    "(lorabus adapter push prints it).",
 )
 @click.option(
     "--mode",
@@ -97,7 +111,8 @@ def update(
     bus: BusOptions,
     fleet: str,
     adapter: str,
-    path: str,
+    path: str | None,
+    source: str | None,
     version: int | None,
     update_id: str | None,
     timeout: float,
@@ -118,6 +133,15 @@ def update(
     from lorabus.schemas import FAILED, UpdateResult, to_builtins
 
     subjects_of(fleet)
+    if path is not None and source is not None:
+        raise click.UsageError("give --path or --source, not both")
+    if path is None and source is None and digest in (None, "auto"):
+        raise click.UsageError(
+            "give --path (a shared directory), --source DIR, or --digest sha256:... of an "
+            "adapter pushed with lorabus adapter push"
+        )
+    if source is not None and digest == "auto":
+        digest = None  # the push computes it
     # Chosen here, so that an interrupted wait can say which update to ask about.
     the_id = update_id or uuid.uuid4().hex
 
@@ -142,8 +166,9 @@ def update(
                         version=version,
                         update_id=the_id,
                         timeout_s=left,
-                        digest=await _digest_of(path) if digest == "auto" else digest,
+                        digest=await _digest_of(path) if digest == "auto" and path else digest,
                         mode=mode,
+                        source=source,
                     )
                 finally:
                     if progress is not None:
@@ -171,6 +196,38 @@ def update(
         return 0 if result.committed else EXIT_FAILED
 
     sys.exit(run(request))
+
+
+@click.group()
+def adapter() -> None:
+    """Adapters in the fleet's object store (no shared filesystem needed)."""
+
+
+@adapter.command("push")
+@bus_options()
+@fleet_option
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0.1),
+    default=PUSH_TIMEOUT_S,
+    show_default=True,
+    help="Seconds the upload may take.",
+)
+def push(nats_url: str, bus: BusOptions, fleet: str, directory: str, timeout: float) -> None:
+    """Store the adapter in DIRECTORY in the fleet's object store, keyed by its
+    content digest, and print that digest (content already stored is not sent
+    again). Then: lorabus update --adapter NAME --digest DIGEST."""
+    from lorabus.client import UpdateClient
+
+    subjects_of(fleet)
+
+    async def push_() -> int:
+        async with await UpdateClient.connect(nats_url, fleet, options=bus) as client:
+            click.echo(await client.push_adapter(directory, timeout_s=timeout))
+        return 0
+
+    sys.exit(run(push_))
 
 
 async def _show_progress(client: UpdateClient, update_id: str) -> None:

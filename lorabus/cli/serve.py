@@ -95,11 +95,21 @@ async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
     from lorabus.agents import Agent, driver_for
     from lorabus.agents.metrics import AgentMetrics, InstrumentedDriver
     from lorabus.bus import close
-    from lorabus.errors import EngineError
+    from lorabus.errors import BadRequest, EngineError
 
     metrics = AgentMetrics()
     driver = InstrumentedDriver(driver_for(config), metrics)
     agent = Agent.from_config(config, driver)
+    cache = agent.executor.adapter_cache
+    try:
+        if cache is not None:
+            cache.check_writable()
+    except (OSError, ValueError) as exc:
+        await driver.aclose()
+        raise BadRequest(
+            f"worker={config.worker_id} cannot keep adapters in its cache: {exc} "
+            "(give --cache-dir a directory this agent may write)"
+        ) from exc
     if not agent.verifier.required:
         log.warning(
             "worker=%s checks no command signatures: any client allowed to publish on its "

@@ -57,6 +57,7 @@ class EmbeddedStack:
         secure: bool = False,
         auth_method: str = "nkey",
         adapter_roots: Sequence[str] = (),
+        cache_root: str | None = None,
         **coordinator: Any,
     ) -> None:
         if secure and nats_url is not None:
@@ -70,6 +71,9 @@ class EmbeddedStack:
         """How a secure stack's identities prove themselves (``lorabus auth init --method``)."""
         self.adapter_roots = list(adapter_roots)
         """Where the agents (and the coordinator) accept adapters from (empty: anywhere)."""
+        self.cache_root = cache_root
+        """With it, each agent keeps adapters from the object store in a folder of
+        its own under it, as agents on separate nodes would (None: a temporary one)."""
         self.auth: FleetAuth | None = None
         self._coordinator_settings = {"expected_world_size": sum(self.world_sizes), **coordinator}
         self.server: NatsServer | None = None
@@ -121,6 +125,9 @@ class EmbeddedStack:
             await self._provision()
         self.sim = SimFleet(worker_ids, self.world_sizes)
         await self._exit.enter_async_context(self.sim)
+        cache_root = self.cache_root or self._exit.enter_context(
+            tempfile.TemporaryDirectory(prefix="lorabus-caches-")
+        )
         settings: dict[str, Any] = {"adapter_roots": self.adapter_roots}
         if self.auth is not None:
             folder = self.auth.identity(Role.COORDINATOR).folder
@@ -141,6 +148,7 @@ class EmbeddedStack:
                 heartbeat_s=self._heartbeat_s,
                 coordinator_keys=[self.auth.signing_key] if self.auth is not None else [],
                 adapter_roots=self.adapter_roots,
+                cache_dir=str(Path(cache_root) / worker.worker_id),
             )
             driver = driver_for(agent_config)
             self._exit.push_async_callback(driver.aclose)

@@ -43,15 +43,23 @@ async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], No
             "simulated Dynamo workers "
             f"(world sizes {', '.join(map(str, world_sizes))}), their agents and the coordinator"
         )
+        trainer, nodes = Path(tmp, "trainer"), Path(tmp, "nodes")
+        out(
+            "adapters travel over the bus: the trainer pushes each step's adapter to the "
+            "fleet's object store, and each agent fetches it into a cache of its own "
+            f"(as on separate nodes) under {nodes}"
+        )
         async with EmbeddedStack(
-            world_sizes, fleet="demo", keep=KEEP, secure=True, adapter_roots=[tmp]
+            world_sizes, fleet="demo", keep=KEEP, secure=True, cache_root=str(nodes)
         ) as stack:
             assert stack.client is not None and stack.sim is not None
             out(f"  nats {stack.nats_url}   frontend {stack.sim.url}")
             results: list[UpdateResult] = []
             for step in range(1, steps + 1):
-                path = write_adapter(Path(tmp), step)
-                result = await stack.client.update(ADAPTER, str(path), version=step, timeout_s=120)
+                path = write_adapter(trainer, step)
+                result = await stack.client.update(
+                    ADAPTER, source=path, version=step, timeout_s=120
+                )
                 results.append(result)
                 out(
                     f"step {step}: {result.status:<9} {result.adapter:<12} "

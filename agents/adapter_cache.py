@@ -1,0 +1,293 @@
+"""This node's copies of adapters from the fleet's object store, by digest.
+
+An engine loads an adapter from a directory on its own host, so an agent
+given a bus path fetches the adapter into a cache directory first and hands
+the engine ``<directory>/<hex>``: a directory that holds exactly the files
+whose adapter digest is ``sha256:<hex>``. Agents of one node share the
+directory (several processes), so each digest is fetched once: whoever holds
+the digest's lock (``flock`` on ``.locks/<hex>.lock``) fetches, and the others
+wait for the lock and then find the entry there.
+
+Nothing is served unverified. An entry is hashed again on every use (a file
+changed on disk is found, removed and fetched again); a fetched adapter is
+hashed before it gets its name; and a half-written one never has it: the
+archive and the unpacked files live under ``.partial/`` until one
+``rename``, after the files are on disk (fsync). :meth:`AdapterCache.prune`
+keeps the most recently used entries and those an engine still serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Collection
+from typing import BinaryIO, TypeVar
+
+from lorabus.adapter_digest import adapter_digest
+from lorabus.adapter_objects import check_digest, unpack
+from lorabus.errors import DigestMismatch, FetchFailed
+
+__all__ = ["AdapterCache", "Fetch"]
+
+log = logging.getLogger(__name__)
+
+Fetch = Callable[[str, BinaryIO], Awaitable[int]]
+"""Writes the stored object of a digest into a file; returns its size."""
+
+_ENTRY = re.compile(r"^[0-9a-f]{64}$")
+_LOCK_POLL_S = (0.005, 0.2)
+"""First and longest pause between tries of a lock another process holds."""
+_PARTIAL_MAX_AGE_S = 300.0
+"""A leftover under ``.partial/`` older than this, with its digest unlocked, is
+what a process that died mid-fetch left: prune removes it."""
+_T = TypeVar("_T")
+
+
+class _Lock:
+    """An exclusive ``flock`` on one digest's lock file, for every process of the node.
+
+    ``flock`` locks belong to an open file, so two holders in one process
+    exclude each other too. prune deletes lock files it holds: a lock taken on
+    a file no longer at its path guards nothing, and is let go at once."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = -1
+
+    def try_acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                self._fd, fd = fd, -1
+                return True
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return False
+
+    async def acquire(self) -> None:
+        pause = _LOCK_POLL_S[0]
+        while not self.try_acquire():
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _LOCK_POLL_S[1])
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+    def release(self, *, remove: bool = False) -> None:
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = -1
+
+
+class AdapterCache:
+    def __init__(self, directory: str, *, keep: int = 2) -> None:
+        """``keep``: entries kept by :meth:`prune` besides those it must protect."""
+        self.directory = os.path.abspath(directory)
+        self.keep = keep
+        self._locks = os.path.join(self.directory, ".locks")
+        self._partial = os.path.join(self.directory, ".partial")
+
+    def check_writable(self) -> None:
+        """Create the cache's directories and write in each; OSError, naming the
+        directory, when that cannot be done (the agent is not ready then)."""
+        for folder in (self.directory, self._locks, self._partial):
+            try:
+                os.makedirs(folder, exist_ok=True)
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            except OSError as exc:
+                raise OSError(
+                    exc.errno, f"adapter cache {folder!r} cannot be written: {exc.strerror or exc}"
+                ) from exc
+
+    async def get(self, digest: str, fetch: Fetch, *, timeout_s: float) -> str:
+        """The directory of the adapter ``digest``, fetched with ``fetch`` when this
+        node has no good copy. FetchFailed when it cannot be had in ``timeout_s``
+        (or ``fetch`` fails), DigestMismatch when the fetched files are others."""
+        hex_digest = check_digest(digest).removeprefix("sha256:")
+        entry = os.path.join(self.directory, hex_digest)
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                for folder in (self._locks, self._partial):
+                    os.makedirs(folder, exist_ok=True)
+                lock = _Lock(os.path.join(self._locks, f"{hex_digest}.lock"))
+                await lock.acquire()
+                try:
+                    if not await self._holds(entry, digest):
+                        await self._fetch(entry, digest, fetch)
+                    os.utime(entry)  # its last use, for prune
+                    return entry
+                finally:
+                    lock.release()
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise
+            raise FetchFailed(
+                f"adapter {digest} was not in this node's cache within {timeout_s:g}s"
+            ) from exc
+        except OSError as exc:  # the node's disk: full, or not ours to write
+            raise FetchFailed(
+                f"adapter {digest}: the cache {self.directory!r} cannot keep it: {exc}"
+            ) from exc
+
+    async def _holds(self, entry: str, digest: str) -> bool:
+        """Whether ``entry`` holds exactly ``digest``; one that does not is removed."""
+        found = await asyncio.to_thread(_digest_at, entry)
+        if found is None or found == digest:
+            return found is not None
+        log.warning(
+            "adapter cache: %s does not hold %s (%s): fetching it again", entry, digest, found
+        )
+        await asyncio.to_thread(self._discard, entry)
+        return False
+
+    async def _fetch(self, entry: str, digest: str, fetch: Fetch) -> None:
+        tag = os.path.basename(entry) + "."  # prune's sweep tells whose leftover it is
+        descriptor, archive = tempfile.mkstemp(prefix=tag, suffix=".tar", dir=self._partial)
+        unpacked = archive.removesuffix(".tar")  # unique as the archive's name is
+        try:
+            with os.fdopen(descriptor, "wb") as file:
+                try:
+                    await fetch(digest, file)
+                except FetchFailed:
+                    raise
+                except Exception as exc:
+                    raise FetchFailed(f"adapter {digest}: the fetch failed: {exc!r}") from exc
+            try:
+                found = await _finish_in_thread(_settle, archive, unpacked, digest)
+            except ValueError as exc:
+                raise FetchFailed(
+                    f"adapter {digest}: the store's object is no adapter: {exc}"
+                ) from exc
+            if found != digest:
+                raise DigestMismatch(
+                    f"adapter {digest} was asked for; the store's object holds {found}"
+                )
+            os.rename(unpacked, entry)
+            _fsync_dir(self.directory)  # the new name, on disk
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(archive)
+            shutil.rmtree(unpacked, ignore_errors=True)
+
+    def _discard(self, path: str) -> None:
+        """Take ``path`` out of the cache at once (one rename), then delete it."""
+        trash = tempfile.mkdtemp(prefix=os.path.basename(path) + ".", dir=self._partial)
+        os.rename(path, os.path.join(trash, "old"))
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def prune(self, protect: Collection[str] = ()) -> list[str]:
+        """Remove the entries beyond the ``keep`` most recently used ones, except
+        the digests in ``protect`` (what the engine serves) and entries another
+        process holds now, and old leftovers of fetches; returns the digests removed."""
+        if not os.path.isdir(self.directory):
+            return []
+        protected = {check_digest(d).removeprefix("sha256:") for d in protect}
+        entries = []
+        for item in os.scandir(self.directory):
+            if _ENTRY.match(item.name) and item.name not in protected:
+                entries.append((item.stat(follow_symlinks=False).st_mtime_ns, item.name))
+        removed = []
+        for used, name in sorted(entries, reverse=True)[self.keep :]:
+            entry = os.path.join(self.directory, name)
+            lock = _Lock(os.path.join(self._locks, f"{name}.lock"))
+            if not (os.path.isdir(self._locks) and lock.try_acquire()):
+                continue  # in use now: a get is checking or fetching it
+            try:
+                if os.lstat(entry).st_mtime_ns == used:  # else used since we looked
+                    self._discard(entry)
+                    removed.append(f"sha256:{name}")
+            except FileNotFoundError:
+                pass  # another process's prune took it
+            except OSError as exc:  # not ours to remove: the next prune tries again
+                log.warning("adapter cache: cannot remove %s: %s", entry, exc)
+            finally:
+                lock.release(remove=True)
+        self._sweep_partial()
+        return removed
+
+    def _sweep_partial(self) -> None:
+        """Remove what fetches that died left under ``.partial/``."""
+        if not (os.path.isdir(self._partial) and os.path.isdir(self._locks)):
+            return
+        old = time.time() - _PARTIAL_MAX_AGE_S
+        for item in os.scandir(self._partial):
+            lock = _Lock(os.path.join(self._locks, f"{item.name[:64]}.lock"))
+            with contextlib.suppress(FileNotFoundError):  # another prune was quicker
+                if item.stat(follow_symlinks=False).st_mtime > old:
+                    continue
+                if _ENTRY.match(item.name[:64]) and not lock.try_acquire():
+                    continue  # a fetch of that digest is under way (a slow one)
+                try:
+                    if item.is_dir(follow_symlinks=False):
+                        shutil.rmtree(item.path, ignore_errors=True)
+                    else:
+                        os.unlink(item.path)
+                finally:
+                    if lock.held:
+                        lock.release()
+
+
+def _digest_at(entry: str) -> str | None:
+    """The digest of the entry at ``entry`` (None: there is none), else what is wrong."""
+    if not os.path.lexists(entry):
+        return None
+    if os.path.islink(entry) or not os.path.isdir(entry):
+        return "not a directory"
+    try:
+        return adapter_digest(entry)
+    except (OSError, ValueError) as exc:
+        return f"unreadable: {exc}"
+
+
+def _settle(archive: str, unpacked: str, digest: str) -> str:
+    """Unpack ``archive``; the digest of what it holds, on disk when it is ``digest``."""
+    os.mkdir(unpacked, 0o755)  # an engine may run as another user
+    unpack(archive, unpacked)
+    found = adapter_digest(unpacked)
+    if found == digest:
+        for folder, _, names in os.walk(unpacked):
+            for name in names:
+                descriptor = os.open(os.path.join(folder, name), os.O_RDONLY)
+                try:
+                    os.fsync(descriptor)
+                finally:
+                    os.close(descriptor)
+            _fsync_dir(folder)
+    return found
+
+
+def _fsync_dir(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+async def _finish_in_thread(function: Callable[..., _T], *args: object) -> _T:
+    """``function`` in a thread. A caller cancelled still waits for the thread,
+    so that its cleanup never races the thread's writes."""
+    step = asyncio.ensure_future(asyncio.to_thread(function, *args))
+    try:
+        return await asyncio.shield(step)
+    except asyncio.CancelledError:
+        await asyncio.wait({step})
+        if not step.cancelled():
+            step.exception()  # retrieved: the caller is gone
+        raise

@@ -1,0 +1,401 @@
+"""Adapters carried by the bus: a JetStream object store of the fleet, keyed by
+the adapter's content digest, instead of a filesystem every host must mount.
+
+The trainer side packs an adapter directory as a plain tar whose bytes depend
+only on the files (sorted paths, fixed headers) and puts it under its digest;
+a digest already stored is not sent again. Agents read an object with
+JetStream direct gets only: the meta by its subject, then its chunks by
+subject and sequence. A consumer would need more rights, and its deliver
+subject would let an agent aim JetStream (docs/security.md). What an agent
+fetches is checked against nats' own SHA-256 here, and the unpacked directory
+against the adapter digest by the agent's cache (lorabus.agents.adapter_cache).
+A request names such an adapter by a *bus path*: ``bus:sha256:<hex>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import tarfile
+import tempfile
+import time
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import object_store as obj
+from nats.js.api import DiscardPolicy, ObjectInfo, StorageType, StreamConfig
+
+from lorabus.adapter_digest import MAX_FILES, adapter_digest
+from lorabus.bus import js_api_of
+from lorabus.errors import BadRequest, BusError, FetchFailed
+from lorabus.schemas import Subjects
+
+__all__ = [
+    "BUS_SCHEME",
+    "bus_path",
+    "check_adapter_dir",
+    "check_digest",
+    "delete_object",
+    "digest_of",
+    "fetch_object",
+    "object_size",
+    "pack",
+    "push_adapter",
+    "store_config",
+    "unpack",
+]
+
+BUS_SCHEME = "bus:"
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_NUID = re.compile(r"^[A-Za-z0-9]{1,64}$")
+_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+_READ_DEADLINE_S = 5.0
+"""How long one read of the store (a meta, the next chunk of a batch) may take."""
+_BATCH_BYTES = 1 << 20
+"""How many bytes of chunks one batch of direct gets asks for. A 128 MB object
+on a 2-core machine, server on the same host: 0.5-0.8 s in 1 MiB batches, 0.7-1.2 s
+with one direct get per chunk, no faster in 4 MiB batches. Per chunk costs a
+round trip per 128 KiB, which a real network makes dearer; a batch is what sits
+in memory (2.7 MB at the peak, by tracemalloc): the smallest that gets the gain."""
+_PURGE_GRACE_S = 15.0
+"""Beyond a push's deadline, for nats-py to purge the chunks of an upload it stopped."""
+
+
+def check_digest(digest: str) -> str:
+    """``digest`` if it is an adapter digest (``sha256:<64 hex>``), else ValueError."""
+    if not _DIGEST.fullmatch(digest):
+        raise ValueError(f"{digest!r} is not an adapter digest: expected sha256:<64 hex digits>")
+    return digest
+
+
+def bus_path(digest: str) -> str:
+    """The path that names the adapter of ``digest`` in the fleet's store."""
+    return BUS_SCHEME + check_digest(digest)
+
+
+def digest_of(path: str) -> str | None:
+    """The digest a bus path names; None for a path on a filesystem. ValueError
+    for a ``bus:`` path that names no valid digest."""
+    if not path.startswith(BUS_SCHEME):
+        return None
+    try:
+        return check_digest(path.removeprefix(BUS_SCHEME))
+    except ValueError:
+        raise ValueError(
+            f"{path!r} is not a valid bus path: expected {BUS_SCHEME}sha256:<64 hex digits>"
+        ) from None
+
+
+def _files(root: Path) -> list[tuple[str, Path]]:
+    """The files the adapter digest covers, as (relative path, path), in its order."""
+    found: list[tuple[bytes, Path]] = []
+    for folder, subfolders, names in os.walk(root, onerror=_raise):
+        subfolders.sort()
+        for name in names:
+            path = Path(folder, name)
+            if path.is_file():  # a symlink to a file counts as the file, as in the digest
+                found.append((path.relative_to(root).as_posix().encode(), path))
+            if len(found) > MAX_FILES:
+                raise ValueError(f"{str(root)!r} holds more than {MAX_FILES} files")
+    return [(relative.decode(), path) for relative, path in sorted(found)]
+
+
+def _raise(error: OSError) -> None:
+    raise error
+
+
+def check_adapter_dir(directory: str | os.PathLike[str]) -> None:
+    """ValueError, saying why, unless ``directory`` looks like a PEFT adapter."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise ValueError(f"{str(root)!r} is not a directory")
+    if not (root / "adapter_config.json").is_file():
+        raise ValueError(f"{str(root)!r} has no adapter_config.json: not a PEFT adapter")
+    top = [relative for relative, _ in _files(root) if "/" not in relative]
+    if not any(name in _WEIGHTS or name.endswith(".safetensors") for name in top):
+        raise ValueError(
+            f"{str(root)!r} has no weights (adapter_model.safetensors, adapter_model.bin "
+            "or another *.safetensors)"
+        )
+
+
+def pack(directory: str | os.PathLike[str], into: BinaryIO) -> None:
+    """Write ``directory``'s files to ``into`` as an uncompressed tar whose bytes
+    depend on the files only, a file at a time (an adapter can be many GB)."""
+    with tarfile.open(fileobj=into, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for relative, path in _files(Path(directory)):
+            with path.open("rb") as handle:
+                info = tarfile.TarInfo(relative)
+                info.size = os.fstat(handle.fileno()).st_size
+                info.mode, info.mtime, info.uid, info.gid = 0o644, 0, 0, 0
+                info.uname = info.gname = ""
+                tar.addfile(info, handle)
+
+
+def unpack(archive: str, into: str) -> None:
+    """Extract a tar made by :func:`pack` into the empty directory ``into``.
+    ValueError for anything but regular files and directories inside ``into``."""
+    if any(os.scandir(into)):
+        raise ValueError(f"{into!r} is not empty")
+    try:
+        with tarfile.open(archive, mode="r:") as tar:
+            for count, member in enumerate(tar, start=1):
+                if count > MAX_FILES:
+                    raise ValueError(f"the archive holds more than {MAX_FILES} members")
+                name = PurePosixPath(member.name)
+                plain = member.type in (tarfile.REGTYPE, tarfile.AREGTYPE) and not member.sparse
+                if not (plain or member.isdir()):
+                    raise ValueError(f"archive member {member.name!r} is not a regular file")
+                if name.is_absolute() or ".." in name.parts:
+                    raise ValueError(f"archive member {member.name!r} points outside")
+                tar.extract(member, into, filter="data")
+    except tarfile.TarError as exc:
+        raise ValueError(f"not a valid adapter archive: {exc}") from exc
+
+
+def store_config(subjects: Subjects, *, replicas: int = 1, max_bytes: int = -1) -> StreamConfig:
+    """The stream of the fleet's adapter store: as ``js.create_object_store``
+    makes one, file-backed, with direct gets (agents read nothing else)."""
+    bucket = subjects.adapter_store()
+    return StreamConfig(
+        name=obj.OBJ_STREAM_TEMPLATE.format(bucket=bucket),
+        subjects=[
+            obj.OBJ_ALL_CHUNKS_PRE_TEMPLATE.format(bucket=bucket),
+            obj.OBJ_ALL_META_PRE_TEMPLATE.format(bucket=bucket),
+        ],
+        max_bytes=max_bytes,
+        max_consumers=0,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        discard=DiscardPolicy.NEW,
+        allow_rollup_hdrs=True,
+        allow_direct=True,
+    )
+
+
+def _no_store(subjects: Subjects) -> BusError:
+    return BusError(
+        f"fleet {subjects.fleet!r} has no adapter store {subjects.adapter_store()!r} "
+        "readable with direct gets: run lorabus provision (as the operator)"
+    )
+
+
+async def _store(nc: NatsClient, subjects: Subjects) -> obj.ObjectStore:
+    try:
+        return await nc.jetstream().object_store(subjects.adapter_store())
+    except nats.js.errors.BucketNotFoundError as exc:
+        raise _no_store(subjects) from exc
+
+
+async def _read_meta(nc: NatsClient, subjects: Subjects, digest: str) -> ObjectInfo | None:
+    """The stored object's info (None: none, or deleted), by one direct get."""
+    bucket = subjects.adapter_store()
+    name = base64.urlsafe_b64encode(digest.encode()).decode()  # as nats-py names it
+    meta = obj.OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=name)
+    stream = obj.OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    try:
+        msg = await nc.request(
+            f"{js_api_of(nc)}.DIRECT.GET.{stream}.{meta}", b"", timeout=_READ_DEADLINE_S
+        )
+    except nats.errors.NoRespondersError as exc:
+        raise _no_store(subjects) from exc
+    status = (msg.headers or {}).get("Status", "")
+    if status == "404":
+        return None
+    if status:
+        raise BusError(f"reading the adapter store: {status} {_description(msg)}")
+    try:
+        info = ObjectInfo.from_response(json.loads(msg.data))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise BusError(f"the stored meta of {digest} is not valid: {exc}") from exc
+    return None if info.deleted else info
+
+
+async def object_size(
+    nc: NatsClient, subjects: Subjects, digest: str, *, timeout_s: float = 5.0
+) -> int | None:
+    """The size of the object stored under ``digest``; None when there is none.
+    BusError when the store cannot be read."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            info = await _read_meta(nc, subjects, check_digest(digest))
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot read the adapter store: {exc!r}") from exc
+    return None if info is None else int(info.size or 0)
+
+
+class _UntilDeadline(io.BufferedIOBase):
+    """A file that fails to read past a deadline: nats-py purges the chunks of
+    an upload that fails, not of one that is cancelled, so a push stops this way."""
+
+    def __init__(self, file: BinaryIO, deadline: float) -> None:
+        self._file, self._deadline = file, deadline
+
+    def readinto(self, buffer: bytearray) -> int:  # type: ignore[override]
+        if time.monotonic() > self._deadline:
+            raise TimeoutError("the push took longer than its deadline")
+        return self._file.readinto(buffer)  # type: ignore[attr-defined]
+
+
+async def push_adapter(
+    nc: NatsClient, subjects: Subjects, directory: str | os.PathLike[str], *, timeout_s: float = 600
+) -> tuple[str, bool]:
+    """Put the adapter in ``directory`` into the fleet's store under its digest;
+    returns the digest and whether it was uploaded (False: already stored)."""
+    try:
+        check_adapter_dir(directory)
+    except (ValueError, OSError) as exc:
+        raise BadRequest(f"cannot push {directory!r}: {exc}") from exc
+    deadline = time.monotonic() + timeout_s
+    try:
+        async with asyncio.timeout(timeout_s + _PURGE_GRACE_S):
+            try:
+                digest = await asyncio.to_thread(adapter_digest, directory)
+            except (ValueError, OSError) as exc:
+                raise BadRequest(f"cannot push {directory!r}: {exc}") from exc
+            store = await _store(nc, subjects)
+            if await _read_meta(nc, subjects, digest) is not None:
+                return digest, False
+            # On disk, not in memory: an adapter can be many GB.
+            with tempfile.TemporaryFile() as archive:
+                await asyncio.to_thread(pack, directory, archive)
+                archive.seek(0)
+                await store.put(digest, _UntilDeadline(archive, deadline))
+            return digest, True
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"pushing {directory!r} to the adapter store failed: {exc!r}") from exc
+
+
+async def delete_object(
+    nc: NatsClient, subjects: Subjects, digest: str, *, timeout_s: float = 10.0
+) -> bool:
+    """Delete the object of ``digest`` from the store; False when it was not there."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            store = await _store(nc, subjects)
+            try:
+                await store.delete(check_digest(digest))
+            except nats.js.errors.ObjectNotFoundError:
+                return False
+            return True
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"deleting {digest} from the adapter store failed: {exc!r}") from exc
+
+
+async def fetch_object(
+    nc: NatsClient,
+    subjects: Subjects,
+    digest: str,
+    into: BinaryIO,
+    *,
+    timeout_s: float,
+    max_bytes: int,
+) -> int:
+    """Write the object stored under ``digest`` into ``into``; returns its size.
+    FetchFailed, naming the digest and why, for whatever goes wrong."""
+    check_digest(digest)
+    deadline = asyncio.timeout(timeout_s)
+    try:
+        async with deadline:
+            info = await _read_meta(nc, subjects, digest)
+            if info is None:
+                raise FetchFailed(f"adapter {digest} is not in the fleet's store (or deleted)")
+            expected = _checked(info, digest, max_bytes)
+            chunks = obj.OBJ_CHUNKS_PRE_TEMPLATE.format(
+                bucket=subjects.adapter_store(), obj=info.nuid
+            )
+            return await _read_chunks(nc, subjects, chunks, info, expected, into)
+    except FetchFailed:
+        raise
+    except TimeoutError as exc:
+        if deadline.expired():
+            raise FetchFailed(f"adapter {digest}: not fetched within {timeout_s:g}s") from exc
+        raise FetchFailed(f"adapter {digest}: the store stopped answering mid-transfer") from exc
+    except (BusError, nats.errors.Error, OSError) as exc:
+        raise FetchFailed(f"adapter {digest}: {exc}") from exc
+
+
+def _checked(info: ObjectInfo, digest: str, max_bytes: int) -> bytes:
+    """nats' SHA-256 of the object, once its meta is one we can read safely."""
+    if info.name != digest or info.is_link() or not _NUID.fullmatch(info.nuid or ""):
+        raise FetchFailed(f"adapter {digest}: the stored meta is not one of a pushed adapter")
+    if not isinstance(info.size, int) or not isinstance(info.chunks, int) or info.size < 0:
+        raise FetchFailed(f"adapter {digest}: the stored meta has no valid size")
+    if info.size > max_bytes:
+        raise FetchFailed(f"adapter {digest} is {info.size} bytes, over the limit of {max_bytes}")
+    try:
+        return base64.urlsafe_b64decode((info.digest or "").removeprefix(obj.OBJ_DIGEST_TYPE))
+    except ValueError as exc:
+        raise FetchFailed(f"adapter {digest}: the stored meta has no valid digest") from exc
+
+
+async def _read_chunks(
+    nc: NatsClient, subjects: Subjects, chunks: str, info: ObjectInfo, sha: bytes, into: BinaryIO
+) -> int:
+    """Read the chunks on ``chunks`` in order, a batch of direct gets at a time."""
+    digest, size, count = info.name, int(info.size or 0), int(info.chunks or 0)
+    hashed = hashlib.sha256()
+    seq, read, total = 1, 0, 0
+    while read < count:
+        batch = await _batch(nc, subjects, {"seq": seq, "next_by_subj": chunks})
+        if not batch:
+            raise FetchFailed(f"adapter {digest} is short: {read} of {count} chunks stored")
+        for msg in batch:
+            total += len(msg.data)
+            read += 1
+            if total > size or read > count:
+                raise FetchFailed(f"adapter {digest}: its chunks hold more than its {size} bytes")
+            # Hashing and writing 128 KiB in a thread: a large file write can block.
+            await asyncio.to_thread(_write, into, hashed, msg.data)
+            seq = int((msg.headers or {}).get("Nats-Sequence", "0")) + 1
+    if total != size:
+        raise FetchFailed(f"adapter {digest} is short: {total} of {size} bytes stored")
+    if hashed.digest() != sha:
+        raise FetchFailed(f"adapter {digest} is corrupted: its chunks do not match nats' digest")
+    return total
+
+
+def _write(into: BinaryIO, hashed: hashlib._Hash, data: bytes) -> None:
+    hashed.update(data)
+    into.write(data)
+
+
+async def _batch(nc: NatsClient, subjects: Subjects, start: dict[str, object]) -> list[Msg]:
+    """Up to ``_BATCH_BYTES`` of stored messages from ``start`` on (none: no more)."""
+    stream = obj.OBJ_STREAM_TEMPLATE.format(bucket=subjects.adapter_store())
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        request = {**start, "batch": 1024, "max_bytes": _BATCH_BYTES}
+        await nc.publish(
+            f"{js_api_of(nc)}.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox
+        )
+        found: list[Msg] = []
+        while True:
+            msg = await sub.next_msg(timeout=_READ_DEADLINE_S)
+            status = (msg.headers or {}).get("Status", "")
+            if not status:
+                found.append(msg)
+            elif status in ("204", "404"):  # the batch's end; nothing (more) stored
+                return found
+            elif status == "503":
+                raise _no_store(subjects)
+            else:
+                raise BusError(f"reading the adapter store: {status} {_description(msg)}")
+    finally:
+        with contextlib.suppress(Exception):  # a connection gone: nothing to undo
+            await sub.unsubscribe()
+
+
+def _description(msg: Msg) -> str:
+    return (msg.headers or {}).get("Description", "")

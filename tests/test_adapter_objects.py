@@ -1,0 +1,357 @@
+"""Adapters travel over the bus: pushed once into the fleet's object store under
+their content digest, fetched back byte for byte with direct gets only, and
+refused, by name, whenever what the store holds is not what was pushed.
+
+Against a real nats-server: the object store's layout, the direct-get batches
+and the server's answers for what is missing are what the code relies on.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import tarfile
+import tracemalloc
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import BinaryIO, cast
+
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from lorabus import adapter_objects
+from lorabus.adapter_digest import adapter_digest
+from lorabus.adapter_objects import (
+    bus_path,
+    delete_object,
+    digest_of,
+    fetch_object,
+    object_size,
+    pack,
+    push_adapter,
+    store_config,
+    unpack,
+)
+from lorabus.bus import close, connect
+from lorabus.errors import BadRequest, BusError, FetchFailed, NatsServerMissing
+from lorabus.schemas import Subjects
+from lorabus.testbed.natsserver import NatsServer
+
+MB = 1000 * 1000
+
+
+def write_adapter(root: Path, weights: bytes = b"weights") -> Path:
+    root.mkdir(parents=True)
+    (root / "adapter_config.json").write_text('{"r": 8}')
+    (root / "adapter_model.safetensors").write_bytes(weights)
+    (root / "tokenizer").mkdir()
+    (root / "tokenizer" / "vocab.txt").write_text("a\nb\n")
+    return root
+
+
+@pytest.fixture
+def subjects(fleet_name: str) -> Subjects:
+    return Subjects(fleet=fleet_name)
+
+
+@pytest.fixture
+async def nc(nats_url: str, subjects: Subjects) -> AsyncIterator[NatsClient]:
+    """A connection to a fleet whose adapter store exists, as provision makes it."""
+    connection = await connect(nats_url, name="test-adapter-objects")
+    js = connection.jetstream()
+    try:
+        await js.add_stream(store_config(subjects))
+        yield connection
+        await js.delete_stream(stream_of(subjects))  # the session's server keeps no 64 MB
+    finally:
+        await close(connection)
+
+
+def stream_of(subjects: Subjects) -> str:
+    return f"OBJ_{subjects.adapter_store()}"
+
+
+def meta_subject(subjects: Subjects, digest: str) -> str:
+    name = base64.urlsafe_b64encode(digest.encode()).decode()
+    return f"$O.{subjects.adapter_store()}.M.{name}"
+
+
+async def stored_messages(nc: NatsClient, subjects: Subjects) -> int:
+    return int((await nc.jetstream().stream_info(stream_of(subjects))).state.messages)
+
+
+async def fetch_and_unpack(
+    nc: NatsClient, subjects: Subjects, digest: str, tmp_path: Path
+) -> tuple[int, Path]:
+    archive, unpacked = tmp_path / "fetched.tar", tmp_path / "unpacked"
+    unpacked.mkdir()
+    with archive.open("wb") as into:
+        size = await fetch_object(nc, subjects, digest, into, timeout_s=30, max_bytes=1 << 30)
+    unpack(str(archive), str(unpacked))
+    return size, unpacked
+
+
+async def test_a_pushed_adapter_comes_back_byte_for_byte(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path
+) -> None:
+    adapter = write_adapter(tmp_path / "adapter")
+    digest, uploaded = await push_adapter(nc, subjects, str(adapter), timeout_s=30)
+    assert (digest, uploaded) == (adapter_digest(adapter), True)
+
+    size, unpacked = await fetch_and_unpack(nc, subjects, digest, tmp_path)
+
+    assert await object_size(nc, subjects, digest) == size
+    assert adapter_digest(unpacked) == digest
+    assert (unpacked / "tokenizer" / "vocab.txt").read_text() == "a\nb\n"
+
+
+async def test_a_large_adapter_round_trips_through_little_memory(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path
+) -> None:
+    """An adapter can be many GB: the fetch holds a batch of chunks, never the object."""
+    adapter = write_adapter(tmp_path / "adapter", os.urandom(64 * MB))
+    digest, _ = await push_adapter(nc, subjects, str(adapter), timeout_s=60)
+
+    tracemalloc.start()
+    try:
+        size, unpacked = await fetch_and_unpack(nc, subjects, digest, tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+    assert size > 64 * MB
+    assert peak < 8 * MB, f"the fetch held {peak / MB:.1f} MB at its peak"
+    assert adapter_digest(unpacked) == digest
+
+
+async def test_the_same_content_is_uploaded_once(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path
+) -> None:
+    """Same files, other directory and times: same bytes, so nothing is sent again."""
+    first = write_adapter(tmp_path / "first")
+    digest, uploaded = await push_adapter(nc, subjects, str(first), timeout_s=30)
+    assert uploaded
+    stored = await stored_messages(nc, subjects)
+
+    again = write_adapter(tmp_path / "again")
+    os.utime(again / "adapter_model.safetensors", (1, 1))
+    assert await push_adapter(nc, subjects, str(again), timeout_s=30) == (digest, False)
+    assert await stored_messages(nc, subjects) == stored
+
+
+async def test_a_push_out_of_time_leaves_no_chunks_behind(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path
+) -> None:
+    """Chunks of an upload cut short would fill a store that discards new
+    messages when full. The deadline lands during the upload on this machine;
+    wherever it lands, nothing may stay."""
+    adapter = write_adapter(tmp_path / "adapter", os.urandom(64 * MB))
+    with pytest.raises(BusError, match="deadline"):
+        await push_adapter(nc, subjects, str(adapter), timeout_s=0.3)
+    assert await stored_messages(nc, subjects) == 0
+
+
+def test_packing_depends_on_the_files_only(tmp_path: Path) -> None:
+    first, second = write_adapter(tmp_path / "a"), write_adapter(tmp_path / "b")
+    os.utime(second / "adapter_config.json", (1, 1))
+    os.chmod(second / "adapter_config.json", 0o600)
+    packed = [io.BytesIO(), io.BytesIO()]
+    pack(first, packed[0])
+    pack(second, packed[1])
+    assert packed[0].getvalue() == packed[1].getvalue()
+
+
+@pytest.mark.parametrize("problem", ["no config", "no weights", "not a directory", "missing"])
+async def test_what_is_not_an_adapter_is_refused_before_any_upload(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path, problem: str
+) -> None:
+    adapter = write_adapter(tmp_path / "adapter")
+    if problem == "no config":
+        (adapter / "adapter_config.json").unlink()
+    elif problem == "no weights":
+        (adapter / "adapter_model.safetensors").unlink()
+    elif problem == "not a directory":
+        adapter = adapter / "adapter_config.json"
+    else:
+        adapter = tmp_path / "nowhere"
+
+    with pytest.raises(BadRequest, match="cannot push"):
+        await push_adapter(nc, subjects, str(adapter), timeout_s=30)
+    assert await stored_messages(nc, subjects) == 0
+
+
+async def test_a_fleet_without_a_store_is_told_to_provision(
+    nats_url: str, fleet_name: str, tmp_path: Path
+) -> None:
+    nc = await connect(nats_url, name="test-no-store")
+    try:
+        with pytest.raises(BusError, match="lorabus provision"):
+            await push_adapter(nc, Subjects(fleet=fleet_name), str(write_adapter(tmp_path / "a")))
+    finally:
+        await close(nc)
+
+
+async def test_an_unknown_or_deleted_adapter_has_no_size_and_cannot_be_fetched(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path
+) -> None:
+    unknown = "sha256:" + "0" * 64
+    assert await object_size(nc, subjects, unknown) is None
+    with pytest.raises(FetchFailed, match=f"{unknown} is not in the fleet's store"):
+        await fetch_object(nc, subjects, unknown, io.BytesIO(), timeout_s=10, max_bytes=MB)
+
+    digest, _ = await push_adapter(nc, subjects, str(write_adapter(tmp_path / "a")))
+    assert await delete_object(nc, subjects, digest) is True
+    assert await delete_object(nc, subjects, digest) is False
+    assert await object_size(nc, subjects, digest) is None
+    with pytest.raises(FetchFailed, match=f"{digest} is not in the fleet's store"):
+        await fetch_object(nc, subjects, digest, io.BytesIO(), timeout_s=10, max_bytes=MB)
+
+
+async def test_an_object_over_the_limit_is_refused_before_it_is_read(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path
+) -> None:
+    digest, _ = await push_adapter(nc, subjects, str(write_adapter(tmp_path / "a")))
+    size = await object_size(nc, subjects, digest)
+    assert size is not None
+    into = io.BytesIO()
+    with pytest.raises(FetchFailed, match=f"{digest} is {size} bytes, over the limit"):
+        await fetch_object(nc, subjects, digest, into, timeout_s=10, max_bytes=size - 1)
+    assert into.tell() == 0
+
+
+@pytest.mark.parametrize(
+    ("tampering", "said"),
+    [
+        ("meta lies about the digest", "corrupted"),
+        ("other chunks", "corrupted"),
+        ("chunks gone", "short"),
+        ("meta claims more bytes", "short"),
+        ("meta claims more chunks", "short"),
+        ("meta names a wildcard", "not one of a pushed adapter"),
+    ],
+)
+async def test_a_tampered_object_is_refused(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path, tampering: str, said: str
+) -> None:
+    adapter = write_adapter(tmp_path / "a", os.urandom(300_000))  # three chunks
+    digest, _ = await push_adapter(nc, subjects, str(adapter))
+    js = nc.jetstream()
+    meta = json.loads(
+        (await js.get_last_msg(stream_of(subjects), meta_subject(subjects, digest))).data
+    )
+    chunks = f"$O.{subjects.adapter_store()}.C.{meta['nuid']}"
+    if tampering.startswith("meta"):
+        if "digest" in tampering:
+            other = hashlib.sha256(b"other").digest()
+            meta["digest"] = "SHA-256=" + base64.urlsafe_b64encode(other).decode()
+        elif "bytes" in tampering:
+            meta["size"] += 1
+        elif "chunks" in tampering:
+            meta["chunks"] += 1
+        else:
+            meta["nuid"] = ">"
+        rollup = {"Nats-Rollup": "sub"}
+        await js.publish(meta_subject(subjects, digest), json.dumps(meta).encode(), headers=rollup)
+    else:
+        await js.purge_stream(stream_of(subjects), subject=chunks)
+        if tampering == "other chunks":
+            left = meta["size"]
+            while left:
+                await js.publish(chunks, os.urandom(min(left, 128 * 1024)))
+                left -= min(left, 128 * 1024)
+
+    with pytest.raises(FetchFailed, match=f"{digest}.*{said}"):
+        await fetch_object(nc, subjects, digest, io.BytesIO(), timeout_s=10, max_bytes=1 << 30)
+
+
+class _StopsServerOnFirstWrite:
+    def __init__(self, server: NatsServer) -> None:
+        self.server = server
+
+    def write(self, data: bytes) -> int:
+        self.server.stop()
+        return len(data)
+
+
+async def test_a_server_gone_mid_transfer_fails_the_fetch(
+    subjects: Subjects, tmp_path: Path
+) -> None:
+    server = NatsServer()
+    try:
+        await server.start()
+    except NatsServerMissing as exc:
+        pytest.skip(str(exc))
+    try:
+        nc = await connect(server.url, name="test-server-gone")
+        await nc.jetstream().add_stream(store_config(subjects))
+        adapter = write_adapter(tmp_path / "a", os.urandom(8 * MB))
+        digest, _ = await push_adapter(nc, subjects, str(adapter))
+        into = cast(BinaryIO, _StopsServerOnFirstWrite(server))
+        with pytest.raises(FetchFailed, match=digest):
+            await fetch_object(nc, subjects, digest, into, timeout_s=3, max_bytes=1 << 30)
+        await close(nc)
+    finally:
+        server.stop()
+
+
+def _tar_with(path: Path, member: tarfile.TarInfo) -> str:
+    with tarfile.open(path, "w") as tar:
+        tar.addfile(member, io.BytesIO(b"x" * member.size))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("../x", tarfile.REGTYPE),
+        ("a/../../x", tarfile.REGTYPE),
+        ("/tmp/x", tarfile.REGTYPE),
+        ("link", tarfile.SYMTYPE),
+        ("hard", tarfile.LNKTYPE),
+        ("device", tarfile.CHRTYPE),
+        ("fifo", tarfile.FIFOTYPE),
+    ],
+)
+def test_unpack_refuses_what_could_escape_or_is_no_file(
+    tmp_path: Path, name: str, kind: bytes
+) -> None:
+    member = tarfile.TarInfo(name)
+    member.type = kind
+    member.size = 1 if kind == tarfile.REGTYPE else 0
+    member.linkname = "/etc/passwd" if kind in (tarfile.SYMTYPE, tarfile.LNKTYPE) else ""
+    into = tmp_path / "into"
+    into.mkdir()
+    with pytest.raises(ValueError, match="archive member"):
+        unpack(_tar_with(tmp_path / "bad.tar", member), str(into))
+    assert list(into.iterdir()) == []
+    assert not (tmp_path / "x").exists()
+
+
+def test_unpack_refuses_too_many_members_and_a_full_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapter = write_adapter(tmp_path / "a")
+    archive = tmp_path / "a.tar"
+    with archive.open("wb") as into:
+        pack(adapter, into)
+    monkeypatch.setattr(adapter_objects, "MAX_FILES", 2)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="more than 2 members"):
+        unpack(str(archive), str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="is not empty"):
+        unpack(str(archive), str(tmp_path / "a"))
+
+
+def test_a_bus_path_names_a_digest_and_nothing_else() -> None:
+    digest = "sha256:" + "ab" * 32
+    assert digest_of(bus_path(digest)) == digest
+    assert digest_of("/srv/adapters/step-1") is None
+    with pytest.raises(ValueError, match="not a valid bus path"):
+        digest_of("bus:sha256:XYZ")
+    with pytest.raises(ValueError, match="not a valid bus path"):
+        digest_of("bus:" + digest + "/../x")
+    with pytest.raises(ValueError, match="not an adapter digest"):
+        bus_path("md5:" + "ab" * 16)
