@@ -9,8 +9,12 @@ the digest's lock (``flock`` on ``.locks/<hex>.lock``) fetches, and the others
 wait for the lock and then find the entry there.
 
 Nothing is served unverified. An entry is hashed again on every use (a file
-changed on disk is found, removed and fetched again); a fetched adapter is
-hashed before it gets its name; and a half-written one never has it: the
+changed on disk is found, removed and fetched again), but once: the use
+right after this process hashed it (or fetched it), when no file of it
+changed since (same names, sizes, inodes and modification times: a few
+``stat`` calls instead of reading gigabytes), so the load inside an update's
+pause does not hash again what its prepare just hashed. A fetched adapter is
+hashed before it gets its name, and a half-written one never has it: the
 archive and the unpacked files live under ``.partial/`` until one
 ``rename``, after the files are on disk (fsync). :meth:`AdapterCache.prune`
 keeps the most recently used entries and those an engine still serves.
@@ -100,6 +104,9 @@ class AdapterCache:
         self.keep = keep
         self._locks = os.path.join(self.directory, ".locks")
         self._partial = os.path.join(self.directory, ".partial")
+        self._hashed: dict[str, _Fingerprint | None] = {}
+        """Entry -> what its files looked like when this process last hashed them,
+        until its next use."""
 
     def check_writable(self) -> None:
         """Create the cache's directories and write in each; OSError, naming the
@@ -147,7 +154,13 @@ class AdapterCache:
 
     async def _holds(self, entry: str, digest: str) -> bool:
         """Whether ``entry`` holds exactly ``digest``; one that does not is removed."""
+        # Once only: the load that follows a prepare; every later use hashes.
+        known = self._hashed.pop(entry, None)
+        if known is not None and await asyncio.to_thread(_fingerprint, entry) == known:
+            return True
         found = await asyncio.to_thread(_digest_at, entry)
+        if found == digest:
+            self._hashed[entry] = await asyncio.to_thread(_fingerprint, entry)
         if found is None or found == digest:
             return found is not None
         log.warning(
@@ -180,6 +193,7 @@ class AdapterCache:
                 )
             os.rename(unpacked, entry)
             _fsync_dir(self.directory)  # the new name, on disk
+            self._hashed[entry] = await asyncio.to_thread(_fingerprint, entry)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(archive)
@@ -187,6 +201,7 @@ class AdapterCache:
 
     def _discard(self, path: str) -> None:
         """Take ``path`` out of the cache at once (one rename), then delete it."""
+        self._hashed.pop(path, None)
         trash = tempfile.mkdtemp(prefix=os.path.basename(path) + ".", dir=self._partial)
         os.rename(path, os.path.join(trash, "old"))
         shutil.rmtree(trash, ignore_errors=True)
@@ -241,6 +256,34 @@ class AdapterCache:
                 finally:
                     if lock.held:
                         lock.release()
+
+
+_Fingerprint = tuple[tuple[str, int, int, int], ...]
+
+
+def _fingerprint(entry: str) -> _Fingerprint | None:
+    """Each file below ``entry`` as (path, size, inode, modification time); None
+    when it cannot be read (then it is hashed, and found out)."""
+    try:
+        return tuple(
+            sorted(
+                (
+                    os.path.relpath(os.path.join(folder, name), entry),
+                    s.st_size,
+                    s.st_ino,
+                    s.st_mtime_ns,
+                )
+                for folder, _, names in os.walk(entry, onerror=_raise)
+                for name in names
+                for s in (os.lstat(os.path.join(folder, name)),)
+            )
+        )
+    except OSError:
+        return None
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 def _digest_at(entry: str) -> str | None:

@@ -1,19 +1,23 @@
 """The fleet's object store of adapters, as the leader sees it: whether the
-object a request names is there, before anything of the update runs.
+object a request names is there, before anything of the update runs; and
+which objects to delete once no adapter keeps them.
 
 Only the orchestrator role writes it (``lorabus adapter push``) and agents
 read it (:mod:`lorabus.adapter_objects`); the leader looks, so that an
 update naming a digest nobody pushed is refused at once, with nothing
-paused and no member asked to fetch it.
+paused and no member asked to fetch it. Each adapter keeps the objects of
+its ``keep`` newest commits, as engines keep its loaded versions; the
+record of them (``stored`` in the state bucket) is the leader's alone.
 """
 
 from __future__ import annotations
 
 from nats.aio.client import Client as NatsClient
 
-from lorabus.adapter_objects import object_size
+from lorabus.adapter_objects import delete_object, digest_of, object_size
+from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BadRequest, BusError
-from lorabus.schemas import Subjects
+from lorabus.schemas import CommittedRecord, StoredAdaptersRecord, StoredVersion, Subjects
 
 _LOOK_TIMEOUT_S = 5.0
 
@@ -36,3 +40,33 @@ class AdapterStore:
                 f"adapter {digest} is not in the fleet's object store: push it first "
                 "(lorabus adapter push DIR)"
             )
+
+    async def delete(self, digest: str) -> bool:
+        """Delete the object of ``digest``; False when it was not there."""
+        return await delete_object(self._nc, self._subjects, digest)
+
+
+async def retire_stored(
+    term_store: FleetStore, objects: AdapterStore, committed: CommittedRecord, keep: int
+) -> list[str]:
+    """After a commit from the object store: record it as the newest version
+    of its adapter the store keeps, and delete the objects no adapter keeps
+    any more (the ``keep`` newest commits of each, the committed one always
+    among them); the digests deleted. A commit from a filesystem path
+    changes nothing."""
+    digest = digest_of(committed.path)
+    if digest is None:
+        return []
+    record = await term_store.read_stored()
+    kept_before = record.adapters.get(committed.adapter, [])
+    versions = [StoredVersion(version=committed.version, digest=digest)]
+    versions += [v for v in kept_before if v.digest != digest]
+    kept, dropped = versions[: max(keep, 1)], versions[max(keep, 1) :]
+    adapters = record.adapters | {committed.adapter: kept}
+    await term_store.write_stored(StoredAdaptersRecord(adapters=adapters))
+    still_kept = {v.digest for vs in adapters.values() for v in vs}
+    deleted = []
+    for gone in sorted({v.digest for v in dropped} - still_kept):
+        if await objects.delete(gone):
+            deleted.append(gone)
+    return deleted

@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from functools import partial
 
 from lorabus.clock import now
+from lorabus.coordinator.adapter_store import retire_stored
 from lorabus.coordinator.fit import fit_result
 from lorabus.coordinator.signals import LeadershipLost, SteppedAside, StoreUnavailable
 from lorabus.coordinator.store import quietly, until_stored
 from lorabus.coordinator.term import Term
+from lorabus.errors import BusError
 from lorabus.schemas import CommittedNotice, CommittedRecord, UpdateRequest, UpdateResult
 
 log = logging.getLogger(__name__)
@@ -87,10 +89,25 @@ async def conclude(term: Term, request: UpdateRequest, executed: Executed, start
         # The notice to N agents last: the answers do not queue behind it.
         await term.replies.sent(request.update_id)
         await announce(term, executed.notice)
+    if executed.committed is not None:
+        await _retire_stored(term, executed.committed)
     if not leading:
         # Deposed: step down now, not at the next lease renewal, so no later
         # request gets an answer from this term.
         raise LeadershipLost(f"epoch {term.epoch} was deposed during an update")
+
+
+async def _retire_stored(term: Term, committed: CommittedRecord) -> None:
+    """Delete the objects of the adapter store no adapter keeps any more: after
+    the announcement, and never at the cost of the commit (a failure leaves
+    them for the next commit of that adapter)."""
+    try:
+        deleted = await retire_stored(term.store, term.adapters, committed, term.config.keep)
+    except (StoreUnavailable, BusError) as exc:
+        log.warning("epoch=%d could not delete retired adapters: %s", term.epoch, exc)
+        return
+    if deleted:
+        log.info("epoch=%d deleted retired adapters from the store: %s", term.epoch, deleted)
 
 
 async def _store_commit(term: Term, committed: CommittedRecord, result: UpdateResult) -> None:

@@ -44,6 +44,7 @@ from lorabus.schemas import (
     LeaderRecord,
     Reader,
     ResetRecord,
+    StoredAdaptersRecord,
     Subjects,
     UpdateResult,
 )
@@ -66,6 +67,7 @@ LEADER = "leader"
 COMMITTED = "committed"
 INFLIGHT = "inflight"
 RESET = "reset"
+STORED = "stored"
 
 
 class CorruptRecord(StoreUnavailable):
@@ -170,6 +172,14 @@ class FleetStore:
             return True
         _, own = await self._read(self._state, f"{COMMITTED}.{adapter}", CommittedRecord)
         return latest < own
+
+    async def read_stored(self) -> StoredAdaptersRecord:
+        """The versions the adapter object store keeps (none recorded: empty)."""
+        record = (await self._read(self._state, STORED, StoredAdaptersRecord))[0]
+        return record or StoredAdaptersRecord()
+
+    async def write_stored(self, record: StoredAdaptersRecord) -> None:
+        await self._put(self._state, STORED, msgspec.json.encode(record))
 
     async def read_reset(self, adapter: str) -> ResetRecord | None:
         return (await self._read(self._state, f"{RESET}.{adapter}", ResetRecord))[0]

@@ -96,8 +96,9 @@ def permissions(
                     *kv_reads(subjects.results_bucket(), JS_API),
                     # A new leader checks the streams' settings (coordinator/streams.py).
                     f"{JS_API}.STREAM.INFO.{subjects.audit_stream()}",
-                    # Admission looks for the object an update names.
-                    *object_reads(subjects, JS_API),
+                    # Admission looks for the object an update names; the
+                    # leader deletes those no adapter keeps (coordinator/adapter_store.py).
+                    *object_deletes(subjects, JS_API),
                     f"$KV.{subjects.state_bucket()}.>",
                     f"$KV.{subjects.results_bucket()}.>",
                 ),
@@ -185,6 +186,19 @@ def object_writes(subjects: Subjects, api: str) -> tuple[str, ...]:
         *object_reads(subjects, api),
         f"{api}.STREAM.MSG.GET.OBJ_{bucket}",
         *object_subjects(subjects),
+    )
+
+
+def object_deletes(subjects: Subjects, api: str) -> tuple[str, ...]:
+    """What the leader needs to delete an object of the adapter store: the
+    reads, a meta record marking it deleted, and a purge of its chunks. Only
+    the coordinator, the fleet's most trusted part, may purge the store."""
+    bucket = subjects.adapter_store()
+    return (
+        *object_reads(subjects, api),
+        f"{api}.STREAM.MSG.GET.OBJ_{bucket}",
+        f"{api}.STREAM.PURGE.OBJ_{bucket}",
+        f"$O.{bucket}.M.>",
     )
 
 

@@ -71,6 +71,8 @@ from lorabus.schemas.records import (
     InflightRecord,
     LeaderRecord,
     ResetRecord,
+    StoredAdaptersRecord,
+    StoredVersion,
 )
 from lorabus.schemas.reports import Ack, Heartbeat, acks_in
 from lorabus.schemas.requests import (
@@ -150,6 +152,8 @@ __all__ = [
     "ResultRequest",
     "ResumeCommand",
     "StatusRequest",
+    "StoredAdaptersRecord",
+    "StoredVersion",
     "Subjects",
     "UnloadCommand",
     "UpdateFinished",

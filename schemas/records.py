@@ -46,6 +46,18 @@ class ResetRecord(msgspec.Struct, frozen=True, kw_only=True):
     ts: float
 
 
+class StoredVersion(msgspec.Struct, frozen=True, kw_only=True):
+    version: Version
+    digest: str
+
+
+class StoredAdaptersRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The versions the fleet's object store keeps for each adapter, newest
+    commit first: the leader deletes an object once no adapter keeps it."""
+
+    adapters: dict[str, list[StoredVersion]] = {}
+
+
 class InflightRecord(msgspec.Struct, frozen=True, kw_only=True):
     update_id: str
     epoch: Epoch

@@ -329,3 +329,35 @@ def test_a_read_only_cache_says_which_directory(tmp_path: Path, where: str) -> N
             AdapterCache(str(cache_dir)).check_writable()
     finally:
         locked.chmod(0o755)
+
+
+async def test_the_use_right_after_a_hash_trusts_unchanged_files_once(
+    store: Store, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepare hashes (or fetches) the entry and the load inside the pause
+    uses it: that use reads no file again when none changed; every later use
+    hashes again, and a change between the two is found."""
+    import lorabus.agents.adapter_cache as module
+
+    hashed: list[str] = []
+    real = module.adapter_digest
+
+    def counting(directory: str) -> str:
+        hashed.append(directory)
+        return real(directory)
+
+    monkeypatch.setattr(module, "adapter_digest", counting)
+    digest = store.add(b"weights")
+    cache = AdapterCache(str(cache_dir))
+    entry = await cache.get(digest, store.fetch, timeout_s=10)  # fetched: hashed once
+    after_fetch = len(hashed)
+    await cache.get(digest, store.fetch, timeout_s=10)  # right after: trusted
+    after_second = len(hashed)
+    await cache.get(digest, store.fetch, timeout_s=10)  # later: hashed again
+    after_third = len(hashed)
+    _change(Path(entry), "a file changed")
+    await cache.get(digest, store.fetch, timeout_s=10)  # right after a hash, but changed
+
+    assert (after_fetch, after_second - after_fetch, after_third - after_second) == (1, 0, 1)
+    assert store.fetches == [digest, digest], "the changed entry was served"
+    assert real(entry) == digest

@@ -5,6 +5,7 @@ nats-server, the real coordinator and agents, a simulated Dynamo fleet."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import Callable
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from lorabus.adapter_digest import adapter_digest
+from lorabus.adapter_objects import object_size
 from lorabus.bus import close, connect
+from lorabus.roles import Role
 from lorabus.schemas import (
     ErrorCode,
     PauseCommand,
@@ -217,3 +220,43 @@ async def test_a_request_names_one_source(
                 await stack.client.update(
                     "policy", make_adapter(1), source=make_adapter(2), version=1
                 )
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["open", "with roles"])
+async def test_the_leader_deletes_the_objects_no_adapter_keeps(
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+    fleet_name: str,
+    secure: bool,
+) -> None:
+    """Each adapter keeps the objects of its ``keep`` newest commits, as its
+    engines keep its versions; an object another adapter still keeps stays.
+    With roles, the coordinator's own permissions suffice."""
+    subjects = Subjects(fleet=fleet_name)
+    started = (
+        EmbeddedStack([1], fleet=fleet_name, secure=True, heartbeat_s=0.2, keep=2)
+        if secure
+        else make_stack([1], keep=2)
+    )
+    async with started as stack:
+        assert stack.client is not None
+        digests = [await stack.client.push_adapter(make_adapter(step)) for step in (1, 2, 3, 4)]
+        shared = await stack.client.update("other", digest=digests[0], version=1)
+        results = [
+            await stack.client.update("policy", digest=digest, version=version)
+            for version, digest in enumerate(digests, start=1)
+        ]
+        nc = await stack.bus_as(Role.ORCHESTRATOR).connect("test-store-reader")
+        try:
+            # The leader deletes after its answer and its notice.
+            async with asyncio.timeout(30):
+                while await object_size(nc, subjects, digests[1]) is not None:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            sizes = [await object_size(nc, subjects, digest) for digest in digests]
+        finally:
+            await close(nc)
+
+    assert shared.committed and all(r.committed for r in results), results
+    stored = [size is not None for size in sizes]
+    # policy keeps v3 and v4; v1's object is "other"'s committed one.
+    assert stored == [True, False, True, True], stored

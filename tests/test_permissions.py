@@ -34,7 +34,7 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
     erase = [f"$JS.API.STREAM.DELETE.{audit}", f"$JS.API.STREAM.PURGE.{audit}"]
     kv_write = [f"$KV.{state}.leader", f"$KV.{state}.committed"]
     commands = [s.cmd(), s.cmd_worker("w000"), s.cmd_worker("w001")]
-    # Only the orchestrator pushes adapters; nobody purges or deletes them.
+    # Only the orchestrator pushes adapters; only the leader deletes them.
     store = s.adapter_store()
     object_writes = [f"$O.{store}.C.forged", f"$O.{store}.M.forged"]
     object_erase = [f"$JS.API.STREAM.PURGE.OBJ_{store}", f"$JS.API.STREAM.DELETE.OBJ_{store}"]
@@ -66,8 +66,9 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
                 s.reset_request(),
                 f"$JS.API.STREAM.UPDATE.{audit}",
                 *erase,
-                *object_writes,
-                *object_erase,
+                # It deletes objects no adapter keeps, but writes none.
+                f"$O.{store}.C.forged",
+                f"$JS.API.STREAM.DELETE.OBJ_{store}",
             ],
             "subscription": [s.cmd(), *others],
         }
