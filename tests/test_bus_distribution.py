@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import shutil
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -260,3 +261,27 @@ async def test_the_leader_deletes_the_objects_no_adapter_keeps(
     stored = [size is not None for size in sizes]
     # policy keeps v3 and v4; v1's object is "other"'s committed one.
     assert stored == [True, False, True, True], stored
+
+
+async def test_an_engine_that_lost_the_committed_adapter_gets_it_from_the_store_again(
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+    tmp_path: Path,
+) -> None:
+    """Its engine restarted and its node's cache is gone (a new node): the
+    agent fetches the committed adapter from the store and reloads it, with
+    no directory anywhere but in the store."""
+    nodes = tmp_path / "nodes"
+    async with make_stack([1, 1], cache_root=str(nodes)) as stack:
+        assert stack.client is not None and stack.sim is not None
+        source = make_adapter(1)
+        result = await stack.client.update("policy", source=source, version=1)
+        shutil.rmtree(source)
+        shutil.rmtree(nodes / "w001")
+        worker = stack.sim.workers["w001"]
+        worker.remove_adapter("policy-v1")  # as an engine restart would
+        await asyncio.wait_for(worker.wait_until(lambda: "policy-v1" in worker.adapters), 30)
+
+    assert result.committed, result.error
+    assert result.digest is not None
+    assert adapter_digest(nodes / "w001" / result.digest.removeprefix("sha256:")) == result.digest

@@ -184,3 +184,84 @@ async def test_nats_url_can_come_from_the_environment(stack: EmbeddedStack) -> N
 
     assert done.returncode == 0, done
     assert _one_json_object(done.stdout)["fleet"] == stack.fleet_name
+
+
+async def test_adapter_push_prints_the_digest_and_update_by_digest_commits(
+    stack: EmbeddedStack, make_adapter: Callable[[int], str]
+) -> None:
+    """The trainer side with no filesystem shared with the workers: push, then
+    an update that names what was pushed; and the same with --source."""
+    from lorabus.adapter_digest import adapter_digest
+
+    source = make_adapter(1)
+    bus = ["--nats", stack.nats_url, "--fleet", stack.fleet_name]
+    pushed = await run_lorabus("adapter", "push", *bus, source)
+    digest = pushed.stdout.strip()
+    by_digest = await run_lorabus(
+        "update", *bus, "--adapter", "policy", "--digest", digest, "--version", "1", "--json"
+    )
+    by_source = await run_lorabus(
+        "update", *bus, "--adapter", "policy", "--source", make_adapter(2), "--json"
+    )
+
+    assert pushed.returncode == 0, pushed
+    assert digest == adapter_digest(source)
+    assert by_digest.returncode == 0, by_digest
+    assert _one_json_object(by_digest.stdout)["path"] == f"bus:{digest}"
+    assert by_source.returncode == 0, by_source
+    assert _one_json_object(by_source.stdout)["version"] == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ([], "--source DIR"),
+        (["--path", "/ckpt/step_1", "--source", "."], "not both"),
+    ],
+    ids=["no source", "path and source"],
+)
+async def test_update_names_exactly_one_source(
+    nats_url: str, fleet_name: str, extra: list[str], said: str
+) -> None:
+    done = await run_lorabus(
+        "update", "--nats", nats_url, "--fleet", fleet_name, "--adapter", "policy", *extra
+    )
+
+    assert done.returncode == 2, done
+    assert said in done.stderr
+
+
+async def test_adapter_push_of_a_directory_that_is_no_adapter_exits_1(
+    stack: EmbeddedStack, tmp_path: Path
+) -> None:
+    done = await run_lorabus(
+        "adapter", "push", "--nats", stack.nats_url, "--fleet", stack.fleet_name, str(tmp_path)
+    )
+
+    assert done.returncode == 1, done
+    assert "adapter_config.json" in done.stderr, done.stderr
+
+
+async def test_an_agent_whose_cache_cannot_be_written_says_so_and_exits(
+    nats_url: str, fleet_name: str, tmp_path: Path
+) -> None:
+    """Checked at start, not at its first update: a file where the cache
+    should be (root, as these tests may run, writes anywhere else)."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    done = await run_lorabus(
+        "agent",
+        "--nats",
+        nats_url,
+        "--fleet",
+        fleet_name,
+        "--worker-id",
+        "w000",
+        "--system-url",
+        "http://127.0.0.1:9",
+        "--cache-dir",
+        str(blocked / "cache"),
+    )
+
+    assert done.returncode == 1, done
+    assert "--cache-dir" in done.stderr and str(blocked) in done.stderr, done.stderr
