@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import shutil
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
