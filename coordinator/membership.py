@@ -7,12 +7,15 @@ lifetime. ``wait_quorum`` blocks until live agents' world sizes sum to the
 expected world size and returns that membership as a snapshot.
 
 One worker id, one agent: each agent process beats with a random instance id.
-A heartbeat from another instance while the holder is live does not replace
+A heartbeat from another instance while the holder beats does not replace
 it; the newcomer is held as a contender. If the holder beats again after
 that (so it is not a restart of a dead holder), the contender is refused:
 :meth:`Membership.observe` returns the :class:`Conflict`, which the bus
-reports and, when leading, tells the newcomer so it exits. Once the holder
-falls silent, the contender's next beat takes its place.
+reports and, when leading, tells the newcomer so it exits. A holder that
+missed a beat is taken for dead once another instance beats (a restarted
+agent takes its place at once, not three beats later), and a phase that
+finds a holder gone gives its place to a contender still beating and sends
+that one the command, instead of giving the worker up.
 
 The metrics collector reads the table from its HTTP thread: every read
 starts from a copy of the table (one C-level call, so it cannot see the
@@ -99,6 +102,7 @@ class Membership:
             known is not None
             and known.heartbeat.instance != heartbeat.instance
             and _alive(known, at)
+            and not _missed_a_beat(known, at)
         ):
             return self._contend(known, heartbeat, at)
         if known is None or (
@@ -225,12 +229,30 @@ class Membership:
             # A later beat only moves this later: it stays a lower bound.
             expires = _expires_at(member)
             if at >= expires:
-                gone.append(worker_id)
+                if self._successor_takes_over(worker_id, at):
+                    rejoined.append(worker_id)  # to be sent the command again
+                else:
+                    gone.append(worker_id)
                 continue
             quiet_until = min(quiet_until, expires)
             if member.joined_at > sent_at.get(worker_id, 0.0):
                 rejoined.append(worker_id)
         return Triage(gone, rejoined, quiet_until)
+
+    def _successor_takes_over(self, worker_id: str, at: float) -> bool:
+        """A silent holder's place goes to the instance that beats in its stead
+        (a restarted agent) at once, not at that instance's next beat: a phase
+        that would give the worker up sends it the command instead."""
+        contender = self._contenders.get(worker_id)
+        if contender is None or contender.refused or not _contending(contender, at):
+            return False
+        del self._contenders[worker_id]
+        self._members[worker_id] = Member(
+            heartbeat=contender.heartbeat, seen_at=contender.last_seen, joined_at=at
+        )
+        self.generation += 1
+        self._changed.set()
+        return True
 
     def still_quiet(self, generation: int, quiet_until: float) -> bool:
         """Whether a :class:`Triage` taken at ``generation`` still holds."""
@@ -320,6 +342,11 @@ def _expires_at(member: Member) -> float:
 
 def _alive(member: Member, at: float) -> bool:
     return at < _expires_at(member)
+
+
+def _missed_a_beat(member: Member, at: float) -> bool:
+    """Silent for longer than an agent ever is between beats while it runs."""
+    return at - member.seen_at > _REJOIN_AFTER_BEATS * member.heartbeat.interval_s
 
 
 def _contending(contender: Contender, at: float) -> bool:

@@ -134,6 +134,7 @@ class InMemoryFleet:
         """(subject, command) of every command sent, in order."""
         self.acks: list[Ack] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._agent_tasks: dict[str, asyncio.Task[None]] = {}
 
     async def __aenter__(self) -> InMemoryFleet:
         tap = self.server.connect("tap")
@@ -163,9 +164,18 @@ class InMemoryFleet:
             heartbeat_s=HEARTBEAT_S,
         )
         ready = asyncio.Event()
-        self._start(agent.run(conn, ready))  # type: ignore[arg-type]
+        self._agent_tasks[worker_id] = self._start(agent.run(conn, ready))  # type: ignore[arg-type]
         await asyncio.wait_for(ready.wait(), timeout=30)
         return agent
+
+    async def kill_agent(self, worker_id: str) -> None:
+        """As SIGKILL would: the process stops at once, with no word to the bus
+        and no call to its engine (which stays as it is, paused or not)."""
+        self.connections[worker_id].cut()
+        self.agents[worker_id].executor.driver = _DeadProcess()
+        task = self._agent_tasks.pop(worker_id)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     async def start_coordinator(self, holder: str, **settings: Any) -> Coordinator:
         """Start another coordinator of this fleet (a standby while the first
@@ -182,8 +192,10 @@ class InMemoryFleet:
         self._start(coordinator.run(conn, ready))  # type: ignore[arg-type]
         await asyncio.wait_for(ready.wait(), timeout=30)
 
-    def _start(self, coro: Any) -> None:
-        self._tasks.append(asyncio.ensure_future(coro))
+    def _start(self, coro: Any) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.append(task)
+        return task
 
     async def _on_command(self, msg: Any) -> None:
         self.commands.append((msg.subject, command_decoder.decode(msg.data)))
@@ -232,6 +244,18 @@ class InMemoryFleet:
             return ack_decoder.decode(data).phase is phase
 
         self.server.drop(rule, times=times)
+
+
+class _DeadProcess:
+    """The engine as a killed agent reaches it: not at all."""
+
+    kind = "memory"
+
+    def __getattr__(self, name: str) -> Any:
+        async def unreachable(*args: Any, **kwargs: Any) -> None:
+            raise asyncio.CancelledError  # the process is gone mid-call
+
+        return unreachable
 
 
 def _phase(command: Command) -> Phase | None:

@@ -210,6 +210,38 @@ def test_a_restarted_agent_takes_the_place_of_a_holder_that_stopped_beating() ->
     assert membership.conflicts() == []
 
 
+def test_a_holder_that_missed_a_beat_gives_its_place_to_a_new_instance_at_once() -> None:
+    """A restarted agent's first beat, once the holder is silent past a missed
+    beat (an agent skips at most one), takes the place: not three beats on."""
+    clock = _Clock()
+    membership = Membership(clock)
+    membership.observe(_instance_beat("killed"))
+    clock.now += 2.6 * BEAT_S
+    assert membership.observe(_instance_beat("restarted", world_size=2)) is None
+    assert membership.instance_of("w0") == "restarted"
+    assert membership.live_world_sizes() == {"w0": 2}
+
+
+def test_a_phase_that_finds_the_holder_gone_gives_its_place_to_the_beating_successor() -> None:
+    """The successor beat while the holder could still have been alive; the
+    holder then expired between two of its beats. A phase waiting on the
+    worker sends it the command again, to the successor, instead of giving
+    the worker up; with no successor the worker is gone."""
+    clock = _Clock()
+    membership = Membership(clock)
+    membership.observe(_instance_beat("killed"))
+    membership.observe(_beat("w1"))
+    clock.now += 1.5 * BEAT_S
+    membership.observe(_instance_beat("restarted"))
+    assert membership.instance_of("w0") == "killed"
+    clock.now += 1.6 * BEAT_S  # the holder expired; the successor beat 1.6 beats ago
+
+    gone, rejoined, _ = membership.triage(["w0", "w1"], {"w0": 0.0, "w1": 0.0})
+
+    assert (gone, rejoined) == (["w1"], ["w0"])
+    assert membership.instance_of("w0") == "restarted"
+
+
 def test_a_member_rejoins_when_first_heard_after_a_missed_beat_or_as_a_new_instance() -> None:
     """What the coordinator re-sends on at once: a command sent before an
     agent (re)joined may never have reached it."""
