@@ -51,7 +51,7 @@ from lorabus.agents.convergence import Convergence
 from lorabus.agents.engine import EngineDriver
 from lorabus.agents.executor import CommandExecutor
 from lorabus.agents.fencing import Fencing
-from lorabus.agents.heartbeats import Heartbeats
+from lorabus.agents.heartbeats import LATE_PAUSE, Heartbeats
 from lorabus.agents.lease import LeaseState, PauseLease
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
@@ -302,6 +302,12 @@ class Agent:
             command = work.command
             if work.internal == "lease" and self.lease.state is LeaseState.HELD:
                 continue  # a newer pause re-armed the lease meanwhile: it holds the engine
+            if work.internal == LATE_PAUSE and (
+                self.executor.paused
+                or not self.executor.maybe_paused
+                or self._pause_received_at > work.received
+            ):
+                continue  # a pause of an update holds the engine now, or none can land
             if work.internal == "retire" and (
                 self.executor.paused or self._pause_received_at > work.received
             ):

@@ -142,7 +142,7 @@ class CommandExecutor:
             ok=error is None,
             world_size=self.world_size,
             adapters=list(self.adapters),
-            paused=self.paused,
+            paused=self.paused or self.maybe_paused,
             error=error,
             duration_s=now() - started,
             epoch=command.epoch,
@@ -170,7 +170,7 @@ class CommandExecutor:
             ok=False,
             world_size=self.world_size,
             adapters=list(self.adapters),
-            paused=self.paused,
+            paused=self.paused or self.maybe_paused,
             error=error,
             epoch=command.epoch,
         )

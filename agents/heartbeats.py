@@ -23,7 +23,11 @@ from lorabus.agents.executor import CommandExecutor
 from lorabus.agents.fencing import Fencing
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
-from lorabus.schemas import Heartbeat
+from lorabus.schemas import Heartbeat, ResumeCommand
+
+LATE_PAUSE = "late_pause"
+"""The internal work that undoes a pause that may have landed after its resume."""
+_LATE_PAUSE_RESUME_BUDGET_S = 30.0
 
 _STATE_READ_EVERY_S = 60.0
 """Reconnects trigger a read at once; this only bounds how long a committed
@@ -86,6 +90,22 @@ class Heartbeats:
             if self._convergence.stale or now() >= next_state_read:
                 await self._convergence.read_fleet_state()
                 next_state_read = now() + _STATE_READ_EVERY_S
+            ex = self._executor
+            if self._queue.empty() and ex.maybe_paused and not ex.paused:
+                # A pause whose answer never came may land after the resume:
+                # resume again (a resume is idempotent) every beat until the
+                # lease that pause armed runs out, so a late pause holds the
+                # engine for a beat, not for the lease.
+                self._queue.put_internal(
+                    ResumeCommand(
+                        update_id=LATE_PAUSE,
+                        targets=[ex.worker_id],
+                        budget_s=_LATE_PAUSE_RESUME_BUDGET_S,
+                        epoch=self._fencing.epoch_seen,
+                    ),
+                    LATE_PAUSE,
+                )
+                continue
             quiet_s = now() - self._executor.last_contact
             if self._queue.empty() and not self._executor.paused and quiet_s >= self._interval_s:
                 # An engine restart loses adapters: noticing it is what lets
@@ -114,7 +134,9 @@ class Heartbeats:
             world_size=ex.world_size,
             engine=ex.driver.kind,
             adapters=list(ex.adapters),
-            paused=ex.paused,
+            # Until a pause that may land late cannot any more, the engine may
+            # be paused whatever the agent last did.
+            paused=ex.paused or ex.maybe_paused,
             interval_s=self._interval_s,
             ready=self._convergence.settled,
             epoch_seen=self._fencing.epoch_seen,

@@ -29,6 +29,7 @@ from lorabus.testbed.chaos.invariants import (
     check_rank_maps,
     check_recovery,
     check_terminal_results,
+    check_unnoticed_pauses,
 )
 from lorabus.testbed.chaos.timeline import (
     AGENT_DOWN,
@@ -508,3 +509,31 @@ def test_a_hung_frozen_leader_request_is_a_violation() -> None:
     [violation] = check_one_call_requests(t)
 
     assert "hung" in violation.detail
+
+
+# -- 9. unnoticed pauses -----------------------------------------------------------
+
+
+def test_an_engine_paused_while_its_agent_reports_it_running_is_a_violation() -> None:
+    """The pause landed after its agent gave up on it: the agent beats
+    'running' for seconds while the engine is paused."""
+    t = clean()
+    t.engine_paused("a", True, 5.0)
+    for at in (5.5, 6.0, 6.5, 7.0, 7.5):
+        t.heartbeat("a", False, at)
+    t.engine_paused("a", False, 8.0)
+
+    [violation] = check_unnoticed_pauses(t)
+
+    assert (violation.invariant, violation.subject) == ("unnoticed_pause", "a")
+    assert "its agent reported it running from t+6.00s to t+7.50s" in violation.detail
+
+
+def test_an_agent_that_reports_its_engine_maybe_paused_is_no_violation() -> None:
+    t = clean()
+    t.engine_paused("a", True, 5.0)
+    for at in (5.5, 6.0, 6.5, 7.0, 7.5):
+        t.heartbeat("a", True, at)
+    t.engine_paused("a", False, 8.0)
+
+    assert check_unnoticed_pauses(t) == []

@@ -40,6 +40,10 @@ and returns the violations it found, each with the details a bug report needs.
    ``timeout`` / ``no_coordinator``; the call neither raised nor hung. Such a
    request is judged here and not by ``terminal_result``'s retries (its other
    rules, and every other invariant, apply to it as to any update).
+9. ``unnoticed_pause``: no engine is paused while its agent reports it running
+   for more than ``UNNOTICED_PAUSE_S``: an agent whose pause call got no
+   answer reports the engine as maybe paused, and undoes a pause that lands
+   late, until the pause's lease has run out.
 """
 
 from __future__ import annotations
@@ -71,7 +75,9 @@ INVARIANTS = (
     "recovery",
     "crash",
     "frozen_leader_request",
+    "unnoticed_pause",
 )
+UNNOTICED_PAUSE_S = 1.0
 
 
 class Violation(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,6 +116,14 @@ def check_all(timeline: Timeline, bounds: Bounds) -> list[Violation]:
         *check_recovery(timeline),
         *check_crashes(timeline),
         *check_one_call_requests(timeline),
+        *check_unnoticed_pauses(timeline),
+    ]
+
+
+def check_unnoticed_pauses(timeline: Timeline) -> list[Violation]:
+    return [
+        Violation(invariant="unnoticed_pause", subject=worker_id, detail=detail)
+        for worker_id, detail in timeline.unnoticed_pauses(UNNOTICED_PAUSE_S)
     ]
 
 

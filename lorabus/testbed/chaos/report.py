@@ -121,7 +121,7 @@ def build_report(
         violations_by_invariant=count_by_invariant(violations),
         violations=violations,
         observed=_observed(timeline),
-        notes=[f"pause unnoticed by its agent: {n}" for n in timeline.unnoticed_pauses()],
+        notes=[],
         run_dir=run_dir,
     )
 

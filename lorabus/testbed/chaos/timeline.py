@@ -225,10 +225,11 @@ class Timeline:
     def heartbeat(self, worker_id: str, paused: bool, at: float) -> None:
         self.reported_paused.setdefault(worker_id, []).append((at, paused))
 
-    def unnoticed_pauses(self, min_s: float = 1.0) -> list[str]:
+    def unnoticed_pauses(self, min_s: float = 1.0) -> list[tuple[str, str]]:
         """Stretches where an engine was paused while its agent kept reporting it
-        running for over ``min_s``: the agent lost track of its engine's pause
-        (not an invariant by itself, but what leaves an engine paused)."""
+        running for over ``min_s``, as (worker id, what happened): the agent
+        lost track of its engine's pause (a pause that landed after its agent
+        gave up on it), which is what leaves an engine paused unowned."""
         found = []
         for worker_id, spans in sorted(self.pauses.items()):
             beats = self.reported_paused.get(worker_id, [])
@@ -238,9 +239,12 @@ class Timeline:
                 unaware = [at for at, paused in beats if start <= at < end and not paused]
                 if unaware and unaware[-1] - unaware[0] >= min_s:
                     found.append(
-                        f"{worker_id}: engine paused from {self.at(span.start)} to "
-                        f"{self.at(end)}; its agent reported it running from "
-                        f"{self.at(unaware[0])} to {self.at(unaware[-1])}"
+                        (
+                            worker_id,
+                            f"engine paused from {self.at(span.start)} to "
+                            f"{self.at(end)}; its agent reported it running from "
+                            f"{self.at(unaware[0])} to {self.at(unaware[-1])}",
+                        )
                     )
         return found
 
