@@ -5,7 +5,7 @@ epoch: every command it sends carries that epoch, and what it remembers of
 the agents (which took a pause of this term, ``phases.py``) holds for that
 term alone. Each update is an :class:`~lorabus.coordinator.update_run.UpdateRun`
 of its own, which returns one
-:class:`~lorabus.coordinator.update_run.RunOutcome`: quorum -> pause
+:class:`~lorabus.coordinator.outcomes.RunOutcome`: quorum -> pause
 (carrying the load) -> verify -> resume, or, in live mode, load -> verify.
 A new leader's runner also finishes what a dead predecessor left in flight
 (:meth:`UpdateRunner.roll_back`).
@@ -23,10 +23,11 @@ from lorabus.clock import now
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
+from lorabus.coordinator.outcomes import RunOutcome
 from lorabus.coordinator.phases import LIVENESS_TICK_S, Commands, first_resend_gap
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import CommandBus, Frontend, Journal
-from lorabus.coordinator.update_run import RunOutcome, UpdateRun
+from lorabus.coordinator.update_run import UpdateRun
 from lorabus.schemas import (
     ErrorCode,
     ErrorInfo,

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from lorabus.adapter_objects import digest_of
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
 from lorabus.coordinator.config import CoordinatorConfig
@@ -234,6 +235,16 @@ class Commands:
             if ack.ok:  # a failed one is named again: it may not have taken it
                 took[worker_id] = ack.instance
         return pause
+
+    async def prepare(self, update_id: str, targets: list[str], path: str) -> PhaseOutcome:
+        """Every target fetches the adapter at ``path`` (``bus:<digest>``) into
+        its node's cache: one broadcast opening the update's cohort, by name
+        again to stragglers, under ``--prepare-timeout``."""
+        command = self.cohort(
+            PrepareCommand, update_id, targets, targets, path=path, digest=digest_of(path)
+        )
+        budget = msgspec.structs.replace(command, budget_s=self.config.prepare_timeout_s)
+        return await self.phase(budget, targets)
 
     async def phase(
         self,

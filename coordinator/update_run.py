@@ -27,15 +27,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import msgspec
 
 from lorabus.adapter_objects import digest_of
 from lorabus.clock import now
-from lorabus.coordinator.digests import agreed_digest, digest_problem
+from lorabus.coordinator.digests import digest_problem
 from lorabus.coordinator.gather import PhaseGather
 from lorabus.coordinator.inflight import InflightJournal
+from lorabus.coordinator.outcomes import Carried, Loaded, RunOutcome, Window, run_result
 from lorabus.coordinator.phases import Commands, Gathering, PhaseOutcome, first_resend_gap
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import Frontend, Journal
@@ -50,62 +50,16 @@ from lorabus.schemas import (
     LoadSpec,
     Phase,
     PhasedCommand,
-    PrepareCommand,
     RankMap,
     ResumeCommand,
     UnloadCommand,
     UpdateResult,
     UpdateStarted,
     UpdateStatus,
-    WorkerOutcome,
     build_rank_map,
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunOutcome:
-    """How an update's run ended."""
-
-    result: UpdateResult
-    journalled: bool
-    """An in-flight record was sent for it (its writes have ended, stored or
-    failed and logged): the caller may clear it."""
-
-
-@dataclass(frozen=True)
-class _Loaded:
-    outcome: PhaseOutcome
-    listed: bool
-    """The frontend listed the new name by the load's end."""
-
-
-@dataclass(frozen=True)
-class _Carried:
-    """The pause that carried the load, and that load."""
-
-    error: ErrorInfo | None
-    """Why the pause failed the update (its loads not waited for), or None."""
-    paused: list[str]
-    """The members whose pause held."""
-    errors: dict[str, ErrorInfo]
-    """The members left out, and why."""
-    loaded: _Loaded
-    """The loads among the paused (when the pause failed: what was known of them)."""
-
-
-@dataclass(frozen=True)
-class _Window:
-    """What happened inside the pause."""
-
-    error: ErrorInfo | None
-    """Why the update failed, or None: it commits if every member resumes."""
-    errors: dict[str, ErrorInfo]
-    """The members left out or failed, and why."""
-    load: PhaseOutcome | None
-    serving: list[str]
-    """The members that serve the new version."""
 
 
 class UpdateRun:
@@ -180,17 +134,8 @@ class UpdateRun:
         """Every member fetches the adapter into its node's cache, before any
         engine is paused; the failed result, or None to go on (without those
         that failed, where the quorum allows)."""
-        plan = self.plan
-        command = self.commands.cohort(
-            PrepareCommand,
-            plan.update_id,
-            self._targets,
-            self._targets,
-            path=plan.path,
-            digest=digest_of(plan.path),
-        )
-        command = msgspec.structs.replace(command, budget_s=self.config.prepare_timeout_s)
-        prepared = await self._phase(command, self._targets)
+        prepared = await self.commands.prepare(self.plan.update_id, self._targets, self.plan.path)
+        self.durations[prepared.phase] = prepared.duration_s
         going_on = self.quorum.going_on(prepared, self._targets, self.members)
         if going_on is None:
             return self._failed(prepared.summary(), prepared.worker_errors(), None)
@@ -259,7 +204,7 @@ class UpdateRun:
         # No error of its own: too few members loaded it.
         return self._failed(error or load.summary(), load.worker_errors(), load)
 
-    async def _pause_load_verify(self, targets: list[str]) -> _Window:
+    async def _pause_load_verify(self, targets: list[str]) -> Window:
         """The phases inside the pause."""
         plan = self.plan
         load_command = self.commands.cohort(
@@ -277,7 +222,7 @@ class UpdateRun:
             pause = await self._pause(targets)
             paused = self.quorum.going_on(pause, targets, self.members)
             if paused is None:
-                return _Window(pause.summary(), pause.worker_errors(), None, [])
+                return Window(pause.summary(), pause.worker_errors(), None, [])
             left_out = pause.worker_errors()
             kept = set(paused)
             excluded = [w for w in targets if w not in kept]
@@ -287,21 +232,21 @@ class UpdateRun:
         else:
             carried = await self._pause_carrying(targets, load_command)
             if carried.error is not None:
-                return _Window(carried.error, carried.errors, carried.loaded.outcome, [])
+                return Window(carried.error, carried.errors, carried.loaded.outcome, [])
             paused, left_out, loaded = carried.paused, carried.errors, carried.loaded
         load = loaded.outcome
         mismatch = digest_problem(plan.digest, load.acks)
         if mismatch is not None:
             # Whatever the quorum allows: replicas serving other bytes under one
             # name is the failure this check exists for, not a member to drop.
-            return _Window(mismatch, left_out | load.worker_errors(), load, [])
+            return Window(mismatch, left_out | load.worker_errors(), load, [])
         serving = self.quorum.going_on(load, paused, self.members)
         if serving is None:
-            return _Window(load.summary(), left_out | load.worker_errors(), load, [])
+            return Window(load.summary(), left_out | load.worker_errors(), load, [])
         left_out = left_out | load.worker_errors()
-        return _Window(await self._verify(load, serving, loaded.listed), left_out, load, serving)
+        return Window(await self._verify(load, serving, loaded.listed), left_out, load, serving)
 
-    async def _pause_carrying(self, targets: list[str], load_command: LoadCommand) -> _Carried:
+    async def _pause_carrying(self, targets: list[str], load_command: LoadCommand) -> Carried:
         """The pause carrying the load, both gathered at once. When the pause
         fails the update, the loads are not waited for: the engines resume at
         once, and the version is withdrawn wherever it may have loaded."""
@@ -359,7 +304,7 @@ class UpdateRun:
                     duration_s=0.0,
                     timeout_s=load_command.budget_s,
                 )
-                return _Carried(pause.summary(), [], pause.worker_errors(), _Loaded(known, False))
+                return Carried(pause.summary(), [], pause.worker_errors(), Loaded(known, False))
             kept = set(paused)
             load_gather.drop(w for w in targets if w not in kept)
             # A pause that landed after all (its ack late or lost) runs the load
@@ -371,8 +316,8 @@ class UpdateRun:
             acks.close(pause_gather)
             acks.close(load_gather)
             await asyncio.gather(loading, return_exceptions=True)
-        among = _Loaded(loaded.outcome.among(paused), loaded.listed)
-        return _Carried(None, paused, pause.worker_errors(), among)
+        among = Loaded(loaded.outcome.among(paused), loaded.listed)
+        return Carried(None, paused, pause.worker_errors(), among)
 
     async def _pause(
         self,
@@ -394,7 +339,7 @@ class UpdateRun:
         expected: list[str],
         first_loaded: asyncio.Event | None = None,
         gathering: Gathering | None = None,
-    ) -> _Loaded:
+    ) -> Loaded:
         """The load phase, and whether the frontend listed the new name by its
         end. ``/v1/models`` is a union over workers, so the listing may be
         looked for from the first successful load on, while the other loads
@@ -415,7 +360,7 @@ class UpdateRun:
             )
             looking.cancel()
             await asyncio.gather(looking, return_exceptions=True)
-        return _Loaded(load, listed)
+        return Loaded(load, listed)
 
     async def _listed_once(self, loaded: asyncio.Event, model: str) -> bool:
         await loaded.wait()
@@ -507,31 +452,13 @@ class UpdateRun:
         error: ErrorInfo | None = None,
         rank_map: RankMap | None = None,
     ) -> UpdateResult:
-        plan = self.plan
-        acks = load.acks if load is not None else {}
-        errors = self._left_out | errors
-        workers = {
-            wid: WorkerOutcome(
-                ok=wid not in errors,
-                world_size=size,
-                error=errors.get(wid),
-                adapters=acks[wid].adapters if wid in acks else [],
-            )
-            for wid, size in sorted(self.members.items())
-        }
-        return UpdateResult(
-            update_id=plan.update_id,
-            status=status,
-            adapter=plan.served_name,
-            version=plan.version,
-            rank_map=rank_map,
-            phases={str(k): round(v, 6) for k, v in self.durations.items()},
-            workers=workers,
+        return run_result(
+            self.plan,
+            self.members,
+            self.durations,
+            status,
+            errors=self._left_out | errors,
+            acks=load.acks if load is not None else {},
             error=error,
-            path=plan.path,
-            digest=(
-                agreed_digest(plan.digest, acks, [e.worker_id for e in rank_map.entries])
-                if rank_map is not None
-                else ""
-            ),
+            rank_map=rank_map,
         )
