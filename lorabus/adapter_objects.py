@@ -20,8 +20,10 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import re
+import shutil
 import tarfile
 import tempfile
 import time
@@ -59,7 +61,12 @@ BUS_SCHEME = "bus:"
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NUID = re.compile(r"^[A-Za-z0-9]{1,64}$")
 _WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+log = logging.getLogger(__name__)
+
 _READ_DEADLINE_S = 5.0
+_BATCH_TRIES = 4
+_BATCH_RETRY_GAP_S = 0.5
+"""Before asking again, times the try: a node's death takes a reconnect."""
 """How long one read of the store (a meta, the next chunk of a batch) may take."""
 _BATCH_BYTES = 1 << 20
 """How many bytes of chunks one batch of direct gets asks for. A 128 MB object
@@ -142,6 +149,9 @@ def pack(directory: str | os.PathLike[str], into: BinaryIO) -> None:
                 tar.addfile(info, handle)
 
 
+_COPY_CHUNK = 1 << 20
+
+
 def unpack(archive: str, into: str) -> None:
     """Extract a tar made by :func:`pack` into the empty directory ``into``.
     ValueError for anything but regular files and directories inside ``into``."""
@@ -158,9 +168,28 @@ def unpack(archive: str, into: str) -> None:
                     raise ValueError(f"archive member {member.name!r} is not a regular file")
                 if name.is_absolute() or ".." in name.parts:
                     raise ValueError(f"archive member {member.name!r} points outside")
-                tar.extract(member, into, filter="data")
+                _write_member(tar, member, os.path.join(into, *name.parts))
     except tarfile.TarError as exc:
         raise ValueError(f"not a valid adapter archive: {exc}") from exc
+
+
+def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str) -> None:
+    """Write one checked member ourselves, with modes of our own: nothing of the
+    archive's owners, modes or times reaches the disk (what tarfile's "data"
+    filter does, which Python has only from 3.11.4 on)."""
+    if member.isdir():
+        os.makedirs(path, 0o755, exist_ok=True)
+        return
+    os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+    source = tar.extractfile(member)
+    assert source is not None  # a regular file
+    try:
+        # O_EXCL: a second member of the same name is no adapter.
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError as exc:
+        raise ValueError(f"archive member {member.name!r} comes twice") from exc
+    with source, os.fdopen(descriptor, "wb") as target:
+        shutil.copyfileobj(source, target, _COPY_CHUNK)
 
 
 def store_config(subjects: Subjects, *, replicas: int = 1, max_bytes: int = -1) -> StreamConfig:
@@ -347,7 +376,7 @@ async def _read_chunks(
     hashed = hashlib.sha256()
     seq, read, total = 1, 0, 0
     while read < count:
-        batch = await _batch(nc, subjects, {"seq": seq, "next_by_subj": chunks})
+        batch = await _batch_again(nc, subjects, {"seq": seq, "next_by_subj": chunks})
         if not batch:
             raise FetchFailed(f"adapter {digest} is short: {read} of {count} chunks stored")
         for msg in batch:
@@ -368,6 +397,24 @@ async def _read_chunks(
 def _write(into: BinaryIO, hashed: hashlib._Hash, data: bytes) -> None:
     hashed.update(data)
     into.write(data)
+
+
+async def _batch_again(nc: NatsClient, subjects: Subjects, start: dict[str, object]) -> list[Msg]:
+    """:func:`_batch`, asked again from the same place when it breaks off: a
+    NATS node that dies mid-batch takes the rest of the batch and its end
+    with it, while the connection moves to another node that has the same
+    chunks (the store is replicated as the KV buckets are). Nothing of a
+    broken batch was written, so asking from the same sequence loses nothing
+    and repeats nothing. The caller's deadline bounds the whole."""
+    for attempt in range(1, _BATCH_TRIES + 1):
+        try:
+            return await _batch(nc, subjects, start)
+        except (TimeoutError, nats.errors.Error) as exc:
+            if attempt == _BATCH_TRIES:
+                raise
+            await asyncio.sleep(_BATCH_RETRY_GAP_S * attempt)
+            log.info("adapter store: a batch broke off (%r); asking again from %s", exc, start)
+    raise AssertionError("unreachable")
 
 
 async def _batch(nc: NatsClient, subjects: Subjects, start: dict[str, object]) -> list[Msg]:

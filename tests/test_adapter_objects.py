@@ -355,3 +355,33 @@ def test_a_bus_path_names_a_digest_and_nothing_else() -> None:
         digest_of("bus:" + digest + "/../x")
     with pytest.raises(ValueError, match="not an adapter digest"):
         bus_path("md5:" + "ab" * 16)
+
+
+def test_unpack_keeps_no_mode_owner_or_time_of_the_archive_and_refuses_a_twin(
+    tmp_path: Path,
+) -> None:
+    """A setuid, world-writable file owned by someone else arrives as a plain
+    0644 file of ours; a second member of the same name is no adapter."""
+    member = tarfile.TarInfo("weights.bin")
+    member.size, member.mode, member.uid, member.mtime = 4, 0o4777, 4242, 1
+    into = tmp_path / "into"
+    into.mkdir()
+    unpack(_tar_with(tmp_path / "odd.tar", member), str(into))
+    written = (into / "weights.bin").stat()
+
+    twin = tmp_path / "twin.tar"
+    with tarfile.open(twin, "w") as tar:
+        for _ in range(2):
+            tar.addfile(tarfile.TarInfo("a"), io.BytesIO(b""))
+    (tmp_path / "twin").mkdir()
+
+    assert (written.st_mode & 0o7777, written.st_uid) == (0o644 & ~_umask(), os.getuid())
+    assert written.st_mtime > 1
+    with pytest.raises(ValueError, match="comes twice"):
+        unpack(str(twin), str(tmp_path / "twin"))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
