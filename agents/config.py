@@ -62,6 +62,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     host after resolving symlinks."""
     headers: dict[str, str] = {}
     """Sent with every engine call (auth)."""
+    admin_headers: dict[str, str] = {}
+    """Sent on the engine's control routes (pause, resume, load, unload) in place
+    of the same-named ``headers``: the key of SGLang's ``--admin-api-key``,
+    which those routes take instead of its ``--api-key``. SGLang only."""
     subject_prefix: str = "lorabus"
     cache_dir: str = ""
     """Where adapters from the fleet's object store are kept on this node
@@ -90,6 +94,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not 1 <= self.world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"world size must be 1-{MAX_WORLD_SIZE}, got {self.world_size}")
         check_engine_url(self.system_url)
+        if self.admin_headers and self.engine != "sglang":
+            raise ValueError(
+                f"an admin key is for SGLang's --admin-api-key; {self.engine} has none "
+                "(give its key with --api-key-env)"
+            )
         if self.cache_keep < 0:
             raise ValueError(f"cache keep must be >= 0, got {self.cache_keep}")
         if self.max_adapter_bytes < 1:

@@ -7,7 +7,10 @@ what the fleet has committed: at start, after a reconnect, and whenever its
 engine turns out to have lost the adapter, it loads the committed adapter
 first. A committed notice also names the older versions to retire: the agent
 unloads those its engine holds, on its own, once the update has been answered.
-Both go through the agent's command queue, behind whatever is queued.
+Both go through the agent's command queue, behind whatever is queued. An
+engine that cannot take LoRA updates at all (the executor's ``setup_problem``:
+a route or a setting it was started without) is not ready whatever it holds,
+says why, and is not asked to reload until it can.
 """
 
 from __future__ import annotations
@@ -98,7 +101,10 @@ class Convergence:
 
     @property
     def ready(self) -> bool:
-        """Whether the engine holds what the fleet has committed, as far as known."""
+        """Whether the engine can take LoRA updates and holds what the fleet has
+        committed, as far as known."""
+        if self._executor.setup_problem:
+            return False
         return self.committed is None or self.committed.served_name in self._executor.adapters
 
     @property
@@ -124,8 +130,11 @@ class Convergence:
         await self._reconciled.wait()
 
     def unready_reason(self) -> str:
-        """Why the engine will not converge, once reloading the committed
-        adapter has failed ``_STUCK_AFTER_FAILURES`` times in a row."""
+        """Why the engine will not converge: what keeps it from taking LoRA
+        updates, or, once reloading the committed adapter has failed
+        ``_STUCK_AFTER_FAILURES`` times in a row, why that failed."""
+        if self._executor.setup_problem:
+            return self._executor.setup_problem[:4096]
         if self.ready or self._reconcile_failures < _STUCK_AFTER_FAILURES:
             return ""
         return (
@@ -143,6 +152,7 @@ class Convergence:
             self._committed.version,
         ):
             self._committed = notice
+            self._executor.committed_name = notice.served_name
             return True
         return False
 
@@ -209,6 +219,8 @@ class Convergence:
         target = self.committed
         if target is None or self.reconciling or self._executor.paused:
             return
+        if self._executor.setup_problem:
+            return  # it would fail the same way: the heartbeat says why
         if target.served_name in self._executor.adapters:
             return
         self._reconciled.clear()

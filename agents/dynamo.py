@@ -65,10 +65,17 @@ class DynamoDriver(HttpEngine):
         system_url: str,
         *,
         headers: Mapping[str, str] | None = None,
+        admin_headers: Mapping[str, str] | None = None,
         timeout_s: float = ENGINE_TIMEOUT_S,
         attempts: int = 5,
     ) -> None:
-        super().__init__(system_url, headers=headers, timeout_s=timeout_s, attempts=attempts)
+        super().__init__(
+            system_url,
+            headers=headers,
+            admin_headers=admin_headers,
+            timeout_s=timeout_s,
+            attempts=attempts,
+        )
 
     @property
     def system_url(self) -> str:

@@ -2,11 +2,13 @@
 
 Agents talk to engines only through this interface, one implementation per
 engine kind, so the command logic never sees an engine's paths or payloads.
+A driver that can tell whether its engine was started able to take LoRA
+updates at all also implements :class:`SetupCheck`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class EngineDriver(Protocol):
@@ -33,3 +35,12 @@ class EngineDriver(Protocol):
     async def list_adapters(self) -> list[str]: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class SetupCheck(Protocol):
+    async def setup_problem(self) -> str | None:
+        """What keeps the engine from taking LoRA updates however often asked,
+        and how to fix it (None: nothing known), found without changing
+        anything. Raises EngineError when the engine does not answer."""
+        ...

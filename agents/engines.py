@@ -26,4 +26,9 @@ def driver_for(config: AgentConfig) -> EngineDriver:
     driver = _DRIVERS.get(config.engine)
     if driver is None:
         raise ValueError(f"unknown engine {config.engine!r}: use one of {', '.join(ENGINE_KINDS)}")
-    return driver(config.system_url, headers=config.headers, timeout_s=config.engine_timeout_s)
+    return driver(
+        config.system_url,
+        headers=config.headers,
+        admin_headers=config.admin_headers,
+        timeout_s=config.engine_timeout_s,
+    )

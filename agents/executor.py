@@ -16,6 +16,21 @@ is fetched into this node's cache (:class:`~lorabus.agents.adapter_cache.Adapter
 verified against its digest before the engine sees it) and the engine is
 handed the cached directory; a ``prepare`` does the fetch alone, ahead of
 the update's pause.
+
+An engine may be unable to take LoRA updates at all, however often asked (a
+vLLM started without its runtime LoRA routes, an SGLang with data
+parallelism): the executor asks its driver (:class:`SetupCheck`) at start,
+then at every check while a problem is known (so a fixed engine is seen
+within a beat), every ``SETUP_RECHECK_S`` otherwise, and after a command
+failed for good. While there is one, :attr:`CommandExecutor.setup_problem`
+says what and how to fix it, and the agent reports its worker not ready.
+
+An engine may also drop adapters on its own to make room for a load (SGLang
+with ``--max-loaded-loras`` unloads the least recently used one). A load
+after which the engine no longer lists the committed adapter, which it
+listed before, fails, saying so: the update that caused it reports it, and
+the agent, now lacking the committed adapter, is not ready until it has
+loaded it again (:mod:`~lorabus.agents.convergence`).
 """
 
 from __future__ import annotations
@@ -29,7 +44,7 @@ from lorabus.adapter_digest import read_adapter_digest
 from lorabus.adapter_objects import digest_of
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
-from lorabus.agents.engine import EngineDriver
+from lorabus.agents.engine import EngineDriver, SetupCheck
 from lorabus.clock import now
 from lorabus.errors import (
     BadRequest,
@@ -56,6 +71,10 @@ log = logging.getLogger(__name__)
 
 Fetch = Callable[[str, BinaryIO], Awaitable[int]]
 """Writes the object store's adapter of a digest into a file; returns its size."""
+
+SETUP_RECHECK_S = 30.0
+"""How often an engine without a known set-up problem is asked again: one
+restarted without a flag shows within this (or at its first failed command)."""
 
 
 class CommandExecutor:
@@ -92,10 +111,42 @@ class CommandExecutor:
         self._stored_digests: dict[str, str] = {}
         """Served name -> digest of each adapter loaded from the object store:
         the cache keeps those the engine still serves."""
+        self.committed_name = ""
+        """The served name the fleet has committed, as the agent last learnt it
+        ("": none): a load must not make the engine drop it."""
+        self.setup_problem = ""
+        """What keeps the engine from taking LoRA updates and how to fix it, as
+        the driver last found ("": nothing known)."""
+        self._setup_checked_at: float | None = None
+        """When the driver last answered the set-up check (None: ask at once)."""
 
     async def refresh(self) -> None:
-        """Read the engine's adapter list (at start, so heartbeats tell the truth)."""
+        """Read the engine's adapter list (at start, so heartbeats tell the
+        truth), and first, when due, whether it can take LoRA updates."""
+        if self._setup_due():
+            await self.check_setup()
         self.adapters = await self.driver.list_adapters()
+
+    async def check_setup(self) -> None:
+        """Ask the driver what keeps the engine from taking LoRA updates; an
+        engine that does not answer leaves what was found last."""
+        if not isinstance(self.driver, SetupCheck):
+            return
+        try:
+            problem = await self.driver.setup_problem() or ""
+        except EngineError as exc:
+            log.debug("worker=%s set-up check got no answer: %s", self.worker_id, exc)
+            return
+        self._setup_checked_at = now()
+        if problem and problem != self.setup_problem:
+            log.warning("worker=%s engine cannot take LoRA updates: %s", self.worker_id, problem)
+        elif self.setup_problem and not problem:
+            log.info("worker=%s engine can take LoRA updates now", self.worker_id)
+        self.setup_problem = problem
+
+    def _setup_due(self) -> bool:
+        checked = self._setup_checked_at
+        return bool(self.setup_problem) or checked is None or now() - checked >= SETUP_RECHECK_S
 
     async def execute(
         self, command: PhasedCommand, budget_s: float, *, retire: bool = False
@@ -120,6 +171,8 @@ class CommandExecutor:
             )
         except LorabusError as exc:
             error = exc.info()
+            if isinstance(exc, EngineError) and not exc.retryable:
+                self._setup_checked_at = None  # perhaps restarted without a flag: ask
         except Exception as exc:
             # A bug must cost one failed ack, not the agent: the engine may be
             # paused, and only a live agent can still resume it.
@@ -308,6 +361,8 @@ class CommandExecutor:
             )
 
     async def _load(self, name: str, path: str, *, replace: bool, budget_s: float) -> None:
+        committed = self.committed_name
+        held = committed != name and committed in self.adapters
         if replace and name in await self.driver.list_adapters():
             # Dynamo answers "already loaded" for a name it has and keeps the
             # old weights, so fixed naming must drop the name first.
@@ -322,6 +377,13 @@ class CommandExecutor:
             raise NotListed(
                 f"the engine of {self.worker_id} accepted adapter {name!r} but its "
                 f"adapter list does not show it: {self.adapters}"
+            )
+        if held and committed not in self.adapters:
+            raise EngineError(
+                f"after loading {name!r} the engine of {self.worker_id} no longer lists the "
+                f"committed {committed!r}, which it listed before: it drops adapters to make "
+                "room (SGLang's --max-loaded-loras): let it hold the versions the fleet keeps "
+                f"and one more; it lists {self.adapters}"
             )
 
     async def _unload(self, names: list[str]) -> None:

@@ -6,7 +6,10 @@ A heartbeat goes out every interval (unless an ack said it all already: see
 Liveness must not depend on how fast the engine answers, so the checks run in
 a loop of their own: the fleet's state in KV is read again after a reconnect
 and about once a minute, and the engine's list after every interval without
-commands (an engine restart loses adapters).
+commands (an engine restart loses adapters), with the engine's set-up while
+it has a problem (:meth:`~lorabus.agents.executor.CommandExecutor.refresh`),
+so a worker whose engine is restarted with the missing flag is ready within
+a beat.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ answer says it failed; they agree on everything here, so that an update sees
 the same behaviour from every engine kind of a mixed fleet:
 
 - One connection pool per driver (httpcore, the transport under httpx), with
-  the agent's headers (auth) on every call and a timeout on every call. An
+  the agent's headers (auth) on every call and a timeout on every call; a
+  call to a control route (``admin``) carries the admin headers in place of
+  the same-named ones (SGLang's ``--admin-api-key``). An
   agent makes four calls an update on one engine, and the client layer of
   httpx (request and URL models, cookies, redirects) costs more CPU than the
   transport below it: calling the transport directly takes about 40% less
@@ -24,6 +26,13 @@ the same behaviour from every engine kind of a mixed fleet:
   adapter, every SGLang refusal), and an answer whose words say the directory
   holds no adapter or the engine has no LoRA support: asking again gets the
   same answer while every engine of the update waits paused.
+- Set-up problems: a driver may say, without changing anything, what keeps
+  its engine from taking LoRA updates at all (:meth:`HttpEngine.setup_problem`,
+  None by default): a route the engine was started without, a parallel
+  layout it refuses updates in. FastAPI, under vLLM and SGLang, answers a
+  path no route serves with 404 ``{"detail": "Not Found"}``
+  (:func:`route_not_served`), unlike the engines' own 404s (vLLM:
+  ``{"error": {...}}``).
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ __all__ = [
     "error_message",
     "is_transient",
     "json_or_none",
+    "route_not_served",
     "url_segment",
 ]
 
@@ -73,6 +83,11 @@ FINAL_ERROR_WORDS = (
     "LoRA management not available",
     # vLLM answers it 500, but the adapter's rank will not change on a retry.
     "is greater than max_lora_rank",
+    # SGLang's assert with more than one data-parallel replica
+    # (srt/managers/tokenizer_control_mixin.py); SGLang itself answers a bare
+    # 500 "Internal Server Error" (sglang.py asks its data-parallel size), a
+    # proxy that passes the handler's words on gives these.
+    "data-parallel replicas are not supported for dynamic lora loading",
 )
 #: Client errors that mean "not now" rather than "never".
 TRANSIENT_CLIENT_STATUSES = frozenset({408, 429})
@@ -141,6 +156,7 @@ class HttpEngine:
         base_url: str,
         *,
         headers: Mapping[str, str] | None = None,
+        admin_headers: Mapping[str, str] | None = None,
         timeout_s: float = ENGINE_TIMEOUT_S,
         attempts: int = 5,
     ) -> None:
@@ -161,9 +177,11 @@ class HttpEngine:
             basic = base64.b64encode(f"{user}:{password}".encode()).decode()
             own["Authorization"] = f"Basic {basic}"
         own = {name: value for name, value in own.items() if name.lower() not in named}
-        self._headers = [
-            (name.encode(), value.encode()) for name, value in {**own, **given}.items()
-        ]
+        self._headers = _encoded({**own, **given})
+        admin = dict(admin_headers or {})
+        kept = {n: v for n, v in {**own, **given}.items() if n.lower() not in _lower(admin)}
+        self._admin_headers = _encoded({**kept, **admin})
+        """On control routes: the admin headers in place of the same-named ones."""
         self._json_type = [] if "content-type" in named else [_JSON_TYPE]
         self._extensions = {
             "timeout": dict.fromkeys(("connect", "read", "write", "pool"), timeout_s)
@@ -178,19 +196,21 @@ class HttpEngine:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def send(
+    async def request(
         self,
         method: str,
         path: str,
         body: Any = None,
         *,
         params: Mapping[str, str] | None = None,
+        admin: bool = False,
     ) -> EngineAnswer:
-        """``method path`` with ``body`` as JSON; the answer if its status is
-        below 400, else an EngineError classified by status and message."""
+        """``method path`` with ``body`` as JSON, and the answer whatever its
+        status; an EngineError only when no answer came. ``admin``: a control
+        route, sent with the admin headers."""
         what = f"{method} {self.base_url}{path}"
         where = path + (f"?{urlencode(params)}" if params else "")
-        headers = list(self._headers)
+        headers = list(self._admin_headers if admin else self._headers)
         content = b""
         if body is not None:
             content = json.dumps(
@@ -211,16 +231,41 @@ class HttpEngine:
             raise EngineError(
                 f"{what} failed: {type(exc).__name__}: {exc}", retryable=True
             ) from exc
-        response = EngineAnswer(method, self.base_url + where, answer.status, answer.content)
-        status = response.status_code
-        if status >= 400:
-            message = error_message(json_or_none(response), response.text)
-            raise EngineError(
-                f"{what} answered {status}: {message}",
-                retryable=is_transient(status, message),
-                status=status,
-            )
+        return EngineAnswer(method, self.base_url + where, answer.status, answer.content)
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: Mapping[str, str] | None = None,
+        admin: bool = False,
+    ) -> EngineAnswer:
+        """:meth:`request`, and the answer if its status is below 400, else the
+        driver's :meth:`failure` of it."""
+        response = await self.request(method, path, body, params=params, admin=admin)
+        if response.status_code >= 400:
+            raise self.failure(path, response)
         return response
+
+    def failure(self, path: str, response: EngineAnswer) -> EngineError:
+        """The error an answer of status 400 or more to ``path`` makes, classified
+        by status and message (a driver that knows more of its engine says more)."""
+        status = response.status_code
+        message = error_message(json_or_none(response), response.text)
+        return EngineError(
+            f"{response.method} {self.base_url}{path} answered {status}: {message}",
+            retryable=is_transient(status, message),
+            status=status,
+        )
+
+    async def setup_problem(self) -> str | None:
+        """What keeps the engine from taking LoRA updates however often asked
+        (a route it was started without, a layout it refuses updates in) and
+        how to fix it, found without changing anything; None when nothing is
+        known to. Raises EngineError when the engine does not answer."""
+        return None
 
     async def served_adapters(self) -> dict[str, str]:
         """``GET /v1/models`` of an OpenAI-compatible server (vLLM, SGLang): each
@@ -273,6 +318,20 @@ def url_segment(value: str) -> str:
     if value in ("", ".", ".."):
         raise BadRequest(f"{value!r} cannot stand as a URL path segment")
     return quote(value, safe="")
+
+
+def route_not_served(response: EngineAnswer) -> bool:
+    """Whether ``response`` is FastAPI's answer for a path no route serves (vLLM,
+    SGLang): 404 ``{"detail": "Not Found"}``. An engine's own 404s say more."""
+    return response.status_code == 404 and json_or_none(response) == {"detail": "Not Found"}
+
+
+def _encoded(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(name.encode(), value.encode()) for name, value in headers.items()]
+
+
+def _lower(headers: Mapping[str, str]) -> set[str]:
+    return {name.lower() for name in headers}
 
 
 def json_or_none(response: EngineAnswer) -> Any:

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from lorabus.agents.engine import EngineDriver
+from lorabus.agents.engine import EngineDriver, SetupCheck
 
 _T = TypeVar("_T")
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -58,6 +58,11 @@ class InstrumentedDriver:
 
     async def list_adapters(self) -> list[str]:
         return await self._timed("list", self.driver.list_adapters)
+
+    async def setup_problem(self) -> str | None:
+        if not isinstance(self.driver, SetupCheck):
+            return None
+        return await self._timed("setup", self.driver.setup_problem)
 
     async def aclose(self) -> None:
         await self.driver.aclose()

@@ -24,8 +24,27 @@ What SGLang answers:
 - ``POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`` and ``POST
   /continue_generation {}``: ``{"message": ..., "status": "ok"}``; a body that
   does not validate is a 400 ``{"object": "error", "message", "type", "code"}``.
-- With ``--api-key`` (or ``--admin-api-key`` for the control routes), 401
-  ``{"error": "Unauthorized"}`` without the bearer token.
+- Keys (``srt/utils/auth.py``, ``decide_request_auth``; the routes' levels in
+  ``http_server.py``): the LoRA, pause and continue routes are marked
+  ``ADMIN_OPTIONAL``: with ``--admin-api-key`` they take that key only (the
+  API key is refused there), else the ``--api-key``. ``/v1/models`` and
+  ``/server_info`` are ``NORMAL``: with ``--api-key`` they take that key only
+  (the admin key is refused there), else anyone. ``/health*``, ``/ready*``
+  and ``/metrics*`` are always open. A refusal is 401 ``{"error":
+  "Unauthorized"}``. So with both keys the driver sends the admin headers
+  (``--admin-api-key-env``) on the control routes and the API key on the
+  read-back.
+- Data parallelism: ``load_lora_adapter`` and ``unload_lora_adapter`` of
+  ``srt/managers/tokenizer_control_mixin.py`` ``assert get_parallel().dp_size
+  == 1, "data-parallel replicas are not supported for dynamic lora loading"``.
+  The ``AssertionError`` escapes the handler (it catches ``ValueError`` only,
+  and the app registers no handler for it), so the client gets Starlette's
+  bare 500 ``Internal Server Error`` in plain text, like any crashed handler.
+  The driver then reads ``GET /server_info`` (``dp_size``, one of the
+  resolved server arguments it lists; ``/get_server_info`` on older releases):
+  above 1, the failure is final and says so. The agent asks the same at start
+  (:meth:`SglangDriver.setup_problem`) and reports its worker not ready, with
+  the reason, until the engine runs with ``--dp-size 1``.
 
 Pause uses ``in_place``: the scheduler stops stepping and keeps running
 requests and their KV cache where they are, continuing them after
@@ -52,6 +71,7 @@ from lorabus.agents.http_engine import (
     error_message,
     is_transient,
     json_or_none,
+    route_not_served,
 )
 from lorabus.errors import EngineError
 
@@ -63,6 +83,11 @@ PAUSE_BODY = {"mode": "in_place"}
 #: How SGLang refuses a load of a name it holds: the LoRA manager's words, and
 #: the registry's (srt/lora/lora_manager.py, srt/lora/lora_registry.py).
 ALREADY_LOADED = ("because it is already loaded", "already exists")
+#: Where SGLang lists its resolved server arguments: the current route, then
+#: the one older releases serve (both answer the same).
+SERVER_INFO = ("/server_info", "/get_server_info")
+#: SGLang's words for refusing LoRA updates with data parallelism above 1.
+DP_ASSERT = "data-parallel replicas are not supported for dynamic lora loading"
 
 
 class SglangDriver(HttpEngine):
@@ -71,11 +96,11 @@ class SglangDriver(HttpEngine):
     kind = "sglang"
 
     async def pause(self) -> None:
-        _expect_ok(await self.send("POST", "/pause_generation", PAUSE_BODY))
+        _expect_ok(await self.send("POST", "/pause_generation", PAUSE_BODY, admin=True))
 
     async def resume(self) -> None:
         async def call() -> None:
-            _expect_ok(await self.send("POST", "/continue_generation", {}))
+            _expect_ok(await self.send("POST", "/continue_generation", {}, admin=True))
 
         # A lost resume leaves an engine paused: retry transient failures (the
         # caller's command budget bounds the whole).
@@ -85,7 +110,7 @@ class SglangDriver(HttpEngine):
         body = {"lora_name": name, "lora_path": path}
 
         async def call() -> None:
-            _expect_success(await self.send("POST", "/load_lora_adapter", body), name)
+            await self._lora_update("/load_lora_adapter", body, name)
 
         try:
             await self.retrying(call, budget_s)
@@ -102,10 +127,51 @@ class SglangDriver(HttpEngine):
             log.info("%s already serves %s from %s: loaded", self.base_url, name, path)
 
     async def unload_adapter(self, name: str) -> None:
-        _expect_success(await self.send("POST", "/unload_lora_adapter", {"lora_name": name}))
+        await self._lora_update("/unload_lora_adapter", {"lora_name": name})
 
     async def list_adapters(self) -> list[str]:
         return sorted(await self.served_adapters())
+
+    async def setup_problem(self) -> str | None:
+        size = await self._data_parallel_size()
+        if size is None or size <= 1:
+            return None
+        return (
+            f"SGLang at {self.base_url} runs {size} data-parallel replicas (--dp-size {size}) "
+            f"and loads no LoRA adapter at run time unless it runs one ({DP_ASSERT!r}): "
+            "start it with --dp-size 1 (one SGLang server and one agent per replica)"
+        )
+
+    async def _lora_update(
+        self, path: str, body: dict[str, str], loaded: str | None = None
+    ) -> None:
+        """A load or unload; a 500 from an engine that refuses LoRA updates
+        for its data parallelism is final, and says so."""
+        try:
+            response = await self.send("POST", path, body, admin=True)
+        except EngineError as exc:
+            if exc.status != 500 or not exc.retryable:
+                raise
+            try:
+                problem = await self.setup_problem()
+            except EngineError as unread:
+                log.debug("%s: no server info after a 500: %s", self.base_url, unread)
+                raise exc from None
+            if problem is None:
+                raise
+            raise EngineError(f"{exc}; {problem}", status=exc.status) from exc
+        _expect_success(response, loaded)
+
+    async def _data_parallel_size(self) -> int | None:
+        """SGLang's ``dp_size`` from its server info (None: not told)."""
+        for path in SERVER_INFO:
+            response = await self.request("GET", path)
+            if route_not_served(response):
+                continue
+            payload: Any = json_or_none(response) if response.status_code == 200 else None
+            size = payload.get("dp_size") if isinstance(payload, dict) else None
+            return size if isinstance(size, int) and not isinstance(size, bool) else None
+        return None
 
 
 def _expect_ok(response: EngineAnswer) -> None:

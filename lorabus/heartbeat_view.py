@@ -123,6 +123,7 @@ class HeartbeatListener:
                     adapters=list(beat.adapters),
                     heartbeat_age_s=round(age, 3),
                     ready=beat.ready,
+                    unready_reason=beat.unready_reason,
                 )
             )
         return HeartbeatView(

@@ -165,10 +165,8 @@ def member_warnings(members: Sequence[MemberStatus], *, update_in_flight: bool) 
                 "when its pause lease ends; until then it serves nothing)"
             )
         if not m.ready:
-            lines.append(
-                f"WARNING: {m.worker_id} is not ready (its agent has not brought the engine "
-                "to the committed state)"
-            )
+            why = m.unready_reason or "its agent has not brought the engine to the committed state"
+            lines.append(f"WARNING: {m.worker_id} is not ready ({why})")
         if m.unreadable_state:
             lines.append(
                 f"WARNING: {m.worker_id} ignores fleet state it cannot trust: {m.unreadable_state}"

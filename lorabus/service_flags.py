@@ -291,17 +291,17 @@ def coordinator_args(
 
 
 def _args(config: AgentConfig | CoordinatorConfig, flags: Sequence[Flag], url: str) -> list[str]:
-    if config.headers:
+    if config.headers or getattr(config, "admin_headers", None):
         raise ValueError(
-            "headers carry secrets and stay off command lines: "
-            "pass --api-key-env VAR or --header NAME=VALUE in extra"
+            "headers carry secrets and stay off command lines: pass --api-key-env VAR, "
+            "--admin-api-key-env VAR (agents) or --header NAME=VALUE in extra"
         )
     by_field = {flag.field: flag for flag in flags}
     args = ["--nats", url, "--fleet", config.fleet]
     for name, default in _defaults(type(config)).items():
         value = getattr(config, name)
         flag = by_field.get(name)
-        if name in ("fleet", "headers"):
+        if name in ("fleet", "headers", "admin_headers"):
             continue
         if flag is None:
             if value != default:

@@ -5,7 +5,9 @@ One aiohttp server plays the Dynamo frontend (``/v1/models``,
 worker (under ``/workers/{id}``: a Dynamo system server by default, or a
 vLLM or SGLang server, per worker), with faults that tests inject per worker
 (latency, hang, failed loads, the old status-200 error quirk) and a control API
-under ``/sim`` for driving a fleet in another process.
+under ``/sim`` for driving a fleet in another process. How each worker's engine
+was started (``EngineSetup``: vLLM without its LoRA or dev-mode routes, SGLang
+with an admin key or data parallelism) is set per worker.
 
 Modules: ``identity`` (deterministic ids), ``state`` (worker state and waits),
 ``lora_source`` (load URI checks), ``http_utils`` (shared replies and auth),
@@ -17,10 +19,11 @@ lifecycle), ``serve`` (run until cancelled).
 from .fleet import SimFleet
 from .identity import instance_id_for, lora_id_for
 from .serve import serve_forever
-from .state import ENGINES, RecordedRequest, SimWorker, WorkerFaults
+from .state import ENGINES, EngineSetup, RecordedRequest, SimWorker, WorkerFaults
 
 __all__ = [
     "ENGINES",
+    "EngineSetup",
     "RecordedRequest",
     "SimFleet",
     "SimWorker",

@@ -17,8 +17,23 @@ Paths, status codes and bodies follow the source of SGLang 0.5.23
   ``POST /continue_generation`` answer ``{"message": ..., "status": "ok"}``.
 - ``GET /v1/models`` lists the served model and each adapter with ``root``
   (its path) and ``parent``.
-- With an API key every route but ``/health`` needs it (401 ``{"error":
-  "Unauthorized"}``); an unknown path is FastAPI's 404 ``{"detail": "Not Found"}``.
+- ``GET /server_info`` (and the older ``/get_server_info``) lists the
+  resolved server arguments; the sim answers those an agent reads
+  (``dp_size``, ``enable_lora``, ``max_loaded_loras``, ...) and ``version``.
+- Keys (``srt/utils/auth.py``): the LoRA, pause and continue routes take the
+  worker's admin key when it has one (``EngineSetup.admin_api_key``, SGLang's
+  ``--admin-api-key``), else the fleet's API key; every other route but
+  ``/health`` takes the API key only. A refusal is 401 ``{"error":
+  "Unauthorized"}``; an unknown path is FastAPI's 404 ``{"detail": "Not Found"}``.
+- With ``EngineSetup.dp_size`` above 1 a load or unload that validates fails
+  on SGLang's assert, which no handler catches: Starlette's plain-text 500
+  ``Internal Server Error``.
+- With ``EngineSetup.max_loaded_loras`` a load that makes one adapter too
+  many succeeds after unloading the least recently used others (SGLang's
+  ``load_lora_adapter`` in ``tokenizer_control_mixin.py``, with
+  ``LoRARegistry.lru_lora_name``): ``loaded_adapters`` no longer lists them.
+  SGLang counts a request for an adapter as a use; the sim counts loads only,
+  so its least recently used adapter is the one loaded first.
 
 The words of a load of a directory without ``adapter_config.json`` are
 PEFT's ("Can't find 'adapter_config.json' at '<path>'"); the real message
@@ -37,10 +52,20 @@ from aiohttp import web
 from .lora_source import NotAnAdapter, check_local_adapter
 from .state import SimWorker
 
-__all__ = ["ROUTES", "is_guarded", "not_found", "unauthorized"]
+__all__ = ["ROUTES", "is_guarded", "key_for", "not_found", "unauthorized"]
 
 _PAUSE_MODES = ("abort", "retract", "in_place")
 _CREATED = int(time.time())
+#: The routes SGLang marks ``ADMIN_OPTIONAL`` among those the sim serves.
+_ADMIN_ROUTES = frozenset(
+    {
+        ("POST", "/load_lora_adapter"),
+        ("POST", "/unload_lora_adapter"),
+        ("POST", "/pause_generation"),
+        ("POST", "/continue_generation"),
+    }
+)
+_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
 
 def _bad_request(message: str) -> web.Response:
@@ -87,8 +112,24 @@ def _json_body(raw: bytes, *fields: str) -> dict[str, Any] | web.Response:
 
 
 def is_guarded(path: str) -> bool:
-    """Whether SGLang asks for the API key on ``path`` (every route but /health)."""
-    return path != "/health"
+    """Whether SGLang asks for a key on ``path`` when it has one (every route
+    but its health, readiness and metrics ones)."""
+    return not path.startswith(_OPEN_PREFIXES)
+
+
+def key_for(method: str, path: str, worker: SimWorker, api_key: str | None) -> str | None:
+    """The key SGLang asks for on ``method path`` (None: none), as its
+    ``decide_request_auth`` does for the levels of the routes the sim serves."""
+    if not is_guarded(path):
+        return None
+    if (method, path) in _ADMIN_ROUTES:
+        return worker.setup.admin_api_key or api_key
+    return api_key
+
+
+def _server_error() -> web.Response:
+    """Starlette's answer when a handler raises what nothing catches."""
+    return web.Response(status=500, text="Internal Server Error", content_type="text/plain")
 
 
 def unauthorized() -> web.Response:
@@ -104,6 +145,8 @@ async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Resp
     if isinstance(body, web.Response):
         return body
     name, path = body["lora_name"], body["lora_path"]
+    if worker.setup.dp_size > 1:
+        return _server_error()  # "data-parallel replicas are not supported ..."
     if name in worker.adapters:
         message = f"Failed to load LoRA adapter {name} because it is already loaded"
         return _update(False, worker, message)
@@ -115,6 +158,9 @@ async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Resp
         message = f"injected load failure of {name}"
         return _update(False, worker, message, status=worker.faults.load_failure_status)
     worker.add_adapter(name, path)
+    limit = worker.setup.max_loaded_loras
+    while limit is not None and len(worker.adapters) > limit:
+        worker.remove_adapter(next(iter(worker.adapters)))  # never the one just loaded
     return _update(True, worker)
 
 
@@ -123,6 +169,8 @@ async def _unload(request: web.Request, worker: SimWorker, raw: bytes) -> web.Re
     if isinstance(body, web.Response):
         return body
     name = body["lora_name"]
+    if worker.setup.dp_size > 1:
+        return _server_error()
     if name not in worker.adapters:
         loaded = f"dict_keys({list(worker.adapters)!r})"
         message = f"LoRA with name {name} does not exist. Loaded LoRAs: {loaded}"
@@ -175,6 +223,20 @@ async def _continue(request: web.Request, worker: SimWorker, raw: bytes) -> web.
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
+async def _server_info(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    info = {
+        "model_path": worker.base_model,
+        "served_model_name": worker.base_model,
+        "tp_size": worker.world_size,
+        "dp_size": worker.setup.dp_size,
+        "enable_lora": True,
+        "max_loaded_loras": worker.setup.max_loaded_loras,
+        "max_loras_per_batch": 8,
+        "version": "0.5.23",
+    }
+    return web.json_response(info)
+
+
 async def _health(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
     return web.Response(status=200)
 
@@ -186,5 +248,7 @@ ROUTES = (
     ("GET", "/v1/models", "list", _models),
     ("POST", "/pause_generation", "pause", _pause),
     ("POST", "/continue_generation", "resume", _continue),
+    ("GET", "/server_info", None, _server_info),
+    ("GET", "/get_server_info", None, _server_info),
     ("GET", "/health", "health", _health),
 )

@@ -2,6 +2,9 @@
 
 Each worker plays one engine kind (``engine``: Dynamo, vLLM or SGLang); its
 routes answer as that engine does, and its state is the same whatever the kind.
+How its engine was started (:class:`EngineSetup`: the flags that decide which
+routes it serves and which requests it refuses) is set apart from the faults
+injected into it.
 
 Routes change a worker (adapters, pause flag, faults) and tests observe it. All
 changes go through :class:`SimWorker` methods so that each one wakes whoever
@@ -31,6 +34,7 @@ __all__ = [
     "LOAD_ROUTES",
     "OPERATIONS",
     "REQUEST_LOG_LIMIT",
+    "EngineSetup",
     "RecordedRequest",
     "SimWorker",
     "WorkerFaults",
@@ -91,6 +95,32 @@ class WorkerFaults:
             )
 
 
+@dataclass
+class EngineSetup:
+    """How a worker's engine was started; each engine kind reads its own flags."""
+
+    #: vLLM: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (without it vLLM mounts no
+    #: ``/v1/load_lora_adapter`` nor ``/v1/unload_lora_adapter``).
+    lora_updating: bool = True
+    #: vLLM: ``VLLM_SERVER_DEV_MODE=1`` (without it no ``/pause``, ``/resume``,
+    #: ``/is_paused``).
+    dev_mode: bool = True
+    #: SGLang: ``--admin-api-key``; its control routes take this key and not the
+    #: fleet's API key, its other routes the API key and not this one.
+    admin_api_key: str | None = None
+    #: SGLang: ``--dp-size``; above 1, LoRA loads and unloads fail with a bare 500.
+    dp_size: int = 1
+    #: SGLang: ``--max-loaded-loras``; a load beyond it unloads the least recently
+    #: loaded other adapters, and still succeeds.
+    max_loaded_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < 1:
+            raise ValueError(f"max_loaded_loras must be >= 1, got {self.max_loaded_loras}")
+
+
 @dataclass(frozen=True)
 class RecordedRequest:
     """One HTTP request as a worker received it."""
@@ -118,6 +148,7 @@ class SimWorker:
         faults: WorkerFaults | None = None,
         engine: str = "dynamo",
         base_model: str = "sim-base",
+        setup: EngineSetup | None = None,
     ):
         if engine not in ENGINES:
             raise ValueError(f"engine of {worker_id} must be one of {ENGINES}, got {engine!r}")
@@ -137,6 +168,8 @@ class SimWorker:
         #: Where each loaded adapter was loaded from (vLLM and SGLang list it as ``root``).
         self.adapter_paths: dict[str, str] = {}
         self.faults = faults if faults is not None else WorkerFaults()
+        #: How the engine was started (the routes it serves, what it refuses).
+        self.setup = setup if setup is not None else EngineSetup()
         #: The most recent requests, oldest first (at most ``REQUEST_LOG_LIMIT``).
         self.requests: list[RecordedRequest] = []
         #: Every request ever recorded, also those no longer in ``requests``.
@@ -173,6 +206,13 @@ class SimWorker:
         if "busy_loras" in changes:
             changes["busy_loras"] = list(changes["busy_loras"])
         self.faults = dataclasses.replace(self.faults, **changes)
+        self._notify()
+
+    def set_setup(self, **changes: Any) -> None:
+        """Change how the engine was started, as a restart with other flags would
+        (its adapters are kept: a test that needs them lost removes them);
+        raises TypeError/ValueError for bad ones."""
+        self.setup = dataclasses.replace(self.setup, **changes)
         self._notify()
 
     def take_injected_load_failure(self) -> bool:

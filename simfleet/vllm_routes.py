@@ -23,13 +23,23 @@ and ``VLLM_SERVER_DEV_MODE=1``:
   ``{"status": "paused"}``, ``/resume`` ``{"status": "resumed"}``,
   ``GET /is_paused`` ``{"is_paused": bool}``.
 - Only ``/v1/...`` paths need the API key (401 ``{"error": "Unauthorized"}``);
-  an unknown path is FastAPI's 404 ``{"detail": "Not Found"}``.
+  an unknown path is FastAPI's 404 ``{"detail": "Not Found"}``, and a served
+  path asked with another method its 405 ``{"detail": "Method Not Allowed"}``
+  (Starlette answers both from its route table).
+
+A worker's :class:`~.state.EngineSetup` says how vLLM was started: without
+``lora_updating`` (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) it serves neither
+LoRA route, without ``dev_mode`` (``VLLM_SERVER_DEV_MODE``) none of
+``/pause``, ``/resume``, ``/is_paused``: each is then an unknown path
+(``vllm/entrypoints/serve/lora/api_router.py``,
+``vllm/entrypoints/launchers/api_server/routers.py``).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -37,8 +47,9 @@ from aiohttp import web
 from .lora_source import NotAnAdapter, check_local_adapter
 from .state import SimWorker
 
-__all__ = ["ROUTES", "is_guarded", "not_found", "unauthorized"]
+__all__ = ["ROUTES", "is_guarded", "key_for", "not_found", "unauthorized"]
 
+_Handler = Callable[[web.Request, SimWorker, bytes], Awaitable[web.Response]]
 _PAUSE_MODES = ("abort", "wait", "keep")
 _CREATED = int(time.time())
 #: vLLM's AuthenticationMiddleware guards only these prefixes.
@@ -95,12 +106,50 @@ def is_guarded(path: str) -> bool:
     return path.startswith(_GUARDED_PREFIX)
 
 
+def key_for(method: str, path: str, worker: SimWorker, api_key: str | None) -> str | None:
+    """The key vLLM asks for on ``path`` (None: none)."""
+    return api_key if is_guarded(path) else None
+
+
 def unauthorized() -> web.Response:
     return web.json_response({"error": "Unauthorized"}, status=401)
 
 
+#: The routes vLLM mounts only when started with a flag, and that flag's field
+#: of :class:`~.state.EngineSetup`.
+_MOUNTED_WITH = {
+    "/v1/load_lora_adapter": "lora_updating",
+    "/v1/unload_lora_adapter": "lora_updating",
+    "/pause": "dev_mode",
+    "/resume": "dev_mode",
+    "/is_paused": "dev_mode",
+}
+
+
+def _mounted(worker: SimWorker, path: str) -> bool:
+    flag = _MOUNTED_WITH.get(path)
+    return flag is None or bool(getattr(worker.setup, flag))
+
+
 async def not_found(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    path = request.path.removeprefix(f"/workers/{worker.worker_id}")
+    allowed = [m for m, p, _, _ in ROUTES if p == path and _mounted(worker, p)]
+    if allowed and request.method not in allowed:
+        headers = {"Allow": ", ".join(allowed)}
+        return web.json_response({"detail": "Method Not Allowed"}, status=405, headers=headers)
     return web.json_response({"detail": "Not Found"}, status=404)
+
+
+def _if_mounted(handler: _Handler) -> _Handler:
+    """``handler``, on a worker whose vLLM was started with the route's flag."""
+
+    async def handle(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+        path = request.path.removeprefix(f"/workers/{worker.worker_id}")
+        if not _mounted(worker, path):
+            return await not_found(request, worker, raw)
+        return await handler(request, worker, raw)
+
+    return handle
 
 
 async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
@@ -202,11 +251,11 @@ async def _health(request: web.Request, worker: SimWorker, raw: bytes) -> web.Re
 
 #: (method, path under the worker, operation for injected latency, handler).
 ROUTES = (
-    ("POST", "/v1/load_lora_adapter", "load", _load),
-    ("POST", "/v1/unload_lora_adapter", "unload", _unload),
+    ("POST", "/v1/load_lora_adapter", "load", _if_mounted(_load)),
+    ("POST", "/v1/unload_lora_adapter", "unload", _if_mounted(_unload)),
     ("GET", "/v1/models", "list", _models),
-    ("POST", "/pause", "pause", _pause),
-    ("POST", "/resume", "resume", _resume),
-    ("GET", "/is_paused", None, _is_paused),
+    ("POST", "/pause", "pause", _if_mounted(_pause)),
+    ("POST", "/resume", "resume", _if_mounted(_resume)),
+    ("GET", "/is_paused", None, _if_mounted(_is_paused)),
     ("GET", "/health", "health", _health),
 )

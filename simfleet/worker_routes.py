@@ -21,8 +21,9 @@ request, quirks included:
   unknown path a plain-text 404.
 
 Every request is first recorded in the worker's log, then waits out an
-injected ``hang`` and latency, then is checked for the bearer token (on the
-paths its engine guards), then handled.
+injected ``hang`` and latency, then is checked for the bearer token its engine
+asks on that route (the fleet's API key, or an SGLang worker's admin key),
+then handled.
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ class WorkerRoutes:
                 await worker.delay(worker.faults.latency_s.get(op, 0.0))
             if worker.released:
                 return error_reply(503, "simulated fleet is stopping")
-            if personality.is_guarded(path) and not is_authorized(request, self._api_key):
+            key = personality.key_for(request.method, path, worker, self._api_key)
+            if key is not None and not is_authorized(request, key):
                 return personality.unauthorized()
             return await handler(request, worker, raw)
 
@@ -277,27 +279,33 @@ _DYNAMO_ROUTES = (
 )
 
 
+_KeyFor = Callable[[str, str, SimWorker, str | None], str | None]
+
+
+def _dynamo_key_for(method: str, path: str, worker: SimWorker, api_key: str | None) -> str | None:
+    return api_key
+
+
 @dataclass(frozen=True)
 class Personality:
-    """How one engine kind serves a worker: its routes, which paths need the
-    API key, and its 401 and 404 answers."""
+    """How one engine kind serves a worker: its routes, the key each route asks
+    for (``key_for(method, path, worker, api_key)``, None: none), and its 401
+    and 404 answers."""
 
     routes: Sequence[tuple[str, str, str | None, _Handler]]
-    is_guarded: Callable[[str], bool]
+    key_for: _KeyFor
     unauthorized: Callable[[], web.Response]
     not_found: _Handler
 
 
 PERSONALITIES = {
-    "dynamo": Personality(
-        _DYNAMO_ROUTES, lambda _path: True, _dynamo_unauthorized, _route_not_found
-    ),
+    "dynamo": Personality(_DYNAMO_ROUTES, _dynamo_key_for, _dynamo_unauthorized, _route_not_found),
     "vllm": Personality(
-        vllm_routes.ROUTES, vllm_routes.is_guarded, vllm_routes.unauthorized, vllm_routes.not_found
+        vllm_routes.ROUTES, vllm_routes.key_for, vllm_routes.unauthorized, vllm_routes.not_found
     ),
     "sglang": Personality(
         sglang_routes.ROUTES,
-        sglang_routes.is_guarded,
+        sglang_routes.key_for,
         sglang_routes.unauthorized,
         sglang_routes.not_found,
     ),

@@ -185,11 +185,25 @@ async def test_a_heartbeat_naming_another_worker_than_its_subject_is_not_shown(
     assert "ignored" in finished.stdout, finished
 
 
+@pytest.mark.parametrize(
+    ("reason", "shown"),
+    [
+        ("", "its agent has not brought the engine to the committed state"),
+        ("vLLM serves no /pause: start it with VLLM_SERVER_DEV_MODE=1", None),
+    ],
+    ids=["converging", "with its reason"],
+)
 async def test_an_engine_not_ready_gets_a_warning(
-    bus: NatsClient, beats: Beats, nats_url: str, fleet_name: str
+    bus: NatsClient,
+    beats: Beats,
+    nats_url: str,
+    fleet_name: str,
+    reason: str,
+    shown: str | None,
 ) -> None:
     # An agent still bringing its engine to the committed state says so in its
-    # beat; this one is written by hand on that worker's own subject.
+    # beat, and why when it knows; this one is written by hand on that
+    # worker's own subject.
     subjects = Subjects(fleet=fleet_name)
     beat = Heartbeat(
         worker_id="w003",
@@ -199,6 +213,7 @@ async def test_an_engine_not_ready_gets_a_warning(
         paused=False,
         interval_s=0.2,
         ready=False,
+        unready_reason=reason,
     )
 
     async def keep_beating() -> None:
@@ -217,9 +232,7 @@ async def test_an_engine_not_ready_gets_a_warning(
 
     assert finished.returncode == 0, finished
     warnings = [line for line in finished.stdout.splitlines() if line.startswith("WARNING")]
-    assert warnings == [
-        "WARNING: w003 is not ready (its agent has not brought the engine to the committed state)"
-    ], finished
+    assert warnings == [f"WARNING: w003 is not ready ({shown or reason})"], finished
 
 
 async def test_with_neither_coordinator_nor_agents_status_says_so_and_exits_1(

@@ -20,6 +20,7 @@ from lorabus.cli.common import auth_options, bus_options, fleet_option, headers_
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.event_loop import serving_loop_factory, settle_collector
 from lorabus.metrics_http import serving
+from lorabus.options import auth_headers
 from lorabus.service_flags import (
     AGENT_FLAGS,
     COORDINATOR_FLAGS,
@@ -36,22 +37,23 @@ metrics_port_option = click.option(
     default=None,
     help="Serve Prometheus metrics on this port (at /metrics).",
 )
+admin_key_option = click.option(
+    "--admin-api-key-env",
+    metavar="VAR",
+    help="SGLang with --admin-api-key: send 'Authorization: Bearer $VAR' on its control "
+    "routes (pause, continue, load, unload) and the --api-key-env key on /v1/models.",
+)
 
 
 def serving_command(
-    config_type: type[_Config], flags: Sequence[Flag]
+    config_type: type[_Config], flags: Sequence[Flag], *, admin_key: bool = False
 ) -> Callable[[Callable[[_Config, Bus, int | None], Awaitable[int]]], click.Command]:
-    """A serving process's command: the bus and auth options, the flags of its
-    config, ``--metrics-port``; the decorated coroutine runs with the config
-    until a signal stops it, and its docstring is the command's help."""
+    """A serving process's command: the bus and auth options (with ``admin_key``,
+    ``--admin-api-key-env`` too), the flags of its config, ``--metrics-port``;
+    the decorated coroutine runs with the config until a signal stops it, and
+    its docstring is the command's help."""
 
     def decorate(serve: Callable[[_Config, Bus, int | None], Awaitable[int]]) -> click.Command:
-        @click.command(name=serve.__name__, help=serve.__doc__)
-        @bus_options()
-        @fleet_option
-        @config_options(config_type, flags)
-        @auth_options
-        @metrics_port_option
         def command(
             nats_url: str,
             bus: BusOptions,
@@ -59,14 +61,19 @@ def serving_command(
             api_key_env: str | None,
             headers: tuple[str, ...],
             metrics_port: int | None,
+            admin_api_key_env: str | None = None,
             **settings: Any,
         ) -> None:
+            fixed: dict[str, Any] = {}
+            if admin_api_key_env is not None:
+                fixed["admin_headers"] = auth_headers(admin_api_key_env)
             config = build_config(
                 config_type,
                 flags,
                 settings,
                 fleet=fleet,
                 headers=headers_from(api_key_env, headers),
+                **fixed,
             )
             if not (click.get_current_context().find_root().obj or {}).get("log_level_given"):
                 # A service says when it is ready and what each update did;
@@ -84,12 +91,17 @@ def serving_command(
                 )
             )
 
-        return command
+        options = [bus_options(), fleet_option, config_options(config_type, flags), auth_options]
+        options += [admin_key_option] if admin_key else []
+        options.append(metrics_port_option)
+        for option in reversed(options):
+            command = option(command)
+        return click.command(name=serve.__name__, help=serve.__doc__)(command)
 
     return decorate
 
 
-@serving_command(AgentConfig, AGENT_FLAGS)
+@serving_command(AgentConfig, AGENT_FLAGS, admin_key=True)
 async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
     """Drive one worker's engine on the coordinator's commands."""
     from lorabus.agents import Agent, driver_for
@@ -119,6 +131,8 @@ async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
     try:
         with serving(metrics.registry, metrics_port):
             try:
+                # Also asks whether the engine can take LoRA updates at all: the
+                # executor logs what it lacks, and the heartbeats say it.
                 await agent.executor.refresh()
             except EngineError as exc:
                 log.warning("worker=%s engine not answering at start: %s", config.worker_id, exc)
