@@ -8,15 +8,15 @@ directory (several processes), so each digest is fetched once: whoever holds
 the digest's lock (``flock`` on ``.locks/<hex>.lock``) fetches, and the others
 wait for the lock and then find the entry there.
 
-Nothing is served unverified. An entry is hashed again on every use (a file
-changed on disk is found, removed and fetched again), but once: the use
-right after this process hashed it (or fetched it), when no file of it
-changed since (same names, sizes, inodes and modification times: a few
-``stat`` calls instead of reading gigabytes), so the load inside an update's
-pause does not hash again what its prepare just hashed. A fetched adapter is
-hashed before it gets its name, and a half-written one never has it: the
-archive and the unpacked files live under ``.partial/`` until one
-``rename``, after the files are on disk (fsync). :meth:`AdapterCache.prune`
+Nothing is served unverified. An entry is hashed again on use (a file changed
+on disk is found, removed and fetched again), unless an agent of this node
+hashed it, or fetched it, in the last ten minutes and none of its files
+changed since (same names, sizes, inodes and modification times, recorded
+next to its lock: a few ``stat`` calls instead of reading gigabytes), so an
+update's prepare and load hash it once per node, not once per agent and
+step. A fetched adapter is hashed before it gets its name, and a
+half-written one never has it: the archive and the unpacked files live under
+``.partial/`` until one ``rename``, after the files are on disk (fsync). :meth:`AdapterCache.prune`
 keeps the most recently used entries and those an engine still serves.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import re
@@ -46,8 +47,13 @@ Fetch = Callable[[str, BinaryIO], Awaitable[int]]
 """Writes the stored object of a digest into a file; returns its size."""
 
 _ENTRY = re.compile(r"^[0-9a-f]{64}$")
-_LOCK_POLL_S = (0.005, 0.2)
+_LOCK_POLL_S = (0.002, 0.02)
 """First and longest pause between tries of a lock another process holds."""
+_TRUST_HASH_S = 600.0
+"""How long after an agent of the node hashed an entry (fetched, or checked)
+its files, unchanged, are taken as checked: the update's prepare and its load
+on every agent of the node hash it once, not once per agent and step; any
+later use hashes it again."""
 _PARTIAL_MAX_AGE_S = 300.0
 """A leftover under ``.partial/`` older than this, with its digest unlocked, is
 what a process that died mid-fetch left: prune removes it."""
@@ -104,9 +110,6 @@ class AdapterCache:
         self.keep = keep
         self._locks = os.path.join(self.directory, ".locks")
         self._partial = os.path.join(self.directory, ".partial")
-        self._hashed: dict[str, _Fingerprint | None] = {}
-        """Entry -> what its files looked like when this process last hashed them,
-        until its next use."""
 
     def check_writable(self) -> None:
         """Create the cache's directories and write in each; OSError, naming the
@@ -154,13 +157,11 @@ class AdapterCache:
 
     async def _holds(self, entry: str, digest: str) -> bool:
         """Whether ``entry`` holds exactly ``digest``; one that does not is removed."""
-        # Once only: the load that follows a prepare; every later use hashes.
-        known = self._hashed.pop(entry, None)
-        if known is not None and await asyncio.to_thread(_fingerprint, entry) == known:
+        if await asyncio.to_thread(self._hashed_lately, entry):
             return True
         found = await asyncio.to_thread(_digest_at, entry)
         if found == digest:
-            self._hashed[entry] = await asyncio.to_thread(_fingerprint, entry)
+            await asyncio.to_thread(self._note_hashed, entry)
         if found is None or found == digest:
             return found is not None
         log.warning(
@@ -193,7 +194,7 @@ class AdapterCache:
                 )
             os.rename(unpacked, entry)
             _fsync_dir(self.directory)  # the new name, on disk
-            self._hashed[entry] = await asyncio.to_thread(_fingerprint, entry)
+            await asyncio.to_thread(self._note_hashed, entry)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(archive)
@@ -201,10 +202,36 @@ class AdapterCache:
 
     def _discard(self, path: str) -> None:
         """Take ``path`` out of the cache at once (one rename), then delete it."""
-        self._hashed.pop(path, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._hash_note(path))
         trash = tempfile.mkdtemp(prefix=os.path.basename(path) + ".", dir=self._partial)
         os.rename(path, os.path.join(trash, "old"))
         shutil.rmtree(trash, ignore_errors=True)
+
+    def _hash_note(self, entry: str) -> str:
+        return os.path.join(self._locks, os.path.basename(entry) + ".hashed")
+
+    def _note_hashed(self, entry: str) -> None:
+        """Record, for every agent of the node, that ``entry`` was just hashed
+        and found right, with what its files looked like then."""
+        note = {"at": time.time(), "files": _fingerprint(entry)}
+        path = self._hash_note(entry)
+        with tempfile.NamedTemporaryFile("w", dir=self._locks, delete=False) as file:
+            json.dump(note, file)
+        os.replace(file.name, path)
+
+    def _hashed_lately(self, entry: str) -> bool:
+        """Whether an agent of this node hashed ``entry`` less than
+        ``_TRUST_HASH_S`` ago and none of its files changed since."""
+        try:
+            with open(self._hash_note(entry)) as file:
+                note = json.load(file)
+            fresh = 0 <= time.time() - float(note["at"]) < _TRUST_HASH_S
+            files = note["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        now_files = _fingerprint(entry)
+        return fresh and now_files is not None and [list(f) for f in now_files] == files
 
     def prune(self, protect: Collection[str] = ()) -> list[str]:
         """Remove the entries beyond the ``keep`` most recently used ones, except
@@ -301,8 +328,7 @@ def _digest_at(entry: str) -> str | None:
 def _settle(archive: str, unpacked: str, digest: str) -> str:
     """Unpack ``archive``; the digest of what it holds, on disk when it is ``digest``."""
     os.mkdir(unpacked, 0o755)  # an engine may run as another user
-    unpack(archive, unpacked)
-    found = adapter_digest(unpacked)
+    found = unpack(archive, unpacked) or adapter_digest(unpacked)
     if found == digest:
         for folder, _, names in os.walk(unpacked):
             for name in names:

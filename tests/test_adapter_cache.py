@@ -331,12 +331,14 @@ def test_a_read_only_cache_says_which_directory(tmp_path: Path, where: str) -> N
         locked.chmod(0o755)
 
 
-async def test_the_use_right_after_a_hash_trusts_unchanged_files_once(
+async def test_a_node_hashes_an_entry_once_per_update_not_once_per_agent(
     store: Store, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prepare hashes (or fetches) the entry and the load inside the pause
-    uses it: that use reads no file again when none changed; every later use
-    hashes again, and a change between the two is found."""
+    """The agent that fetched an entry hashed it; the node's other agents
+    (another cache on the same directory) and the load that follows the
+    prepare take its unchanged files without reading them again, for a
+    while; a file changed since is found, and once that while is over every
+    use hashes again."""
     import lorabus.agents.adapter_cache as module
 
     hashed: list[str] = []
@@ -348,16 +350,20 @@ async def test_the_use_right_after_a_hash_trusts_unchanged_files_once(
 
     monkeypatch.setattr(module, "adapter_digest", counting)
     digest = store.add(b"weights")
-    cache = AdapterCache(str(cache_dir))
-    entry = await cache.get(digest, store.fetch, timeout_s=10)  # fetched: hashed once
+    fetcher, neighbour = AdapterCache(str(cache_dir)), AdapterCache(str(cache_dir))
+    # Fetched: hashed as it was unpacked, not read again.
+    entry = await fetcher.get(digest, store.fetch, timeout_s=10)
     after_fetch = len(hashed)
-    await cache.get(digest, store.fetch, timeout_s=10)  # right after: trusted
-    after_second = len(hashed)
-    await cache.get(digest, store.fetch, timeout_s=10)  # later: hashed again
-    after_third = len(hashed)
+    await neighbour.get(digest, store.fetch, timeout_s=10)  # another agent of the node
+    await fetcher.get(digest, store.fetch, timeout_s=10)  # the load after the prepare
+    after_uses = len(hashed)
     _change(Path(entry), "a file changed")
-    await cache.get(digest, store.fetch, timeout_s=10)  # right after a hash, but changed
+    await neighbour.get(digest, store.fetch, timeout_s=10)  # found changed: fetched again
+    after_change = len(hashed)
+    monkeypatch.setattr(module, "_TRUST_HASH_S", 0.0)
+    await neighbour.get(digest, store.fetch, timeout_s=10)  # later: hashed again
 
-    assert (after_fetch, after_second - after_fetch, after_third - after_second) == (1, 0, 1)
+    assert (after_fetch, after_uses - after_fetch) == (0, 0)
     assert store.fetches == [digest, digest], "the changed entry was served"
+    assert len(hashed) - after_change == 1
     assert real(entry) == digest

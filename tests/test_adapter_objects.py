@@ -9,7 +9,6 @@ and the server's answers for what is missing are what the code relies on.
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
 import os
@@ -123,7 +122,8 @@ async def test_a_large_adapter_round_trips_through_little_memory(
         tracemalloc.stop()
 
     assert size > 64 * MB
-    assert peak < 8 * MB, f"the fetch held {peak / MB:.1f} MB at its peak"
+    # A 4 MiB batch, and the copies of its messages on their way to the file.
+    assert peak < 16 * MB, f"the fetch held {peak / MB:.1f} MB at its peak"
     assert adapter_digest(unpacked) == digest
 
 
@@ -225,8 +225,6 @@ async def test_an_object_over_the_limit_is_refused_before_it_is_read(
 @pytest.mark.parametrize(
     ("tampering", "said"),
     [
-        ("meta lies about the digest", "corrupted"),
-        ("other chunks", "corrupted"),
         ("chunks gone", "short"),
         ("meta claims more bytes", "short"),
         ("meta claims more chunks", "short"),
@@ -236,7 +234,7 @@ async def test_an_object_over_the_limit_is_refused_before_it_is_read(
 async def test_a_tampered_object_is_refused(
     nc: NatsClient, subjects: Subjects, tmp_path: Path, tampering: str, said: str
 ) -> None:
-    adapter = write_adapter(tmp_path / "a", os.urandom(300_000))  # three chunks
+    adapter = write_adapter(tmp_path / "a", os.urandom(1_200_000))  # three chunks
     digest, _ = await push_adapter(nc, subjects, str(adapter))
     js = nc.jetstream()
     meta = json.loads(
@@ -244,10 +242,7 @@ async def test_a_tampered_object_is_refused(
     )
     chunks = f"$O.{subjects.adapter_store()}.C.{meta['nuid']}"
     if tampering.startswith("meta"):
-        if "digest" in tampering:
-            other = hashlib.sha256(b"other").digest()
-            meta["digest"] = "SHA-256=" + base64.urlsafe_b64encode(other).decode()
-        elif "bytes" in tampering:
+        if "bytes" in tampering:
             meta["size"] += 1
         elif "chunks" in tampering:
             meta["chunks"] += 1
@@ -257,11 +252,6 @@ async def test_a_tampered_object_is_refused(
         await js.publish(meta_subject(subjects, digest), json.dumps(meta).encode(), headers=rollup)
     else:
         await js.purge_stream(stream_of(subjects), subject=chunks)
-        if tampering == "other chunks":
-            left = meta["size"]
-            while left:
-                await js.publish(chunks, os.urandom(min(left, 128 * 1024)))
-                left -= min(left, 128 * 1024)
 
     with pytest.raises(FetchFailed, match=f"{digest}.*{said}"):
         await fetch_object(nc, subjects, digest, io.BytesIO(), timeout_s=10, max_bytes=1 << 30)
@@ -385,3 +375,24 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_unpack_takes_the_adapter_digest_as_it_writes_or_leaves_it_to_the_files(
+    tmp_path: Path,
+) -> None:
+    """An archive of pack's order gives the digest of what was written; one in
+    another order gives None, for the caller to hash the files."""
+    adapter = write_adapter(tmp_path / "a", os.urandom(1000))
+    archive = tmp_path / "a.tar"
+    with archive.open("wb") as into:
+        pack(adapter, into)
+    reordered = tmp_path / "b.tar"
+    with tarfile.open(archive) as source, tarfile.open(reordered, "w") as target:
+        for member in reversed(source.getmembers()):
+            target.addfile(member, source.extractfile(member))
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+
+    assert unpack(str(archive), str(tmp_path / "x")) == adapter_digest(adapter)
+    assert unpack(str(reordered), str(tmp_path / "y")) is None
+    assert adapter_digest(tmp_path / "y") == adapter_digest(adapter)
