@@ -18,7 +18,7 @@ import click
 
 from lorabus.cli.common import EXIT_FAILED, INT_LIST, run
 from lorabus.cli.extras import require_sim_extra
-from lorabus.testbed.bench.config import CONNECTIONS, FULL, MODES, QUICK, WindowCase
+from lorabus.testbed.bench.config import CONNECTIONS, FULL, MODES, QUICK, SERIES, WindowCase
 from lorabus.testbed.chaos.config import ChaosConfig
 
 _CHAOS = ChaosConfig()
@@ -50,11 +50,23 @@ def _window_text(case: WindowCase | None) -> str:
     return f"{case.n}:{case.load_latency_s:g}:{case.load_jitter_s:g}"
 
 
+_DIST = FULL.distribution
+_QUICK_DIST = QUICK.distribution
+
+
 @click.command()
 @click.option(
     "--quick",
     is_flag=True,
-    help="Sizes up to 256, fewer updates, own connections only, no window case.",
+    help="Sizes up to 256, fewer updates, own connections only, no window case; "
+    f"the distribution series at N={_csv(_QUICK_DIST.sizes)} with "
+    f"{_csv(_QUICK_DIST.adapter_mb)} MB.",
+)
+@click.option(
+    "--series",
+    help=f"Which of {', '.join(SERIES)} to run: the update modes size by size, and/or "
+    "an adapter of S MB to N agents over the bus beside path mode and an HTTP pull "
+    f"[default: {_csv(FULL.series)}].",
 )
 @click.option(
     "--sizes",
@@ -117,6 +129,30 @@ def _window_text(case: WindowCase | None) -> str:
     "mutual TLS), every process as its own identity; own connections only.",
 )
 @click.option(
+    "--dist-sizes",
+    type=INT_LIST,
+    help="Distribution series: fleet sizes "
+    f"[default: {_csv(_DIST.sizes)}; quick {_csv(_QUICK_DIST.sizes)}].",
+)
+@click.option(
+    "--adapter-mb",
+    type=INT_LIST,
+    help="Distribution series: adapter sizes in MB "
+    f"[default: {_csv(_DIST.adapter_mb)}; quick {_csv(_QUICK_DIST.adapter_mb)}].",
+)
+@click.option(
+    "--agents-per-node",
+    type=click.IntRange(min=1),
+    help="Distribution series: agents sharing one node's cache directory "
+    f"[default: {_DIST.agents_per_node}].",
+)
+@click.option(
+    "--dist-updates",
+    type=click.IntRange(min=1),
+    help="Distribution series: timed updates per size, adapter size and way "
+    f"[default: {_DIST.updates}].",
+)
+@click.option(
     "--out", "out_path", type=click.Path(dir_okay=False), help="Write the figures as JSON."
 )
 @click.option(
@@ -126,6 +162,7 @@ def _window_text(case: WindowCase | None) -> str:
 )
 def bench(
     quick: bool,
+    series: str | None,
     sizes: list[int] | None,
     updates: int | None,
     world_sizes: list[int] | None,
@@ -138,10 +175,15 @@ def bench(
     heartbeat_s: float | None,
     keep: int | None,
     secure: bool,
+    dist_sizes: list[int] | None,
+    adapter_mb: list[int] | None,
+    agents_per_node: int | None,
+    dist_updates: int | None,
     out_path: str | None,
     run_dir: str | None,
 ) -> None:
-    """Measure updates: lorabus (null and HTTP engines), direct HTTP, and the bare bus."""
+    """Measure updates: lorabus (null and HTTP engines), direct HTTP, and the bare bus;
+    with --series distribution, adapters over the bus beside path mode and an HTTP pull."""
     require_sim_extra()
     from lorabus.testbed.bench import BenchReport, report_json, table
     from lorabus.testbed.bench.runner import run_bench
@@ -152,6 +194,7 @@ def bench(
         "world_sizes": tuple(world_sizes) if world_sizes else None,
         "load_latency_s": load_latency,
         "load_jitter_s": load_jitter,
+        "series": _names(series),
         "modes": _names(modes),
         "connections": _names(connections) or (("own",) if secure else None),
         "secure": secure or None,
@@ -163,8 +206,19 @@ def bench(
     changes = {name: value for name, value in given.items() if value is not None}
     if window_case is not None:
         changes["window_case"] = None if window_case == "off" else window_case
+    distribution: dict[str, Any] = {
+        "sizes": tuple(dist_sizes) if dist_sizes else None,
+        "adapter_mb": tuple(adapter_mb) if adapter_mb else None,
+        "agents_per_node": agents_per_node,
+        "updates": dist_updates,
+    }
+    profile = QUICK if quick else FULL
     try:
-        config = dataclasses.replace(QUICK if quick else FULL, **changes)
+        changes["distribution"] = dataclasses.replace(
+            profile.distribution,
+            **{name: value for name, value in distribution.items() if value is not None},
+        )
+        config = dataclasses.replace(profile, **changes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -272,8 +326,6 @@ def chaos(
     if not reports:
         sys.exit(code)
     report = reports[0]
-    for note in report.notes:
-        click.echo(f"note: {note}")
     for violation in report.violations:
         click.echo(str(violation))
     if not report.ok:

@@ -7,7 +7,9 @@ simulated fleet, each with its own NATS connection (as separate processes
 would have) or all on one shared connection; null engines take the spec's load
 latency, drawn per load. In ``floor`` role it instead holds one bare nats-py
 subscription per worker that echoes each command as an ack: the bus floor's
-fan-out side, laid out like the agents.
+fan-out side, laid out like the agents. With ``cache_dirs`` each agent keeps
+adapters from the fleet's object store in its worker's directory there
+(agents given one directory share a node's cache, as on one host).
 
 Run as ``python -m lorabus.testbed.bench.agenthost <spec>`` (see ``control.py``);
 answers ``times`` with what its engines went through since the last ask.
@@ -26,6 +28,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver, EngineDriver
+from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.bus import close, connect
 from lorabus.bus_options import BusOptions
 from lorabus.event_loop import serving_loop_factory, settle_collector
@@ -139,7 +142,13 @@ async def _start_agents(
             engine = DynamoDriver(f"{spec['sim_url']}/workers/{worker_id}")
         driver = TimedEngine(engine, times)
         drivers.append(driver)
-        executor = CommandExecutor(worker_id, world_size, driver)
+        # Adapters from the fleet's object store go to the worker's node's cache,
+        # made and checked as `lorabus agent` does at its start.
+        cache_dir = (spec.get("cache_dirs") or {}).get(worker_id)
+        cache = AdapterCache(cache_dir) if cache_dir else None
+        if cache is not None:
+            cache.check_writable()
+        executor = CommandExecutor(worker_id, world_size, driver, adapter_cache=cache)
         await executor.refresh()
         # In a secure run, each agent obeys only commands signed with the
         # coordinator key its identity pins, as a deployed agent does.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+SERIES = ("updates", "distribution")
 MODES = ("floor", "null", "http", "live", "baseline")
 CONNECTIONS = ("own", "shared")
 FULL_SIZES = (8, 64, 256, 1024)
@@ -22,6 +23,32 @@ class WindowCase:
     n: int = 256
     load_latency_s: float = 0.2
     load_jitter_s: float = 0.05
+
+
+@dataclass(frozen=True)
+class DistributionCase:
+    """The distribution series: an adapter of S MB to fleets of N agents,
+    ``agents_per_node`` of them sharing each node's cache directory."""
+
+    sizes: tuple[int, ...] = (8, 64)
+    adapter_mb: tuple[int, ...] = (16, 128)
+    agents_per_node: int = 8
+    updates: int = 3
+    """Timed updates per point (N, S) and way (bus, path, HTTP pull)."""
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.sizes or min(self.sizes) < 1:
+            raise ValueError("distribution sizes must be positive")
+        if not self.adapter_mb or min(self.adapter_mb) < 1:
+            raise ValueError("adapter sizes must be at least 1 MB")
+        if self.agents_per_node < 1:
+            raise ValueError("agents per node must be >= 1")
+        if self.updates < 1 or self.warmup < 0:
+            raise ValueError("distribution updates must be >= 1 and warm-ups >= 0")
+
+    def nodes_for(self, n: int) -> int:
+        return -(-n // self.agents_per_node)
 
 
 @dataclass(frozen=True)
@@ -57,8 +84,13 @@ class BenchConfig:
     """Each mode's NATS runs with ``lorabus auth init``'s configuration (nkeys,
     per-role permissions, mutual TLS) and every process as its own identity."""
     label: str = "full"
+    series: tuple[str, ...] = ("updates",)
+    """``updates`` (the modes above, size by size) and ``distribution``."""
+    distribution: DistributionCase = DistributionCase()
 
     def __post_init__(self) -> None:
+        if not self.series or set(self.series) - set(SERIES):
+            raise ValueError(f"series must be among {', '.join(SERIES)}")
         if not self.sizes or min(self.sizes) < 1:
             raise ValueError("sizes must be positive")
         if self.updates < 1 or self.warmup < 0:
@@ -87,6 +119,11 @@ class BenchConfig:
             raise ValueError(
                 "one shared connection cannot carry many agents' identities: "
                 "--secure measures own connections only"
+            )
+        if self.secure and "distribution" in self.series:
+            raise ValueError(
+                "the distribution series runs on plain NATS (it reads the server's "
+                "monitoring endpoint and clears the adapter store between updates)"
             )
 
     def updates_for(self, case: str) -> int:
@@ -120,5 +157,7 @@ QUICK = BenchConfig(
     connections=("own",),
     idle_s=0.5,
     label="quick",
+    distribution=DistributionCase(sizes=(8,), adapter_mb=(16,)),
 )
-"""``lorabus bench --quick``: sizes up to 256, fewer updates, own connections only."""
+"""``lorabus bench --quick``: sizes up to 256, fewer updates, own connections only;
+the distribution series at N = 8 with a 16 MB adapter."""

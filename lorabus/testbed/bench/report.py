@@ -3,53 +3,46 @@
 Every mode measured at one fleet size is one :class:`ModeResult`; the report
 adds, per size, the ratios its targets are set in (lorabus over the direct-HTTP
 baseline, lorabus with null engines over the bus floor) and a verdict on each
-target. It is printed as one table and written as JSON with ``--out``. The
-verdicts describe a run; they are not assertions, and nothing fails on them.
+target. The distribution series, when it ran, adds its results and verdicts
+(``distreport``). It is printed as tables and written as JSON with ``--out``.
+The verdicts describe a run; they are not assertions, and nothing fails on them.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
+
+from lorabus.testbed.bench.distreport import DistributionResult, distribution_table
+from lorabus.testbed.bench.figures import Stats, Target, stats_of
+
+__all__ = [
+    "BASELINE",
+    "FLOOR",
+    "HTTP",
+    "LIVE",
+    "NULL",
+    "BenchReport",
+    "ModeResult",
+    "SizeRatios",
+    "Stats",
+    "Target",
+    "find",
+    "judge",
+    "report_json",
+    "size_ratios",
+    "stats_of",
+    "table",
+]
 
 FLOOR = "floor"
 NULL = "lorabus-null"
 HTTP = "lorabus-http"
 LIVE = "lorabus-live"
 BASELINE = "baseline"
-
-
-class Stats(msgspec.Struct, frozen=True, kw_only=True):
-    """Seconds (or a ratio) over a series of updates."""
-
-    p50: float
-    p95: float
-    mean: float
-    min: float
-    max: float
-    count: int
-
-
-def stats_of(values: Sequence[float]) -> Stats:
-    if not values:
-        raise ValueError("no values to summarise")
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        p95 = ordered[0]
-    else:
-        p95 = statistics.quantiles(ordered, n=100, method="inclusive")[94]
-    return Stats(
-        p50=round(statistics.median(ordered), 6),
-        p95=round(p95, 6),
-        mean=round(statistics.fmean(ordered), 6),
-        min=round(ordered[0], 6),
-        max=round(ordered[-1], 6),
-        count=len(ordered),
-    )
 
 
 class ModeResult(msgspec.Struct, kw_only=True):
@@ -122,13 +115,6 @@ class SizeRatios(msgspec.Struct, kw_only=True):
     """Agents and floor subscribers sharing one connection per host process."""
 
 
-class Target(msgspec.Struct, kw_only=True):
-    target: str
-    measured: str
-    met: bool | None
-    """None when this run did not measure it."""
-
-
 class BenchReport(msgspec.Struct, kw_only=True):
     v: int = 1
     started_at: str
@@ -141,6 +127,8 @@ class BenchReport(msgspec.Struct, kw_only=True):
     unmeasured: list[str] = []
     """Modes that could not be measured, with why."""
     notes: list[str] = []
+    distribution: list[DistributionResult] = []
+    """The distribution series, when it ran (``--series distribution``)."""
 
 
 def find(
@@ -376,11 +364,13 @@ def _cell(value: float | None, scale: float = 1000.0, digits: int = 1) -> str:
 def table(report: BenchReport) -> list[str]:
     """The run as text lines: one table, then ratios and targets."""
     header = " ".join(f"{name:>{width}}" for name, width in _COLUMNS)
-    lines = [
-        "times in ms (p50 unless named), CPU in ms per update, RSS = peak MB; "
-        "ctr = coordinator or the baseline's process",
-        header,
-    ]
+    lines = []
+    if report.results:
+        lines += [
+            "times in ms (p50 unless named), CPU in ms per update, RSS = peak MB; "
+            "ctr = coordinator or the baseline's process",
+            header,
+        ]
     for r in report.results:
         phase = {name: s.p50 for name, s in r.phases_s.items()}
         label = r.label if r.case == "main" else f"{r.label}*"
@@ -406,10 +396,16 @@ def table(report: BenchReport) -> list[str]:
         lines.append(
             f"* loads of {window.load_latency_s * 1000:.0f}+-{window.load_jitter_s * 1000:.0f} ms"
         )
+    lines.extend(distribution_table(report.distribution))
     disturbed = [
         f"{r.label} N={r.n} ({r.foreign_load:.0%})"
         for r in report.results
         if r.foreign_load is not None and r.foreign_load > _DISTURBED
+    ]
+    disturbed += [
+        f"distribution N={r.n} S={r.adapter_mb} MB ({r.foreign_load:.0%})"
+        for r in report.distribution
+        if r.series == "bus" and r.foreign_load is not None and r.foreign_load > _DISTURBED
     ]
     if disturbed:
         lines.append(f"other processes used the machine during: {', '.join(disturbed)}")

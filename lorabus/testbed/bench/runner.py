@@ -13,7 +13,8 @@ For each fleet size N a fresh nats-server and a simulated fleet of N workers
 Each mode gets fresh processes and a fleet name of its own, a warm-up, then
 the timed updates; CPU and memory come from ``/proc`` of each process. The
 processes of a mode are stopped before the next starts, and every process is
-stopped when the run ends, also on errors and Ctrl-C.
+stopped when the run ends, also on errors and Ctrl-C. The distribution series
+(``distribution.py``) runs after the update modes, on processes of its own.
 """
 
 from __future__ import annotations
@@ -32,31 +33,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from nats.aio.client import Client as NatsClient
-
 from lorabus.agents.config import AgentConfig
-from lorabus.auth_init import FleetAuth, write_fleet_auth
-from lorabus.bus import close, connect
-from lorabus.bus_options import BusOptions, identity_env
+from lorabus.auth_init import write_fleet_auth
+from lorabus.bus import close
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig, StorageConfig
 from lorabus.coordinator.streams import provision
-from lorabus.errors import NoCoordinator
 from lorabus.roles import Role
 from lorabus.schemas import Subjects, UpdateMode
 from lorabus.service_flags import agent_args, coordinator_args
-from lorabus.simfleet.identity import numbered_worker_ids
-from lorabus.testbed.bench.children import Child, ChildFailed, Children
+from lorabus.testbed.bench.children import Child, ChildFailed
 from lorabus.testbed.bench.config import BenchConfig
+from lorabus.testbed.bench.distreport import DistributionResult, judge_distribution
+from lorabus.testbed.bench.distribution import run_distribution
+from lorabus.testbed.bench.fleet import BenchFailed, BenchFleet, cpu_of, pause_window
 from lorabus.testbed.bench.floor import FloorGather
 from lorabus.testbed.bench.frontend import ListingFrontend
-from lorabus.testbed.bench.procinfo import (
-    ForeignLoad,
-    ProcessGone,
-    cpu_seconds,
-    memory_mb,
-    peak_rss_mb,
-)
+from lorabus.testbed.bench.procinfo import ProcessGone, cpu_seconds, memory_mb, peak_rss_mb
 from lorabus.testbed.bench.report import (
     BASELINE,
     FLOOR,
@@ -80,12 +73,9 @@ _UPDATE_TIMEOUT_S = 120.0
 _MAX_ERRORS_KEPT = 5
 
 
-class BenchFailed(Exception):
-    """Raised when a mode cannot be measured (a process died, a fleet never got ready)."""
-
-
 async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
-    """Run every size and mode of ``config``; print progress with ``out``."""
+    """Run every series of ``config`` (the update modes size by size, the
+    distribution series); print progress with ``out``."""
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load_at_start = os.getloadavg()
     started = time.monotonic()
@@ -94,27 +84,22 @@ async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
     notes: list[str] = []
     unmeasured: list[str] = []
     results: list[ModeResult] = []
-    adapter = write_adapter(run_dir / "adapters", 1, base_model="sim-base")
-    cases: list[tuple[str, int, float, float, Sequence[str]]] = [
-        ("main", n, config.load_latency_s, config.load_jitter_s, config.modes) for n in config.sizes
-    ]
-    window = config.window_case
-    if window is not None:
-        window_modes = [m for m in ("null", "http", "baseline") if m in config.modes]
-        cases.append(
-            ("window", window.n, window.load_latency_s, window.load_jitter_s, window_modes)
-        )
+    distributed: list[DistributionResult] = []
     try:
-        for case, n, latency, jitter, modes in cases:
-            size = _SizeRun(config, case, n, latency, jitter, str(adapter), run_dir, out)
-            results.extend(await size.run(modes, unmeasured))
+        if "updates" in config.series:
+            results = await _run_updates(config, run_dir, out, unmeasured)
+        if "distribution" in config.series:
+            distributed = await run_distribution(config, run_dir, out, unmeasured)
     finally:
-        failed = bool(unmeasured) or any(r.errors for r in results)
+        failed = (
+            bool(unmeasured) or any(r.errors for r in results) or any(r.errors for r in distributed)
+        )
         if own_dir and not failed:
             shutil.rmtree(run_dir, ignore_errors=True)
         elif failed:
             notes.append(f"logs kept in {run_dir}")
     ratios = size_ratios(results)
+    targets = judge(results, ratios) if "updates" in config.series else []
     return BenchReport(
         started_at=started_at,
         elapsed_s=round(time.monotonic() - started, 1),
@@ -127,20 +112,43 @@ async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
         settings=_settings(config),
         results=results,
         ratios=ratios,
-        targets=judge(results, ratios),
+        targets=targets + judge_distribution(distributed),
         unmeasured=unmeasured,
         notes=notes,
+        distribution=distributed,
     )
+
+
+async def _run_updates(
+    config: BenchConfig, run_dir: Path, out: Out, unmeasured: list[str]
+) -> list[ModeResult]:
+    """Every size and mode of the update series."""
+    results: list[ModeResult] = []
+    adapter = write_adapter(run_dir / "adapters", 1, base_model="sim-base")
+    cases: list[tuple[str, int, float, float, Sequence[str]]] = [
+        ("main", n, config.load_latency_s, config.load_jitter_s, config.modes) for n in config.sizes
+    ]
+    window = config.window_case
+    if window is not None:
+        window_modes = [m for m in ("null", "http", "baseline") if m in config.modes]
+        cases.append(
+            ("window", window.n, window.load_latency_s, window.load_jitter_s, window_modes)
+        )
+    for case, n, latency, jitter, modes in cases:
+        size = _SizeRun(config, case, n, latency, jitter, str(adapter), run_dir, out)
+        results.extend(await size.run(modes, unmeasured))
+    return results
 
 
 def _settings(config: BenchConfig) -> dict[str, Any]:
     settings = asdict(config)
     settings["run_dir"] = None
-    settings["heartbeat_s"] = {n: config.heartbeat_for(n) for n in config.sizes}
+    sizes = sorted({*config.sizes, *config.distribution.sizes})
+    settings["heartbeat_s"] = {n: config.heartbeat_for(n) for n in sizes}
     return settings
 
 
-class _SizeRun:
+class _SizeRun(BenchFleet):
     """Every mode at one fleet size, on a nats-server and a simulated fleet of its own."""
 
     def __init__(
@@ -154,25 +162,10 @@ class _SizeRun:
         run_dir: Path,
         out: Out,
     ) -> None:
-        self.config = config
-        self.case = case
-        self.n = n
-        self.latency = latency
-        self.jitter = jitter
+        super().__init__(config, case, n, latency, jitter, run_dir / f"{case}-n{n}")
         self.adapter_path = adapter_path
-        self.log_dir = run_dir / f"{case}-n{n}"
         self.out = out
-        self.workers = dict(zip(numbered_worker_ids(n), config.world_sizes_for(n), strict=True))
-        self.world_size = sum(self.workers.values())
-        self.heartbeat_s = config.heartbeat_for(n)
         self.updates = config.updates_for(case)
-        self.hosts = min(config.agent_procs, n)
-        self.children = Children(self.log_dir)
-        self.nats: NatsServer | None = None
-        self.auth: FleetAuth | None = None
-        """The identities of the mode being measured, in a secure run."""
-        self.sim: Child | None = None
-        self.sim_url = ""
         self.listing: ListingFrontend | None = None
 
     async def run(self, modes: Sequence[str], unmeasured: list[str]) -> list[ModeResult]:
@@ -190,7 +183,7 @@ class _SizeRun:
         async with NatsServer() as nats, self.children, ListingFrontend() as listing:
             self.nats, self.listing = nats, listing
             if {"http", "live", "baseline"} & set(modes):
-                await self._start_sim()
+                await self.start_sim()
             for mode, layout in plan:
                 label = mode if layout == "-" else f"{mode}/{layout}"
                 started = time.monotonic()
@@ -236,7 +229,7 @@ class _SizeRun:
         async with NatsServer(include=auth.server_conf) as server:
             self.nats, self.auth = server, auth
             try:
-                nc = await self._connect(Role.OPERATOR, name="bench-operator")
+                nc = await self.connect(Role.OPERATOR, name="bench-operator")
                 try:
                     await provision(nc, StorageConfig(fleet=fleet))
                 finally:
@@ -244,23 +237,6 @@ class _SizeRun:
                 yield
             finally:
                 self.nats, self.auth = shared, None
-
-    @property
-    def nats_url(self) -> str:
-        assert self.nats is not None
-        return self.nats.url.replace("nats://", "tls://") if self.auth else self.nats.url
-
-    def _identity_env(self, role: Role, worker_id: str | None = None) -> dict[str, str]:
-        """The variables that make a process connect as ``role`` (none outside a
-        secure run): paths and an inbox prefix, no secret."""
-        if self.auth is None:
-            return {}
-        folder = self.auth.identity(role, worker_id).folder
-        return identity_env(folder)
-
-    async def _connect(self, role: Role, *, name: str) -> NatsClient:
-        options = BusOptions.from_env(self._identity_env(role))
-        return await connect(self.nats_url, name=name, options=options)
 
     def _result(self, mode: str, layout: str, **figures: Any) -> ModeResult:
         return ModeResult(
@@ -274,79 +250,13 @@ class _SizeRun:
             **figures,
         )
 
-    async def _start_sim(self) -> None:
-        spec = {
-            "workers": self.n,
-            "world_sizes": list(self.config.world_sizes),
-            "load_latency_s": self.latency,
-            "load_jitter_s": self.jitter,
-            "seed": self.n,
-        }
-        self.sim, ready = await self.children.bench_child("sim", "simhost", spec)
-        self.sim_url = ready["url"]
-
-    def _ready_timeout_s(self) -> float:
-        return 60.0 + self.n * 0.1
-
-    async def _hosts(
-        self, role: str, fleet: str, workers: dict[str, int], layout: str, engine: str = "null"
-    ) -> list[Child]:
-        assert self.nats is not None
-        ids = list(workers)
-        count = min(self.hosts, len(ids))
-        chunks = [ids[i::count] for i in range(count)]
-        specs = [
-            {
-                "role": role,
-                "nats_url": self.nats_url,
-                "fleet": fleet,
-                "identities": {wid: self._identity_env(Role.AGENT, wid) for wid in chunk},
-                "workers": {wid: workers[wid] for wid in chunk},
-                "engine": engine,
-                "sim_url": self.sim_url,
-                "shared_connection": layout == "shared",
-                "heartbeat_s": self.heartbeat_s,
-                "ready_timeout_s": self._ready_timeout_s(),
-                "load_latency_s": self.latency,
-                "load_jitter_s": self.jitter,
-                "seed": self.n * 100 + i,
-            }
-            for i, chunk in enumerate(chunks)
-        ]
-        started = await asyncio.gather(
-            *(
-                self.children.bench_child(
-                    f"{fleet}-host{i}",
-                    "agenthost",
-                    spec,
-                    ready_timeout_s=self._ready_timeout_s() + 30,
-                )
-                for i, spec in enumerate(specs)
-            ),
-            return_exceptions=True,
-        )
-        hosts = [s[0] for s in started if not isinstance(s, BaseException)]
-        failure = next((s for s in started if isinstance(s, BaseException)), None)
-        if failure is not None:
-            await self.children.stop_all(hosts)
-            raise failure
-        return hosts
-
-    def _foreign_load(self, children: Sequence[Child]) -> ForeignLoad:
-        """Watches the machine for load that is not this run's."""
-        pids = [child.pid for child in children]
-        for server in (self.nats.process if self.nats else None, self.sim):
-            if server is not None:
-                pids.append(server.pid)
-        return ForeignLoad(pids)
-
     # -- the bus floor -------------------------------------------------------------
 
     async def _floor(self, fleet: str, layout: str) -> ModeResult:
         assert self.nats is not None
         setup_started = time.monotonic()
-        hosts = await self._hosts("floor", fleet, self.workers, layout)
-        nc = await self._connect(Role.COORDINATOR, name="bench-floor")
+        hosts = await self.start_hosts("floor", fleet, self.workers, layout)
+        nc = await self.connect(Role.COORDINATOR, name="bench-floor")
         try:
             gather = FloorGather(nc, Subjects(fleet=fleet), self.n)
             await gather.start()
@@ -354,8 +264,8 @@ class _SizeRun:
             for _ in range(self.config.warmup):
                 await gather.update()
             nats_cpu = cpu_seconds(self.nats.process.pid)  # type: ignore[union-attr]
-            hosts_cpu = _cpu(hosts)
-            foreign = self._foreign_load(hosts)
+            hosts_cpu = cpu_of(hosts)
+            foreign = self.foreign_load(hosts)
             walls, rounds = [], []
             for _ in range(self.updates):
                 times = await gather.update()
@@ -371,7 +281,7 @@ class _SizeRun:
                 wall_samples_s=[round(w, 6) for w in walls],
                 phases_s={"round": stats_of(rounds)},
                 setup_s=round(setup_s, 3),
-                agents_cpu_s_per_update=(_cpu(hosts) - hosts_cpu) / count,
+                agents_cpu_s_per_update=(cpu_of(hosts) - hosts_cpu) / count,
                 agent_hosts=len(hosts),
                 agents_per_host=-(-self.n // len(hosts)),
                 agent_host_peak_rss_mb=max(peak_rss_mb(h.pid) for h in hosts),
@@ -407,7 +317,7 @@ class _SizeRun:
         coordinator = await self.children.lorabus(
             f"{fleet}-coordinator",
             coordinator_args(coordinator_config, nats_url=self.nats_url),
-            env=self._identity_env(Role.COORDINATOR),
+            env=self.identity_env(Role.COORDINATOR),
         )
         hosted = dict(self.workers)
         single: Child | None = None
@@ -427,12 +337,12 @@ class _SizeRun:
                 single = await self.children.lorabus(
                     f"{fleet}-agent-{wid}",
                     agent_args(agent_config, nats_url=self.nats_url),
-                    env=self._identity_env(Role.AGENT, wid),
+                    env=self.identity_env(Role.AGENT, wid),
                 )
-            agents = await self._hosts("agents", fleet, hosted, layout, engine)
-            nc = await self._connect(Role.ORCHESTRATOR, name="bench-requester")
+            agents = await self.start_hosts("agents", fleet, hosted, layout, engine)
+            nc = await self.connect(Role.ORCHESTRATOR, name="bench-requester")
             client = UpdateClient(nc, fleet)
-            await self._wait_fleet_ready(
+            await self.wait_fleet_ready(
                 client, [coordinator, *agents, *([single] if single else [])]
             )
             setup_s = time.monotonic() - setup_started
@@ -446,10 +356,10 @@ class _SizeRun:
             await asyncio.gather(*(h.ask("times") for h in agents))
             rss_before = memory_mb(coordinator.pid)[0]
             measured = [coordinator, *agents, *([single] if single else [])]
-            foreign = self._foreign_load(measured)
+            foreign = self.foreign_load(measured)
             counters = {
                 "coordinator": cpu_seconds(coordinator.pid),
-                "agents": _cpu([c for c in measured if c is not coordinator]),
+                "agents": cpu_of([c for c in measured if c is not coordinator]),
                 "nats": cpu_seconds(self.nats.process.pid),  # type: ignore[union-attr]
                 "sim": cpu_seconds(self.sim.pid) if self.sim else 0.0,
             }
@@ -476,7 +386,7 @@ class _SizeRun:
                 for name, seconds in result.phases.items():
                     phases.setdefault(name, []).append(seconds)
                 phases.setdefault("other", []).append(wall - sum(result.phases.values()))
-                window = _window(engines)
+                window = pause_window(engines)
                 if window is None and live:
                     window = 0.0  # no engine paused: the pause window is nil
                 if window is not None:
@@ -489,7 +399,8 @@ class _SizeRun:
                 raise BenchFailed(f"no update committed: {errors[:1]}")
             per_update = {
                 "coordinator": cpu_seconds(coordinator.pid) - counters["coordinator"],
-                "agents": _cpu([c for c in measured if c is not coordinator]) - counters["agents"],
+                "agents": cpu_of([c for c in measured if c is not coordinator])
+                - counters["agents"],
                 "nats": cpu_seconds(self.nats.process.pid)  # type: ignore[union-attr]
                 - counters["nats"],
                 "sim": (cpu_seconds(self.sim.pid) if self.sim else 0.0) - counters["sim"],
@@ -542,26 +453,6 @@ class _SizeRun:
         )
         return time.perf_counter() - started, result
 
-    async def _wait_fleet_ready(self, client: UpdateClient, processes: list[Child]) -> None:
-        """Until the coordinator leads and every agent is live and ready."""
-        deadline = time.monotonic() + self._ready_timeout_s()
-        seen = "no coordinator answered"
-        while time.monotonic() < deadline:
-            dead = [p for p in processes if not p.running]
-            if dead:
-                raise BenchFailed(f"{dead[0].name} exited; its log:\n{dead[0].log_tail()}")
-            try:
-                status = await client.status(timeout_s=5)
-            except NoCoordinator:
-                await asyncio.sleep(0.25)
-                continue
-            ready = sum(m.world_size for m in status.members if m.ready)
-            if ready == self.world_size:
-                return
-            seen = f"{ready} of {self.world_size} world size ready"
-            await asyncio.sleep(0.25)
-        raise BenchFailed(f"the fleet was not ready in time: {seen}")
-
     # -- the direct-HTTP baseline ---------------------------------------------------
 
     async def _baseline(self) -> ModeResult:
@@ -573,7 +464,7 @@ class _SizeRun:
             "timeout_s": 60.0,
         }
         child, ready = await self.children.bench_child(
-            f"baseline-n{self.n}", "baseline", spec, ready_timeout_s=self._ready_timeout_s()
+            f"baseline-n{self.n}", "baseline", spec, ready_timeout_s=self.ready_timeout_s()
         )
         try:
             timeout = _UPDATE_TIMEOUT_S
@@ -585,7 +476,7 @@ class _SizeRun:
                 )
             setup_s = time.monotonic() - setup_started
             central = cpu_seconds(child.pid)
-            foreign = self._foreign_load([child])
+            foreign = self.foreign_load([child])
             sim = cpu_seconds(self.sim.pid)
             walls: list[float] = []
             phases: dict[str, list[float]] = {}
@@ -637,16 +528,3 @@ class _SizeRun:
             )
         finally:
             await self.children.stop(child)
-
-
-def _cpu(children: Sequence[Child]) -> float:
-    return sum(cpu_seconds(child.pid) for child in children)
-
-
-def _window(engines: Sequence[dict[str, Any]]) -> float | None:
-    """First engine pausing to last engine resumed, over every agent host."""
-    firsts = [e["first_pause"] for e in engines if e["first_pause"] is not None]
-    lasts = [e["last_resume"] for e in engines if e["last_resume"] is not None]
-    if not firsts or not lasts:
-        return None
-    return max(lasts) - min(firsts)

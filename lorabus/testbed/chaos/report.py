@@ -42,8 +42,6 @@ class ChaosReport(msgspec.Struct, kw_only=True):
     violations_by_invariant: dict[str, int]
     violations: list[Violation]
     observed: dict[str, Any]
-    notes: list[str]
-    """Not violations, but worth a look: engine pauses their agents did not know of."""
     run_dir: str
 
     @property
@@ -121,7 +119,6 @@ def build_report(
         violations_by_invariant=count_by_invariant(violations),
         violations=violations,
         observed=_observed(timeline),
-        notes=[],
         run_dir=run_dir,
     )
 
