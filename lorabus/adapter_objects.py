@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 
 _READ_DEADLINE_S = 5.0
 """How long one read of the store (a meta, the next chunk of a batch) may take."""
-_BATCH_TRIES = 4
+_BATCH_TRIES = 6
 _BATCH_RETRY_GAP_S = 0.5
 """Before asking again, times the try: a node's death takes a reconnect."""
 _CHUNK_BYTES = 512 << 10

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lorabus.audit import TrailRecord, verify
 from lorabus.bus import close
+from lorabus.cancellation import raise_if_cancelled
 from lorabus.render import phase_timeline, rank_map_text
 from lorabus.roles import Role
 from lorabus.schemas import Subjects, UpdateResult
@@ -56,6 +57,9 @@ async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], No
             out(f"  nats {stack.nats_url}   frontend {stack.sim.url}")
             results: list[UpdateResult] = []
             for step in range(1, steps + 1):
+                # Each step now pushes over nats-py's wait_for, which in Python
+                # 3.11 can drop a Ctrl-C's cancellation (lorabus/cancellation.py).
+                raise_if_cancelled()
                 path = write_adapter(trainer, step)
                 result = await stack.client.update(
                     ADAPTER, source=path, version=step, timeout_s=120
