@@ -308,8 +308,13 @@ class UpdateRun:
             kept = set(paused)
             load_gather.drop(w for w in targets if w not in kept)
             # A pause that landed after all (its ack late or lost) runs the load
-            # it carried: such members are withdrawn from too if this fails.
+            # it carried: such members are withdrawn from too if this fails. So
+            # is one whose pause was acked as failed with its outcome unknown
+            # (the engine maybe paused): its agent refuses the load, but which
+            # of the two the coordinator heard first is a race, and unloading
+            # a name an engine lacks succeeds.
             self._may_have_loaded.update(pause.missing + pause.lost)
+            self._may_have_loaded.update(w for w, a in pause.acks.items() if a.paused and not a.ok)
             loaded = await loading
         finally:
             loading.cancel()
