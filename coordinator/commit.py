@@ -2,9 +2,15 @@
 
 One order, for every update:
 
-1. **Write.** A commit's commit point (the adapter's own committed record)
-   first, then its result and the fleet's latest record, together; then
-   the in-flight record is removed. Any other result (a failure, "already
+1. **Write.** A commit is first claimed: the in-flight record the update
+   sent is rewritten, by compare-and-set on its revision, to carry the
+   commit. A successor that took the update over (to roll it back) wrote
+   that record first, and the claim fails: the term was deposed between
+   its last look at the leader record and its commit (frozen past its
+   lease, say), and answers ``not_leader`` instead. Then the commit point
+   (the adapter's own committed record), then its result and the fleet's
+   latest record, together; then the in-flight record is removed, by
+   compare-and-set again. Any other result (a failure, "already
    committed") is written, and the in-flight record removed, only while
    this term still leads: a deposed term's successor rolled its update back
    and may have one of its own in flight.
@@ -17,7 +23,8 @@ One order, for every update:
 So a requester told "committed" finds the commit in the store whoever leads
 next, and nothing is owed after the answer. A coordinator that dies before
 its answer leaves the in-flight record, from which a successor finishes the
-commit (the commit point stored) or rolls it back (not): ``recovery.py``.
+commit (claimed, or the commit point stored) or rolls it back (neither):
+``recovery.py``.
 A commit's write that fails is tried again (0.2 s, doubling to 5 s) for a
 lease; still failing, the term steps aside unanswered, and its requesters,
 told ``not_leader``, ask whoever leads next, which recovers it the same way.
@@ -30,14 +37,25 @@ import logging
 from dataclasses import dataclass
 from functools import partial
 
+import msgspec
+
 from lorabus.clock import now
 from lorabus.coordinator.adapter_store import retire_stored
+from lorabus.coordinator.book import failed_result
 from lorabus.coordinator.fit import fit_result
-from lorabus.coordinator.signals import LeadershipLost, SteppedAside, StoreUnavailable
+from lorabus.coordinator.inflight import Journalled
+from lorabus.coordinator.signals import LeadershipLost, LostRace, SteppedAside, StoreUnavailable
 from lorabus.coordinator.store import quietly, until_stored
 from lorabus.coordinator.term import Term
 from lorabus.errors import BusError
-from lorabus.schemas import CommittedNotice, CommittedRecord, UpdateRequest, UpdateResult
+from lorabus.schemas import (
+    CommittedNotice,
+    CommittedRecord,
+    ErrorCode,
+    ErrorInfo,
+    UpdateRequest,
+    UpdateResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +69,9 @@ class Executed:
     """The commit's record, stored (commit point, then latest) before the answer."""
     notice: CommittedNotice | None = None
     """What tells the agents of the commit, after the answer."""
-    journalled: bool = False
-    """The update sent an in-flight record, to be removed once its result is stored."""
+    journalled: Journalled | None = None
+    """The in-flight record the update sent: a commit is claimed on it, and it
+    is removed once the result is stored."""
 
 
 async def conclude(term: Term, request: UpdateRequest, executed: Executed, started: float) -> None:
@@ -61,6 +80,13 @@ async def conclude(term: Term, request: UpdateRequest, executed: Executed, start
     commit could not be stored."""
     # One form for the store, the trail and every answer.
     result = fit_result(executed.result, term.max_payload())
+    journalled = executed.journalled
+    if executed.committed is not None and journalled is not None:
+        journalled = await _claim_commit(term, journalled, executed.committed)
+        if journalled is None:  # a successor took the update over
+            committing = executed.committed.served_name
+            executed = Executed(deposed_result(term, request, committing))
+            result = executed.result
     if executed.committed is not None:
         # The update loop saw this term lead once the update had run.
         await _store_commit(term, executed.committed, result)
@@ -68,8 +94,8 @@ async def conclude(term: Term, request: UpdateRequest, executed: Executed, start
     else:
         leading = await term.still_leading()
         persisted = leading and await quietly(term.store.write_result(result))
-    if leading and executed.journalled:
-        await quietly(term.store.clear_inflight())
+    if leading and journalled is not None:
+        await _clear_inflight(term, journalled)
     term.metrics.update_seconds.observe(now() - started)
     term.metrics.updates.labels(result.status).inc()
     # Before the answer: a trail read once the answer is in holds the end of
@@ -95,6 +121,76 @@ async def conclude(term: Term, request: UpdateRequest, executed: Executed, start
         # Deposed: step down now, not at the next lease renewal, so no later
         # request gets an answer from this term.
         raise LeadershipLost(f"epoch {term.epoch} was deposed during an update")
+
+
+def deposed_result(term: Term, request: UpdateRequest, committing: str | None) -> UpdateResult:
+    """The answer of a term deposed while its update ran: its own outcome is
+    none (a failure may be only the agents fencing it off), and the new
+    leader answers a requester that asks again."""
+    deposed = ErrorInfo(
+        code=ErrorCode.NOT_LEADER,
+        message=f"epoch {term.epoch} was deposed before "
+        + (
+            f"committing {committing}; the new leader rolls the update back"
+            if committing is not None
+            else "the update ended; ask again: the new leader answers"
+        ),
+    )
+    return failed_result(request, deposed)
+
+
+async def _claim_commit(
+    term: Term, journalled: Journalled, committed: CommittedRecord
+) -> Journalled | None:
+    """Rewrite the update's in-flight record to carry ``committed``, by
+    compare-and-set: the claimed record, or None when a successor took the
+    update over first."""
+    claim = msgspec.structs.replace(journalled.record, committing=committed)
+
+    async def swap() -> Journalled | None:
+        revision = journalled.revision
+        if revision is None:  # a write failed: what is stored is read
+            found, revision = await term.store.read_inflight_entry()
+            if found is not None and found not in (journalled.record, claim):
+                return None
+            if found == claim:
+                return Journalled(claim, revision)
+        try:
+            return Journalled(claim, await term.store.swap_inflight(claim, revision))
+        except LostRace:
+            # Ours, if an earlier try landed unanswered; else a successor's.
+            found, revision = await term.store.read_inflight_entry()
+            return Journalled(claim, revision) if found == claim else None
+
+    try:
+        claimed = await until_stored(swap, for_s=term.config.leader_lease_s)
+    except StoreUnavailable as exc:
+        raise SteppedAside(
+            f"could not claim the commit of {committed.served_name} for a whole lease: {exc}"
+        ) from exc
+    if claimed is None:
+        log.warning(
+            "epoch=%d update=%s was taken over by a successor before its commit: not committed",
+            term.epoch,
+            journalled.record.update_id,
+        )
+    return claimed
+
+
+async def _clear_inflight(term: Term, journalled: Journalled) -> None:
+    """Remove the update's in-flight record, unless somebody wrote it since
+    (a successor's own update, which must stay for its own successor)."""
+    revision = journalled.revision
+    try:
+        if revision is None:
+            found, revision = await term.store.read_inflight_entry()
+            if found != journalled.record:
+                return
+        await term.store.clear_inflight(revision)
+    except LostRace as exc:
+        log.info("epoch=%d in-flight record left as found: %s", term.epoch, exc)
+    except StoreUnavailable as exc:
+        log.warning("store: %s", exc)
 
 
 async def _retire_stored(term: Term, committed: CommittedRecord) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lorabus.coordinator.digests import agreed_digest
+from lorabus.coordinator.inflight import Journalled
 from lorabus.coordinator.phases import PhaseOutcome
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.schemas import Ack, ErrorInfo, RankMap, UpdateResult, UpdateStatus, WorkerOutcome
@@ -18,9 +19,9 @@ class RunOutcome:
     """How an update's run ended."""
 
     result: UpdateResult
-    journalled: bool
-    """An in-flight record was sent for it (its writes have ended, stored or
-    failed and logged): the caller may clear it."""
+    journalled: Journalled | None
+    """The in-flight record last sent for it (its writes have ended, stored
+    or failed and logged), which the caller claims or clears; None if none."""
 
 
 @dataclass(frozen=True)

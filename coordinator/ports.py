@@ -40,4 +40,6 @@ class Journal(Protocol):
     """Where the update in flight is sent ahead of its pause (and its load), so
     that a successor finds it (the fleet's KV; a list in tests)."""
 
-    async def record(self, in_flight: InflightRecord) -> None: ...
+    async def record(self, in_flight: InflightRecord) -> int:
+        """Store ``in_flight``; return its revision."""
+        ...

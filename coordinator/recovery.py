@@ -11,14 +11,20 @@ Then, for the update found in flight:
 - its commit point is stored: it committed (its requester may not have been
   told yet). Its result and the fleet's latest record are written, those
   that did not land;
-- no commit point and no result: it is rolled back (every member it named
-  resumed, the version withdrawn) and that result recorded, so a requester
-  retrying the same update id gets a terminal answer;
+- its record carries the commit its predecessor claimed (``commit.py``):
+  the commit point is written if it is missing, then as above;
+- no commit point and no result: the record is first marked as taken over
+  by this term, by compare-and-set (a predecessor that was only frozen
+  cannot claim the commit after that, and one that claimed it first makes
+  this term read the record again and finish the commit); then it is
+  rolled back (every member it named resumed, the version withdrawn) and
+  that result recorded, so a requester retrying the same update id gets a
+  terminal answer;
 - its adapter's commit point does not decode: whether it committed is
   unknown, so every member is resumed, nothing withdrawn, nothing recorded;
 - the in-flight record itself does not decode: every live member is resumed.
 
-Then the in-flight record is removed. A record of the store that does not
+Then the in-flight record is removed, if nobody wrote it since. A record of the store that does not
 decode is reported (``bad_message``) with what is done about it.
 """
 
@@ -30,8 +36,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
+import msgspec
+
 from lorabus.coordinator.lifecycle import UpdateRunner
-from lorabus.coordinator.signals import LeadershipLost, SteppedAside, StoreUnavailable
+from lorabus.coordinator.signals import LeadershipLost, LostRace, SteppedAside, StoreUnavailable
 from lorabus.coordinator.store import COMMITTED as COMMITTED_KEY
 from lorabus.coordinator.store import (
     INFLIGHT,
@@ -54,6 +62,7 @@ from lorabus.schemas import (
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_TAKE_OVER_TRIES = 3
 _REMEDIES = {
     False: "read as absent: an adapter whose commit point it is is reset at its next update, "
     "and the latest record is rewritten at the next commit",
@@ -66,31 +75,113 @@ does not decode."""
 async def recover(term: Term, runner: UpdateRunner) -> str | None:
     """Load the committed state; finish or roll back an update a predecessor
     left in flight, and return its id."""
-    found = await _read_left_state(term)
-    for corrupt in found.corrupt:
-        await term.reports.corrupt(corrupt, remedy=_REMEDIES[corrupt.key == INFLIGHT])
-    if found.committed is not None:
-        term.book.commit(found.committed)
+    reported = False
+    for _ in range(_TAKE_OVER_TRIES):
+        found = await _read_left_state(term)
+        if not reported:
+            reported = True
+            for corrupt in found.corrupt:
+                await term.reports.corrupt(corrupt, remedy=_REMEDIES[corrupt.key == INFLIGHT])
+        if found.committed is not None:
+            term.book.commit(found.committed)
+        try:
+            return await _take_over(term, runner, found)
+        except _Raced:
+            log.warning(
+                "epoch=%d the update in flight changed while this term took it over "
+                "(its predecessor claimed its commit): reading it again",
+                term.epoch,
+            )
+    raise SteppedAside(
+        f"the update in flight changed under {_TAKE_OVER_TRIES} take-overs: stepping aside"
+    )
+
+
+async def _take_over(term: Term, runner: UpdateRunner, found: _LeftState) -> str | None:
+    """Finish or roll back what ``found`` holds in flight; raises _Raced when
+    its predecessor wrote the record meanwhile (the caller reads it again)."""
     in_flight, recorded, commit_point = found.in_flight, found.result, found.commit_point
     if found.in_flight_unknown:
         await _resume_everyone(term, runner)
-        await quietly(term.store.clear_inflight())
+        await _clear(term, found.in_flight_revision)
         return None
     if in_flight is None:
         return None
-    if commit_point is not None and _records_commit_of(commit_point, in_flight):
+    revision = found.in_flight_revision
+    if in_flight.committing is not None and not _records_commit_of(commit_point, in_flight):
+        # Its predecessor claimed the commit and may have stopped before
+        # the commit point: it is written here, never rolled back.
+        commit_point = in_flight.committing
+        await _store_commit_point(term, in_flight, commit_point)
+    if _records_commit_of(commit_point, in_flight):
         # It stopped after its commit point (every member had resumed),
         # maybe before its result and the latest record were written:
         # rolling back would withdraw a committed version.
+        assert commit_point is not None
         await _record_commit(term, in_flight, commit_point, recorded)
-    elif recorded is None and found.commit_point_unknown:
-        # It may have committed: resume everyone, withdraw nothing, and
-        # record no outcome (its adapter is reset at its next update).
-        await _resume_everyone(term, runner, in_flight)
     elif recorded is None:
-        await _roll_back(term, runner, in_flight)
-    await quietly(term.store.clear_inflight())
+        # Taken over first, so that a predecessor frozen past its lease, all
+        # its acks in hand, can no longer claim the commit once it wakes.
+        taken = await _mark_taken_over(term, in_flight, revision)
+        if taken is None:
+            raise _Raced
+        revision = taken
+        if found.commit_point_unknown:
+            # It may have committed: resume everyone, withdraw nothing, and
+            # record no outcome (its adapter is reset at its next update).
+            await _resume_everyone(term, runner, in_flight)
+        else:
+            await _roll_back(term, runner, in_flight)
+    await _clear(term, revision)
     return in_flight.update_id
+
+
+class _Raced(Exception):
+    """A take-over lost its compare-and-set to the predecessor."""
+
+
+async def _mark_taken_over(term: Term, in_flight: InflightRecord, revision: int) -> int | None:
+    """Rewrite the in-flight record as taken over by this term, by
+    compare-and-set: its new revision, or None when somebody wrote it first."""
+    if in_flight.taken_over_by == term.epoch:
+        return revision  # an earlier try of this term landed
+    mine = msgspec.structs.replace(in_flight, taken_over_by=term.epoch)
+    try:
+        return await until_stored(
+            partial(term.store.swap_inflight, mine, revision), for_s=term.config.leader_lease_s
+        )
+    except LostRace:
+        return None
+    except StoreUnavailable as exc:
+        raise SteppedAside(
+            f"could not take over {in_flight.update_id} for a whole lease: {exc}"
+        ) from exc
+
+
+async def _store_commit_point(
+    term: Term, in_flight: InflightRecord, committed: CommittedRecord
+) -> None:
+    log.warning(
+        "epoch=%d update=%s found in flight with its commit claimed: committing it",
+        term.epoch,
+        in_flight.update_id,
+    )
+    try:
+        await until_stored(partial(term.store.commit, committed), for_s=term.config.leader_lease_s)
+    except StoreUnavailable as exc:
+        raise SteppedAside(
+            f"could not store the claimed commit of {in_flight.update_id} for a whole lease: {exc}"
+        ) from exc
+
+
+async def _clear(term: Term, revision: int) -> None:
+    """Remove the in-flight record if it is still revision ``revision``."""
+    try:
+        await term.store.clear_inflight(revision)
+    except LostRace as exc:
+        log.info("epoch=%d in-flight record left as found: %s", term.epoch, exc)
+    except StoreUnavailable as exc:
+        log.warning("store: %s", exc)
 
 
 async def _read_left_state(term: Term) -> _LeftState:
@@ -206,8 +297,11 @@ async def _roll_back(term: Term, runner: UpdateRunner, in_flight: InflightRecord
     await term.bus.emit(term.finished(result))
 
 
-def _records_commit_of(committed: CommittedRecord, in_flight: InflightRecord) -> bool:
-    return (committed.served_name, committed.version) == (in_flight.served_name, in_flight.version)
+def _records_commit_of(committed: CommittedRecord | None, in_flight: InflightRecord) -> bool:
+    return committed is not None and (committed.served_name, committed.version) == (
+        in_flight.served_name,
+        in_flight.version,
+    )
 
 
 @dataclass(frozen=True)
@@ -218,6 +312,9 @@ class _LeftState:
     """The latest commit: the adapter's own record (the commit point), as the
     fleet's latest record is written after it and may lag or be missing."""
     in_flight: InflightRecord | None
+    in_flight_revision: int
+    """The revision the in-flight record was read at: what this term takes
+    over, and clears, by compare-and-set."""
     result: UpdateResult | None
     """The stored result of the update in flight."""
     commit_point: CommittedRecord | None
@@ -260,9 +357,13 @@ class _LeftState:
                 latest = None  # its adapter is reset when it is next updated
             elif own is not None:
                 latest = own
-        in_flight = await readable(store.read_inflight())
+        try:
+            in_flight, revision = await store.read_inflight_entry()
+        except CorruptRecord as exc:
+            corrupt.append(exc)
+            in_flight, revision = None, exc.revision
         if in_flight is None:
-            return cls(latest, None, None, None, tuple(corrupt))
+            return cls(latest, None, revision, None, None, tuple(corrupt))
         try:
             # Unsealed or garbled, it is no result (and is reported): the
             # commit point, not a stored answer, says whether it committed.
@@ -273,4 +374,4 @@ class _LeftState:
             )
             result = None
         commit_point = await readable(store.read_committed(in_flight.adapter))
-        return cls(latest, in_flight, result, commit_point, tuple(corrupt))
+        return cls(latest, in_flight, revision, result, commit_point, tuple(corrupt))

@@ -60,6 +60,11 @@ server allowed when it was written (only coordinators may write results);
 one over what readers take is answered trimmed (coordinator/fit.py)."""
 _stored_results: Reader[UpdateResult] = Reader(UpdateResult, max_bytes=_STORED_RESULT_MAX_BYTES)
 
+_WRONG_LAST_SEQUENCE = (10071, 10164)
+"""JetStream's error codes for a write whose expected last sequence is not
+the subject's (nats-py maps them to KeyWrongLastSequenceError for an update,
+not for a delete)."""
+
 _EXCERPT_BYTES = 96
 """How much of a record that does not decode goes into the log and the trail."""
 
@@ -198,17 +203,51 @@ class FleetStore:
             await self._delete(self._state, COMMITTED)
 
     async def read_inflight(self) -> InflightRecord | None:
-        return (await self._read(self._state, INFLIGHT, InflightRecord))[0]
+        return (await self.read_inflight_entry())[0]
 
-    async def write_inflight(self, record: InflightRecord) -> None:
-        await self._put(self._state, INFLIGHT, msgspec.json.encode(record))
+    async def read_inflight_entry(self) -> tuple[InflightRecord | None, int]:
+        """The in-flight record and its revision (that of its deletion when
+        there is none, 0 when there never was one)."""
+        return await self._read(self._state, INFLIGHT, InflightRecord)
 
-    async def record(self, in_flight: InflightRecord) -> None:
+    async def write_inflight(self, record: InflightRecord) -> int:
+        """Write the record whatever is there; return its revision."""
+        return await self._put(self._state, INFLIGHT, msgspec.json.encode(record))
+
+    async def record(self, in_flight: InflightRecord) -> int:
         """The lifecycle's journal: the update in flight, for a successor."""
-        await self.write_inflight(in_flight)
+        return await self.write_inflight(in_flight)
 
-    async def clear_inflight(self) -> None:
-        await self._delete(self._state, INFLIGHT)
+    async def swap_inflight(self, record: InflightRecord, last_revision: int) -> int:
+        """Compare-and-set the in-flight record over revision ``last_revision``
+        (0: only where there is none); return its new revision, or raise
+        LostRace when somebody wrote it since."""
+        payload = self._sealed(INFLIGHT, msgspec.json.encode(record))
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                if last_revision == 0:
+                    return int(await self._state.create(INFLIGHT, payload))
+                return int(await self._state.update(INFLIGHT, payload, last=last_revision))
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise LostRace(f"the in-flight record changed under revision {last_revision}") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot write the in-flight record: {exc!r}") from exc
+
+    async def clear_inflight(self, last_revision: int) -> None:
+        """Delete the in-flight record if it is still revision ``last_revision``;
+        LostRace when somebody wrote it since (it is theirs now)."""
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                await self._state.delete(INFLIGHT, last=last_revision)
+        except nats.js.errors.APIError as exc:
+            wrong_last = isinstance(exc, nats.js.errors.KeyWrongLastSequenceError)
+            if wrong_last or exc.err_code in _WRONG_LAST_SEQUENCE:
+                raise LostRace(
+                    f"the in-flight record changed under revision {last_revision}"
+                ) from exc
+            raise StoreUnavailable(f"cannot delete the in-flight record: {exc!r}") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot delete the in-flight record: {exc!r}") from exc
 
     # -- results ----------------------------------------------------------------
 
@@ -267,11 +306,11 @@ class FleetStore:
     def _sealed(self, key: str, payload: bytes) -> bytes:
         return payload if self._signer is None else self._signer.seal(key, payload)
 
-    async def _put(self, kv: KeyValue, key: str, payload: bytes) -> None:
+    async def _put(self, kv: KeyValue, key: str, payload: bytes) -> int:
         payload = self._sealed(key, payload)
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S):
-                await kv.put(key, payload)
+                return int(await kv.put(key, payload))
         except (TimeoutError, nats.errors.Error) as exc:
             raise StoreUnavailable(f"cannot write {key}: {exc!r}") from exc
 

@@ -1,8 +1,9 @@
 """One update's run: quorum -> prepare -> pause (carrying the load) -> verify -> resume.
 
 An :class:`UpdateRun` lives for one update and ends as one
-:class:`RunOutcome`: the result, and whether an in-flight record was sent
-for it (the caller clears it once the result is stored). Everything it
+:class:`RunOutcome`: the result, and the in-flight record sent for it, if
+any (the caller claims its commit on it, and clears it once the result is
+stored). Everything it
 learns on the way (the membership snapshot, the time of each phase, the
 members whose pause may have landed unanswered) is its own, so no state
 crosses from one update to the next but the term's (``phases.py``).

@@ -21,7 +21,7 @@ from typing import NoReturn
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
 from lorabus.coordinator.book import committed_result, failed_result
-from lorabus.coordinator.commit import Executed, conclude
+from lorabus.coordinator.commit import Executed, conclude, deposed_result
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.plan import CheckedRequest, is_committed, retired_names
 from lorabus.coordinator.resets import lineage, reset_unknown
@@ -61,16 +61,8 @@ async def _execute(term: Term, runner: UpdateRunner, checked: CheckedRequest) ->
         if not await term.still_leading():
             # Its own outcome is no answer: a failure may be only the agents
             # fencing this term off, and the new leader runs the update.
-            deposed = ErrorInfo(
-                code=ErrorCode.NOT_LEADER,
-                message=f"epoch {term.epoch} was deposed before "
-                + (
-                    f"committing {plan.served_name}; the new leader rolls the update back"
-                    if result.committed
-                    else "the update ended; ask again: the new leader answers"
-                ),
-            )
-            return Executed(failed_result(request, deposed), journalled=ran.journalled)
+            committing = plan.served_name if result.committed else None
+            return Executed(deposed_result(term, request, committing), journalled=ran.journalled)
         if not result.committed or result.rank_map is None:
             return Executed(result, journalled=ran.journalled)
         record = CommittedRecord(

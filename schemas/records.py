@@ -69,3 +69,11 @@ class InflightRecord(msgspec.Struct, frozen=True, kw_only=True):
     """The membership snapshot: everyone here may have been told to pause."""
     path: str = ""
     """The adapter directory, for the result a successor records."""
+    committing: CommittedRecord | None = None
+    """Set, by compare-and-set on the record it sent, by the term that ran the
+    update once it may commit, ahead of its commit point: a successor finishes
+    this commit and never rolls it back."""
+    taken_over_by: Epoch = 0
+    """Set, by compare-and-set, by a successor before it rolls the update back:
+    from then on the term that ran it cannot claim its commit (a term that was
+    frozen past its lease and woke up with every ack in hand)."""

@@ -160,6 +160,10 @@ class MemoryNats:
         """Partition this connection: what it sends and what is sent to it is lost."""
         self.is_cut = True
 
+    def heal(self) -> None:
+        """End the partition: what was lost stays lost, what comes next flows."""
+        self.is_cut = False
+
     async def publish(
         self, subject: str, payload: bytes = b"", reply: str = "", headers: Any = None
     ) -> None:
@@ -300,8 +304,8 @@ class MemoryKeyValue:
         entry = self._data.entries.get(key)
         if entry is None:
             raise nats.js.errors.KeyNotFoundError
-        if entry.operation == "DEL":
-            raise nats.js.errors.KeyDeletedError(entry=entry, op="DEL")
+        if entry.operation == "DEL":  # as nats-py's get raises it
+            raise nats.js.errors.KeyNotFoundError(entry, "DEL")
         return entry
 
     async def put(self, key: str, value: bytes, **_: Any) -> int:
@@ -330,9 +334,16 @@ class MemoryKeyValue:
             )
         return self._write(key, value, None)
 
-    async def delete(self, key: str, **_: Any) -> bool:
+    async def delete(self, key: str, last: int | None = None, **_: Any) -> bool:
         self._check()
         await asyncio.sleep(0)
+        entry = self._data.entries.get(key)
+        current = entry.revision if entry is not None else 0
+        if last and last != current:
+            # As the server answers (nats-py maps this code for updates only).
+            raise nats.js.errors.BadRequestError(
+                code=400, err_code=10071, description=f"wrong last sequence: {current}"
+            )
         self._write(key, None, "DEL")
         return True
 

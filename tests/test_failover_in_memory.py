@@ -17,6 +17,7 @@ import pytest
 from memory_fleet import InMemoryFleet
 
 from lorabus.coordinator.store import FleetStore
+from lorabus.coordinator.term import Term
 from lorabus.schemas import (
     ErrorCode,
     LeaderRecord,
@@ -159,3 +160,59 @@ async def test_a_leader_cut_off_mid_update_is_succeeded_and_the_retry_is_answere
     store = await _store(fleet)
     leader = (await store.read_leader())[0]
     assert leader is not None and leader.holder == "c2"
+
+
+async def test_a_leader_frozen_before_its_commit_does_not_commit_over_the_roll_back(
+    open_fleet: OpenFleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader has every ack of ``u1`` and has seen itself lead once the
+    update ran; then it is frozen (SIGSTOP: here its link goes silent, and
+    its update and its lease renewals wait) past its lease. The standby
+    takes over, marks the update as its own and rolls it back. The old
+    leader wakes up with all its acks in hand, its update first (as it did
+    in a chaos run): its claim of the commit finds the record taken over,
+    so it commits nothing, and the requester, asking again, hears the
+    roll-back. (Without the claim it stored a commit point for a version no
+    engine serves any more.)"""
+    fleet = await open_fleet(leader_lease_s=2.0)
+    standby = await fleet.start_coordinator("c2", leader_lease_s=2.0)
+    store = await _store(fleet)
+    link = fleet.connections["coordinator"]
+    real_still_leading, real_write_leader = Term.still_leading, FleetStore.write_leader
+    frozen: list[FleetStore] = []
+    renewals_thawed = asyncio.Event()
+
+    async def still_leading_then_frozen(term: Term) -> bool:
+        leading = await real_still_leading(term)
+        if term.holder != "c1" or frozen:
+            return leading
+        frozen.append(term.store)
+        link.cut()
+        await _until(lambda: standby.leading.is_set())
+        async with asyncio.timeout(60):
+            while (await store.read_inflight()) is not None:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        link.heal()
+        return leading
+
+    async def write_leader_unless_frozen(self: FleetStore, *args: Any) -> int:
+        if self in frozen:
+            await renewals_thawed.wait()
+        return await real_write_leader(self, *args)
+
+    monkeypatch.setattr(Term, "still_leading", still_leading_then_frozen)
+    monkeypatch.setattr(FleetStore, "write_leader", write_leader_unless_frozen)
+    try:
+        answer = await fleet.client().update(
+            "policy", "/adapters/policy/1", version=1, update_id="u1", timeout_s=60
+        )
+    finally:
+        renewals_thawed.set()
+
+    assert frozen, "the leader never reached its commit"
+    assert answer.status == "failed" and answer.error is not None, answer
+    assert answer.error.code == ErrorCode.FAILOVER, answer
+    assert await store.read_committed("policy") is None
+    assert await store.read_inflight() is None
+    assert not any("policy-v1" in engine.adapters for engine in fleet.engines.values())
+    assert not any(engine.paused for engine in fleet.engines.values())

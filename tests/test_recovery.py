@@ -135,8 +135,8 @@ async def test_a_commit_whose_leader_died_before_answering_is_recorded_in_full(
 
 @pytest.mark.parametrize(
     ("method", "commits"),
-    [("commit", False), ("write_result", True)],
-    ids=["the commit point", "the result"],
+    [("swap_inflight", False), ("commit", True), ("write_result", True)],
+    ids=["the claim", "the commit point", "the result"],
 )
 async def test_a_commit_the_store_refuses_for_a_lease_is_left_to_the_next_term(
     method: str,
@@ -150,9 +150,10 @@ async def test_a_commit_the_store_refuses_for_a_lease_is_left_to_the_next_term(
     """A write of the commit fails for a whole lease, in the first term only.
     That term answers nothing but ``not_leader``: it steps aside with the
     update in flight, and whoever leads next (here the same coordinator, two
-    leases later) finishes the commit from its commit point, or, without
-    one, rolls it back. The requester asks again and gets that outcome, so
-    no requester is ever told "committed" of a commit the store lacks."""
+    leases later) finishes the commit from its claim or its commit point,
+    or, without either (the claim is what failed), rolls it back. The
+    requester asks again and gets that outcome, so no requester is ever told
+    "committed" of a commit the store lacks."""
     stacks: list[EmbeddedStack] = []
 
     def in_the_first_term(*_: object) -> bool:
@@ -260,7 +261,7 @@ async def test_a_leader_that_cannot_read_what_was_left_gives_the_fleet_to_a_stan
     nc_a = await connect(nats_url, name="test-coordinator-a")
     nc_b = await connect(nats_url, name="test-coordinator-b")
     blind: set[int] = set()
-    opening, reading = FleetStore.open.__func__, FleetStore.read_inflight  # type: ignore[attr-defined]
+    opening, reading = FleetStore.open.__func__, FleetStore.read_inflight_entry  # type: ignore[attr-defined]
 
     async def open_(
         cls: type[FleetStore], nc: NatsClient, config: Any, signer: Any = None
@@ -270,13 +271,13 @@ async def test_a_leader_that_cannot_read_what_was_left_gives_the_fleet_to_a_stan
             blind.add(id(store))
         return store
 
-    async def read_inflight(store: FleetStore) -> InflightRecord | None:
+    async def read_inflight_entry(store: FleetStore) -> tuple[InflightRecord | None, int]:
         if id(store) in blind:
             raise StoreUnavailable("read_inflight: TimeoutError()")
         return await reading(store)
 
     monkeypatch.setattr(FleetStore, "open", classmethod(open_))
-    monkeypatch.setattr(FleetStore, "read_inflight", read_inflight)
+    monkeypatch.setattr(FleetStore, "read_inflight_entry", read_inflight_entry)
 
     def coordinator(holder: str) -> Coordinator:
         return Coordinator(

@@ -54,7 +54,8 @@ async def test_a_commit_is_recorded_in_full_before_its_answer_and_announced_afte
     nats_url: str,
 ) -> None:
     """The in-flight record goes out ahead of the first command; the commit
-    point (the adapter's own key) is stored first, then the result and the
+    is claimed on it, then the commit point (the adapter's own key) is
+    stored, then the result and the
     fleet's latest record; the in-flight record is cleared once both are,
     then the answer says committed, and the notice goes last: the answer
     does not queue behind the notice's fan-out. One subscription to
@@ -83,7 +84,10 @@ async def test_a_commit_is_recorded_in_full_before_its_answer_and_announced_afte
                         order.append("result")  # no other update ran
                     elif msg.subject == f"{state}.inflight":
                         cleared = (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE")
-                        order.append("in flight cleared" if cleared else "in flight")
+                        if cleared:
+                            order.append("in flight cleared")
+                        else:
+                            order.append("claim" if "command" in order else "in flight")
                     elif msg.subject.startswith(subjects.cmd()):
                         command = command_decoder.decode(msg.data)
                         if isinstance(command, CommittedNotice):
@@ -94,9 +98,9 @@ async def test_a_commit_is_recorded_in_full_before_its_answer_and_announced_afte
                         with contextlib.suppress(BadPayload):
                             if update_result_decoder.decode(msg.data) == result:
                                 order.append("answer")
-        assert order[:3] == ["in flight", "command", "commit point"], order
-        assert sorted(order[3:5]) == ["latest", "result"], order
-        assert order[5:] == ["in flight cleared", "answer", "notice"], order
+        assert order[:4] == ["in flight", "command", "claim", "commit point"], order
+        assert sorted(order[4:6]) == ["latest", "result"], order
+        assert order[6:] == ["in flight cleared", "answer", "notice"], order
     finally:
         await close(watcher)
 
