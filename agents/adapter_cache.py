@@ -10,19 +10,24 @@ wait for the lock and then find the entry there.
 
 Nothing is served unverified. An entry is hashed again on use (a file changed
 on disk is found, removed and fetched again), unless an agent of this node
-hashed it, or fetched it, in the last ten minutes and none of its files
-changed since (same names, sizes, inodes and modification times, recorded
-next to its lock: a few ``stat`` calls instead of reading gigabytes), so an
-update's prepare and load hash it once per node, not once per agent and
-step. A fetched adapter is hashed before it gets its name, and a
-half-written one never has it: the archive and the unpacked files live under
-``.partial/`` until one ``rename``, after the files are on disk (fsync). :meth:`AdapterCache.prune`
-keeps the most recently used entries and those an engine still serves.
+hashed it, or fetched it, in the last ten minutes, since the node last
+booted, and none of its files changed since (same names, sizes, inodes and
+modification times, recorded next to its lock: a few ``stat`` calls instead
+of reading gigabytes), so an update's prepare and load hash it once per
+node, not once per agent and step. A fetched adapter is hashed before it
+gets its name, and a half-written one never has it: the archive and the
+unpacked files live under ``.partial/`` until one ``rename``. The files are
+not synced to disk first: what the kernel had not written back is lost only
+with the node (a crash or a power cut), and after a reboot no note holds,
+so the entry is hashed before it is used, and fetched again if it lost
+anything. :meth:`AdapterCache.prune` keeps the most recently used entries
+and those an engine still serves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
 import json
@@ -31,19 +36,20 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
-from typing import BinaryIO, TypeVar
+from typing import TypeVar
 
 from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import check_digest, unpack
+from lorabus.adapter_objects import ChunkSink, check_digest, unpack
 from lorabus.errors import DigestMismatch, FetchFailed
 
 __all__ = ["AdapterCache", "Fetch"]
 
 log = logging.getLogger(__name__)
 
-Fetch = Callable[[str, BinaryIO], Awaitable[int]]
+Fetch = Callable[[str, ChunkSink], Awaitable[int]]
 """Writes the stored object of a digest into a file; returns its size."""
 
 _ENTRY = re.compile(r"^[0-9a-f]{64}$")
@@ -54,10 +60,13 @@ _TRUST_HASH_S = 600.0
 its files, unchanged, are taken as checked: the update's prepare and its load
 on every agent of the node hash it once, not once per agent and step; any
 later use hashes it again."""
+_T = TypeVar("_T")
+_PIPE_BYTES = 8 << 20
+"""How much of an archive may wait between the fetch and its unpacking: two
+of the fetch's batches."""
 _PARTIAL_MAX_AGE_S = 300.0
 """A leftover under ``.partial/`` older than this, with its digest unlocked, is
 what a process that died mid-fetch left: prune removes it."""
-_T = TypeVar("_T")
 
 
 class _Lock:
@@ -171,19 +180,25 @@ class AdapterCache:
         return False
 
     async def _fetch(self, entry: str, digest: str, fetch: Fetch) -> None:
+        """Fetch ``digest`` and unpack it as it arrives (a thread reads the
+        archive while the fetch writes it: no archive file, no second read),
+        hashing it on the way; rename it into place if it is ``digest``."""
         tag = os.path.basename(entry) + "."  # prune's sweep tells whose leftover it is
-        descriptor, archive = tempfile.mkstemp(prefix=tag, suffix=".tar", dir=self._partial)
-        unpacked = archive.removesuffix(".tar")  # unique as the archive's name is
+        unpacked = tempfile.mkdtemp(prefix=tag, dir=self._partial)
+        os.chmod(unpacked, 0o755)  # an engine may run as another user
+        archive = _ChunkPipe(_PIPE_BYTES)
+        unpacking = _in_own_thread(_unpack_from, archive, unpacked)
         try:
-            with os.fdopen(descriptor, "wb") as file:
-                try:
-                    await fetch(digest, file)
-                except FetchFailed:
-                    raise
-                except Exception as exc:
-                    raise FetchFailed(f"adapter {digest}: the fetch failed: {exc!r}") from exc
             try:
-                found = await _finish_in_thread(_settle, archive, unpacked, digest)
+                await fetch(digest, archive)
+            except FetchFailed:
+                raise
+            except Exception as exc:
+                raise FetchFailed(f"adapter {digest}: the fetch failed: {exc!r}") from exc
+            finally:
+                archive.end()
+            try:
+                found = await asyncio.shield(unpacking)
             except ValueError as exc:
                 raise FetchFailed(
                     f"adapter {digest}: the store's object is no adapter: {exc}"
@@ -193,11 +208,11 @@ class AdapterCache:
                     f"adapter {digest} was asked for; the store's object holds {found}"
                 )
             os.rename(unpacked, entry)
-            _fsync_dir(self.directory)  # the new name, on disk
             await asyncio.to_thread(self._note_hashed, entry)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(archive)
+            # The thread's writes end before its folder goes, even on a cancel.
+            await asyncio.wait({unpacking})
+            unpacking.exception()  # retrieved: its error, if any, is told above
             shutil.rmtree(unpacked, ignore_errors=True)
 
     def _discard(self, path: str) -> None:
@@ -214,7 +229,7 @@ class AdapterCache:
     def _note_hashed(self, entry: str) -> None:
         """Record, for every agent of the node, that ``entry`` was just hashed
         and found right, with what its files looked like then."""
-        note = {"at": time.time(), "files": _fingerprint(entry)}
+        note = {"at": time.time(), "boot": _boot_id(), "files": _fingerprint(entry)}
         path = self._hash_note(entry)
         with tempfile.NamedTemporaryFile("w", dir=self._locks, delete=False) as file:
             json.dump(note, file)
@@ -227,6 +242,7 @@ class AdapterCache:
             with open(self._hash_note(entry)) as file:
                 note = json.load(file)
             fresh = 0 <= time.time() - float(note["at"]) < _TRUST_HASH_S
+            fresh = fresh and note["boot"] == _boot_id()
             files = note["files"]
         except (OSError, ValueError, KeyError, TypeError):
             return False
@@ -325,38 +341,104 @@ def _digest_at(entry: str) -> str | None:
         return f"unreadable: {exc}"
 
 
-def _settle(archive: str, unpacked: str, digest: str) -> str:
-    """Unpack ``archive``; the digest of what it holds, on disk when it is ``digest``."""
-    os.mkdir(unpacked, 0o755)  # an engine may run as another user
-    found = unpack(archive, unpacked) or adapter_digest(unpacked)
-    if found == digest:
-        for folder, _, names in os.walk(unpacked):
-            for name in names:
-                descriptor = os.open(os.path.join(folder, name), os.O_RDONLY)
-                try:
-                    os.fsync(descriptor)
-                finally:
-                    os.close(descriptor)
-            _fsync_dir(folder)
-    return found
+def _in_own_thread(function: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
+    """``function(*args)`` in a thread of its own, not the loop's pool: the
+    fetch's writes wait in pool threads for the unpacking to take their bytes,
+    and with every pool thread so waiting (a host process with many agents,
+    each fetching for its node), an unpacking queued behind them would never
+    start. Nothing cancels it: it ends when its archive does."""
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: _T | None, error: BaseException | None) -> None:
+        if error is not None:
+            outcome.set_exception(error)
+        else:
+            outcome.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = function(*args), None
+        except BaseException as exc:  # handed to the awaiting coroutine
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="adapter-unpack", daemon=True).start()
+    return outcome
 
 
-def _fsync_dir(path: str) -> None:
-    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _unpack_from(archive: _ChunkPipe, unpacked: str) -> str:
+    """Unpack the archive as it is written; the digest of what it holds."""
     try:
-        os.fsync(descriptor)
+        return unpack(archive, unpacked) or adapter_digest(unpacked)  # type: ignore[arg-type]
     finally:
-        os.close(descriptor)
+        archive.stop_reading()
 
 
-async def _finish_in_thread(function: Callable[..., _T], *args: object) -> _T:
-    """``function`` in a thread. A caller cancelled still waits for the thread,
-    so that its cleanup never races the thread's writes."""
-    step = asyncio.ensure_future(asyncio.to_thread(function, *args))
+class _ChunkPipe:
+    """The fetch's chunks, in order, from the threads that write them to the
+    thread that unpacks them. At most ``limit`` bytes wait: a writer waits for
+    room, the reader for data. The writer's :meth:`end` is the archive's end;
+    once the reader stops (done, or the archive is bad), writes are dropped,
+    so the fetch never waits on a reader that is gone."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._offset = 0
+        """How much of the first chunk was read."""
+        self._held = 0
+        self._ended = self._reader_gone = False
+        self._changed = threading.Condition()
+
+    def write(self, data: bytes) -> int:
+        with self._changed:
+            while self._held >= self._limit and not self._reader_gone:
+                self._changed.wait()
+            if not self._reader_gone and data:
+                self._chunks.append(data)
+                self._held += len(data)
+                self._changed.notify_all()
+        return len(data)
+
+    def end(self) -> None:
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def stop_reading(self) -> None:
+        with self._changed:
+            self._reader_gone = True
+            self._chunks.clear()
+            self._held = 0
+            self._changed.notify_all()
+
+    def read(self, size: int = -1) -> bytes:
+        with self._changed:
+            while not self._chunks and not self._ended:
+                self._changed.wait()
+            if not self._chunks:
+                return b""
+            first = self._chunks[0]
+            end = len(first) if size < 0 else min(len(first), self._offset + size)
+            piece = first[self._offset : end]
+            if end == len(first):
+                self._chunks.popleft()
+                self._offset = 0
+            else:
+                self._offset = end
+            self._held -= len(piece)
+            self._changed.notify_all()
+            return piece
+
+
+def _boot_id() -> str:
+    """This boot of the node (Linux): a note written before a reboot may
+    describe files whose last writes the reboot lost. "" where the kernel
+    does not say."""
     try:
-        return await asyncio.shield(step)
-    except asyncio.CancelledError:
-        await asyncio.wait({step})
-        if not step.cancelled():
-            step.exception()  # retrieved: the caller is gone
-        raise
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            return file.read().strip()
+    except OSError:
+        return ""

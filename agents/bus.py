@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import BinaryIO
 
 import msgspec
 import nats.js.errors
@@ -21,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from lorabus.adapter_objects import fetch_object
+from lorabus.adapter_objects import ChunkSink, fetch_object
 from lorabus.agents.beats import BeatPolicy
 from lorabus.rate_limit import PerSecond
 from lorabus.schemas import Ack, Event, Heartbeat, Subjects, encode, tag_of
@@ -88,7 +87,7 @@ class AgentBus:
         """The fleet's state bucket in KV (the leader record, the committed state)."""
         return await self._nc.jetstream().key_value(self._subjects.state_bucket())
 
-    async def fetch_adapter(self, digest: str, into: BinaryIO) -> int:
+    async def fetch_adapter(self, digest: str, into: ChunkSink) -> int:
         """Write the object store's adapter ``digest`` into ``into``; its size."""
         return await fetch_object(
             self._nc,

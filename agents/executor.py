@@ -38,10 +38,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import BinaryIO
 
 from lorabus.adapter_digest import read_adapter_digest
-from lorabus.adapter_objects import digest_of
+from lorabus.adapter_objects import ChunkSink, digest_of
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
 from lorabus.agents.engine import EngineDriver, SetupCheck
@@ -69,7 +68,7 @@ from lorabus.schemas import (
 
 log = logging.getLogger(__name__)
 
-Fetch = Callable[[str, BinaryIO], Awaitable[int]]
+Fetch = Callable[[str, ChunkSink], Awaitable[int]]
 """Writes the object store's adapter of a digest into a file; returns its size."""
 
 SETUP_RECHECK_S = 30.0

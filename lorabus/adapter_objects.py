@@ -7,8 +7,8 @@ a digest already stored is not sent again. Agents read an object with
 JetStream direct gets only: the meta by its subject, then its chunks by
 subject and sequence. A consumer would need more rights, and its deliver
 subject would let an agent aim JetStream (docs/security.md). What an agent
-fetches is checked against nats' own SHA-256 here, and the unpacked directory
-against the adapter digest by the agent's cache (lorabus.agents.adapter_cache).
+fetches is unpacked as it arrives and checked against the adapter digest by
+the agent's cache (lorabus.agents.adapter_cache).
 A request names such an adapter by a *bus path*: ``bus:sha256:<hex>``.
 """
 
@@ -27,7 +27,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import nats.errors
 import nats.js.errors
@@ -50,6 +50,7 @@ from lorabus.schemas import Subjects
 
 __all__ = [
     "BUS_SCHEME",
+    "ChunkSink",
     "bus_path",
     "check_adapter_dir",
     "check_digest",
@@ -64,6 +65,14 @@ __all__ = [
 ]
 
 BUS_SCHEME = "bus:"
+
+
+class ChunkSink(Protocol):
+    """Where a fetch writes an object's bytes, in order (a file, a pipe)."""
+
+    def write(self, data: bytes, /) -> int: ...
+
+
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NUID = re.compile(r"^[A-Za-z0-9]{1,64}$")
 _WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -160,18 +169,19 @@ def pack(directory: str | os.PathLike[str], into: BinaryIO) -> None:
 _COPY_CHUNK = 1 << 20
 
 
-def unpack(archive: str, into: str) -> str | None:
-    """Extract a tar made by :func:`pack` into the empty directory ``into``, and
-    return the adapter digest of what it wrote, taken as it writes (one read
-    of the bytes fewer), or None when the members did not come in the
-    digest's order (then hash ``into``). ValueError for anything but regular
-    files and directories inside ``into``."""
+def unpack(archive: str | BinaryIO, into: str) -> str | None:
+    """Extract a tar made by :func:`pack` (a file, or a stream read once, front
+    to back) into the empty directory ``into``, and return the adapter digest
+    of what it wrote, taken as it writes (one read of the bytes fewer), or
+    None when the members did not come in the digest's order (then hash
+    ``into``). ValueError for anything but regular files and directories
+    inside ``into``."""
     if any(os.scandir(into)):
         raise ValueError(f"{into!r} is not empty")
     digest = hashlib.sha256()
     previous: bytes | None = b""
     try:
-        with tarfile.open(archive, mode="r:") as tar:
+        with _open_tar(archive) as tar:
             for count, member in enumerate(tar, start=1):
                 if count > MAX_FILES:
                     raise ValueError(f"the archive holds more than {MAX_FILES} members")
@@ -196,6 +206,12 @@ def unpack(archive: str, into: str) -> str | None:
     except tarfile.TarError as exc:
         raise ValueError(f"not a valid adapter archive: {exc}") from exc
     return None if previous is None else "sha256:" + digest.hexdigest()
+
+
+def _open_tar(archive: str | BinaryIO) -> tarfile.TarFile:
+    if isinstance(archive, str):
+        return tarfile.open(archive, mode="r:")
+    return tarfile.open(fileobj=archive, mode="r|", bufsize=_COPY_CHUNK)
 
 
 def _write_member(
@@ -362,7 +378,7 @@ async def fetch_object(
     nc: NatsClient,
     subjects: Subjects,
     digest: str,
-    into: BinaryIO,
+    into: ChunkSink,
     *,
     timeout_s: float,
     max_bytes: int,
@@ -405,7 +421,7 @@ def _checked(info: ObjectInfo, digest: str, max_bytes: int) -> None:
 
 
 async def _read_chunks(
-    nc: NatsClient, subjects: Subjects, chunks: str, info: ObjectInfo, into: BinaryIO
+    nc: NatsClient, subjects: Subjects, chunks: str, info: ObjectInfo, into: ChunkSink
 ) -> int:
     """Read the chunks on ``chunks`` in order, a batch of direct gets at a time."""
     digest, size, count = info.name, int(info.size or 0), int(info.chunks or 0)

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import io
 import os
 import re
 import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
 
 from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import pack
+from lorabus.adapter_objects import ChunkSink, pack
 from lorabus.agents import adapter_cache
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.errors import DigestMismatch, FetchFailed
@@ -54,13 +55,19 @@ class Store:
         self.adapters[digest] = adapter
         return digest
 
-    async def fetch(self, digest: str, into: BinaryIO) -> int:
+    async def fetch(self, digest: str, into: ChunkSink) -> int:
+        """As the bus's fetch does: the object's bytes in chunks, each written
+        from a thread (a write may wait for the unpacking to catch up)."""
         self.fetches.append(digest)
         self.fetching.set()
         if self.gate is not None:
             await self.gate.wait()
-        pack(self.adapters[digest], into)
-        return into.tell()
+        packed = io.BytesIO()
+        pack(self.adapters[digest], packed)
+        data = packed.getvalue()
+        for start in range(0, len(data), 64 << 10):
+            await asyncio.to_thread(into.write, data[start : start + (64 << 10)])
+        return len(data)
 
 
 @pytest.fixture
@@ -109,7 +116,7 @@ async def test_two_caches_asking_at_once_fetch_once(
             second_held.set()
         return got
 
-    async def second_fetch(digest: str, into: BinaryIO) -> int:
+    async def second_fetch(digest: str, into: ChunkSink) -> int:
         second_held.set()  # not held: the fetch count says so below
         return await store.fetch(digest, into)
 
@@ -130,7 +137,7 @@ async def test_two_caches_asking_at_once_fetch_once(
 
 
 _PROCESS = """
-import asyncio, sys
+import asyncio, io, sys
 from lorabus.adapter_objects import pack
 from lorabus.agents import adapter_cache
 
@@ -149,8 +156,10 @@ adapter_cache._Lock.try_acquire = spied
 async def fetch(digest, into):
     print("fetching", flush=True)
     await asyncio.to_thread(sys.stdin.readline)  # the test's go
-    pack(adapter, into)
-    return into.tell()
+    packed = io.BytesIO()
+    pack(adapter, packed)
+    await asyncio.to_thread(into.write, packed.getvalue())
+    return len(packed.getvalue())
 
 print(asyncio.run(adapter_cache.AdapterCache(cache_dir).get(digest, fetch, timeout_s=30)))
 """
@@ -217,7 +226,7 @@ async def test_other_content_is_a_digest_mismatch_and_leaves_nothing(
 ) -> None:
     wanted, other = store.add(b"wanted"), store.add(b"other")
 
-    async def lying(digest: str, into: BinaryIO) -> int:
+    async def lying(digest: str, into: ChunkSink) -> int:
         return await store.fetch(other, into)
 
     with pytest.raises(DigestMismatch, match=f"{wanted}.*{other}"):
@@ -225,12 +234,12 @@ async def test_other_content_is_a_digest_mismatch_and_leaves_nothing(
     assert leftovers(cache_dir) == []
 
 
-async def _fails(digest: str, into: BinaryIO) -> int:
+async def _fails(digest: str, into: ChunkSink) -> int:
     into.write(b"half an archive")
     raise RuntimeError("the bus went away")
 
 
-async def _not_a_tar(digest: str, into: BinaryIO) -> int:
+async def _not_a_tar(digest: str, into: ChunkSink) -> int:
     return into.write(b"\0garbage" * 1000)
 
 
@@ -241,7 +250,7 @@ async def _not_a_tar(digest: str, into: BinaryIO) -> int:
 async def test_a_failed_fetch_leaves_nothing_and_the_next_get_succeeds(
     store: Store,
     cache_dir: Path,
-    fetch: Callable[[str, BinaryIO], Awaitable[int]],
+    fetch: Callable[[str, ChunkSink], Awaitable[int]],
     said: str,
 ) -> None:
     digest = store.add(b"weights")
@@ -251,6 +260,48 @@ async def test_a_failed_fetch_leaves_nothing_and_the_next_get_succeeds(
     assert leftovers(cache_dir) == []
 
     assert adapter_digest(await cache.get(digest, store.fetch, timeout_s=10)) == digest
+
+
+async def test_many_nodes_fetching_in_one_process_never_starve_their_unpacking(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host process with agents of many nodes fetches for each at once.
+    Each fetch's writes wait, in the loop's thread pool, for its unpacking
+    to take their bytes; with more fetches than pool threads, an unpacking
+    that needed a pool thread too would never start (every fetch then ran
+    out of time). Each unpacking has a thread of its own."""
+    monkeypatch.setattr(adapter_cache, "_PIPE_BYTES", 64 << 10)
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
+    digest = store.add(os.urandom(1 << 20))
+    caches = [AdapterCache(str(tmp_path / f"node{n}")) for n in range(6)]
+
+    async with asyncio.timeout(30):
+        entries = await asyncio.gather(
+            *(cache.get(digest, store.fetch, timeout_s=20) for cache in caches)
+        )
+
+    assert [adapter_digest(entry) for entry in entries] == [digest] * len(caches)
+
+
+async def test_a_bad_archive_larger_than_the_pipe_fails_without_stalling_the_fetch(
+    store: Store, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unpacking gives up at the first bad header while the fetch still
+    has many times what may wait between them to write: its writes are
+    dropped instead of waiting for a reader that is gone."""
+    monkeypatch.setattr(adapter_cache, "_PIPE_BYTES", 64 << 10)
+    digest = store.add(b"weights")
+    written: list[int] = []
+
+    async def garbage(digest: str, into: ChunkSink) -> int:
+        for _ in range(64):
+            written.append(await asyncio.to_thread(into.write, b"\xff" * (16 << 10)))
+        return sum(written)
+
+    with pytest.raises(FetchFailed, match=f"{digest}.*is no adapter"):
+        await AdapterCache(str(cache_dir)).get(digest, garbage, timeout_s=10)
+    assert len(written) == 64
+    assert leftovers(cache_dir) == []
 
 
 @pytest.mark.parametrize("stop", ["cancelled", "out of time"])
@@ -337,8 +388,9 @@ async def test_a_node_hashes_an_entry_once_per_update_not_once_per_agent(
     """The agent that fetched an entry hashed it; the node's other agents
     (another cache on the same directory) and the load that follows the
     prepare take its unchanged files without reading them again, for a
-    while; a file changed since is found, and once that while is over every
-    use hashes again."""
+    while; a file changed since is found, and after the node rebooted (the
+    files are not synced: a reboot may have lost their last writes), or
+    once that while is over, every use hashes again."""
     import lorabus.agents.adapter_cache as module
 
     hashed: list[str] = []
@@ -360,10 +412,14 @@ async def test_a_node_hashes_an_entry_once_per_update_not_once_per_agent(
     _change(Path(entry), "a file changed")
     await neighbour.get(digest, store.fetch, timeout_s=10)  # found changed: fetched again
     after_change = len(hashed)
+    monkeypatch.setattr(module, "_boot_id", lambda: "the next boot")
+    await neighbour.get(digest, store.fetch, timeout_s=10)  # rebooted: hashed again
+    after_reboot = len(hashed)
     monkeypatch.setattr(module, "_TRUST_HASH_S", 0.0)
     await neighbour.get(digest, store.fetch, timeout_s=10)  # later: hashed again
 
     assert (after_fetch, after_uses - after_fetch) == (0, 0)
     assert store.fetches == [digest, digest], "the changed entry was served"
-    assert len(hashed) - after_change == 1
+    assert after_reboot - after_change == 1
+    assert len(hashed) - after_reboot == 1
     assert real(entry) == digest
