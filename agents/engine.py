@@ -3,7 +3,9 @@
 Agents talk to engines only through this interface, one implementation per
 engine kind, so the command logic never sees an engine's paths or payloads.
 A driver that can tell whether its engine was started able to take LoRA
-updates at all also implements :class:`SetupCheck`.
+updates at all also implements :class:`SetupCheck`; one whose engine swaps
+an adapter's weights under the same name, keeping the old ones when the new
+ones fail to load, implements :class:`InPlaceReplace`.
 """
 
 from __future__ import annotations
@@ -43,4 +45,13 @@ class SetupCheck(Protocol):
         """What keeps the engine from taking LoRA updates however often asked,
         and how to fix it (None: nothing known), found without changing
         anything. Raises EngineError when the engine does not answer."""
+        ...
+
+
+@runtime_checkable
+class InPlaceReplace(Protocol):
+    async def replace_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        """Load ``path`` over ``name``, which the engine serves, in one call:
+        when the new weights fail to load, the old ones keep serving (where
+        an unload, then a load, would leave the name unserved)."""
         ...

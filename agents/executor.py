@@ -43,7 +43,7 @@ from lorabus.adapter_digest import read_adapter_digest
 from lorabus.adapter_objects import ChunkSink, digest_of
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
-from lorabus.agents.engine import EngineDriver, SetupCheck
+from lorabus.agents.engine import EngineDriver, InPlaceReplace, SetupCheck
 from lorabus.clock import now
 from lorabus.errors import (
     BadRequest,
@@ -362,12 +362,16 @@ class CommandExecutor:
     async def _load(self, name: str, path: str, *, replace: bool, budget_s: float) -> None:
         committed = self.committed_name
         held = committed != name and committed in self.adapters
-        if replace and name in await self.driver.list_adapters():
+        in_place = replace and name in await self.driver.list_adapters()
+        if in_place and not isinstance(self.driver, InPlaceReplace):
             # Dynamo answers "already loaded" for a name it has and keeps the
             # old weights, so fixed naming must drop the name first.
             await self.driver.unload_adapter(name)
         try:
-            await self.driver.load_adapter(name, path, budget_s=budget_s)
+            if in_place and isinstance(self.driver, InPlaceReplace):
+                await self.driver.replace_adapter(name, path, budget_s=budget_s)
+            else:
+                await self.driver.load_adapter(name, path, budget_s=budget_s)
         except EngineError:
             await self._read_back_quietly()  # the load's own error is the one to report
             raise

@@ -1,7 +1,8 @@
 """Prometheus metrics of an agent: how its engine calls go, per operation.
 
-:class:`InstrumentedDriver` wraps any engine driver, so the drivers stay free
-of metrics code and every engine kind is measured the same way.
+:func:`instrumented` wraps any engine driver, so the drivers stay free of
+metrics code and every engine kind is measured the same way; the wrapper
+offers what the driver offers (an in-place replace only where it has one).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from lorabus.agents.engine import EngineDriver, SetupCheck
+from lorabus.agents.engine import EngineDriver, InPlaceReplace, SetupCheck
 
 _T = TypeVar("_T")
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -76,3 +77,19 @@ class InstrumentedDriver:
             raise
         finally:
             self.metrics.call_seconds.labels(operation).observe(time.perf_counter() - started)
+
+
+class _InstrumentedReplacing(InstrumentedDriver):
+    """:class:`InstrumentedDriver` of a driver that replaces in place."""
+
+    async def replace_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        driver = self.driver
+        assert isinstance(driver, InPlaceReplace)
+        await self._timed("replace", lambda: driver.replace_adapter(name, path, budget_s=budget_s))
+
+
+def instrumented(driver: EngineDriver, metrics: AgentMetrics) -> InstrumentedDriver:
+    """``driver``, every call timed into ``metrics``."""
+    if isinstance(driver, InPlaceReplace):
+        return _InstrumentedReplacing(driver, metrics)
+    return InstrumentedDriver(driver, metrics)

@@ -62,6 +62,16 @@ partial text). In every mode a request that arrives while paused is held
 and answered after the resume (seen on vLLM 0.32.0). A pause for a LoRA load
 lasts as long as the load, so freezing requests costs less than ending them.
 
+A version replaced under the same name (``--naming fixed``) is loaded with
+``load_inplace: true`` (vLLM 0.10 and later; the real_vllm tier runs 0.32.0):
+vLLM loads the new weights first and swaps them in under the adapter's id
+only once they loaded (``LRUCacheWorkerLoRAManager.add_adapter``), so a new
+version that fails leaves the old one serving, where an unload and a load
+would leave the name unserved. vLLM keeps the path it was loaded from per
+name (``/v1/models`` ``root``), and warns that prefix-cache blocks computed
+with the old weights are reused when the path is the same: each version
+comes from a path of its own.
+
 A load whose name vLLM already holds is refused (400) instead of answered
 "already loaded" as Dynamo does; the driver then reads ``/v1/models`` back and
 takes the load as done when that name was loaded from the same path (a retry
@@ -126,6 +136,10 @@ class VllmDriver(HttpEngine):
             if exc.status != 400 or ALREADY_LOADED not in str(exc):
                 raise
             await self._check_loaded_from(name, path, exc)
+
+    async def replace_adapter(self, name: str, path: str, *, budget_s: float) -> None:
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
+        await self.retrying(lambda: self.send("POST", "/v1/load_lora_adapter", body), budget_s)
 
     async def unload_adapter(self, name: str) -> None:
         await self.send("POST", "/v1/unload_lora_adapter", {"lora_name": name})

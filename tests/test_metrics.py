@@ -8,7 +8,9 @@ import httpx
 import pytest
 
 from lorabus.agents import DynamoDriver
-from lorabus.agents.metrics import AgentMetrics, InstrumentedDriver
+from lorabus.agents.engine import InPlaceReplace
+from lorabus.agents.metrics import AgentMetrics, instrumented
+from lorabus.agents.vllm import VllmDriver
 from lorabus.errors import EngineError
 from lorabus.metrics_http import serving
 from lorabus.simfleet import SimFleet
@@ -53,7 +55,7 @@ async def test_an_agent_exports_engine_call_latency_and_errors_by_operation(
 ) -> None:
     metrics = AgentMetrics()
     async with SimFleet(["w1"], [1]) as sim:
-        driver = InstrumentedDriver(DynamoDriver(sim.system_url("w1")), metrics)
+        driver = instrumented(DynamoDriver(sim.system_url("w1")), metrics)
         try:
             await driver.pause()
             await driver.load_adapter("p-v1", make_adapter(1), budget_s=5)
@@ -69,3 +71,29 @@ async def test_an_agent_exports_engine_call_latency_and_errors_by_operation(
     assert 'lorabus_engine_call_seconds_count{operation="pause"} 1.0' in text
     assert 'lorabus_engine_call_seconds_count{operation="load"} 2.0' in text
     assert 'lorabus_engine_call_errors_total{operation="load"} 1.0' in text
+
+
+async def test_the_timed_driver_replaces_in_place_only_where_its_driver_does(
+    make_adapter: Callable[[int], str],
+) -> None:
+    """The agent replaces a fixed name in place when its driver can (vLLM); the
+    metrics wrapper around the driver must not hide that, nor claim it for
+    Dynamo, which cannot."""
+    metrics = AgentMetrics()
+    second = make_adapter(2)
+    async with SimFleet(["w1", "w2"], [1, 1], engines=["vllm", "dynamo"]) as sim:
+        vllm = instrumented(VllmDriver(sim.system_url("w1")), metrics)
+        dynamo = instrumented(DynamoDriver(sim.system_url("w2")), metrics)
+        try:
+            assert isinstance(vllm, InPlaceReplace) and not isinstance(dynamo, InPlaceReplace)
+            await vllm.load_adapter("p", make_adapter(1), budget_s=5)
+            await vllm.replace_adapter("p", second, budget_s=5)
+        finally:
+            await vllm.aclose()
+            await dynamo.aclose()
+        assert sim.workers["w1"].adapter_paths == {"p": second}
+    port = free_port()
+    with serving(metrics.registry, port, host="127.0.0.1"):
+        text = await _scrape(port)
+
+    assert 'lorabus_engine_call_seconds_count{operation="replace"} 1.0' in text

@@ -105,12 +105,12 @@ def serving_command(
 async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
     """Drive one worker's engine on the coordinator's commands."""
     from lorabus.agents import Agent, driver_for
-    from lorabus.agents.metrics import AgentMetrics, InstrumentedDriver
+    from lorabus.agents.metrics import AgentMetrics, instrumented
     from lorabus.bus import close
     from lorabus.errors import BadRequest, EngineError
 
     metrics = AgentMetrics()
-    driver = InstrumentedDriver(driver_for(config), metrics)
+    driver = instrumented(driver_for(config), metrics)
     agent = Agent.from_config(config, driver)
     cache = agent.executor.adapter_cache
     try:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from lorabus.client import UpdateClient
-from lorabus.schemas import UpdateMode
+from lorabus.schemas import Naming, UpdateMode
 from real_vllm.vllm_server import (
     BASE_MODEL,
     MAX_LORA_RANKS,
@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(TEST_TIMEOUT_S)]
 UPDATE_TIMEOUT_S = 120.0
 RETIRE_DEADLINE_S = 30.0
 PAUSE, RESUME = ("POST", "/pause?mode=keep"), ("POST", "/resume")
+UNLOAD = ("POST", "/v1/unload_lora_adapter")
 
 
 async def _tokens(http: httpx.AsyncClient, vllm: VllmFleet, model: str) -> dict[str, list[int]]:
@@ -116,3 +117,49 @@ async def test_versions_commit_in_pause_and_live_mode_and_both_servers_answer_wi
     listed = await _retired(http, vllm, "served-v1")
     for names in listed.values():
         assert "served-v1" not in names and {"served-v2", "served-v3"} <= names, listed
+
+
+async def test_a_fixed_name_is_replaced_in_place_and_a_version_that_fails_keeps_the_old(
+    vllm: VllmFleet,
+    client: UpdateClient,
+    http: httpx.AsyncClient,
+    adapters: Path,
+    start_lorabus: Callable[..., Awaitable[None]],
+    tmp_path: Path,
+) -> None:
+    """With ``--naming fixed`` every version is served as ``served``: version 2
+    swaps adapter b's weights in over a's (``load_inplace``), and version 3,
+    a folder vLLM finds no adapter in, fails on both servers while b keeps
+    answering under the name (an unload, then a load, would have left no
+    ``served`` at all)."""
+    await start_lorabus(naming=Naming.FIXED)
+    first = await client.update(
+        "served", str(adapters / "a"), version=1, timeout_s=UPDATE_TIMEOUT_S
+    )
+    assert first.committed, first.error
+    with_a = await _tokens(http, vllm, "served")
+    unloads = _counts(vllm, UNLOAD)
+
+    second = await client.update(
+        "served", str(adapters / "b"), version=2, timeout_s=UPDATE_TIMEOUT_S
+    )
+    assert second.committed, second.error
+    assert second.adapter == "served"
+    with_b = await _tokens(http, vllm, "served")
+    assert with_b["w000"] == with_b["w001"]
+    assert with_b != with_a, "the weights under the name did not change"
+    for worker_id in MAX_LORA_RANKS:
+        served = await served_adapters(http, vllm.url(worker_id))
+        assert served == {"served": str(adapters / "b")}, (worker_id, served)
+    assert _counts(vllm, UNLOAD) == unloads, "the name was unloaded, not replaced"
+
+    empty = tmp_path / "no-adapter"
+    empty.mkdir()
+    third = await client.update("served", str(empty), version=3, timeout_s=UPDATE_TIMEOUT_S)
+
+    assert third.status == "failed", third
+    for worker_id in MAX_LORA_RANKS:
+        served = await served_adapters(http, vllm.url(worker_id))
+        assert served == {"served": str(adapters / "b")}, (worker_id, served)
+        assert not await is_paused(http, vllm.url(worker_id)), worker_id
+    assert await _tokens(http, vllm, "served") == with_b
