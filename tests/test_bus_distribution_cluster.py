@@ -40,7 +40,7 @@ WEIGHTS_MIB = 64
 """Large enough that three agents fetching it on the loopback take a second
 or more, so that the node dies in the middle of the transfer."""
 MID_TRANSFER_BYTES = 4 << 20
-"""A fetch is under way once a file under its cache's ``.partial/`` holds this much."""
+"""A fetch is under way once the folder it unpacks into under ``.partial/`` holds this much."""
 WORKERS = {"w000", "w001", "w002"}
 _ENTRY = re.compile(r"^[0-9a-f]{64}$")
 
@@ -105,14 +105,15 @@ def caches_of(root: Path) -> list[Path]:
 
 
 def fetching(root: Path) -> set[str]:
-    """The workers with a fetch under way: a partial file of theirs holds
-    ``MID_TRANSFER_BYTES`` or more."""
+    """The workers with a fetch under way: the folder it unpacks into, under
+    ``.partial``, holds ``MID_TRANSFER_BYTES`` or more."""
     found = set()
     for cache in caches_of(root):
         partial = cache / ".partial"
         for item in partial.iterdir() if partial.is_dir() else ():
             try:
-                if item.is_file() and item.stat().st_size >= MID_TRANSFER_BYTES:
+                files = item.rglob("*") if item.is_dir() else [item]
+                if sum(f.stat().st_size for f in files if f.is_file()) >= MID_TRANSFER_BYTES:
                     found.add(cache.name)
             except FileNotFoundError:  # renamed into place or removed meanwhile
                 pass
