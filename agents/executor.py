@@ -366,7 +366,7 @@ class CommandExecutor:
         if in_place and not isinstance(self.driver, InPlaceReplace):
             # Dynamo answers "already loaded" for a name it has and keeps the
             # old weights, so fixed naming must drop the name first.
-            await self.driver.unload_adapter(name)
+            await self._unload_to_replace(name)
         try:
             if in_place and isinstance(self.driver, InPlaceReplace):
                 await self.driver.replace_adapter(name, path, budget_s=budget_s)
@@ -388,6 +388,22 @@ class CommandExecutor:
                 "room (SGLang's --max-loaded-loras): let it hold the versions the fleet keeps "
                 f"and one more; it lists {self.adapters}"
             )
+
+    async def _unload_to_replace(self, name: str) -> None:
+        """Unload ``name`` to load it again. An engine whose unload waits for
+        the requests running on the adapter (SGLang) would wait for ever on
+        those its pause froze: generation continues for the unload (they
+        finish on the old weights; a new request for the name is refused
+        until the load), and the engine is paused again before the load."""
+        waits = getattr(self.driver, "unload_waits_for_running", False)
+        if not (waits and self.paused):
+            await self.driver.unload_adapter(name)
+            return
+        await self.driver.resume()
+        try:
+            await self.driver.unload_adapter(name)
+        finally:
+            await self.driver.pause()
 
     async def _unload(self, names: list[str]) -> None:
         loaded = set(await self.driver.list_adapters())

@@ -44,6 +44,7 @@ class InstrumentedDriver:
         self.driver = driver
         self.metrics = metrics
         self.kind = driver.kind
+        self.unload_waits_for_running = getattr(driver, "unload_waits_for_running", False)
 
     async def pause(self) -> None:
         await self._timed("pause", self.driver.pause)

@@ -52,6 +52,15 @@ requests and their KV cache where they are, continuing them after
 ``retract`` would move them back to the queue and recompute their KV cache.
 A new adapter name does not touch the adapters running requests use.
 
+An unload, though, waits for the requests running on its adapter, holding
+SGLang's LoRA update lock (``LoRARegistry.unregister`` waits for the
+adapter's in-flight counter to reach zero; a retracted request still
+counts): under an ``in_place`` pause they never finish, and the unload
+would hang until its budget ran out. So ``unload_waits_for_running`` is
+set, and an agent that must unload a name its paused engine serves (a
+fixed-name replace) lets generation continue for the unload, then pauses
+again before it loads.
+
 Since SGLang answers every refusal with a 400, its load errors are final
 (:mod:`lorabus.agents.http_engine`); no answer, a 5xx (a proxy, a crashed
 handler), 408 or 429 are retried within the load's budget. A load of a name
@@ -94,6 +103,8 @@ class SglangDriver(HttpEngine):
     """Drives one SGLang server at ``base_url`` (the server root)."""
 
     kind = "sglang"
+    unload_waits_for_running = True
+    """An unload hangs while an in_place pause freezes the adapter's requests."""
 
     async def pause(self) -> None:
         _expect_ok(await self.send("POST", "/pause_generation", PAUSE_BODY, admin=True))

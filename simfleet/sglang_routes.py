@@ -34,6 +34,11 @@ Paths, status codes and bodies follow the source of SGLang 0.5.23
   ``LoRARegistry.lru_lora_name``): ``loaded_adapters`` no longer lists them.
   SGLang counts a request for an adapter as a use; the sim counts loads only,
   so its least recently used adapter is the one loaded first.
+- An unload waits for the requests running on its adapter
+  (``WorkerFaults.busy_loras``), holding SGLang's LoRA update lock
+  (``LoRARegistry.unregister`` waits for the adapter's counter to reach
+  zero): while an ``in_place`` pause freezes them, it waits until the
+  engine continues, then they finish and the unload answers.
 
 The words of a load of a directory without ``adapter_config.json`` are
 PEFT's ("Can't find 'adapter_config.json' at '<path>'"); the real message
@@ -177,6 +182,11 @@ async def _unload(request: web.Request, worker: SimWorker, raw: bytes) -> web.Re
         return _update(False, worker, message, listed=False)
     if worker.take_injected_unload_failure():
         return _update(False, worker, f"injected unload failure of {name}", status=500)
+    if name in worker.faults.busy_loras:
+        # Frozen by an in_place pause, they finish only once generation continues.
+        if not await worker.wait_until(lambda: not worker.paused):
+            return _server_error()  # the fleet stopped
+        worker.set_faults(busy_loras=[n for n in worker.faults.busy_loras if n != name])
     worker.remove_adapter(name)
     return _update(True, worker)
 

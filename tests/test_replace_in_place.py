@@ -65,3 +65,34 @@ async def test_a_new_version_that_fails_to_load_leaves_the_old_one_serving(
     assert not failed.paused
     status = await client.status()
     assert status.committed_adapter == "policy" and status.committed_version == 1, status
+
+
+async def test_a_fixed_name_on_sglang_is_unloaded_while_generation_runs_not_while_frozen(
+    start_fleet: StartFleet, make_adapter: Callable[[int], str]
+) -> None:
+    """SGLang's unload waits for the requests running on the adapter, and its
+    in_place pause freezes them: an unload inside the pause would wait until
+    the phase's budget ran out. The agent lets generation continue for the
+    unload, pauses again, then loads; the update commits and nothing is
+    left paused."""
+    client, sim = await start_fleet({"w000": "sglang", "w001": "sglang"}, {}, naming=Naming.FIXED)
+    assert (await client.update("policy", make_adapter(1), version=1)).committed
+    busy = sim.workers["w000"]
+    busy.set_faults(busy_loras=["policy"])  # requests running on it, frozen by the pause
+    busy.requests.clear()
+    second = make_adapter(2)
+
+    result = await client.update("policy", second, version=2)
+
+    assert result.committed, result.error
+    calls = [r.path for r in busy.requests if r.method == "POST"]
+    assert calls == [
+        "/pause_generation",
+        "/continue_generation",
+        "/unload_lora_adapter",
+        "/pause_generation",
+        "/load_lora_adapter",
+        "/continue_generation",
+    ], calls
+    assert busy.adapter_paths == {"policy": second}
+    assert not any(worker.paused for worker in sim.workers.values())
