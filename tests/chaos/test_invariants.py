@@ -381,6 +381,7 @@ def test_refusing_a_current_epoch_is_a_violation() -> None:
                 command="pause",
                 epoch=2,
                 epoch_seen=2,
+                reason="it has seen epoch 2",
             ),
         )
     )
@@ -388,6 +389,30 @@ def test_refusing_a_current_epoch_is_a_violation() -> None:
     [violation] = check_fencing(t)
 
     assert violation.invariant == "fencing" and "had only seen epoch 2" in violation.detail
+
+
+def test_a_command_refused_as_ahead_of_the_leader_record_is_no_fencing_violation() -> None:
+    """After a partition heals, an agent may hear a new epoch's command before
+    it has read that epoch's leader record: it drops it unproven (the leader
+    sends it again), which is not the agent fencing a current epoch off."""
+    t = clean()
+    t.refused.append(
+        (
+            1.3,
+            CommandRefused(
+                ts=0.0,
+                source="agent:a",
+                update_id="u1",
+                worker_id="a",
+                command="resume",
+                epoch=4,
+                epoch_seen=3,
+                reason="epoch 4 is not in the fleet's leader record (which shows 3)",
+            ),
+        )
+    )
+
+    assert check_fencing(t) == []
 
 
 def test_acting_on_a_command_that_was_stale_when_sent_is_a_violation() -> None:

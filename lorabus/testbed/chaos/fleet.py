@@ -28,10 +28,13 @@ from lorabus.service_flags import agent_args, coordinator_args
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.chaos.config import FleetSettings
 from lorabus.testbed.chaos.procs import Child, ProcessGroup
+from lorabus.testbed.chaos.proxy import LinkProxy
 from lorabus.testbed.chaos.timeline import (
     AGENT_DOWN,
+    AGENT_PARTITIONED,
     AGENT_STOPPED,
     COORDINATOR_DOWN,
+    COORDINATOR_PARTITIONED,
     COORDINATOR_STOPPED,
     ENGINE_ERROR,
     ENGINE_HANG,
@@ -75,6 +78,9 @@ class ChaosFleet:
         self._supervisors: set[asyncio.Task[None]] = set()
         self._restarts: dict[str, int] = {}
         self._closing = False
+        self.links: dict[str, LinkProxy] = {}
+        """Each process's link to nats-server, by process name (kept across
+        its restarts): a partition cuts one."""
 
     @property
     def nats_url(self) -> str:
@@ -128,6 +134,8 @@ class ChaosFleet:
         for task in self._supervisors:
             task.cancel()
         await asyncio.gather(*self._supervisors, return_exceptions=True)
+        for link in self.links.values():
+            await link.aclose()
         for server in self._servers:
             await asyncio.to_thread(server.stop)
         await self.sim.stop()
@@ -178,6 +186,26 @@ class ChaosFleet:
                 del self.coordinators[holder]
             await self.start_coordinator()
 
+    # -- links ------------------------------------------------------------------
+
+    async def _link(self, process: str) -> LinkProxy:
+        link = self.links.get(process)
+        if link is None:
+            link = self.links[process] = LinkProxy(self.nats.port)
+            await link.start()
+        return link
+
+    def partition(
+        self, process: str, kind: str, subject: str, *, to_bus: bool, from_bus: bool
+    ) -> None:
+        """Cut ``process``'s link (a window of ``kind`` on ``subject`` in the timeline)."""
+        self.links[process].cut(to_bus=to_bus, from_bus=from_bus)
+        self._begin(kind, subject)
+
+    def heal_partition(self, process: str, kind: str, subject: str) -> None:
+        self.links[process].heal()
+        self._end(kind, subject)
+
     # -- agents ------------------------------------------------------------------
 
     async def start_agent(self, worker_id: str) -> Child:
@@ -191,8 +219,9 @@ class ChaosFleet:
             heartbeat_s=s.heartbeat_s,
             engine_timeout_s=s.engine_timeout_s,
         )
+        link = await self._link(f"agent-{worker_id}")
         child = await self.processes.start(
-            f"agent-{worker_id}", agent_args(config, nats_url=self.nats_url), log_level=s.log_level
+            f"agent-{worker_id}", agent_args(config, nats_url=link.url), log_level=s.log_level
         )
         self.agents[worker_id] = child
         self.timeline.agent_started(worker_id, child.started_at)
@@ -233,9 +262,10 @@ class ChaosFleet:
             verify_timeout_s=s.verify_timeout_s,
             quorum=s.quorum,
         )
+        link = await self._link(f"coordinator-{holder}")
         child = await self.processes.start(
             f"coordinator-{holder}",
-            coordinator_args(config, nats_url=self.nats_url),
+            coordinator_args(config, nats_url=link.url),
             log_level=s.log_level,
         )
         self.coordinators[holder] = child
@@ -365,3 +395,7 @@ class ChaosFleet:
                 self.stop_failing_loads(worker_id)
             elif kind == ENGINE_HANG:
                 self.unhang_engine(worker_id)
+            elif kind == AGENT_PARTITIONED:
+                self.heal_partition(f"agent-{worker_id}", kind, worker_id)
+            elif kind == COORDINATOR_PARTITIONED:
+                self.heal_partition(f"coordinator-{worker_id}", kind, worker_id)

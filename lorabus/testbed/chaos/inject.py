@@ -34,7 +34,7 @@ from lorabus.errors import NoCoordinator
 from lorabus.simfleet import SimWorker
 from lorabus.testbed.chaos.fleet import ChaosFleet
 from lorabus.testbed.chaos.schedule import Fault, FaultKind
-from lorabus.testbed.chaos.timeline import now
+from lorabus.testbed.chaos.timeline import AGENT_PARTITIONED, COORDINATOR_PARTITIONED, now
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,16 @@ class FaultInjector:
                 return _sync(lambda: fleet.continue_coordinator(holder))
             case FaultKind.FROZEN_LEADER_REQUEST:
                 return await self._frozen_leader_request(fault)
+            case FaultKind.AGENT_PARTITION:
+                return self._partition(fault, f"agent-{worker_id}", AGENT_PARTITIONED, worker_id)
+            case FaultKind.LEADER_PARTITION:
+                leader = await self._find_leader()
+                if leader is None:
+                    self._skip(fault, "no running leader found")
+                    return None
+                return self._partition(
+                    fault, f"coordinator-{leader}", COORDINATOR_PARTITIONED, leader
+                )
             case FaultKind.NATS_RESTART:
                 await fleet.stop_nats()
                 return fleet.start_nats
@@ -215,6 +225,17 @@ class FaultInjector:
             await asking
 
         return recover
+
+    def _partition(self, fault: Fault, process: str, kind: str, subject: str) -> Recovery:
+        fleet = self.fleet
+        fleet.partition(
+            process,
+            kind,
+            subject,
+            to_bus=fault.cut in ("both", "to_bus"),
+            from_bus=fault.cut in ("both", "from_bus"),
+        )
+        return _sync(lambda: fleet.heal_partition(process, kind, subject))
 
     async def _wait_paused(self, fault: Fault) -> None:
         """Until an update pauses the target's engine (any engine for control

@@ -8,13 +8,16 @@ and returns the violations it found, each with the details a bug report needs.
    from every pause or lease renewal sent to that worker and from the end of
    every fault that kept its agent from acting (SIGSTOP until SIGCONT, SIGKILL
    until the replacement started, an engine hang until it cleared); time
-   inside such a fault does not count. A later update that pauses and resumes
-   the engine does not excuse an unattended stretch before it. A latency
-   injected into resumes is added to the bound.
+   inside such a fault does not count. A partition is no such fault: an agent
+   cut off from the bus still resumes its engine when the lease runs out. A
+   later update that pauses and resumes the engine does not excuse an
+   unattended stretch before it. A latency injected into resumes is added to
+   the bound.
 2. ``committed_served``: when a committed result arrives, every member it
    counts as ok lists the adapter on its engine (read from the engine, not the
    agent). An engine that restarted during the update may lack it; it must
-   list it within ``converge_s`` once nothing blocks its agent. After the run
+   list it within ``converge_s`` once nothing blocks its agent (nor cuts it
+   off from the bus). After the run
    every engine serves the last committed adapter within ``converge_s`` of the
    faults being healed, and the coordinator reports the same one.
 3. ``rank_map``: a committed result's rank map has exactly its ok members, in
@@ -25,8 +28,8 @@ and returns the violations it found, each with the details a bug report needs.
    failed with a code other than the requester-side ``timeout`` /
    ``no_coordinator`` / ``not_leader``) within the retry bound, never an
    ``internal`` error, and asking again for the same id gives the same status.
-5. ``fencing``: every ``command_refused`` refused an older epoch than the one
-   the agent had seen, and no command an agent acted on (its ack) was
+5. ``fencing``: every ``command_refused`` for its epoch refused an older
+   epoch than the one the agent had seen, and no command an agent acted on (its ack) was
    already stale when it was sent (its epoch below what that agent process had
    reported seeing before the command was seen on the bus). A handled command
    is judged by the commands it can have been (same update, type, worker and
@@ -59,6 +62,7 @@ from lorabus.testbed.chaos.timeline import (
     BLOCKING,
     ENGINE_LATENCY,
     ENGINE_RESTART,
+    UNREACHABLE,
     Timeline,
     UpdateRecord,
 )
@@ -229,7 +233,7 @@ def _unblocked_after(timeline: Timeline, worker_id: str, start: float, converge_
     """When, from ``start`` on, the agent of ``worker_id`` has had ``converge_s``
     free of blocking faults to begin with (inf while a fault still holds)."""
     base = start
-    for window in sorted(timeline.windows_of(worker_id, BLOCKING), key=lambda w: w.start):
+    for window in sorted(timeline.windows_of(worker_id, UNREACHABLE), key=lambda w: w.start):
         if window.start > base + converge_s:
             break
         if window.end is None:
@@ -460,9 +464,18 @@ def _code(result: UpdateResult) -> str:
 # -- 5. fencing -----------------------------------------------------------------------
 
 
+_FENCED = "it has seen epoch"
+"""How an agent words a refusal of an older epoch (agents/fencing.py); its
+other refusals are of commands it cannot prove yet, such as one of an epoch
+ahead of the leader record it read before a partition healed, which the
+leader sends again."""
+
+
 def check_fencing(timeline: Timeline) -> list[Violation]:
     violations = []
     for at, refused in timeline.refused:
+        if not refused.reason.startswith(_FENCED):
+            continue  # unproven (ahead of the leader record it has read): re-sent, not fenced
         if refused.epoch >= refused.epoch_seen:
             violations.append(
                 Violation(

@@ -31,6 +31,9 @@ class ChaosReport(msgspec.Struct, kw_only=True):
     no_terminal_result: int
     retried: int
     """Updates that needed more than one attempt (same update id)."""
+    goodput: float
+    """The share of updates asked for that committed, the requester asking
+    again with the same id until its retry bound, as an orchestrator does."""
     commit_latency_s: dict[str, float]
     faults_injected: int
     faults_by_kind: dict[str, int]
@@ -59,7 +62,7 @@ class ChaosReport(msgspec.Struct, kw_only=True):
             f"failed {self.attempted - self.committed - self.no_terminal_result}"
             + (f" ({codes})" if codes else "")
             + f", without a terminal result {self.no_terminal_result}; "
-            f"{self.retried} needed the same id asked again",
+            f"{self.retried} needed the same id asked again; goodput {self.goodput:.0%}",
         ]
         calls = self.one_call_requests
         if calls.get("made"):
@@ -75,7 +78,8 @@ class ChaosReport(msgspec.Struct, kw_only=True):
     def summary_line(self) -> str:
         return (
             f"chaos: updates attempted {self.attempted} / committed {self.committed} / "
-            f"failed cleanly {self.failed_cleanly}, faults injected {self.faults_injected}, "
+            f"failed cleanly {self.failed_cleanly} (goodput {self.goodput:.0%}), "
+            f"faults injected {self.faults_injected}, "
             f"invariant violations {len(self.violations)}"
         )
 
@@ -110,6 +114,7 @@ def build_report(
         failed_by_code=dict(sorted(codes.items())),
         no_terminal_result=sum(r is None for r in results),
         retried=sum(len(u.attempts) > 1 for u in timeline.updates),
+        goodput=round(len(committed) / len(results), 4) if results else 1.0,
         commit_latency_s=_spread(latencies),
         faults_injected=len(injected),
         faults_by_kind=dict(sorted(Counter(str(f.kind) for f in injected).items())),

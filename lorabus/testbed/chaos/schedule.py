@@ -41,6 +41,13 @@ class FaultKind(enum.StrEnum):
     """Every request to one worker's engine waits until the fault clears."""
     ENGINE_RESTART = "engine_restart"
     """One worker's engine restarts: it loses its adapters and is not paused."""
+    AGENT_PARTITION = "agent_partition"
+    """One agent's link to nats-server stops forwarding (both ways, or only
+    what it sends, or only what it is sent), closing nothing, for ``hold_s``:
+    what it held then arrives late, in order."""
+    LEADER_PARTITION = "leader_partition"
+    """The leading coordinator's link, the same way: a standby takes over when
+    the lease lapses, and the old leader's held messages arrive after it."""
     FROZEN_LEADER_REQUEST = "frozen_leader_request"
     """SIGSTOP of the leading coordinator, then one update asked with ONE
     ``UpdateClient.update`` call (its own update id, never retried by the run)
@@ -58,8 +65,12 @@ CONTROL_KINDS = frozenset(
         FaultKind.COORDINATOR_STOP,
         FaultKind.NATS_RESTART,
         FaultKind.FROZEN_LEADER_REQUEST,
+        FaultKind.LEADER_PARTITION,
     }
 )
+PARTITION_KINDS = frozenset({FaultKind.AGENT_PARTITION, FaultKind.LEADER_PARTITION})
+_CUTS = ("both", "both", "to_bus", "from_bus")
+"""How a partition cuts a link: both ways half the time."""
 
 _HOLD_S: dict[FaultKind, tuple[float, float]] = {
     FaultKind.AGENT_KILL: (1.0, 4.0),
@@ -72,6 +83,8 @@ _HOLD_S: dict[FaultKind, tuple[float, float]] = {
     FaultKind.ENGINE_HANG: (0.5, 5.0),
     FaultKind.ENGINE_RESTART: (0.0, 0.0),
     FaultKind.FROZEN_LEADER_REQUEST: (1.5, 4.0),
+    FaultKind.AGENT_PARTITION: (1.0, 8.0),
+    FaultKind.LEADER_PARTITION: (1.5, 6.0),
 }
 _LATENCY_OPS = ("pause", "resume", "load", "unload", "list")
 _IN_PAUSE_CHANCE = 0.5
@@ -85,6 +98,8 @@ _IN_PAUSE_KINDS = frozenset(
         FaultKind.ENGINE_HANG,
         FaultKind.ENGINE_RESTART,
         FaultKind.FROZEN_LEADER_REQUEST,
+        FaultKind.AGENT_PARTITION,
+        FaultKind.LEADER_PARTITION,
     }
 )
 _LATENCY_S = (0.3, 8.0)
@@ -106,12 +121,16 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
     in_pause: bool = False
     """Wait (briefly) until the target's engine, or any for control faults, is
     paused by an update, so the fault lands inside a pause window."""
+    cut: str = ""
+    """Partitions: ``both``, ``to_bus`` (what the process sends is held) or
+    ``from_bus`` (what it is sent is held)."""
 
     @property
     def occupies(self) -> str:
         if self.kind in CONTROL_KINDS:
             return CONTROL
-        side = "agent" if self.kind in (FaultKind.AGENT_KILL, FaultKind.AGENT_STOP) else "engine"
+        agent_kinds = (FaultKind.AGENT_KILL, FaultKind.AGENT_STOP, FaultKind.AGENT_PARTITION)
+        side = "agent" if self.kind in agent_kinds else "engine"
         return f"{side}:{self.target}"
 
     def describe(self) -> str:
@@ -120,6 +139,8 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
             extra = " " + ",".join(f"{op}+{s:.1f}s" for op, s in sorted(self.latency_s.items()))
         if self.fail_loads:
             extra = f" {self.fail_loads} loads"
+        if self.cut:
+            extra = f" {self.cut}"
         where = "" if self.target == CONTROL else f" {self.target}"
         hold = f" for {self.hold_s:.1f}s" if self.hold_s else ""
         when = " in a pause" if self.in_pause else ""
@@ -202,6 +223,7 @@ def _draw(rng: random.Random, kind: FaultKind, at: float, workers: list[str]) ->
         fail_loads = rng.randint(*_FAIL_LOADS)
     target = CONTROL if kind in CONTROL_KINDS else ""
     in_pause = kind in _IN_PAUSE_KINDS and rng.random() < _IN_PAUSE_CHANCE
+    cut = rng.choice(_CUTS) if kind in PARTITION_KINDS else ""
     return Fault(
         at_s=at,
         kind=kind,
@@ -210,6 +232,7 @@ def _draw(rng: random.Random, kind: FaultKind, at: float, workers: list[str]) ->
         latency_s=latency,
         fail_loads=fail_loads,
         in_pause=in_pause,
+        cut=cut,
     )
 
 

@@ -33,9 +33,17 @@ COORDINATOR_DOWN = "coordinator_down"
 COORDINATOR_STOPPED = "coordinator_stopped"
 """Its ``worker_id`` holds the coordinator's holder name."""
 NATS_DOWN = "nats_down"
+AGENT_PARTITIONED = "agent_partitioned"
+"""From the cut of an agent's link to nats-server to its heal (one way or both)."""
+COORDINATOR_PARTITIONED = "coordinator_partitioned"
+"""The same for a coordinator; its ``worker_id`` holds the holder name."""
 
 #: Windows during which a worker's agent cannot act on its engine at all.
 BLOCKING = frozenset({AGENT_DOWN, AGENT_STOPPED, ENGINE_HANG})
+#: Windows during which a worker's agent cannot hear or answer the bus: it
+#: still acts on its engine (a pause lease runs out and it resumes), but it
+#: cannot converge on a commit it does not hear of.
+UNREACHABLE = BLOCKING | {AGENT_PARTITIONED}
 
 
 def now() -> float:
