@@ -150,7 +150,7 @@ async def test_a_fixed_name_is_replaced_in_place_and_a_version_that_fails_keeps_
     assert with_b != with_a, "the weights under the name did not change"
     for worker_id in MAX_LORA_RANKS:
         served = await served_adapters(http, vllm.url(worker_id))
-        assert served == {"served": str(adapters / "b")}, (worker_id, served)
+        assert served.get("served") == str(adapters / "b"), (worker_id, served)
     assert _counts(vllm, UNLOAD) == unloads, "the name was unloaded, not replaced"
 
     empty = tmp_path / "no-adapter"
@@ -160,6 +160,6 @@ async def test_a_fixed_name_is_replaced_in_place_and_a_version_that_fails_keeps_
     assert third.status == "failed", third
     for worker_id in MAX_LORA_RANKS:
         served = await served_adapters(http, vllm.url(worker_id))
-        assert served == {"served": str(adapters / "b")}, (worker_id, served)
+        assert served.get("served") == str(adapters / "b"), (worker_id, served)
         assert not await is_paused(http, vllm.url(worker_id)), worker_id
     assert await _tokens(http, vllm, "served") == with_b
