@@ -134,16 +134,7 @@ class FleetStore:
 
     async def write_leader(self, record: LeaderRecord, last_revision: int) -> int:
         """Compare-and-set the leader record; return its new revision or raise LostRace."""
-        payload = self._sealed(LEADER, msgspec.json.encode(record))
-        try:
-            async with asyncio.timeout(_CALL_DEADLINE_S):
-                if last_revision == 0:
-                    return int(await self._state.create(LEADER, payload))
-                return int(await self._state.update(LEADER, payload, last=last_revision))
-        except nats.js.errors.KeyWrongLastSequenceError as exc:
-            raise LostRace(f"the leader record changed under revision {last_revision}") from exc
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise StoreUnavailable(f"cannot write the leader record: {exc!r}") from exc
+        return await self._swap(LEADER, "the leader record", record, last_revision)
 
     # -- committed state and the update in flight -------------------------------
 
@@ -222,16 +213,7 @@ class FleetStore:
         """Compare-and-set the in-flight record over revision ``last_revision``
         (0: only where there is none); return its new revision, or raise
         LostRace when somebody wrote it since."""
-        payload = self._sealed(INFLIGHT, msgspec.json.encode(record))
-        try:
-            async with asyncio.timeout(_CALL_DEADLINE_S):
-                if last_revision == 0:
-                    return int(await self._state.create(INFLIGHT, payload))
-                return int(await self._state.update(INFLIGHT, payload, last=last_revision))
-        except nats.js.errors.KeyWrongLastSequenceError as exc:
-            raise LostRace(f"the in-flight record changed under revision {last_revision}") from exc
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise StoreUnavailable(f"cannot write the in-flight record: {exc!r}") from exc
+        return await self._swap(INFLIGHT, "the in-flight record", record, last_revision)
 
     async def clear_inflight(self, last_revision: int) -> None:
         """Delete the in-flight record if it is still revision ``last_revision``;
@@ -293,6 +275,20 @@ class FleetStore:
             # Unreadable, not absent: a caller that would act on "none" must not.
             excerpt = repr(bytes(entry.value[:_EXCERPT_BYTES]))
             raise CorruptRecord(key, revision, str(exc)[:256], excerpt) from exc
+
+    async def _swap(self, key: str, what: str, record: object, last_revision: int) -> int:
+        """Compare-and-set ``key`` of the state bucket over ``last_revision`` (0:
+        only where there is none); its new revision, or LostRace."""
+        payload = self._sealed(key, msgspec.json.encode(record))
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                if last_revision == 0:
+                    return int(await self._state.create(key, payload))
+                return int(await self._state.update(key, payload, last=last_revision))
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise LostRace(f"{what} changed under revision {last_revision}") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot write {what}: {exc!r}") from exc
 
     async def _delete(self, kv: KeyValue, key: str) -> None:
         try:

@@ -368,23 +368,22 @@ def test_asking_again_without_an_answer_proves_nothing() -> None:
 # -- 5. fencing ------------------------------------------------------------------------------
 
 
+def _refused(command: str, epoch: int, epoch_seen: int, reason: str) -> CommandRefused:
+    return CommandRefused(
+        ts=0.0,
+        source="agent:a",
+        update_id="u1",
+        worker_id="a",
+        command=command,
+        epoch=epoch,
+        epoch_seen=epoch_seen,
+        reason=reason,
+    )
+
+
 def test_refusing_a_current_epoch_is_a_violation() -> None:
     t = clean()
-    t.refused.append(
-        (
-            1.3,
-            CommandRefused(
-                ts=0.0,
-                source="agent:a",
-                update_id="u1",
-                worker_id="a",
-                command="pause",
-                epoch=2,
-                epoch_seen=2,
-                reason="it has seen epoch 2",
-            ),
-        )
-    )
+    t.refused.append((1.3, _refused("pause", 2, 2, "it has seen epoch 2")))
 
     [violation] = check_fencing(t)
 
@@ -396,21 +395,8 @@ def test_a_command_refused_as_ahead_of_the_leader_record_is_no_fencing_violation
     it has read that epoch's leader record: it drops it unproven (the leader
     sends it again), which is not the agent fencing a current epoch off."""
     t = clean()
-    t.refused.append(
-        (
-            1.3,
-            CommandRefused(
-                ts=0.0,
-                source="agent:a",
-                update_id="u1",
-                worker_id="a",
-                command="resume",
-                epoch=4,
-                epoch_seen=3,
-                reason="epoch 4 is not in the fleet's leader record (which shows 3)",
-            ),
-        )
-    )
+    ahead = "epoch 4 is not in the fleet's leader record (which shows 3)"
+    t.refused.append((1.3, _refused("resume", 4, 3, ahead)))
 
     assert check_fencing(t) == []
 
