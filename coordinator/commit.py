@@ -81,9 +81,11 @@ async def conclude(term: Term, request: UpdateRequest, executed: Executed, start
     # One form for the store, the trail and every answer.
     result = fit_result(executed.result, term.max_payload())
     journalled = executed.journalled
+    taken_over = False
     if executed.committed is not None and journalled is not None:
         journalled = await _claim_commit(term, journalled, executed.committed)
         if journalled is None:  # a successor took the update over
+            taken_over = True
             committing = executed.committed.served_name
             executed = Executed(deposed_result(term, request, committing))
             result = executed.result
@@ -92,7 +94,9 @@ async def conclude(term: Term, request: UpdateRequest, executed: Executed, start
         await _store_commit(term, executed.committed, result)
         leading = persisted = True
     else:
-        leading = await term.still_leading()
+        # Taken over is deposed for sure, even when the leader record cannot
+        # be read: its "not_leader" must never be stored as the outcome.
+        leading = not taken_over and await term.still_leading()
         persisted = leading and await quietly(term.store.write_result(result))
     if leading and journalled is not None:
         await _clear_inflight(term, journalled)
@@ -149,7 +153,10 @@ async def _claim_commit(
 
     async def swap() -> Journalled | None:
         revision = journalled.revision
-        if revision is None:  # a write failed: what is stored is read
+        if revision is None:
+            # A write failed: what is stored is read. None there is taken as
+            # never stored (a successor's clear after its roll-back would look
+            # the same; that needs this failure and a freeze at once).
             found, revision = await term.store.read_inflight_entry()
             if found is not None and found not in (journalled.record, claim):
                 return None
