@@ -172,26 +172,33 @@ class CoordinatorBus:
 
     async def _report(self, conflict: Conflict) -> None:
         holder, refused = conflict.holder, conflict.refused
-        log.error(
-            "worker id %s is claimed by a second agent (instance %r, world size %d) while "
-            "instance %r (world size %d) holds it: the newcomer is refused",
-            conflict.worker_id,
-            refused.instance,
-            refused.world_size,
-            holder.instance,
-            holder.world_size,
-        )
-        await self.emit(
-            WorkerConflict(
-                ts=time.time(),
-                source="coordinator",
-                epoch=self._epoch(),
-                worker_id=conflict.worker_id,
-                holder=holder.instance,
-                refused=refused.instance,
-                world_sizes=[holder.world_size, refused.world_size],
+        if conflict.again:
+            log.warning(
+                "worker id %s: instance %r still beats after it was refused; refused again",
+                conflict.worker_id,
+                refused.instance,
             )
-        )
+        else:
+            log.error(
+                "worker id %s is claimed by a second agent (instance %r, world size %d) while "
+                "instance %r (world size %d) holds it: the newcomer is refused",
+                conflict.worker_id,
+                refused.instance,
+                refused.world_size,
+                holder.instance,
+                holder.world_size,
+            )
+            await self.emit(
+                WorkerConflict(
+                    ts=time.time(),
+                    source="coordinator",
+                    epoch=self._epoch(),
+                    worker_id=conflict.worker_id,
+                    holder=holder.instance,
+                    refused=refused.instance,
+                    world_sizes=[holder.world_size, refused.world_size],
+                )
+            )
         if self._leading():
             await self.send_to(
                 conflict.worker_id,

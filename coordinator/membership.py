@@ -11,7 +11,11 @@ A heartbeat from another instance while the holder beats does not replace
 it; the newcomer is held as a contender. If the holder beats again after
 that (so it is not a restart of a dead holder), the contender is refused:
 :meth:`Membership.observe` returns the :class:`Conflict`, which the bus
-reports and, when leading, tells the newcomer so it exits. A holder that
+reports and, when leading, tells the newcomer so it exits. A refusal can be
+lost, held by the newcomer's fencing and replaced, or not sent at all by a
+coordinator not yet leading: while the newcomer keeps beating, the conflict
+comes back every ``REFUSE_AGAIN_AFTER_BEATS`` of its beats (marked ``again``,
+so it is sent, not reported, once more). A holder that
 missed a beat is taken for dead once another instance beats (a restarted
 agent takes its place at once, not three beats later), and a phase that
 finds a holder gone gives its place to a contender still beating and sends
@@ -38,6 +42,7 @@ from lorabus.schemas import Ack, Heartbeat
 
 MISSED_BEATS = 3
 FORGET_AFTER_BEATS = 100
+REFUSE_AGAIN_AFTER_BEATS = 3
 CONFLICT_SHOWN_S = 300.0
 """How long the status keeps showing a refused second agent after it fell silent."""
 _FORGET_CHECK_S = 1.0
@@ -61,13 +66,19 @@ class Contender(msgspec.Struct, kw_only=True):
     heartbeat: Heartbeat
     first_seen: float
     last_seen: float
-    refused: bool = False
+    refused_at: float | None = None
+
+    @property
+    def refused(self) -> bool:
+        return self.refused_at is not None
 
 
 class Conflict(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str
     holder: Heartbeat
     refused: Heartbeat
+    again: bool = False
+    """Refused before, and still beating: to be sent the refusal again."""
 
 
 class Triage(NamedTuple):
@@ -94,7 +105,8 @@ class Membership:
 
     def observe(self, heartbeat: Heartbeat) -> Conflict | None:
         """Take ``heartbeat`` in; return the conflict it settles, if any (a
-        contender to refuse, reported once per contending instance)."""
+        contender to refuse: reported once per contending instance, then
+        ``again`` while it keeps beating)."""
         at = self._clock()
         worker_id = heartbeat.worker_id
         known = self._members.get(worker_id)
@@ -134,7 +146,7 @@ class Membership:
             return None
         if not _contending(contender, at):
             return None  # gone: kept for the status until CONFLICT_SHOWN_S
-        return self._refuse(member, contender)
+        return self._refuse(member, contender, at)
 
     def _contend(self, holder: Member, heartbeat: Heartbeat, at: float) -> Conflict | None:
         contender = self._contenders.get(heartbeat.worker_id)
@@ -145,18 +157,21 @@ class Membership:
         contender.heartbeat = heartbeat
         contender.last_seen = at
         if holder.seen_at > contender.first_seen:
-            return self._refuse(holder, contender)
+            return self._refuse(holder, contender, at)
         return None
 
     @staticmethod
-    def _refuse(holder: Member | None, contender: Contender) -> Conflict | None:
-        if holder is None or contender.refused:
+    def _refuse(holder: Member, contender: Contender, at: float) -> Conflict | None:
+        refused_at = contender.refused_at
+        wait_s = REFUSE_AGAIN_AFTER_BEATS * contender.heartbeat.interval_s
+        if refused_at is not None and at - refused_at < wait_s:
             return None
-        contender.refused = True
+        contender.refused_at = at
         return Conflict(
             worker_id=contender.heartbeat.worker_id,
             holder=holder.heartbeat,
             refused=contender.heartbeat,
+            again=refused_at is not None,
         )
 
     def conflicts(self) -> list[tuple[Contender, float]]:

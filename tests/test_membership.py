@@ -10,7 +10,12 @@ import threading
 import msgspec
 import pytest
 
-from lorabus.coordinator.membership import FORGET_AFTER_BEATS, MISSED_BEATS, Membership
+from lorabus.coordinator.membership import (
+    FORGET_AFTER_BEATS,
+    MISSED_BEATS,
+    REFUSE_AGAIN_AFTER_BEATS,
+    Membership,
+)
 from lorabus.errors import QuorumNotReached
 from lorabus.schemas import Ack, Heartbeat, Phase
 
@@ -194,6 +199,31 @@ def test_a_second_instance_is_refused_once_the_live_holder_beats_again() -> None
     assert membership.observe(_instance_beat("first")) is None
     assert membership.live_world_sizes() == {"w0": 1}
     assert [c.heartbeat.instance for c, _ in membership.conflicts()] == ["second"]
+
+
+def test_a_refused_instance_that_keeps_beating_is_refused_again_every_few_beats() -> None:
+    """A refusal can be lost, or never sent by a coordinator not yet leading:
+    one is sent again while the newcomer beats, but not at every beat."""
+    clock = _Clock()
+    membership = Membership(clock)
+    membership.observe(_instance_beat("first"))
+    membership.observe(_instance_beat("second"))
+    clock.now += BEAT_S
+    first = membership.observe(_instance_beat("first"))
+    assert first is not None and not first.again
+    refused_at = clock.now
+    again: list[float] = []
+    for _ in range(3 * REFUSE_AGAIN_AFTER_BEATS):
+        clock.now += BEAT_S
+        for beat in (_instance_beat("first"), _instance_beat("second")):
+            conflict = membership.observe(beat)
+            if conflict is not None:
+                assert conflict.again and conflict.refused.instance == "second"
+                again.append(clock.now)
+    assert again == [
+        pytest.approx(refused_at + k * REFUSE_AGAIN_AFTER_BEATS * BEAT_S) for k in range(1, 4)
+    ]
+    assert membership.live_world_sizes() == {"w0": 1}
 
 
 def test_a_restarted_agent_takes_the_place_of_a_holder_that_stopped_beating() -> None:

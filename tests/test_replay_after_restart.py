@@ -230,7 +230,11 @@ async def _capture_every_command(
         await eavesdropper.flush()
         # A second agent process claims w000: the leader refuses it by name.
         # Only the refusal is wanted here (that the refused process exits is
-        # test_trust_identity's), so the test stops it once it is sent.
+        # test_trust_identity's), so the test stops it once it is sent. It
+        # starts once the leader holds w000 for the fleet's own agent: while
+        # that one is still a contender to the stack's agent it replaced, the
+        # duplicate could take the place and have the fleet's own refused.
+        await fleet.wait_members_known(subjects)
         duplicate = _AgentProcess(stack, "w000", fleet.key)
         with contextlib.suppress(Exception):
             await duplicate.start()
