@@ -56,6 +56,9 @@ async def test_sigterm_to_everything_at_once_stops_each_part_quietly(
         async with await UpdateClient.connect(server.url, fleet_name) as client:
             await wait_live_workers(client, WORKERS, processes=processes)
         await _until_serving(f"http://127.0.0.1:{sim_port}/v1/models")
+        # A SIGTERM before the tap's event loop runs would find Python's
+        # default handler (-15), not the tap's: it has logged once it runs.
+        await _until_logged(tap, "connecting to NATS")
         parts = [coordinator, *agents.values(), tap, other_sim]
         assert server.process is not None
         server.process.send_signal(signal.SIGTERM)
@@ -79,6 +82,13 @@ async def _until_serving(url: str) -> None:
             with contextlib.suppress(httpx.HTTPError):
                 if (await http.get(url)).status_code == 200:
                     return
+            await asyncio.sleep(0.1)
+
+
+async def _until_logged(part: ChildProcess, text: str) -> None:
+    async with asyncio.timeout(20):
+        while text not in part.log_tail(200):
+            assert part.running, part.describe()
             await asyncio.sleep(0.1)
 
 
