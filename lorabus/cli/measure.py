@@ -19,7 +19,7 @@ import click
 from lorabus.cli.common import EXIT_FAILED, INT_LIST, run
 from lorabus.cli.extras import require_sim_extra
 from lorabus.testbed.bench.config import CONNECTIONS, FULL, MODES, QUICK, SERIES, WindowCase
-from lorabus.testbed.chaos.config import ChaosConfig
+from lorabus.testbed.chaos.config import ChaosConfig, FleetSettings
 
 _CHAOS = ChaosConfig()
 
@@ -271,6 +271,12 @@ def bench(
     f"[default: {_CHAOS.mean_gap_s:g}].",
 )
 @click.option(
+    "--nats-cluster",
+    is_flag=True,
+    help="Run on a 3-node nats-server cluster (streams with 3 replicas) and add node "
+    "partitions to the faults: one node's routes to the others cut both ways.",
+)
+@click.option(
     "--out", "out_path", type=click.Path(dir_okay=False), help="Write the run's figures as JSON."
 )
 @click.option(
@@ -285,6 +291,7 @@ def chaos(
     workers: int | None,
     world_sizes: list[int] | None,
     fault_gap: float | None,
+    nats_cluster: bool,
     out_path: str | None,
     run_dir: str | None,
 ) -> None:
@@ -310,9 +317,11 @@ def chaos(
         "mean_gap_s": fault_gap,
         "run_dir": Path(run_dir) if run_dir else None,
     }
+    world_sizes = [sizes[i % len(sizes)] for i in range(count)]
     config = dataclasses.replace(
         _CHAOS,
-        world_sizes=[sizes[i % len(sizes)] for i in range(count)],
+        world_sizes=world_sizes,
+        fleet=FleetSettings(world_sizes, nats_nodes=3) if nats_cluster else None,
         **{name: value for name, value in given.items() if value is not None},
     )
 

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from lorabus.errors import NatsServerMissing
-from lorabus.testbed.chaos import ALL_KINDS, ChaosConfig, FaultKind, build_schedule
+from lorabus.testbed.chaos import (
+    ALL_KINDS,
+    ChaosConfig,
+    FaultKind,
+    FleetSettings,
+    build_schedule,
+)
 from lorabus.testbed.chaos.runner import run_chaos
 from lorabus.testbed.natsserver import find_nats_server
 
@@ -117,5 +123,36 @@ async def test_partitions_of_agents_and_the_leader_break_no_invariant(tmp_path: 
         "\n".join(str(v) for v in report.violations) + f"\n\n{story}\nlogs: {report.run_dir}"
     )
     assert set(report.faults_by_kind) == {"agent_partition", "leader_partition"}, story
+    assert report.committed > 0, story
+    assert report.attempted == report.committed + report.failed_cleanly, story
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(150)
+async def test_a_cluster_run_with_nodes_cut_off_and_restarted_breaks_no_invariant(
+    tmp_path: Path,
+) -> None:
+    """On a 3-node cluster (streams with 3 replicas): a node cut off from the
+    others with its clients still on it, a node restarted, and the leader's
+    own link cut. A leader on a cut-off node loses its lease to one elsewhere,
+    agents there are given up on or reached again, and nothing is left paused."""
+    lines: list[str] = []
+    config = ChaosConfig(
+        faults=8,
+        seed=3,
+        world_sizes=WORLD_SIZES,
+        mean_gap_s=3.0,
+        kinds=(FaultKind.NATS_NODE_PARTITION, FaultKind.NATS_RESTART, FaultKind.LEADER_PARTITION),
+        fleet=FleetSettings(world_sizes=WORLD_SIZES, nats_nodes=3),
+        run_dir=tmp_path / "run",
+    )
+
+    report = await run_chaos(config, out=lines.append)
+
+    story = "\n".join(lines)
+    assert report.violations == [], (
+        "\n".join(str(v) for v in report.violations) + f"\n\n{story}\nlogs: {report.run_dir}"
+    )
+    assert set(report.faults_by_kind) == {str(k) for k in config.fault_kinds()}, story
     assert report.committed > 0, story
     assert report.attempted == report.committed + report.failed_cleanly, story

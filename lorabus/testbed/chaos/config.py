@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lorabus.client import REASK_S
 from lorabus.testbed.chaos.invariants import Bounds
-from lorabus.testbed.chaos.schedule import ALL_KINDS, FaultKind
+from lorabus.testbed.chaos.schedule import ALL_KINDS, CLUSTER_KINDS, FaultKind
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,14 @@ class FleetSettings:
     quorum: float = 1.0
     coordinators: int = 2
     log_level: str = "INFO"
+    nats_nodes: int = 1
+    """1, or 3 for a cluster (every stream and bucket then has 3 replicas)."""
+
+    def __post_init__(self) -> None:
+        if self.nats_nodes not in (1, 3):
+            raise ValueError(
+                f"a chaos fleet runs on 1 or 3 nats-server nodes, not {self.nats_nodes}"
+            )
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,8 @@ class ChaosConfig:
     """Process settings; default: the short ones, for these world sizes."""
     mean_gap_s: float = 4.0
     """Mean time between the starts of two faults."""
-    kinds: Sequence[FaultKind] = ALL_KINDS
+    kinds: Sequence[FaultKind] | None = None
+    """Default: every kind the fleet can take (node partitions need a cluster)."""
     grace_s: float | None = None
     """Added to the pause lease; default: a phase timeout + 2 s."""
     converge_s: float = 10.0
@@ -60,6 +69,11 @@ class ChaosConfig:
     def fleet_settings(self) -> FleetSettings:
         settings = self.fleet or FleetSettings(world_sizes=self.world_sizes)
         return dataclasses.replace(settings, world_sizes=tuple(self.world_sizes))
+
+    def fault_kinds(self) -> Sequence[FaultKind]:
+        if self.kinds is not None:
+            return self.kinds
+        return CLUSTER_KINDS if self.fleet_settings().nats_nodes > 1 else ALL_KINDS
 
     def one_call_timeout_s(self) -> float:
         """The timeout of the one call a frozen-leader request makes: the leader

@@ -4,7 +4,14 @@ Agents and coordinators are ``lorabus agent`` / ``lorabus coordinator`` OS
 processes, so a kill is a real kill; the simulated Dynamo fleet is served from
 this process (its engines are watched exactly and faulted directly); the
 nats-server is a :class:`NatsServer` process that can be stopped and started
-again on the same port with the same JetStream store. Every fault applied here
+again on the same port with the same JetStream store.
+
+In cluster mode there are three nodes, each route between two of them through
+a :class:`LinkProxy`, so one node can be cut off from the others while its
+clients stay connected to it. Each process has a home node (round robin) and
+falls over to another when its node is down or cut off. Node 0 carries the
+run's own connection (its observers and requests) and is never faulted: the
+run must see every event the fleet sends. Every fault applied here
 is written to the timeline as a window, so the invariants know what excused
 what. A process that exits without a fault is recorded as a crash and
 restarted, as a supervisor would. Everything started is stopped on exit.
@@ -30,6 +37,7 @@ from lorabus.testbed.chaos.config import FleetSettings
 from lorabus.testbed.chaos.procs import Child, ProcessGroup
 from lorabus.testbed.chaos.proxy import LinkProxy
 from lorabus.testbed.chaos.timeline import (
+    AGENT_CUT_OFF,
     AGENT_DOWN,
     AGENT_PARTITIONED,
     AGENT_STOPPED,
@@ -41,6 +49,7 @@ from lorabus.testbed.chaos.timeline import (
     ENGINE_LATENCY,
     ENGINE_RESTART,
     NATS_DOWN,
+    NATS_NODE_PARTITIONED,
     Timeline,
     Window,
     now,
@@ -52,6 +61,10 @@ log = logging.getLogger(__name__)
 _NATS_START_ATTEMPTS = 5
 _MAX_RESTARTS = 3
 """Restarts of one crashed process; past them a crash loop is left down."""
+_NO_ROUTE_GOSSIP = "127.0.0.1:1"
+"""What a cluster-mode node advertises to the others for routes: nothing
+reachable, so the routes it gossips are never dialled, and every route goes
+through the proxies that a node partition cuts."""
 
 
 class ChaosFleet:
@@ -68,9 +81,14 @@ class ChaosFleet:
         self.timeline = timeline
         self.sim = SimFleet.of_size(len(settings.world_sizes), settings.world_sizes)
         self.processes = ProcessGroup(run_dir / "logs")
-        self.nats = NatsServer(port=free_port(), store_dir=str(run_dir / "nats"))
-        self._servers = [self.nats]
+        self.nodes = self._first_nodes(settings.nats_nodes)
+        self._servers = list(self.nodes)
         """Every nats-server started, all stopped on exit (stopping twice is harmless)."""
+        self._routes: dict[tuple[int, int], LinkProxy] = {}
+        """Cluster mode: by (node that dials, node dialled), the proxy of that route."""
+        self._cut_off: set[int] = set()
+        """Nodes cut off from the others now."""
+        self._restarted_nodes = 0
         self.agents: dict[str, Child] = {}
         self.coordinators: dict[str, Child] = {}
         self._holders = 0
@@ -82,9 +100,33 @@ class ChaosFleet:
         """Each process's link to nats-server, by process name (kept across
         its restarts): a partition cuts one."""
 
+    def _first_nodes(self, count: int) -> list[NatsServer]:
+        if count == 1:
+            return [NatsServer(port=free_port(), store_dir=str(self.run_dir / "nats"))]
+        cluster_ports = [free_port() for _ in range(count)]
+        return [
+            NatsServer(
+                port=free_port(),
+                store_dir=str(self.run_dir / f"nats-n{i}"),
+                name=f"n{i}",
+                cluster_port=cluster_ports[i],
+                options=["--cluster_advertise", _NO_ROUTE_GOSSIP],
+            )
+            for i in range(count)
+        ]
+
+    @property
+    def nats(self) -> NatsServer:
+        """The node the run observes from (the only one, outside cluster mode)."""
+        return self.nodes[0]
+
     @property
     def nats_url(self) -> str:
         return self.nats.url
+
+    @property
+    def clustered(self) -> bool:
+        return len(self.nodes) > 1
 
     @property
     def worker_ids(self) -> list[str]:
@@ -111,8 +153,14 @@ class ChaosFleet:
         await self.aclose()
 
     async def _start(self) -> None:
-        (self.run_dir / "nats").mkdir(parents=True, exist_ok=True)
-        await self.nats.start()
+        for i, node in enumerate(self.nodes):
+            for j, other in enumerate(self.nodes):
+                if i != j:
+                    assert other.cluster_port is not None
+                    route = self._routes[(i, j)] = LinkProxy(other.cluster_port)
+                    await route.start()
+                    node.routes.append(route.port)
+        await asyncio.gather(*(node.start() for node in self.nodes))
         await self.sim.start()
         self.timeline.world_sizes = {w.worker_id: w.world_size for w in self.sim.workers.values()}
 
@@ -134,7 +182,7 @@ class ChaosFleet:
         for task in self._supervisors:
             task.cancel()
         await asyncio.gather(*self._supervisors, return_exceptions=True)
-        for link in self.links.values():
+        for link in [*self.links.values(), *self._routes.values()]:
             await link.aclose()
         for server in self._servers:
             await asyncio.to_thread(server.stop)
@@ -191,9 +239,17 @@ class ChaosFleet:
     async def _link(self, process: str) -> LinkProxy:
         link = self.links.get(process)
         if link is None:
-            link = self.links[process] = LinkProxy(self.nats.port)
+            home = len(self.links) % len(self.nodes)
+            link = self.links[process] = LinkProxy(lambda: self._client_ports(home))
             await link.start()
         return link
+
+    def _client_ports(self, home: int) -> list[int]:
+        """Where a process homed on node ``home`` connects: there first, then
+        the others; a node cut off from the others only when none is left."""
+        order = [home, *(i for i in range(len(self.nodes)) if i != home)]
+        order.sort(key=lambda i: i in self._cut_off)
+        return [self.nodes[i].port for i in order]
 
     def partition(
         self, process: str, kind: str, subject: str, *, to_bus: bool, from_bus: bool
@@ -261,6 +317,7 @@ class ChaosFleet:
             quorum_timeout_s=s.quorum_timeout_s,
             verify_timeout_s=s.verify_timeout_s,
             quorum=s.quorum,
+            kv_replicas=len(self.nodes),
         )
         link = await self._link(f"coordinator-{holder}")
         child = await self.processes.start(
@@ -300,16 +357,28 @@ class ChaosFleet:
 
     # -- nats ----------------------------------------------------------------------
 
-    async def stop_nats(self) -> None:
-        if self.nats_down:
-            return
-        await asyncio.to_thread(self.nats.stop)
-        self._begin(NATS_DOWN, "")
+    def faultable_node(self) -> int:
+        """The node a node fault takes next: the only one, or in turn each but
+        the node the run observes from."""
+        if not self.clustered:
+            return 0
+        self._restarted_nodes += 1
+        return 1 + (self._restarted_nodes - 1) % (len(self.nodes) - 1)
 
-    async def start_nats(self) -> None:
-        """A new nats-server on the same port and JetStream store as the last one."""
+    def _node_subject(self, node: int) -> str:
+        return self.nodes[node].name if self.clustered else ""
+
+    async def stop_nats(self, node: int = 0) -> None:
+        subject = self._node_subject(node)
+        if (NATS_DOWN, subject) in self._open:
+            return
+        await asyncio.to_thread(self.nodes[node].stop)
+        self._begin(NATS_DOWN, subject)
+
+    async def start_nats(self, node: int = 0) -> None:
+        """A new nats-server on the same port, routes and JetStream store as the last one."""
         for attempt in range(1, _NATS_START_ATTEMPTS + 1):
-            server = NatsServer(port=self.nats.port, store_dir=self.nats.store_dir)
+            server = _same_again(self.nodes[node])
             self._servers.append(server)
             try:
                 await server.start()
@@ -319,13 +388,37 @@ class ChaosFleet:
                 log.warning("nats-server did not start (%s); trying again", exc)
                 await asyncio.sleep(0.2 * attempt)
             else:
-                self.nats = server
+                self.nodes[node] = server
                 break
-        self._end(NATS_DOWN, "")
+        self._end(NATS_DOWN, self._node_subject(node))
 
     @property
     def nats_down(self) -> bool:
-        return (NATS_DOWN, "") in self._open
+        return any(kind == NATS_DOWN for kind, _ in self._open)
+
+    def cut_off_node(self, node: int) -> None:
+        """Stop every route to and from ``node``, both ways, closing nothing;
+        each agent connected to it then is cut off with it."""
+        for (i, j), route in self._routes.items():
+            if node in (i, j):
+                route.cut()
+        self._cut_off.add(node)
+        self._begin(NATS_NODE_PARTITIONED, self.nodes[node].name)
+        port = self.nodes[node].port
+        for worker_id in self.worker_ids:
+            link = self.links.get(f"agent-{worker_id}")
+            if link is not None and link.reaches(port):
+                self._begin(AGENT_CUT_OFF, worker_id)
+
+    def reconnect_node(self, node: int) -> None:
+        self._cut_off.discard(node)
+        for (i, j), route in self._routes.items():
+            if node in (i, j) and not ({i, j} & self._cut_off):
+                route.heal()
+        self._end(NATS_NODE_PARTITIONED, self.nodes[node].name)
+        if not self._cut_off:
+            for worker_id in self.worker_ids:
+                self._end(AGENT_CUT_OFF, worker_id)
 
     # -- engines -------------------------------------------------------------------
 
@@ -372,6 +465,9 @@ class ChaosFleet:
         if window is not None:
             window.end = now() if at is None else at
 
+    def _node_named(self, subject: str) -> int:
+        return next((i for i, n in enumerate(self.nodes) if n.name == subject), 0)
+
     @property
     def open_faults(self) -> list[tuple[str, str]]:
         return sorted(self._open)
@@ -384,7 +480,9 @@ class ChaosFleet:
             elif kind == AGENT_DOWN:
                 await self.restart_agent(worker_id)
             elif kind == NATS_DOWN:
-                await self.start_nats()
+                await self.start_nats(self._node_named(worker_id))
+            elif kind == NATS_NODE_PARTITIONED:
+                self.reconnect_node(self._node_named(worker_id))
             elif kind == COORDINATOR_DOWN:
                 await self.replace_coordinator()
             elif kind == COORDINATOR_STOPPED:
@@ -399,3 +497,15 @@ class ChaosFleet:
                 self.heal_partition(f"agent-{worker_id}", kind, worker_id)
             elif kind == COORDINATOR_PARTITIONED:
                 self.heal_partition(f"coordinator-{worker_id}", kind, worker_id)
+
+
+def _same_again(server: NatsServer) -> NatsServer:
+    """A nats-server as ``server`` was: port, store, name, cluster and options."""
+    return NatsServer(
+        port=server.port,
+        store_dir=server.store_dir,
+        name=server.name,
+        cluster_port=server.cluster_port,
+        routes=list(server.routes),
+        options=server.options,
+    )

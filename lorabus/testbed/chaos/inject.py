@@ -187,8 +187,16 @@ class FaultInjector:
                     fault, f"coordinator-{leader}", COORDINATOR_PARTITIONED, leader
                 )
             case FaultKind.NATS_RESTART:
-                await fleet.stop_nats()
-                return fleet.start_nats
+                node = fleet.faultable_node()
+                await fleet.stop_nats(node)
+                return lambda: fleet.start_nats(node)
+            case FaultKind.NATS_NODE_PARTITION:
+                if not fleet.clustered:
+                    self._skip(fault, "a node partition needs a nats-server cluster")
+                    return None
+                node = fleet.faultable_node()
+                fleet.cut_off_node(node)
+                return _sync(lambda: fleet.reconnect_node(node))
             case FaultKind.ENGINE_LATENCY:
                 fleet.slow_engine(worker_id, fault.latency_s)
                 return _sync(lambda: fleet.unslow_engine(worker_id))

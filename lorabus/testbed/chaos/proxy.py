@@ -8,6 +8,12 @@ as on a link that drops every packet while TCP retransmits, and flow again,
 in order, once healed. A cut longer than the clients' ping bound ends as it
 would on a real network: the client gives the connection up and reconnects,
 through the same proxy, still cut until healed.
+
+The same proxy stands between the nodes of a cluster-mode run, one per route
+direction, so a node can be cut off from the others. A proxy may forward to
+one of several upstreams (a process's home node first, the other nodes when
+it is down or cut off): each new connection goes to the first that the
+``upstreams`` callable names and that accepts it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +31,14 @@ _READ_BYTES = 64 << 10
 class LinkProxy:
     """Forwards 127.0.0.1:<port> to nats-server's port; see the module docstring."""
 
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
+    def __init__(self, upstream: int | Callable[[], list[int]]) -> None:
+        if callable(upstream):
+            self._upstreams = upstream
+        else:
+            self._upstreams = lambda: [upstream]
         self.port = 0
+        self._live: dict[asyncio.StreamWriter, int] = {}
+        """Each connection forwarded, by the upstream port it reached."""
         self._to_bus = asyncio.Event()
         self._from_bus = asyncio.Event()
         self._to_bus.set()
@@ -38,6 +50,10 @@ class LinkProxy:
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
+
+    def reaches(self, upstream_port: int) -> bool:
+        """Whether a connection through this proxy is forwarded to ``upstream_port`` now."""
+        return upstream_port in self._live.values()
 
     @property
     def is_cut(self) -> bool:
@@ -72,14 +88,17 @@ class LinkProxy:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        try:
-            bus_r, bus_w = await asyncio.wait_for(
-                asyncio.open_connection("127.0.0.1", self.upstream_port), 5
-            )
-        except (OSError, TimeoutError):  # nats-server is down: so is the link
+        for port in self._upstreams():
+            try:
+                bus_r, bus_w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+            except (OSError, TimeoutError):
+                continue
+            break
+        else:  # every nats-server it may reach is down: so is the link
             client_w.close()
             return
         self._writers.update((client_w, bus_w))
+        self._live[client_w] = port
         for reader, writer, flowing in (
             (client_r, bus_w, self._to_bus),
             (bus_r, client_w, self._from_bus),
@@ -106,4 +125,5 @@ class LinkProxy:
             # One side gone: the other goes too, as a real connection's would.
             for end in ends:
                 self._writers.discard(end)
+                self._live.pop(end, None)
                 end.close()

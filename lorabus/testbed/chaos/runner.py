@@ -111,7 +111,7 @@ def _schedule(config: ChaosConfig, worker_ids: list[str]) -> tuple[list[Fault], 
         horizon,
         worker_ids,
         mean_gap_s=config.mean_gap_s,
-        kinds=config.kinds,
+        kinds=config.fault_kinds(),
         count=count,
     )
     if config.faults is None or not schedule:

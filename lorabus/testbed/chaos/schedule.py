@@ -32,7 +32,8 @@ class FaultKind(enum.StrEnum):
     """SIGSTOP of the leading coordinator, SIGCONT after ``hold_s``: a standby takes
     over meanwhile, and the old leader wakes up still believing it leads."""
     NATS_RESTART = "nats_restart"
-    """The nats-server stops; a new one on the same port and store after ``hold_s``."""
+    """The nats-server stops; a new one on the same port and store after ``hold_s``.
+    In cluster mode: one node, never the one the run observes from."""
     ENGINE_LATENCY = "engine_latency"
     """Some engine operations of one worker take ``latency_s`` longer."""
     ENGINE_ERROR = "engine_error"
@@ -48,6 +49,10 @@ class FaultKind(enum.StrEnum):
     LEADER_PARTITION = "leader_partition"
     """The leading coordinator's link, the same way: a standby takes over when
     the lease lapses, and the old leader's held messages arrive after it."""
+    NATS_NODE_PARTITION = "nats_node_partition"
+    """Cluster mode only: one nats-server node's routes to the others stop
+    forwarding both ways for ``hold_s`` (its clients stay connected to it,
+    as in a rack cut off by its switch); never the node the run observes from."""
     FROZEN_LEADER_REQUEST = "frozen_leader_request"
     """SIGSTOP of the leading coordinator, then one update asked with ONE
     ``UpdateClient.update`` call (its own update id, never retried by the run)
@@ -55,7 +60,11 @@ class FaultKind(enum.StrEnum):
     terminal result: the client, not the run, rides out the failover."""
 
 
-ALL_KINDS: tuple[FaultKind, ...] = tuple(FaultKind)
+CLUSTER_ONLY_KINDS = frozenset({FaultKind.NATS_NODE_PARTITION})
+ALL_KINDS: tuple[FaultKind, ...] = tuple(k for k in FaultKind if k not in CLUSTER_ONLY_KINDS)
+"""Every kind a run on one nats-server can take."""
+CLUSTER_KINDS: tuple[FaultKind, ...] = tuple(FaultKind)
+"""Every kind, for a run on a nats-server cluster."""
 
 CONTROL = "control"
 """The target of coordinator kills and stops and nats-server restarts."""
@@ -66,6 +75,7 @@ CONTROL_KINDS = frozenset(
         FaultKind.NATS_RESTART,
         FaultKind.FROZEN_LEADER_REQUEST,
         FaultKind.LEADER_PARTITION,
+        FaultKind.NATS_NODE_PARTITION,
     }
 )
 PARTITION_KINDS = frozenset({FaultKind.AGENT_PARTITION, FaultKind.LEADER_PARTITION})
@@ -85,6 +95,7 @@ _HOLD_S: dict[FaultKind, tuple[float, float]] = {
     FaultKind.FROZEN_LEADER_REQUEST: (1.5, 4.0),
     FaultKind.AGENT_PARTITION: (1.0, 8.0),
     FaultKind.LEADER_PARTITION: (1.5, 6.0),
+    FaultKind.NATS_NODE_PARTITION: (1.5, 6.0),
 }
 _LATENCY_OPS = ("pause", "resume", "load", "unload", "list")
 _IN_PAUSE_CHANCE = 0.5
@@ -100,6 +111,7 @@ _IN_PAUSE_KINDS = frozenset(
         FaultKind.FROZEN_LEADER_REQUEST,
         FaultKind.AGENT_PARTITION,
         FaultKind.LEADER_PARTITION,
+        FaultKind.NATS_NODE_PARTITION,
     }
 )
 _LATENCY_S = (0.3, 8.0)

@@ -37,13 +37,19 @@ AGENT_PARTITIONED = "agent_partitioned"
 """From the cut of an agent's link to nats-server to its heal (one way or both)."""
 COORDINATOR_PARTITIONED = "coordinator_partitioned"
 """The same for a coordinator; its ``worker_id`` holds the holder name."""
+NATS_NODE_PARTITIONED = "nats_node_partitioned"
+"""One node of a cluster-mode run cut off from the other nodes; its
+``worker_id`` holds the node's name."""
+AGENT_CUT_OFF = "agent_cut_off"
+"""An agent connected to a node while that node was cut off from the others:
+what it sends reaches only that node."""
 
 #: Windows during which a worker's agent cannot act on its engine at all.
 BLOCKING = frozenset({AGENT_DOWN, AGENT_STOPPED, ENGINE_HANG})
 #: Windows during which a worker's agent cannot hear or answer the bus: it
 #: still acts on its engine (a pause lease runs out and it resumes), but it
 #: cannot converge on a commit it does not hear of.
-UNREACHABLE = BLOCKING | {AGENT_PARTITIONED}
+UNREACHABLE = BLOCKING | {AGENT_PARTITIONED, AGENT_CUT_OFF}
 
 
 def now() -> float:
