@@ -7,14 +7,19 @@ read it (:mod:`lorabus.adapter_objects`); the leader looks, so that an
 update naming a digest nobody pushed is refused at once, with nothing
 paused and no member asked to fetch it. Each adapter keeps the objects of
 its ``keep`` newest commits, as engines keep its loaded versions; the
-record of them (``stored`` in the state bucket) is the leader's alone.
+record of them (``stored`` in the state bucket) is the leader's alone. An
+object pushed but never committed (its update failed, or none asked for
+it) goes at a later commit from the store, once it is older than the
+coordinator's ``orphan_after_s`` and no queued request names it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 from nats.aio.client import Client as NatsClient
 
-from lorabus.adapter_objects import delete_object, digest_of, object_size
+from lorabus.adapter_objects import delete_object, digest_of, object_size, stored_objects
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BadRequest, BusError
 from lorabus.schemas import CommittedRecord, StoredAdaptersRecord, StoredVersion, Subjects
@@ -45,15 +50,26 @@ class AdapterStore:
         """Delete the object of ``digest``; False when it was not there."""
         return await delete_object(self._nc, self._subjects, digest)
 
+    async def stored(self) -> dict[str, float]:
+        """Every digest stored, with when it was stored (seconds since the epoch)."""
+        return await stored_objects(self._nc, self._subjects)
+
 
 async def retire_stored(
-    term_store: FleetStore, objects: AdapterStore, committed: CommittedRecord, keep: int
+    term_store: FleetStore,
+    objects: AdapterStore,
+    committed: CommittedRecord,
+    *,
+    keep: int,
+    waiting: Set[str],
+    orphan_after_s: float,
+    now: float,
 ) -> list[str]:
     """After a commit from the object store: record it as the newest version
     of its adapter the store keeps, and delete the objects no adapter keeps
     any more (the ``keep`` newest commits of each, the committed one always
-    among them); the digests deleted. A commit from a filesystem path
-    changes nothing."""
+    among them) and those never committed (see :func:`sweep_orphans`); the
+    digests deleted. A commit from a filesystem path changes nothing."""
     digest = digest_of(committed.path)
     if digest is None:
         return []
@@ -69,4 +85,22 @@ async def retire_stored(
     for gone in sorted({v.digest for v in dropped} - still_kept):
         if await objects.delete(gone):
             deleted.append(gone)
+    deleted += await sweep_orphans(
+        objects, still_kept | waiting, orphan_after_s=orphan_after_s, now=now
+    )
+    return deleted
+
+
+async def sweep_orphans(
+    objects: AdapterStore, spared: Set[str], *, orphan_after_s: float, now: float
+) -> list[str]:
+    """Delete every stored object that ``spared`` (the kept versions and what
+    queued requests name) does not name and that was stored more than
+    ``orphan_after_s`` before ``now``: younger ones may be for a request not
+    asked yet (a trainer pushes, then asks). The digests deleted."""
+    deleted = []
+    for digest, stored_at in sorted((await objects.stored()).items()):
+        if digest not in spared and now - stored_at > orphan_after_s:
+            if await objects.delete(digest):
+                deleted.append(digest)
     return deleted

@@ -114,6 +114,10 @@ class UpdateBook:
         """Requests waiting behind the one running."""
         return len(self._queue)
 
+    def waiting_paths(self) -> list[str]:
+        """The adapter paths of the requests queued behind the one running."""
+        return [queued.request.path for queued in self._queue]
+
     def outcome(self, update_id: str) -> UpdateResult | None:
         """The id's result if this term has it; ``pending`` while it is queued
         or running; None when this term does not know the id."""

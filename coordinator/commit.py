@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from functools import partial
 
 import msgspec
 
+from lorabus.adapter_objects import digest_of
 from lorabus.clock import now
 from lorabus.coordinator.adapter_store import retire_stored
 from lorabus.coordinator.book import failed_result
@@ -205,7 +207,15 @@ async def _retire_stored(term: Term, committed: CommittedRecord) -> None:
     the announcement, and never at the cost of the commit (a failure leaves
     them for the next commit of that adapter)."""
     try:
-        deleted = await retire_stored(term.store, term.adapters, committed, term.config.keep)
+        deleted = await retire_stored(
+            term.store,
+            term.adapters,
+            committed,
+            keep=term.config.keep,
+            waiting={d for p in term.book.waiting_paths() if (d := digest_of(p)) is not None},
+            orphan_after_s=term.config.orphan_after_s,
+            now=time.time(),
+        )
     except (StoreUnavailable, BusError) as exc:
         log.warning("epoch=%d could not delete retired adapters: %s", term.epoch, exc)
         return

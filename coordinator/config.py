@@ -59,6 +59,9 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     """Deadline for live agents' world sizes to reach the expected sum."""
     keep: int = 2
     """Versions of an adapter kept loaded after a commit (versioned naming)."""
+    orphan_after_s: float = 3600.0
+    """An object of the adapter store that no commit keeps and no queued
+    request names is deleted at a commit once it is older than this."""
     naming: Naming = Naming.VERSIONED
     mode: UpdateMode = UpdateMode.PAUSE
     """How an update runs unless its request says: ``pause`` (the fleet pauses
@@ -115,6 +118,8 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
                 "live mode needs versioned naming: a fixed name cannot be "
                 "replaced while engines serve it"
             )
+        if self.orphan_after_s < 0:
+            raise ValueError(f"orphan after must be >= 0 seconds, got {self.orphan_after_s}")
         if self.keep < 1:
             raise ValueError("keep must be >= 1: the committed version is always kept")
         if not self.frontend_url.startswith(("http://", "https://")):

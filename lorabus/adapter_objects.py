@@ -26,6 +26,7 @@ import re
 import tarfile
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Protocol
 
@@ -61,6 +62,7 @@ __all__ = [
     "pack",
     "push_adapter",
     "store_config",
+    "stored_objects",
     "unpack",
 ]
 
@@ -79,6 +81,7 @@ _WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 log = logging.getLogger(__name__)
 
 _READ_DEADLINE_S = 5.0
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)")
 """How long one read of the store (a meta, the next chunk of a batch) may take."""
 _BATCH_TRIES = 6
 _BATCH_RETRY_GAP_S = 0.5
@@ -275,7 +278,16 @@ async def _read_meta(nc: NatsClient, subjects: Subjects, digest: str) -> ObjectI
     bucket = subjects.adapter_store()
     name = base64.urlsafe_b64encode(digest.encode()).decode()  # as nats-py names it
     meta = obj.OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=name)
-    stream = obj.OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    found = await _read_meta_at(nc, subjects, meta)
+    return None if found is None else found[0]
+
+
+async def _read_meta_at(
+    nc: NatsClient, subjects: Subjects, meta: str
+) -> tuple[ObjectInfo, float] | None:
+    """The info stored on meta subject ``meta`` and when the server stored it
+    (seconds since the epoch); None: none, or deleted."""
+    stream = obj.OBJ_STREAM_TEMPLATE.format(bucket=subjects.adapter_store())
     try:
         msg = await nc.request(
             f"{js_api_of(nc)}.DIRECT.GET.{stream}.{meta}", b"", timeout=_READ_DEADLINE_S
@@ -289,9 +301,43 @@ async def _read_meta(nc: NatsClient, subjects: Subjects, digest: str) -> ObjectI
         raise BusError(f"reading the adapter store: {status} {_description(msg)}")
     try:
         info = ObjectInfo.from_response(json.loads(msg.data))
+        stored_at = _server_time((msg.headers or {}).get("Nats-Time-Stamp", ""))
     except (ValueError, TypeError, AttributeError) as exc:
-        raise BusError(f"the stored meta of {digest} is not valid: {exc}") from exc
-    return None if info.deleted else info
+        raise BusError(f"the stored meta on {meta} is not valid: {exc}") from exc
+    return None if info.deleted else (info, stored_at)
+
+
+def _server_time(stamp: str) -> float:
+    """A JetStream time stamp (RFC 3339, nanoseconds) in seconds since the epoch."""
+    found = _STAMP.fullmatch(stamp)
+    if found is None:
+        raise ValueError(f"not a time stamp: {stamp!r}")
+    whole, fraction, zone = found.groups()
+    at = datetime.fromisoformat(whole + ("+00:00" if zone == "Z" else zone)).timestamp()
+    return at + float(f"0{fraction}" if fraction else 0)
+
+
+async def stored_objects(
+    nc: NatsClient, subjects: Subjects, *, timeout_s: float = 30.0
+) -> dict[str, float]:
+    """Every object the store holds, by digest, with when it was stored: the
+    meta subjects from the stream's info, then each meta by one direct get
+    (the reads an agent may make too: no consumer)."""
+    bucket = subjects.adapter_store()
+    stream = obj.OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    try:
+        async with asyncio.timeout(timeout_s):
+            info = await nc.jetstream().stream_info(stream, subjects_filter=f"$O.{bucket}.M.>")
+            stored: dict[str, float] = {}
+            for meta in sorted(info.state.subjects or {}):
+                found = await _read_meta_at(nc, subjects, meta)
+                if found is not None:
+                    stored[found[0].name] = found[1]
+            return stored
+    except nats.js.errors.NotFoundError as exc:
+        raise _no_store(subjects) from exc
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"listing the adapter store failed: {exc!r}") from exc
 
 
 async def object_size(

@@ -184,6 +184,13 @@ COORDINATOR_FLAGS = (
     ),
     Flag("keep", "--keep", "Versions of an adapter kept loaded after a commit.", int),
     Flag(
+        "orphan_after_s",
+        "--orphan-after",
+        "Seconds after which an adapter pushed to the object store but never "
+        "committed is deleted (at a later commit).",
+        float,
+    ),
+    Flag(
         "signing_key_file",
         "--signing-key",
         "An nkey seed file: sign every command with it (lorabus auth init writes one "

@@ -9,14 +9,16 @@ import asyncio
 import base64
 import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import object_size
+from lorabus.adapter_objects import digest_of, object_size
 from lorabus.bus import close, connect
+from lorabus.coordinator.adapter_store import AdapterStore, sweep_orphans
 from lorabus.roles import Role
 from lorabus.schemas import (
     ErrorCode,
@@ -261,6 +263,73 @@ async def test_the_leader_deletes_the_objects_no_adapter_keeps(
     stored = [size is not None for size in sizes]
     # policy keeps v3 and v4; v1's object is "other"'s committed one.
     assert stored == [True, False, True, True], stored
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["open", "with roles"])
+async def test_an_object_pushed_but_never_committed_is_deleted_at_a_later_commit(
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+    fleet_name: str,
+    secure: bool,
+) -> None:
+    """An update that failed (or was never asked) leaves its object behind:
+    past the coordinator's orphan age (0 here), the next commit from the
+    store deletes it, and keeps what it committed. With roles, the
+    coordinator's own permissions suffice to list the store."""
+    subjects = Subjects(fleet=fleet_name)
+    started = (
+        EmbeddedStack([1], fleet=fleet_name, secure=True, heartbeat_s=0.2, orphan_after_s=0.0)
+        if secure
+        else make_stack([1], orphan_after_s=0.0)
+    )
+    async with started as stack:
+        assert stack.client is not None
+        never_asked = await stack.client.push_adapter(make_adapter(1))
+        result = await stack.client.update("policy", source=make_adapter(2), version=2)
+        nc = await stack.bus_as(Role.ORCHESTRATOR).connect("test-store-reader")
+        try:
+            # The leader deletes after its answer and its notice.
+            async with asyncio.timeout(30):
+                while await object_size(nc, subjects, never_asked) is not None:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            committed = await object_size(nc, subjects, digest_of(result.path) or "")
+        finally:
+            await close(nc)
+
+    assert result.committed, result
+    assert committed is not None, "the committed object stays"
+
+
+async def test_only_old_objects_that_nothing_keeps_or_waits_for_are_swept(
+    make_adapter: Callable[[int], str], make_stack: Callable[..., EmbeddedStack], fleet_name: str
+) -> None:
+    """The sweep spares what a kept version or a queued request names, and
+    whatever is younger than the orphan age (a trainer pushes, then asks)."""
+    async with make_stack([1]) as stack:
+        assert stack.client is not None
+        kept, waiting, orphan = [
+            await stack.client.push_adapter(make_adapter(step)) for step in (1, 2, 3)
+        ]
+        nc = await stack.bus_as(Role.COORDINATOR).connect("test-sweeper")
+        try:
+            objects = AdapterStore(nc, Subjects(fleet=fleet_name))
+            stored = await objects.stored()
+            assert set(stored) == {kept, waiting, orphan}
+            assert all(abs(at - time.time()) < 600 for at in stored.values()), stored
+
+            young = await sweep_orphans(
+                objects, {kept, waiting}, orphan_after_s=3600.0, now=time.time()
+            )
+            old = await sweep_orphans(
+                objects, {kept, waiting}, orphan_after_s=3600.0, now=time.time() + 7200.0
+            )
+            left = set(await objects.stored())
+        finally:
+            await close(nc)
+
+    assert young == []
+    assert old == [orphan]
+    assert left == {kept, waiting}
 
 
 async def test_an_engine_that_lost_the_committed_adapter_gets_it_from_the_store_again(
