@@ -1,9 +1,13 @@
-"""The audit trail: ``lorabus tap`` follows or replays it, ``lorabus audit verify`` checks it."""
+"""The audit trail: ``lorabus tap`` follows or replays it, ``lorabus audit verify``
+checks it, ``lorabus audit timeline`` draws its updates."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -11,6 +15,9 @@ from lorabus.bus import Bus
 from lorabus.bus_options import BusOptions
 from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.schemas import Subjects
+
+if TYPE_CHECKING:
+    from lorabus.audit import TrailRecord
 
 
 @click.command()
@@ -93,7 +100,7 @@ def audit_verify(
     record (a payload that is no valid message) and a body that disagrees with
     its subject count as violations. Exits 1 when there is any.
     """
-    from lorabus.audit import TrailRecord, Violation, verify
+    from lorabus.audit import Violation, verify
     from lorabus.render import printable
     from lorabus.trail_file import read_trail
 
@@ -126,20 +133,126 @@ def audit_verify(
         )
         return EXIT_FAILED if violations else 0
 
-    async def _live_records(target: Bus, subjects: Subjects) -> list[TrailRecord]:
-        from lorabus.bus import close
-        from lorabus.tap import Tap
-
-        records: list[TrailRecord] = []
-
-        async def keep(record: TrailRecord) -> None:
-            records.append(record)
-
-        nc = await target.connect(f"lorabus-audit-{subjects.fleet}")
-        try:
-            await Tap(nc, subjects).run(keep, follow=False)
-        finally:
-            await close(nc)
-        return records
-
     sys.exit(run(check))
+
+
+async def _live_records(target: Bus, subjects: Subjects) -> list[TrailRecord]:
+    """The fleet's audit stream as it is now."""
+    from lorabus.bus import close
+    from lorabus.tap import Tap
+
+    records: list[TrailRecord] = []
+
+    async def keep(record: TrailRecord) -> None:
+        records.append(record)
+
+    nc = await target.connect(f"lorabus-audit-{subjects.fleet}")
+    try:
+        await Tap(nc, subjects).run(keep, follow=False)
+    finally:
+        await close(nc)
+    return records
+
+
+@audit.command("timeline")
+@click.argument("trail", type=click.Path(exists=True, dir_okay=False), required=False)
+@click.option("--live", is_flag=True, help="Read the fleet's audit stream as it is now.")
+@click.option("--update", "update_ids", multiple=True, help="This update (repeatable).")
+@click.option(
+    "--last",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Without --update: the last K updates of the trail.",
+)
+@click.option(
+    "--sort",
+    "order",
+    type=click.Choice(["worker", "slowest"]),
+    default="worker",
+    show_default=True,
+    help="Rows by worker id, or the slowest worker (longest phase) first.",
+)
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default="timeline.html",
+    show_default=True,
+    help="Write the page here.",
+)
+@bus_options(required=False)
+@fleet_option
+def audit_timeline(
+    trail: str | None,
+    live: bool,
+    update_ids: tuple[str, ...],
+    last: int,
+    order: str,
+    out_path: str,
+    nats_url: str | None,
+    bus: BusOptions,
+    fleet: str,
+) -> None:
+    """Draw updates from a trail written by 'lorabus tap --out' (or, with --live,
+    the stream) as one self-contained HTML page.
+
+    A row per worker with a bar for each phase it went through (fetch, pause,
+    load, resume, unload), its engine's pause window behind them and its rank
+    offset beside; the coordinator's phases above; the slowest worker and any
+    that failed marked. The page needs nothing from the network. Exits 1 when
+    the trail holds no update, or not the one asked for.
+    """
+    from lorabus.render import printable
+    from lorabus.timeline_page import render_page
+    from lorabus.trail_file import read_trail
+    from lorabus.update_timeline import build_timelines
+
+    if live == (trail is not None):
+        raise click.UsageError("give either a TRAIL file or --live")
+    if live and not nats_url:
+        raise click.UsageError("--live needs --nats (or $LORABUS_NATS_URL)")
+    subjects = subjects_of(fleet)
+
+    async def draw() -> int:
+        notes: list[str] = []
+        if trail is not None:
+            read = read_trail(trail)
+            records = read.records
+            if read.bad_lines:
+                notes.append(f"{len(read.bad_lines)} line(s) of the trail are no record: left out")
+        else:
+            assert nats_url is not None
+            records = await _live_records(Bus(nats_url, bus), subjects)
+        poison = sum(1 for r in records if r.poison)
+        if poison:
+            notes.append(f"{poison} poison record(s) (no valid message): left out")
+        timelines = build_timelines(records)
+        where = trail or f"the audit stream of fleet {fleet}"
+        if update_ids:
+            known = {t.update_id: t for t in timelines}
+            unknown = [u for u in update_ids if u not in known]
+            if unknown:
+                latest = ", ".join(t.update_id for t in timelines[-5:]) or "none"
+                click.echo(
+                    printable(
+                        f"error: no update {', '.join(unknown)} in {where} "
+                        f"({len(timelines)} update(s); the latest: {latest})"
+                    ),
+                    err=True,
+                )
+                return EXIT_FAILED
+            timelines = [known[u] for u in update_ids]
+        else:
+            timelines = timelines[-last:]
+        for note in notes:
+            click.echo(f"warning: {note}", err=True)
+        if not timelines:
+            click.echo(printable(f"error: {where} holds no update"), err=True)
+            return EXIT_FAILED
+        page = render_page(timelines, order=order, notes=notes)
+        await asyncio.to_thread(Path(out_path).write_text, page)
+        click.echo(printable(f"timeline: {len(timelines)} update(s) drawn in {out_path}"))
+        return 0
+
+    sys.exit(run(draw))

@@ -30,13 +30,20 @@ def _engine_list(ctx: click.Context, param: click.Parameter, value: str) -> list
     show_default=True,
     help="One world size per simulated worker.",
 )
-def up(steps: int, world_sizes: list[int]) -> None:
+@click.option(
+    "--timeline",
+    "timeline_path",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Also draw the run's updates, a row per worker, as one HTML page here.",
+)
+def up(steps: int, world_sizes: list[int], timeline_path: str | None) -> None:
     """Run everything on this machine: NATS, a simulated fleet, agents, coordinator, trainer."""
     require_sim_extra()
     from lorabus.testbed.up import run_up
 
     async def demo() -> int:
-        return 0 if await run_up(steps, world_sizes, out=click.echo) else EXIT_FAILED
+        done = await run_up(steps, world_sizes, out=click.echo, timeline_path=timeline_path)
+        return 0 if done else EXIT_FAILED
 
     sys.exit(run(demo))
 

@@ -28,6 +28,8 @@ from lorabus.simfleet import SimWorker
 from lorabus.tap import Tap
 from lorabus.testbed.stack import EmbeddedStack
 from lorabus.testbed.trainer import write_adapter
+from lorabus.timeline_page import render_page
+from lorabus.update_timeline import build_timelines
 
 ADAPTER = "policy"
 KEEP = 2
@@ -35,8 +37,15 @@ KEEP = 2
 RETIRE_DEADLINE_S = 10.0
 
 
-async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], None]) -> bool:
-    """Run the demo; True when every step committed."""
+async def run_up(
+    steps: int,
+    world_sizes: Sequence[int],
+    out: Callable[[str], None],
+    *,
+    timeline_path: str | None = None,
+) -> bool:
+    """Run the demo; True when every step committed. With ``timeline_path``,
+    draw its updates there (``lorabus audit timeline``'s page)."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lorabus-adapters-") as tmp:
         out(
@@ -88,6 +97,10 @@ async def run_up(steps: int, world_sizes: Sequence[int], out: Callable[[str], No
         for violation in violations:
             out(f"  {violation.rule}: {violation.message} (records {violation.seqs})")
         out(f"audit: {len(trail)} records, {len(violations)} violation(s)")
+        if timeline_path is not None:
+            page = render_page(build_timelines(trail))
+            await asyncio.to_thread(Path(timeline_path).write_text, page)
+            out(f"timeline: {steps} update(s) drawn in {timeline_path}")
     return committed == steps and not violations
 
 

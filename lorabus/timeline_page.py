@@ -1,0 +1,177 @@
+"""One self-contained HTML page of update timelines (``lorabus audit timeline``).
+
+Nothing is fetched from anywhere (no script, font or stylesheet from a URL):
+the page opens on an air-gapped machine. Bars are plain elements placed by
+percentages of the update's span, so no script is needed to draw them.
+Every text comes from the trail, which anyone on the bus could have written
+into: all of it is escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Callable, Sequence
+
+from lorabus.update_timeline import Bar, UpdateTimeline, WorkerRow
+
+_STYLE = """
+body { font: 13px/1.35 system-ui, sans-serif; margin: 16px; color: #222; }
+h1 { font-size: 18px; } h2 { font-size: 15px; margin: 24px 0 4px; }
+.summary { margin: 2px 0 8px; } .summary b { font-weight: 600; }
+.failed-text { color: #b00020; font-weight: 600; margin: 4px 0; }
+.failed-list { color: #b00020; margin: 0 0 8px; }
+.legend span { display: inline-block; padding: 0 6px; margin-right: 4px; color: #fff; }
+.rows { max-height: 75vh; overflow-y: auto; border: 1px solid #ddd; }
+.row { display: flex; align-items: center; height: 18px; border-bottom: 1px solid #f2f2f2; }
+.row.head { position: sticky; top: 0; background: #fafafa; z-index: 2; font-weight: 600; }
+.row.coordinator { background: #f5f7fb; }
+.row.failed { background: #fde8ea; }
+.label { width: 330px; flex: none; padding: 0 6px; white-space: nowrap; overflow: hidden;
+         text-overflow: ellipsis; font-variant-numeric: tabular-nums; }
+.label .ws, .label .rank { display: inline-block; width: 52px; color: #555; }
+.label .id { display: inline-block; width: 120px; }
+.track { position: relative; flex: 1; height: 14px; }
+.bar { position: absolute; top: 2px; height: 10px; min-width: 2px; border-radius: 2px; }
+.bar.not-ok { background: #d0021b !important; outline: 2px solid #7a0010; }
+.window { position: absolute; top: 0; height: 14px; background: rgba(201,162,39,.18);
+          border-left: 1px solid #c9a227; border-right: 1px solid #c9a227; }
+.badge { font-size: 11px; padding: 0 4px; border-radius: 3px; margin-left: 4px; color: #fff; }
+.badge.slowest { background: #6a3d9a; } .badge.failed { background: #d0021b; }
+.phase-quorum { background: #9e9e9e; } .phase-prepare { background: #8e6c8a; }
+.phase-pause { background: #c9a227; } .phase-load { background: #2a7ab9; }
+.phase-verify { background: #17a2b8; } .phase-resume { background: #3b9c5b; }
+.phase-unload { background: #777; }
+.axis { display: flex; justify-content: space-between; margin-left: 330px; color: #666; }
+"""
+_LISTED = 20
+"""Failed members listed with their errors under an update's summary."""
+_PHASES = ("quorum", "prepare", "pause", "load", "verify", "resume", "unload")
+
+
+def render_page(
+    timelines: Sequence[UpdateTimeline], *, order: str = "worker", notes: Sequence[str] = ()
+) -> str:
+    """The page for ``timelines``; ``notes`` are shown at the top (records left out)."""
+    sections = "\n".join(_section(t, order) for t in timelines)
+    legend = "".join(f'<span class="phase-{p}">{_e(Bar(p, 0, 0).label)}</span>' for p in _PHASES)
+    shown = "".join(f'<p class="note">{_e(note)}</p>' for note in notes)
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>lorabus update timeline</title><style>{_STYLE}</style></head><body>"
+        f"<h1>lorabus: {len(timelines)} update(s)</h1>{shown}"
+        f'<p class="legend">{legend} <span style="background:#d0021b">failed</span> '
+        '<span style="background:rgba(201,162,39,.45);color:#222">paused</span></p>'
+        f"{sections}</body></html>\n"
+    )
+
+
+def _section(timeline: UpdateTimeline, order: str) -> str:
+    t0, t1 = timeline.span
+    span = max(t1 - t0, 1e-3)
+
+    def place(start: float, end: float) -> str:
+        left = (start - t0) / span * 100
+        width = max(end - start, 0.0) / span * 100
+        return f"left:{left:.3f}%;width:{width:.3f}%"
+
+    def bar(b: Bar) -> str:
+        title = f"{b.label} {_ms(b.duration_s)}" + (f": {b.error}" if b.error else "")
+        state = "" if b.ok else " not-ok"
+        return (
+            f'<div class="bar phase-{_e(_phase_class(b.phase))}{state}" '
+            f'style="{place(b.start, b.end)}" title="{_e(title)}"></div>'
+        )
+
+    slowest = timeline.slowest
+    slowest_id = slowest[0] if slowest else None
+    rows = [
+        '<div class="row head"><div class="label"><span class="id">worker</span>'
+        '<span class="ws">size</span><span class="rank">rank</span>phases</div>'
+        '<div class="track"></div></div>',
+        '<div class="row coordinator"><div class="label"><span class="id">coordinator</span>'
+        '</div><div class="track">'
+        + "".join(bar(b) for b in timeline.coordinator)
+        + "</div></div>",
+    ]
+    for row in timeline.rows(order):
+        rows.append(_worker_row(row, bar, place, row.worker_id == slowest_id))
+    pause = timeline.pause_window
+    facts = [
+        f"<b>{_e(timeline.status or 'no result in the trail')}</b>",
+        f"adapter {_e(timeline.adapter)}"
+        + (f" v{timeline.version}" if timeline.version is not None else ""),
+        f"{len(timeline.workers)} worker(s)",
+        f"took {_ms(t1 - t0)}",
+    ]
+    if timeline.started is not None:
+        facts.append(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timeline.started)))
+    if pause is not None:
+        facts.append(f"engines paused for {_ms(pause[1] - pause[0])}")
+    if slowest is not None:
+        facts.append(
+            f"slowest: {_e(slowest[0])}, {_e(slowest[1].label)} {_ms(slowest[1].duration_s)}"
+        )
+    failed = timeline.failed
+    problems = ""
+    if timeline.error:
+        problems += f'<p class="failed-text">{_e(timeline.error)}</p>'
+    if failed:
+        items = "".join(f"<li>{_e(r.worker_id)}: {_e(r.error)}</li>" for r in failed[:_LISTED])
+        more = f"<li>and {len(failed) - _LISTED} more</li>" if len(failed) > _LISTED else ""
+        problems += (
+            f'<p class="failed-text">failed member(s): {len(failed)}</p>'
+            f'<ul class="failed-list">{items}{more}</ul>'
+        )
+    ticks = "".join(f"<span>{_ms(span * k / 4)}</span>" for k in range(5))
+    return (
+        f'<section class="update" id="update-{_e(timeline.update_id)}">'
+        f"<h2>update {_e(timeline.update_id)}</h2>"
+        f'<p class="summary">{" · ".join(facts)}</p>{problems}'
+        f'<div class="axis">{ticks}</div>'
+        f'<div class="rows">{"".join(rows)}</div></section>'
+    )
+
+
+def _worker_row(
+    row: WorkerRow,
+    bar: Callable[[Bar], str],
+    place: Callable[[float, float], str],
+    slowest: bool,
+) -> str:
+    error = row.error
+    badges = ""
+    if slowest:
+        badges += '<span class="badge slowest">slowest</span>'
+    if error:
+        badges += f'<span class="badge failed" title="{_e(error)}">failed</span>'
+    window = row.paused
+    band = (
+        f'<div class="window" style="{place(*window)}" title="engine paused"></div>'
+        if window is not None
+        else ""
+    )
+    rank = "" if row.rank_offset is None else str(row.rank_offset)
+    label = (
+        f'<span class="id">{_e(row.worker_id)}</span><span class="ws">{row.world_size or ""}'
+        f'</span><span class="rank">{rank}</span>{badges}'
+        + (f' <span class="failed-text">{_e(error)}</span>' if error else "")
+    )
+    css = "row worker failed" if error else "row worker"
+    return (
+        f'<div class="{css}" data-worker="{_e(row.worker_id)}">'
+        f'<div class="label" title="{_e(row.worker_id)}">{label}</div>'
+        f'<div class="track">{band}{"".join(bar(b) for b in row.bars)}</div></div>'
+    )
+
+
+def _phase_class(phase: str) -> str:
+    return phase if phase in _PHASES else "other"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
