@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import json
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 from processes import run_lorabus
 
+from lorabus.audit import TrailRecord
 from lorabus.testbed.stack import EmbeddedStack
 
 pytestmark = pytest.mark.browser
@@ -55,6 +59,13 @@ window.addEventListener("load", () => {
       };
     });
   }
+  const box = document.querySelector(".rows");
+  seen.box = {
+    clientHeight: box.clientHeight,
+    scrollHeight: box.scrollHeight,
+    viewport: window.innerHeight,
+    page: document.documentElement.scrollHeight,
+  };
   const out = document.createElement("pre");
   out.id = "probe";
   out.textContent = JSON.stringify(seen);
@@ -94,6 +105,19 @@ async def _run_browser(*args: str) -> str:
     return stdout.decode(errors="replace")
 
 
+async def _probe(page: Path, tmp_path: Path) -> dict[str, Any]:
+    """What the browser laid out for ``page``: its probe's report."""
+    probe = tmp_path / "probe.html"
+    text = await asyncio.to_thread(page.read_text)
+    await asyncio.to_thread(probe.write_text, text.replace("</body>", _PROBE + "</body>"))
+    dom = await _run_browser(
+        "--window-size=1400,900", "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()
+    )
+    found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
+    assert found is not None, dom[-2000:]
+    return dict(json.loads(html.unescape(found.group(1))))
+
+
 async def test_the_page_shows_a_row_per_worker_and_a_failed_worker_in_red(
     make_adapter: Callable[[int], str],
     make_stack: Callable[..., EmbeddedStack],
@@ -115,17 +139,12 @@ async def test_the_page_shows_a_row_per_worker_and_a_failed_worker_in_red(
     assert committed.committed and not failed.committed, (committed, failed)
     assert tapped.returncode == 0 and drawn.returncode == 0, (tapped, drawn)
 
-    probe = tmp_path / "probe.html"
-    probe.write_text(page.read_text().replace("</body>", _PROBE + "</body>"))
-    dom = await _run_browser("--virtual-time-budget=5000", "--dump-dom", probe.as_uri())
+    seen = await _probe(page, tmp_path)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "timeline.png"
     shot.unlink(missing_ok=True)
     await _run_browser("--window-size=1400,900", f"--screenshot={shot}", page.as_uri())
 
-    found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
-    assert found is not None, dom[-2000:]
-    seen = json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&"))
     ok_rows = {r["worker"]: r for r in seen[f"update-{committed.update_id}"]}
     bad_rows = {r["worker"]: r for r in seen[f"update-{failed.update_id}"]}
     assert set(ok_rows) == set(bad_rows) == set(WORKERS), seen
@@ -142,3 +161,69 @@ async def test_the_page_shows_a_row_per_worker_and_a_failed_worker_in_red(
         else:
             assert not red and row["failedBadge"] == 0, row
     assert shot.stat().st_size > 0
+
+
+async def test_a_thousand_workers_scroll_in_their_box_the_slowest_first(tmp_path: Path) -> None:
+    """1,024 rows stay readable: each is laid out at full height inside a box
+    that scrolls, so the page itself stays about a window tall, and with
+    ``--sort slowest`` the slowest worker is the first row a person sees."""
+    _chromium()
+    members = {f"w{i:04d}": 1 for i in range(1024)}
+    records = [
+        _record(
+            1,
+            "event",
+            {
+                "type": "update_started",
+                "update_id": "big",
+                "adapter": "policy",
+                "version": 1,
+                "members": members,
+            },
+        )
+    ]
+    for i, worker in enumerate(members):
+        took = 9.0 if worker == "w0517" else 0.2 + (i % 7) / 100
+        records.append(
+            _record(
+                2 + i,
+                "ack",
+                {
+                    "type": "ack",
+                    "update_id": "big",
+                    "phase": "load",
+                    "worker_id": worker,
+                    "ok": True,
+                    "world_size": 1,
+                    "adapters": [],
+                    "paused": True,
+                    "duration_s": took,
+                },
+            )
+        )
+    trail, page = tmp_path / "trail.jsonl", tmp_path / "big.html"
+    trail.write_text("".join(msgspec.json.encode(r).decode() + "\n" for r in records))
+    drawn = await run_lorabus(
+        "audit", "timeline", str(trail), "--sort", "slowest", "--out", str(page)
+    )
+    assert drawn.returncode == 0, drawn
+
+    seen = await _probe(page, tmp_path)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "timeline-1024.png"
+    shot.unlink(missing_ok=True)
+    await _run_browser("--window-size=1400,900", f"--screenshot={shot}", page.as_uri())
+
+    rows = seen["update-big"]
+    assert len(rows) == 1024 and all(r["height"] > 0 for r in rows)
+    assert rows[0]["worker"] == "w0517", rows[0]
+    box = seen["box"]
+    assert box["scrollHeight"] > box["clientHeight"] > 0, box
+    assert box["page"] < 2 * box["viewport"], "the rows scroll in their box, not the page"
+    assert shot.stat().st_size > 0
+
+
+def _record(seq: int, kind: str, message: dict[str, object]) -> TrailRecord:
+    return TrailRecord(
+        seq=seq, subject=f"lorabus.t.{kind}", ts=100.0 + seq / 1000, kind=kind, message=message
+    )
