@@ -21,6 +21,9 @@ import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from processes import run_lorabus
 
 from lorabus.testbed.natsserver import free_port
 
@@ -208,3 +211,22 @@ class ComposeStack:
             named = {n for n in listed if n.startswith(self.project)}
             found += [f"{kind} {name}" for name in sorted(set(labelled) | named)]
         return found
+
+
+async def update_from_host(
+    stack: ComposeStack, *source: str, fleet: str = "default", timeout_s: float = 90.0
+) -> dict[str, Any]:
+    """``lorabus update --adapter policy <source> --json`` from the host through
+    the published ports, as the README says; its JSON result."""
+    finished = await run_lorabus(
+        "update",
+        "--adapter",
+        "policy",
+        *source,
+        "--timeout",
+        f"{timeout_s:g}",
+        "--json",
+        env={"LORABUS_NATS_URL": stack.nats_url, "LORABUS_FLEET": fleet},
+        deadline_s=timeout_s + 30,
+    )
+    return dict(json.loads(finished.stdout))

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 import pytest
-from compose_stack import ComposeStack, podman, runtime_missing
+from compose_stack import ComposeStack, podman, runtime_missing, update_from_host
 from nats.aio.msg import Msg
 from nats_container import IMAGE, PODMAN_SOCKET, nats_in_container
 from processes import LORABUS, run_lorabus
@@ -110,20 +110,7 @@ def wait_fleet_ready(stack: ComposeStack) -> None:
 
 
 async def update(stack: ComposeStack, step: int) -> dict[str, Any]:
-    """``lorabus update`` from the host through the published ports, as the README says."""
-    finished = await run_lorabus(
-        "update",
-        "--adapter",
-        "policy",
-        "--path",
-        f"/adapters/step_{step}",
-        "--timeout",
-        "90",
-        "--json",
-        env={"LORABUS_NATS_URL": stack.nats_url, "LORABUS_FLEET": FLEET},
-        deadline_s=120,
-    )
-    return dict(json.loads(finished.stdout))
+    return await update_from_host(stack, "--path", f"/adapters/step_{step}", fleet=FLEET)
 
 
 def served_by_each_worker(stack: ComposeStack) -> dict[str, list[str]]:

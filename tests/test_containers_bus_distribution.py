@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
-from compose_stack import ComposeStack, podman, runtime_missing
+from compose_stack import ComposeStack, podman, runtime_missing, update_from_host
 from nats_container import IMAGE
 from processes import LORABUS, run_lorabus
 
@@ -139,20 +139,7 @@ def served_by_each_worker(stack: ComposeStack) -> dict[str, list[str]]:
 
 
 async def update_by_digest(stack: ComposeStack, digest: str) -> dict[str, Any]:
-    """``lorabus update --digest`` from the host through the published ports."""
-    finished = await run_lorabus(
-        "update",
-        "--adapter",
-        "policy",
-        "--digest",
-        digest,
-        "--timeout",
-        "90",
-        "--json",
-        env=lorabus_on(stack),
-        deadline_s=120,
-    )
-    return dict(json.loads(finished.stdout))
+    return await update_from_host(stack, "--digest", digest, fleet=FLEET)
 
 
 def test_no_volume_of_adapters_is_shared(stack: ComposeStack) -> None:

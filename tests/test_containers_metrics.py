@@ -11,16 +11,14 @@ down and checks nothing of it is left. Skipped, with the reason, where
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
-from compose_stack import ComposeStack, runtime_missing
+from compose_stack import ComposeStack, runtime_missing, update_from_host
 from nats_container import IMAGE
-from processes import run_lorabus
 
 from lorabus._version import __version__
 from lorabus.testbed.natsserver import free_port
@@ -101,24 +99,10 @@ def set_faults(stack: ComposeStack, worker: str, **faults: object) -> None:
     reply.raise_for_status()
 
 
-def lorabus_env(stack: ComposeStack) -> dict[str, str]:
-    return {"LORABUS_NATS_URL": stack.nats_url, "LORABUS_FLEET": FLEET}
-
-
 async def update(stack: ComposeStack, step: int) -> dict[str, Any]:
-    finished = await run_lorabus(
-        "update",
-        "--adapter",
-        "policy",
-        "--path",
-        f"/adapters/step_{step}",
-        "--timeout",
-        "120",
-        "--json",
-        env=lorabus_env(stack),
-        deadline_s=150,
+    return await update_from_host(
+        stack, "--path", f"/adapters/step_{step}", fleet=FLEET, timeout_s=120
     )
-    return dict(json.loads(finished.stdout))
 
 
 async def test_prometheus_scrapes_every_coordinator_and_agent_and_sees_an_update(
