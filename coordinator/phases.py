@@ -337,8 +337,15 @@ class Commands:
                 at = now()
                 if at >= deadline:
                     break
-                if await gather.wait(min(deadline, next_resend, at + LIVENESS_TICK_S) - at):
+                planned = min(deadline, next_resend, at + LIVENESS_TICK_S)
+                if await gather.wait(planned - at):
                     break
+                if now() - planned > LIVENESS_TICK_S:
+                    # This process stalled (a long garbage collection, a
+                    # starved CPU): what members sent meanwhile is not read
+                    # yet. Look again a tick later rather than give them up
+                    # for our own silence.
+                    continue
                 if self.membership.still_quiet(*looked_at):
                     rejoined: list[str] = []  # nothing changed that a look could see
                 else:
