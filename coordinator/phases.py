@@ -325,6 +325,7 @@ class Commands:
         next_resend = started + resend_gap
         sent_at = dict.fromkeys(expected, started)
         looked_at = (-1, 0.0)  # membership generation, and quiet until when
+        look_from = started  # no look at the membership before (after a stall)
         try:
             if not how.sent and command.cohort and len(by_name) < len(expected):
                 await self.bus.broadcast(command)
@@ -337,16 +338,16 @@ class Commands:
                 at = now()
                 if at >= deadline:
                     break
-                planned = min(deadline, next_resend, at + LIVENESS_TICK_S)
+                planned = max(at, min(deadline, next_resend, at + LIVENESS_TICK_S))
                 if await gather.wait(planned - at):
                     break
                 if now() - planned > LIVENESS_TICK_S:
                     # This process stalled (a long garbage collection, a
                     # starved CPU): what members sent meanwhile is not read
-                    # yet. Look again a tick later rather than give them up
-                    # for our own silence.
-                    continue
-                if self.membership.still_quiet(*looked_at):
+                    # yet. Look a tick later rather than give them up for
+                    # our own silence.
+                    look_from = now() + LIVENESS_TICK_S
+                if now() < look_from or self.membership.still_quiet(*looked_at):
                     rejoined: list[str] = []  # nothing changed that a look could see
                 else:
                     generation = self.membership.generation
