@@ -10,30 +10,57 @@ its ``keep`` newest commits, as engines keep its loaded versions; the
 record of them (``stored`` in the state bucket) is the leader's alone. An
 object pushed but never committed (its update failed, or none asked for
 it) goes at a later commit from the store, once it is older than the
-coordinator's ``orphan_after_s`` and no queued request names it.
+coordinator's ``orphan_after_s`` and no request named it since (looked at
+once every ``SWEEP_EVERY_S`` at most).
 """
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Callable, Set
 
 from nats.aio.client import Client as NatsClient
 
 from lorabus.adapter_objects import delete_object, digest_of, object_size, stored_objects
+from lorabus.clock import now
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BadRequest, BusError
 from lorabus.schemas import CommittedRecord, StoredAdaptersRecord, StoredVersion, Subjects
 
 _LOOK_TIMEOUT_S = 5.0
+SWEEP_EVERY_S = 600.0
+"""At most one sweep for orphans this often (or every ``orphan_after_s``)."""
 
 
 class AdapterStore:
-    def __init__(self, nc: NatsClient, subjects: Subjects) -> None:
+    def __init__(
+        self, nc: NatsClient, subjects: Subjects, clock: Callable[[], float] = now
+    ) -> None:
         self._nc = nc
         self._subjects = subjects
+        self._clock = clock
+        self._asked: dict[str, float] = {}
+        """Digests requests named, when last: admitted while a sweep lists
+        the store, a request's object must not be swept under it."""
+        self._swept_at: float | None = None
+
+    def asked_lately(self, within_s: float) -> set[str]:
+        """The digests requests named in the last ``within_s`` seconds."""
+        at = self._clock()
+        self._asked = {d: t for d, t in self._asked.items() if at - t <= within_s}
+        return set(self._asked)
+
+    def sweep_due(self, every_s: float) -> bool:
+        """Whether a sweep for orphans is due (at most one every ``every_s``:
+        listing the store costs a read per object); True marks it done."""
+        at = self._clock()
+        if self._swept_at is not None and at - self._swept_at < every_s:
+            return False
+        self._swept_at = at
+        return True
 
     async def check_stored(self, digest: str) -> None:
         """Raise BadRequest unless the store holds an object under ``digest``."""
+        self._asked[digest] = self._clock()
         try:
             size = await object_size(self._nc, self._subjects, digest, timeout_s=_LOOK_TIMEOUT_S)
         except (TimeoutError, BusError) as exc:
@@ -85,9 +112,9 @@ async def retire_stored(
     for gone in sorted({v.digest for v in dropped} - still_kept):
         if await objects.delete(gone):
             deleted.append(gone)
-    deleted += await sweep_orphans(
-        objects, still_kept | waiting, orphan_after_s=orphan_after_s, now=now
-    )
+    if objects.sweep_due(min(orphan_after_s, SWEEP_EVERY_S)):
+        spared = still_kept | waiting | objects.asked_lately(orphan_after_s)
+        deleted += await sweep_orphans(objects, spared, orphan_after_s=orphan_after_s, now=now)
     return deleted
 
 
@@ -95,7 +122,7 @@ async def sweep_orphans(
     objects: AdapterStore, spared: Set[str], *, orphan_after_s: float, now: float
 ) -> list[str]:
     """Delete every stored object that ``spared`` (the kept versions and what
-    queued requests name) does not name and that was stored more than
+    requests named lately or wait with) does not name and that was stored more than
     ``orphan_after_s`` before ``now``: younger ones may be for a request not
     asked yet (a trainer pushes, then asks). The digests deleted."""
     deleted = []

@@ -331,7 +331,9 @@ async def stored_objects(
             stored: dict[str, float] = {}
             for meta in sorted(info.state.subjects or {}):
                 found = await _read_meta_at(nc, subjects, meta)
-                if found is not None:
+                # Only what a push stores: anything else put there by hand
+                # is no adapter of lorabus's, to list or to delete.
+                if found is not None and _DIGEST.fullmatch(found[0].name or ""):
                     stored[found[0].name] = found[1]
             return stored
     except nats.js.errors.NotFoundError as exc:
@@ -407,14 +409,23 @@ def _chunk_bytes(nc: NatsClient) -> int:
 async def delete_object(
     nc: NatsClient, subjects: Subjects, digest: str, *, timeout_s: float = 10.0
 ) -> bool:
-    """Delete the object of ``digest`` from the store; False when it was not there."""
+    """Delete the object of ``digest`` from the store; False when it was not there.
+    The deletion marker nats-py leaves is purged too: nothing here watches for
+    it, and the store's listing (:func:`stored_objects`) would grow by one for
+    every object ever deleted."""
+    bucket = subjects.adapter_store()
+    name = base64.urlsafe_b64encode(check_digest(digest).encode()).decode()
     try:
         async with asyncio.timeout(timeout_s):
             store = await _store(nc, subjects)
             try:
-                await store.delete(check_digest(digest))
+                await store.delete(digest)
             except nats.js.errors.ObjectNotFoundError:
                 return False
+            await nc.jetstream().purge_stream(
+                obj.OBJ_STREAM_TEMPLATE.format(bucket=bucket),
+                subject=obj.OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=name),
+            )
             return True
     except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"deleting {digest} from the adapter store failed: {exc!r}") from exc

@@ -9,6 +9,7 @@ into: all of it is escaped.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import time
 from collections.abc import Callable, Sequence
@@ -105,7 +106,8 @@ def _section(timeline: UpdateTimeline, order: str) -> str:
         f"took {_ms(t1 - t0)}",
     ]
     if timeline.started is not None:
-        facts.append(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timeline.started)))
+        with contextlib.suppress(OverflowError, OSError, ValueError):  # a time of no calendar
+            facts.append(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timeline.started)))
     if pause is not None:
         facts.append(f"engines paused for {_ms(pause[1] - pause[0])}")
     if slowest is not None:

@@ -14,6 +14,7 @@ record that is not what lorabus writes is skipped, never raised.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +48,16 @@ class WorkerRow:
     world_size: int = 0
     rank_offset: int | None = None
     bars: list[Bar] = field(default_factory=list)
+    unanswered: list[str] = field(default_factory=list)
+    """Phases the coordinator gave up waiting for this worker in."""
 
     @property
     def error(self) -> str:
         """The first failure of this worker in the update ("" when none)."""
-        return next((b.error or "failed" for b in self.bars if not b.ok), "")
+        failed = next((b.error or "failed" for b in self.bars if not b.ok), "")
+        if failed or not self.unanswered:
+            return failed
+        return f"no answer in {', '.join(self.unanswered)}"
 
     @property
     def longest(self) -> Bar | None:
@@ -120,13 +126,21 @@ class UpdateTimeline:
         return rows
 
 
+_DRAWN_EVENTS = frozenset({"update_started", "phase_finished", "update_finished"})
+"""With acks, what a timeline is drawn from. Commands are left out: some carry
+an update id that names no update (a term's ``committed`` notice, a refusal)."""
+
+
 def build_timelines(records: Iterable[TrailRecord]) -> list[UpdateTimeline]:
     """Every update the trail shows, in the order it first shows each."""
     timelines: dict[str, UpdateTimeline] = {}
     for record in records:
         message = record.message
         update_id = message.get("update_id")
-        if record.poison or not isinstance(update_id, str) or not update_id:
+        drawn = record.kind == "ack" or message.get("type") in _DRAWN_EVENTS
+        if record.poison or not drawn or not isinstance(update_id, str) or not update_id:
+            continue
+        if not math.isfinite(record.ts):
             continue
         timeline = timelines.get(update_id)
         if timeline is None:
@@ -143,9 +157,9 @@ def _take(timeline: UpdateTimeline, kind: str, message: Mapping[str, Any], ts: f
         timeline.started = ts
         timeline.adapter = str(message.get("adapter", ""))
         version = message.get("version")
-        timeline.version = version if isinstance(version, int) else None
+        timeline.version = version if _is_int(version) else None
         for worker_id, size in _mapping(message.get("members")).items():
-            _row(timeline, worker_id).world_size = size if isinstance(size, int) else 0
+            _row(timeline, worker_id).world_size = size if _is_int(size) else 0
     elif kind_of == "phase_finished":
         duration = _seconds(message.get("duration_s"))
         ok = message.get("ok") is True
@@ -161,6 +175,8 @@ def _take(timeline: UpdateTimeline, kind: str, message: Mapping[str, Any], ts: f
         )
         phase = str(message.get("phase", "?"))
         timeline.coordinator.append(Bar(phase, ts - duration, ts, ok, why))
+        for worker_id in missing:
+            _row(timeline, worker_id).unanswered.append(PHASE_LABELS.get(phase, phase))
     elif kind_of == "update_finished":
         timeline.ended = ts
         timeline.status = str(message.get("status", ""))
@@ -170,7 +186,7 @@ def _take(timeline: UpdateTimeline, kind: str, message: Mapping[str, Any], ts: f
         for listed in _list(rank_map.get("entries")):
             entry = _mapping(listed)
             named, offset = entry.get("worker_id"), entry.get("rank_offset")
-            if isinstance(named, str) and isinstance(offset, int):
+            if isinstance(named, str) and _is_int(offset):
                 _row(timeline, named).rank_offset = offset
 
 
@@ -178,8 +194,11 @@ def _take_ack(timeline: UpdateTimeline, message: Mapping[str, Any], ts: float) -
     worker_id = message.get("worker_id")
     if not isinstance(worker_id, str):
         return
+    error_code = _mapping(message.get("error")).get("code")
+    if error_code == "fenced":
+        return  # a deposed leader's late command, refused: no failure of this worker
     row = _row(timeline, worker_id)
-    if not row.world_size and isinstance(message.get("world_size"), int):
+    if not row.world_size and _is_int(message.get("world_size")):
         row.world_size = message["world_size"]
     ok = message.get("ok") is True
     error = "" if ok else (_error_text(message.get("error")) or "failed")
@@ -207,7 +226,13 @@ def _error_text(value: object) -> str:
 
 
 def _seconds(value: object) -> float:
-    return float(value) if isinstance(value, int | float) and 0 <= value < 1e6 else 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if 0 <= value < 1e6 else 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _mapping(value: object) -> Mapping[str, Any]:

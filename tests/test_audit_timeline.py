@@ -206,3 +206,68 @@ def _record(seq: int, kind: str, message: dict[str, object]) -> TrailRecord:
 
 def _line(record: TrailRecord) -> str:
     return msgspec.json.encode(record).decode()
+
+
+def test_only_updates_are_drawn_fenced_acks_are_no_failure_and_the_silent_are_named() -> None:
+    """A term's notice or a refusal carries an update id that names no update;
+    an ack refusing a deposed leader's late command is no failure of its
+    worker; a member the coordinator gave up waiting for is marked; values of
+    the wrong type or beyond any calendar draw nothing wrong and raise nothing."""
+    started = {
+        "type": "update_started",
+        "update_id": "u1",
+        "adapter": "policy",
+        "version": True,
+        "members": {"w0": 1, "w1": True, "w2": 1},
+    }
+    fenced = _ack("u1", "w0", "pause", ok=False, error="it has seen epoch 2")
+    fenced["error"] = {"code": "fenced", "message": "it has seen epoch 2"}
+    records = [
+        _record(1, "event", started),
+        _record(2, "ack", {**_ack("u1", "w0", "load", ok=True), "duration_s": True}),
+        _record(3, "ack", fenced),
+        _record(4, "ack", _ack("u1", "w1", "load", ok=True)),
+        _record(
+            5,
+            "event",
+            {
+                "type": "phase_finished",
+                "update_id": "u1",
+                "phase": "load",
+                "ok": False,
+                "duration_s": 0.5,
+                "missing": ["w2"],
+            },
+        ),
+        _record(6, "command", {"type": "committed", "update_id": "term-3"}),
+        _record(7, "command", {"type": "refuse_instance", "update_id": "conflict"}),
+        TrailRecord(
+            seq=8,
+            subject="lorabus.t.evt",
+            ts=1e20,
+            kind="event",
+            message={**started, "update_id": "far"},
+        ),
+    ]
+
+    timelines = build_timelines(records)
+    page = render_page(timelines)
+
+    assert [t.update_id for t in timelines] == ["u1", "far"]
+    (u1, _far) = timelines
+    assert u1.version is None and u1.workers["w1"].world_size == 1, "from its ack, not True"
+    assert [b.duration_s for b in u1.workers["w0"].bars] == [0.0]
+    assert [r.worker_id for r in u1.failed] == ["w2"]
+    assert u1.workers["w2"].error == "no answer in load"
+    rows = _parse(page).sections["u1"]
+    assert [w for w, row in rows.items() if "failed" in row.classes] == ["w2"]
+
+
+async def test_a_page_that_cannot_be_written_is_said_plainly(tmp_path: Path) -> None:
+    trail = tmp_path / "trail.jsonl"
+    trail.write_text(_line(_record(1, "ack", _ack("u1", "w000", "load", ok=True))) + "\n")
+    finished = await run_lorabus(
+        "audit", "timeline", str(trail), "--out", str(tmp_path / "missing" / "page.html")
+    )
+    assert finished.returncode == 1 and "cannot write" in finished.stderr, finished
+    assert "Traceback" not in finished.stderr

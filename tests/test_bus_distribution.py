@@ -303,8 +303,10 @@ async def test_an_object_pushed_but_never_committed_is_deleted_at_a_later_commit
 async def test_only_old_objects_that_nothing_keeps_or_waits_for_are_swept(
     make_adapter: Callable[[int], str], make_stack: Callable[..., EmbeddedStack], fleet_name: str
 ) -> None:
-    """The sweep spares what a kept version or a queued request names, and
-    whatever is younger than the orphan age (a trainer pushes, then asks)."""
+    """The sweep spares what a kept version or a request names, and whatever
+    is younger than the orphan age (a trainer pushes, then asks); an object
+    that is no adapter (put there by hand) is neither listed nor deleted, and
+    a deleted object leaves no marker to list."""
     async with make_stack([1]) as stack:
         assert stack.client is not None
         kept, waiting, orphan = [
@@ -312,24 +314,32 @@ async def test_only_old_objects_that_nothing_keeps_or_waits_for_are_swept(
         ]
         nc = await stack.bus_as(Role.COORDINATOR).connect("test-sweeper")
         try:
-            objects = AdapterStore(nc, Subjects(fleet=fleet_name))
+            subjects = Subjects(fleet=fleet_name)
+            by_hand = await nc.jetstream().object_store(subjects.adapter_store())
+            await by_hand.put("notes.txt", b"not an adapter")
+            objects = AdapterStore(nc, subjects)
             stored = await objects.stored()
             assert set(stored) == {kept, waiting, orphan}
             assert all(abs(at - time.time()) < 600 for at in stored.values()), stored
+            await objects.check_stored(waiting)  # a request names it
+            spared = {kept} | objects.asked_lately(3600.0)
 
-            young = await sweep_orphans(
-                objects, {kept, waiting}, orphan_after_s=3600.0, now=time.time()
-            )
+            young = await sweep_orphans(objects, spared, orphan_after_s=3600.0, now=time.time())
             old = await sweep_orphans(
-                objects, {kept, waiting}, orphan_after_s=3600.0, now=time.time() + 7200.0
+                objects, spared, orphan_after_s=3600.0, now=time.time() + 7200.0
             )
             left = set(await objects.stored())
+            metas = await nc.jetstream().stream_info(
+                f"OBJ_{subjects.adapter_store()}",
+                subjects_filter=f"$O.{subjects.adapter_store()}.M.>",
+            )
         finally:
             await close(nc)
 
     assert young == []
     assert old == [orphan]
     assert left == {kept, waiting}
+    assert len(metas.state.subjects or {}) == 3, "kept, waiting and notes.txt: no marker left"
 
 
 async def test_an_engine_that_lost_the_committed_adapter_gets_it_from_the_store_again(

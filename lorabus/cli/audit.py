@@ -251,7 +251,11 @@ def audit_timeline(
             click.echo(printable(f"error: {where} holds no update"), err=True)
             return EXIT_FAILED
         page = render_page(timelines, order=order, notes=notes)
-        await asyncio.to_thread(Path(out_path).write_text, page)
+        try:
+            await asyncio.to_thread(Path(out_path).write_text, page)
+        except OSError as exc:
+            click.echo(printable(f"error: cannot write {out_path}: {exc}"), err=True)
+            return EXIT_FAILED
         click.echo(printable(f"timeline: {len(timelines)} update(s) drawn in {out_path}"))
         return 0
 

@@ -86,6 +86,7 @@ async def test_a_node_cut_off_reaches_nobody_until_joined_and_new_connections_go
         agent = await connect(link.url, name="test-agent")
         await _joined(agent, inbox, "t.warm")
         assert link.reaches(fleet.nodes[1].port)
+        assert agent.discovered_servers == [], "no node's own address to reconnect to"
 
         fleet.cut_off_node(cut_node)
         await agent.publish("t.held", b"1")

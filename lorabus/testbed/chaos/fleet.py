@@ -110,7 +110,10 @@ class ChaosFleet:
                 store_dir=str(self.run_dir / f"nats-n{i}"),
                 name=f"n{i}",
                 cluster_port=cluster_ports[i],
-                options=["--cluster_advertise", _NO_ROUTE_GOSSIP],
+                # Clients are not told the nodes' own addresses either: a
+                # process that reconnected straight to a node would be past
+                # the link proxy that its partitions cut.
+                options=["--cluster_advertise", _NO_ROUTE_GOSSIP, "--no_advertise"],
             )
             for i in range(count)
         ]
