@@ -41,8 +41,9 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import TypeVar
 
+from lorabus.adapter_archive import unpack
 from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import ChunkSink, check_digest, unpack
+from lorabus.adapter_objects import ChunkSink, check_digest
 from lorabus.errors import DigestMismatch, FetchFailed
 
 __all__ = ["AdapterCache", "Fetch"]

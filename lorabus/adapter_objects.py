@@ -17,17 +17,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hashlib
 import io
 import json
 import logging
 import os
 import re
-import tarfile
 import tempfile
 import time
 from datetime import datetime
-from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Protocol
 
 import nats.errors
@@ -44,7 +41,8 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from lorabus.adapter_digest import MAX_FILES, adapter_digest
+from lorabus.adapter_archive import check_adapter_dir, pack
+from lorabus.adapter_digest import adapter_digest
 from lorabus.bus import js_api_of
 from lorabus.errors import BadRequest, BusError, FetchFailed
 from lorabus.schemas import Subjects
@@ -53,17 +51,14 @@ __all__ = [
     "BUS_SCHEME",
     "ChunkSink",
     "bus_path",
-    "check_adapter_dir",
     "check_digest",
     "delete_object",
     "digest_of",
     "fetch_object",
     "object_size",
-    "pack",
     "push_adapter",
     "store_config",
     "stored_objects",
-    "unpack",
 ]
 
 BUS_SCHEME = "bus:"
@@ -77,7 +72,6 @@ class ChunkSink(Protocol):
 
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NUID = re.compile(r"^[A-Za-z0-9]{1,64}$")
-_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 log = logging.getLogger(__name__)
 
 _READ_DEADLINE_S = 5.0
@@ -121,122 +115,6 @@ def digest_of(path: str) -> str | None:
         raise ValueError(
             f"{path!r} is not a valid bus path: expected {BUS_SCHEME}sha256:<64 hex digits>"
         ) from None
-
-
-def _files(root: Path) -> list[tuple[str, Path]]:
-    """The files the adapter digest covers, as (relative path, path), in its order."""
-    found: list[tuple[bytes, Path]] = []
-    for folder, subfolders, names in os.walk(root, onerror=_raise):
-        subfolders.sort()
-        for name in names:
-            path = Path(folder, name)
-            if path.is_file():  # a symlink to a file counts as the file, as in the digest
-                found.append((path.relative_to(root).as_posix().encode(), path))
-            if len(found) > MAX_FILES:
-                raise ValueError(f"{str(root)!r} holds more than {MAX_FILES} files")
-    return [(relative.decode(), path) for relative, path in sorted(found)]
-
-
-def _raise(error: OSError) -> None:
-    raise error
-
-
-def check_adapter_dir(directory: str | os.PathLike[str]) -> None:
-    """ValueError, saying why, unless ``directory`` looks like a PEFT adapter."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise ValueError(f"{str(root)!r} is not a directory")
-    if not (root / "adapter_config.json").is_file():
-        raise ValueError(f"{str(root)!r} has no adapter_config.json: not a PEFT adapter")
-    top = [relative for relative, _ in _files(root) if "/" not in relative]
-    if not any(name in _WEIGHTS or name.endswith(".safetensors") for name in top):
-        raise ValueError(
-            f"{str(root)!r} has no weights (adapter_model.safetensors, adapter_model.bin "
-            "or another *.safetensors)"
-        )
-
-
-def pack(directory: str | os.PathLike[str], into: BinaryIO) -> None:
-    """Write ``directory``'s files to ``into`` as an uncompressed tar whose bytes
-    depend on the files only, a file at a time (an adapter can be many GB)."""
-    with tarfile.open(fileobj=into, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for relative, path in _files(Path(directory)):
-            with path.open("rb") as handle:
-                info = tarfile.TarInfo(relative)
-                info.size = os.fstat(handle.fileno()).st_size
-                info.mode, info.mtime, info.uid, info.gid = 0o644, 0, 0, 0
-                info.uname = info.gname = ""
-                tar.addfile(info, handle)
-
-
-_COPY_CHUNK = 1 << 20
-
-
-def unpack(archive: str | BinaryIO, into: str) -> str | None:
-    """Extract a tar made by :func:`pack` (a file, or a stream read once, front
-    to back) into the empty directory ``into``, and return the adapter digest
-    of what it wrote, taken as it writes (one read of the bytes fewer), or
-    None when the members did not come in the digest's order (then hash
-    ``into``). ValueError for anything but regular files and directories
-    inside ``into``."""
-    if any(os.scandir(into)):
-        raise ValueError(f"{into!r} is not empty")
-    digest = hashlib.sha256()
-    previous: bytes | None = b""
-    try:
-        with _open_tar(archive) as tar:
-            for count, member in enumerate(tar, start=1):
-                if count > MAX_FILES:
-                    raise ValueError(f"the archive holds more than {MAX_FILES} members")
-                name = PurePosixPath(member.name)
-                plain = member.type in (tarfile.REGTYPE, tarfile.AREGTYPE) and not member.sparse
-                if not (plain or member.isdir()):
-                    raise ValueError(f"archive member {member.name!r} is not a regular file")
-                if name.is_absolute() or ".." in name.parts:
-                    raise ValueError(f"archive member {member.name!r} points outside")
-                path = os.path.join(into, *name.parts)
-                if member.isdir():
-                    os.makedirs(path, 0o755, exist_ok=True)
-                    continue
-                relative = "/".join(name.parts).encode()
-                if previous is not None and relative > previous:
-                    previous = relative
-                    digest.update(relative + b"\0" + member.size.to_bytes(8, "big"))
-                    _write_member(tar, member, path, digest)
-                else:
-                    previous = None  # out of order: the digest is taken from the files
-                    _write_member(tar, member, path, None)
-    except tarfile.TarError as exc:
-        raise ValueError(f"not a valid adapter archive: {exc}") from exc
-    return None if previous is None else "sha256:" + digest.hexdigest()
-
-
-def _open_tar(archive: str | BinaryIO) -> tarfile.TarFile:
-    if isinstance(archive, str):
-        return tarfile.open(archive, mode="r:")
-    return tarfile.open(fileobj=archive, mode="r|", bufsize=_COPY_CHUNK)
-
-
-def _write_member(
-    tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, digest: hashlib._Hash | None
-) -> None:
-    """Write one checked member ourselves, with modes of our own: nothing of the
-    archive's owners, modes or times reaches the disk (what tarfile's "data"
-    filter does, which Python has only from 3.11.4 on); ``digest`` takes in
-    the bytes on their way."""
-    os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
-    source = tar.extractfile(member)
-    assert source is not None  # a regular file
-    try:
-        # O_EXCL: a second member of the same name is no adapter.
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError as exc:
-        raise ValueError(f"archive member {member.name!r} comes twice") from exc
-    with source, os.fdopen(descriptor, "wb") as target:
-        while block := source.read(_COPY_CHUNK):
-            if digest is not None:
-                digest.update(block)
-            target.write(block)
 
 
 def store_config(subjects: Subjects, *, replicas: int = 1, max_bytes: int = -1) -> StreamConfig:

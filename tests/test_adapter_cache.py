@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from lorabus.adapter_archive import pack
 from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import ChunkSink, pack
+from lorabus.adapter_objects import ChunkSink
 from lorabus.agents import adapter_cache
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.errors import DigestMismatch, FetchFailed
@@ -138,7 +139,7 @@ async def test_two_caches_asking_at_once_fetch_once(
 
 _PROCESS = """
 import asyncio, io, sys
-from lorabus.adapter_objects import pack
+from lorabus.adapter_archive import pack
 from lorabus.agents import adapter_cache
 
 cache_dir, adapter, digest = sys.argv[1:]

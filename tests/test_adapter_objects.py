@@ -21,7 +21,8 @@ from typing import BinaryIO, cast
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from lorabus import adapter_objects
+from lorabus import adapter_archive
+from lorabus.adapter_archive import pack, unpack
 from lorabus.adapter_digest import adapter_digest
 from lorabus.adapter_objects import (
     bus_path,
@@ -29,10 +30,8 @@ from lorabus.adapter_objects import (
     digest_of,
     fetch_object,
     object_size,
-    pack,
     push_adapter,
     store_config,
-    unpack,
 )
 from lorabus.bus import close, connect
 from lorabus.errors import BadRequest, BusError, FetchFailed, NatsServerMissing
@@ -327,7 +326,7 @@ def test_unpack_refuses_too_many_members_and_a_full_directory(
     archive = tmp_path / "a.tar"
     with archive.open("wb") as into:
         pack(adapter, into)
-    monkeypatch.setattr(adapter_objects, "MAX_FILES", 2)
+    monkeypatch.setattr(adapter_archive, "MAX_FILES", 2)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="more than 2 members"):
         unpack(str(archive), str(tmp_path / "empty"))

@@ -288,7 +288,7 @@ async def test_a_fetch_whose_node_dies_goes_on_from_another_node(
 
     unpacked = tmp_path / "unpacked"
     unpacked.mkdir()
-    from lorabus.adapter_objects import unpack
+    from lorabus.adapter_archive import unpack
 
     unpack(str(into), str(unpacked))
     assert size == into.stat().st_size
