@@ -90,7 +90,7 @@ async def retire_stored(
     keep: int,
     waiting: Set[str],
     orphan_after_s: float,
-    now: float,
+    wall_now: float,
 ) -> list[str]:
     """After a commit from the object store: record it as the newest version
     of its adapter the store keeps, and delete the objects no adapter keeps
@@ -114,20 +114,23 @@ async def retire_stored(
             deleted.append(gone)
     if objects.sweep_due(min(orphan_after_s, SWEEP_EVERY_S)):
         spared = still_kept | waiting | objects.asked_lately(orphan_after_s)
-        deleted += await sweep_orphans(objects, spared, orphan_after_s=orphan_after_s, now=now)
+        deleted += await sweep_orphans(
+            objects, spared, orphan_after_s=orphan_after_s, wall_now=wall_now
+        )
     return deleted
 
 
 async def sweep_orphans(
-    objects: AdapterStore, spared: Set[str], *, orphan_after_s: float, now: float
+    objects: AdapterStore, spared: Set[str], *, orphan_after_s: float, wall_now: float
 ) -> list[str]:
     """Delete every stored object that ``spared`` (the kept versions and what
     requests named lately or wait with) does not name and that was stored more than
-    ``orphan_after_s`` before ``now``: younger ones may be for a request not
+    ``orphan_after_s`` before ``wall_now`` (the system clock's: the store's
+    time stamps are the server's): younger ones may be for a request not
     asked yet (a trainer pushes, then asks). The digests deleted."""
     deleted = []
     for digest, stored_at in sorted((await objects.stored()).items()):
-        if digest not in spared and now - stored_at > orphan_after_s:
+        if digest not in spared and wall_now - stored_at > orphan_after_s:
             if await objects.delete(digest):
                 deleted.append(digest)
     return deleted

@@ -214,7 +214,7 @@ async def _retire_stored(term: Term, committed: CommittedRecord) -> None:
             keep=term.config.keep,
             waiting={d for p in term.book.waiting_paths() if (d := digest_of(p)) is not None},
             orphan_after_s=term.config.orphan_after_s,
-            now=time.time(),
+            wall_now=time.time(),
         )
     except (StoreUnavailable, BusError) as exc:
         log.warning("epoch=%d could not delete retired adapters: %s", term.epoch, exc)

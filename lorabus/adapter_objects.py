@@ -75,8 +75,9 @@ _NUID = re.compile(r"^[A-Za-z0-9]{1,64}$")
 log = logging.getLogger(__name__)
 
 _READ_DEADLINE_S = 5.0
-_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)")
 """How long one read of the store (a meta, the next chunk of a batch) may take."""
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)")
+"""JetStream's time stamps: RFC 3339 with up to nanoseconds."""
 _BATCH_TRIES = 6
 _BATCH_RETRY_GAP_S = 0.5
 """Before asking again, times the try: a node's death takes a reconnect."""
@@ -162,9 +163,9 @@ async def _read_meta(nc: NatsClient, subjects: Subjects, digest: str) -> ObjectI
 
 async def _read_meta_at(
     nc: NatsClient, subjects: Subjects, meta: str
-) -> tuple[ObjectInfo, float] | None:
-    """The info stored on meta subject ``meta`` and when the server stored it
-    (seconds since the epoch); None: none, or deleted."""
+) -> tuple[ObjectInfo, str] | None:
+    """The info stored on meta subject ``meta`` and the server's time stamp of
+    it, as sent; None: none, or deleted."""
     stream = obj.OBJ_STREAM_TEMPLATE.format(bucket=subjects.adapter_store())
     try:
         msg = await nc.request(
@@ -179,10 +180,9 @@ async def _read_meta_at(
         raise BusError(f"reading the adapter store: {status} {_description(msg)}")
     try:
         info = ObjectInfo.from_response(json.loads(msg.data))
-        stored_at = _server_time((msg.headers or {}).get("Nats-Time-Stamp", ""))
     except (ValueError, TypeError, AttributeError) as exc:
         raise BusError(f"the stored meta on {meta} is not valid: {exc}") from exc
-    return None if info.deleted else (info, stored_at)
+    return None if info.deleted else (info, (msg.headers or {}).get("Nats-Time-Stamp", ""))
 
 
 def _server_time(stamp: str) -> float:
@@ -211,8 +211,12 @@ async def stored_objects(
                 found = await _read_meta_at(nc, subjects, meta)
                 # Only what a push stores: anything else put there by hand
                 # is no adapter of lorabus's, to list or to delete.
-                if found is not None and _DIGEST.fullmatch(found[0].name or ""):
-                    stored[found[0].name] = found[1]
+                if found is None or not _DIGEST.fullmatch(found[0].name or ""):
+                    continue
+                try:
+                    stored[found[0].name] = _server_time(found[1])
+                except ValueError:  # undated: never old enough to sweep
+                    log.warning("adapter store: %s has no time stamp: %r", meta, found[1][:64])
             return stored
     except nats.js.errors.NotFoundError as exc:
         raise _no_store(subjects) from exc

@@ -324,9 +324,11 @@ async def test_only_old_objects_that_nothing_keeps_or_waits_for_are_swept(
             await objects.check_stored(waiting)  # a request names it
             spared = {kept} | objects.asked_lately(3600.0)
 
-            young = await sweep_orphans(objects, spared, orphan_after_s=3600.0, now=time.time())
+            young = await sweep_orphans(
+                objects, spared, orphan_after_s=3600.0, wall_now=time.time()
+            )
             old = await sweep_orphans(
-                objects, spared, orphan_after_s=3600.0, now=time.time() + 7200.0
+                objects, spared, orphan_after_s=3600.0, wall_now=time.time() + 7200.0
             )
             left = set(await objects.stored())
             metas = await nc.jetstream().stream_info(

@@ -98,9 +98,9 @@ async def run_up(
             out(f"  {violation.rule}: {violation.message} (records {violation.seqs})")
         out(f"audit: {len(trail)} records, {len(violations)} violation(s)")
         if timeline_path is not None:
-            page = render_page(build_timelines(trail))
-            await asyncio.to_thread(Path(timeline_path).write_text, page)
-            out(f"timeline: {steps} update(s) drawn in {timeline_path}")
+            timelines = build_timelines(trail)
+            await asyncio.to_thread(Path(timeline_path).write_text, render_page(timelines))
+            out(f"timeline: {len(timelines)} update(s) drawn in {timeline_path}")
     return committed == steps and not violations
 
 
