@@ -78,6 +78,11 @@ _READ_DEADLINE_S = 5.0
 """How long one read of the store (a meta, the next chunk of a batch) may take."""
 _STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)")
 """JetStream's time stamps: RFC 3339 with up to nanoseconds."""
+_NO_RESPONDERS_PAUSES_S = (0.1, 0.2, 0.4, 0.8, 1.0)
+"""Pauses before asking a direct get again that nobody answered: in a
+cluster, only a stream's current replicas answer them, and after a node
+restarts there can be a moment with none (seen: an update refused as if the
+store were missing). A store that is really missing is said after 2.5 s."""
 _BATCH_TRIES = 6
 _BATCH_RETRY_GAP_S = 0.5
 """Before asking again, times the try: a node's death takes a reconnect."""
@@ -167,12 +172,15 @@ async def _read_meta_at(
     """The info stored on meta subject ``meta`` and the server's time stamp of
     it, as sent; None: none, or deleted."""
     stream = obj.OBJ_STREAM_TEMPLATE.format(bucket=subjects.adapter_store())
-    try:
-        msg = await nc.request(
-            f"{js_api_of(nc)}.DIRECT.GET.{stream}.{meta}", b"", timeout=_READ_DEADLINE_S
-        )
-    except nats.errors.NoRespondersError as exc:
-        raise _no_store(subjects) from exc
+    subject = f"{js_api_of(nc)}.DIRECT.GET.{stream}.{meta}"
+    for pause in (*_NO_RESPONDERS_PAUSES_S, None):
+        try:
+            msg = await nc.request(subject, b"", timeout=_READ_DEADLINE_S)
+            break
+        except nats.errors.NoRespondersError as exc:
+            if pause is None:
+                raise _no_store(subjects) from exc
+            await asyncio.sleep(pause)
     status = (msg.headers or {}).get("Status", "")
     if status == "404":
         return None
@@ -393,6 +401,8 @@ async def _batch_again(nc: NatsClient, subjects: Subjects, start: dict[str, obje
         try:
             return await _batch(nc, subjects, start)
         except (TimeoutError, nats.errors.Error) as exc:
+            if attempt == _BATCH_TRIES and isinstance(exc, nats.errors.NoRespondersError):
+                raise _no_store(subjects) from exc
             if attempt == _BATCH_TRIES:
                 raise
             await asyncio.sleep(_BATCH_RETRY_GAP_S * attempt)
@@ -418,8 +428,8 @@ async def _batch(nc: NatsClient, subjects: Subjects, start: dict[str, object]) -
                 found.append(msg)
             elif status in ("204", "404"):  # the batch's end; nothing (more) stored
                 return found
-            elif status == "503":
-                raise _no_store(subjects)
+            elif status == "503":  # no replica answers yet: asked again, as a dead node is
+                raise nats.errors.NoRespondersError
             else:
                 raise BusError(f"reading the adapter store: {status} {_description(msg)}")
     finally:

@@ -8,6 +8,7 @@ and the server's answers for what is missing are what the code relies on.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -189,6 +190,51 @@ async def test_a_fleet_without_a_store_is_told_to_provision(
     try:
         with pytest.raises(BusError, match="lorabus provision"):
             await push_adapter(nc, Subjects(fleet=fleet_name), str(write_adapter(tmp_path / "a")))
+    finally:
+        await close(nc)
+
+
+async def test_a_store_nobody_answers_for_a_moment_is_asked_again_not_called_missing(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path
+) -> None:
+    """In a cluster, only current replicas answer direct gets: a node that has
+    just restarted can leave a moment with none, which must not pass for a
+    store that was never provisioned. Here direct gets are switched off, and
+    back on while the look and the fetch are waiting."""
+    digest, _ = await push_adapter(nc, subjects, str(write_adapter(tmp_path / "a")))
+    js = nc.jetstream()
+    silent = store_config(subjects)
+    silent.allow_direct = False
+    await js.update_stream(silent)
+    looking = asyncio.ensure_future(object_size(nc, subjects, digest, timeout_s=10))
+    fetching = asyncio.ensure_future(
+        fetch_object(nc, subjects, digest, io.BytesIO(), timeout_s=10, max_bytes=MB)
+    )
+    await asyncio.sleep(0.3)
+    assert not looking.done() and not fetching.done()
+    await js.update_stream(store_config(subjects))
+
+    size = await looking
+    assert size is not None and size > 0
+    assert await fetching == size
+
+
+async def test_a_store_that_never_answers_is_told_to_provision(
+    nats_url: str, fleet_name: str
+) -> None:
+    nc = await connect(nats_url, name="test-no-store")
+    try:
+        with pytest.raises(BusError, match="lorabus provision"):
+            await object_size(nc, Subjects(fleet=fleet_name), "sha256:" + "0" * 64)
+        with pytest.raises(FetchFailed, match="lorabus provision"):
+            await fetch_object(
+                nc,
+                Subjects(fleet=fleet_name),
+                "sha256:" + "0" * 64,
+                io.BytesIO(),
+                timeout_s=10,
+                max_bytes=MB,
+            )
     finally:
         await close(nc)
 
