@@ -27,7 +27,6 @@ and those an engine still serves.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import fcntl
 import json
@@ -36,12 +35,10 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
-from typing import TypeVar
 
-from lorabus.adapter_archive import unpack
+from lorabus.adapter_archive import BadArchive, Unpacker
 from lorabus.adapter_digest import adapter_digest
 from lorabus.adapter_objects import ChunkSink, check_digest
 from lorabus.errors import DigestMismatch, FetchFailed
@@ -61,10 +58,6 @@ _TRUST_HASH_S = 600.0
 its files, unchanged, are taken as checked: the update's prepare and its load
 on every agent of the node hash it once, not once per agent and step; any
 later use hashes it again."""
-_T = TypeVar("_T")
-_PIPE_BYTES = 8 << 20
-"""How much of an archive may wait between the fetch and its unpacking: two
-of the fetch's batches."""
 _PARTIAL_MAX_AGE_S = 300.0
 """A leftover under ``.partial/`` older than this, with its digest unlocked, is
 what a process that died mid-fetch left: prune removes it."""
@@ -181,29 +174,25 @@ class AdapterCache:
         return False
 
     async def _fetch(self, entry: str, digest: str, fetch: Fetch) -> None:
-        """Fetch ``digest`` and unpack it as it arrives (a thread reads the
-        archive while the fetch writes it: no archive file, no second read),
-        hashing it on the way; rename it into place if it is ``digest``."""
+        """Fetch ``digest``, unpacked and hashed as its chunks are written (no
+        archive file, no second read), and rename it into place if it is
+        ``digest``. A chunk that cannot be the archive stops the fetch."""
         tag = os.path.basename(entry) + "."  # prune's sweep tells whose leftover it is
         unpacked = tempfile.mkdtemp(prefix=tag, dir=self._partial)
         os.chmod(unpacked, 0o755)  # an engine may run as another user
-        archive = _ChunkPipe(_PIPE_BYTES)
-        unpacking = _in_own_thread(_unpack_from, archive, unpacked)
+        unpacker = Unpacker(unpacked)
         try:
             try:
-                await fetch(digest, archive)
+                await fetch(digest, unpacker)
+                found = unpacker.finish() or await asyncio.to_thread(adapter_digest, unpacked)
+            except BadArchive as exc:
+                raise FetchFailed(
+                    f"adapter {digest}: the store's object is no adapter: {exc}"
+                ) from exc
             except FetchFailed:
                 raise
             except Exception as exc:
                 raise FetchFailed(f"adapter {digest}: the fetch failed: {exc!r}") from exc
-            finally:
-                archive.end()
-            try:
-                found = await asyncio.shield(unpacking)
-            except ValueError as exc:
-                raise FetchFailed(
-                    f"adapter {digest}: the store's object is no adapter: {exc}"
-                ) from exc
             if found != digest:
                 raise DigestMismatch(
                     f"adapter {digest} was asked for; the store's object holds {found}"
@@ -211,9 +200,9 @@ class AdapterCache:
             os.rename(unpacked, entry)
             await asyncio.to_thread(self._note_hashed, entry)
         finally:
-            # The thread's writes end before its folder goes, even on a cancel.
-            await asyncio.wait({unpacking})
-            unpacking.exception()  # retrieved: its error, if any, is told above
+            # A write still under way in a thread (the fetch was cancelled)
+            # ends before its folder goes.
+            await asyncio.to_thread(unpacker.close)
             shutil.rmtree(unpacked, ignore_errors=True)
 
     def _discard(self, path: str) -> None:
@@ -340,98 +329,6 @@ def _digest_at(entry: str) -> str | None:
         return adapter_digest(entry)
     except (OSError, ValueError) as exc:
         return f"unreadable: {exc}"
-
-
-def _in_own_thread(function: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
-    """``function(*args)`` in a thread of its own, not the loop's pool: the
-    fetch's writes wait in pool threads for the unpacking to take their bytes,
-    and with every pool thread so waiting (a host process with many agents,
-    each fetching for its node), an unpacking queued behind them would never
-    start. Nothing cancels it: it ends when its archive does."""
-    loop = asyncio.get_running_loop()
-    outcome: asyncio.Future[_T] = loop.create_future()
-
-    def settle(result: _T | None, error: BaseException | None) -> None:
-        if error is not None:
-            outcome.set_exception(error)
-        else:
-            outcome.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        try:
-            result, error = function(*args), None
-        except BaseException as exc:  # handed to the awaiting coroutine
-            result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="adapter-unpack", daemon=True).start()
-    return outcome
-
-
-def _unpack_from(archive: _ChunkPipe, unpacked: str) -> str:
-    """Unpack the archive as it is written; the digest of what it holds."""
-    try:
-        return unpack(archive, unpacked) or adapter_digest(unpacked)  # type: ignore[arg-type]
-    finally:
-        archive.stop_reading()
-
-
-class _ChunkPipe:
-    """The fetch's chunks, in order, from the threads that write them to the
-    thread that unpacks them. At most ``limit`` bytes wait: a writer waits for
-    room, the reader for data. The writer's :meth:`end` is the archive's end;
-    once the reader stops (done, or the archive is bad), writes are dropped,
-    so the fetch never waits on a reader that is gone."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._chunks: collections.deque[bytes] = collections.deque()
-        self._offset = 0
-        """How much of the first chunk was read."""
-        self._held = 0
-        self._ended = self._reader_gone = False
-        self._changed = threading.Condition()
-
-    def write(self, data: bytes) -> int:
-        with self._changed:
-            while self._held >= self._limit and not self._reader_gone:
-                self._changed.wait()
-            if not self._reader_gone and data:
-                self._chunks.append(data)
-                self._held += len(data)
-                self._changed.notify_all()
-        return len(data)
-
-    def end(self) -> None:
-        with self._changed:
-            self._ended = True
-            self._changed.notify_all()
-
-    def stop_reading(self) -> None:
-        with self._changed:
-            self._reader_gone = True
-            self._chunks.clear()
-            self._held = 0
-            self._changed.notify_all()
-
-    def read(self, size: int = -1) -> bytes:
-        with self._changed:
-            while not self._chunks and not self._ended:
-                self._changed.wait()
-            if not self._chunks:
-                return b""
-            first = self._chunks[0]
-            end = len(first) if size < 0 else min(len(first), self._offset + size)
-            piece = first[self._offset : end]
-            if end == len(first):
-                self._chunks.popleft()
-                self._offset = 0
-            else:
-                self._offset = end
-            self._held -= len(piece)
-            self._changed.notify_all()
-            return piece
 
 
 def _boot_id() -> str:
