@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -38,10 +39,31 @@ def find_nats_server() -> str:
     )
 
 
+_PORTS_BELOW_EPHEMERAL = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free on 127.0.0.1 now, below the kernel's ephemeral ports.
+
+    A port is picked here and bound later by another process, so it must not
+    be one that the kernel may hand out meanwhile: a proxy bound to port 0, or
+    any outgoing connection, takes ephemeral ports (32768 and up on Linux),
+    and a nats-server would then exit with "address already in use". Ports
+    below that range are only ever taken by name, as here. Dynamo also reads
+    its ``DYN_SYSTEM_PORT`` as a signed 16-bit integer.
+    """
+    for _ in range(200):
+        port = random.choice(_PORTS_BELOW_EPHEMERAL)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise StartFailed(
+        f"no free port between {_PORTS_BELOW_EPHEMERAL.start} and "
+        f"{_PORTS_BELOW_EPHEMERAL.stop - 1} on 127.0.0.1"
+    )
 
 
 _RESERVABLE_STORE = "1TB"

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from lorabus.testbed.natsserver import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER_SCRIPT = Path(__file__).with_name("lora_worker.py")
@@ -60,24 +60,6 @@ def find_install() -> tuple[Install | None, str]:
     if not install.python.exists() or not (install.model / "config.json").is_file():
         return None, f"the Dynamo install at {root} is incomplete (re-run the script)"
     return install, ""
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, below 32768.
-
-    Dynamo 1.6.1 reads ``DYN_SYSTEM_PORT`` as a signed 16-bit integer and
-    refuses to start with a larger one, and the kernel's ephemeral ports
-    (what binding port 0 gives) are all above it.
-    """
-    for _ in range(200):
-        port = random.randint(20000, 32767)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port between 20000 and 32767 on 127.0.0.1")
 
 
 @dataclass

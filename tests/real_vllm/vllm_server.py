@@ -29,7 +29,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,8 @@ from pathlib import Path
 
 import httpx
 from processes import pids_marked
+
+from lorabus.testbed.natsserver import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_DIR_ENV = "LORABUS_REAL_VLLM_DIR"
@@ -85,14 +86,6 @@ def find_install() -> tuple[Install | None, str]:
     if not install.python.exists() or not all(p.exists() for p in complete):
         return None, f"the vLLM install at {root} is incomplete (re-run the script)"
     return install, ""
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (the kernel's choice)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _die_with_parent() -> None:
