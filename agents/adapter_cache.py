@@ -200,10 +200,10 @@ class AdapterCache:
             os.rename(unpacked, entry)
             await asyncio.to_thread(self._note_hashed, entry)
         finally:
-            # A write still under way in a thread (the fetch was cancelled)
-            # ends before its folder goes.
-            await asyncio.to_thread(unpacker.close)
-            shutil.rmtree(unpacked, ignore_errors=True)
+            # In one thread: a write still under way there (the fetch was
+            # cancelled) ends before the folder goes, and a second cancel
+            # while this waits still leaves nothing open or behind.
+            await asyncio.to_thread(_close_and_remove, unpacker, unpacked)
 
     def _discard(self, path: str) -> None:
         """Take ``path`` out of the cache at once (one rename), then delete it."""
@@ -340,3 +340,8 @@ def _boot_id() -> str:
             return file.read().strip()
     except OSError:
         return ""
+
+
+def _close_and_remove(unpacker: Unpacker, folder: str) -> None:
+    unpacker.close()
+    shutil.rmtree(folder, ignore_errors=True)

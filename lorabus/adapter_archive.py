@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import tarfile
 import threading
 from pathlib import Path, PurePosixPath
@@ -75,6 +76,8 @@ _BLOCK = tarfile.BLOCKSIZE
 _READ_CHUNK = 1 << 20
 _MAX_PAX_BYTES = 64 << 10
 """More extended header than any name of an adapter's files needs."""
+_MAX_MEMBER_BYTES = 1 << 63
+"""The digest writes each file's size in 8 bytes."""
 
 
 class BadArchive(ValueError):
@@ -190,6 +193,11 @@ class Unpacker:
             raise BadArchive(f"the archive holds more than {MAX_FILES} members")
         name = PurePosixPath(pax.get("path", member.name))
         size = _pax_size(pax, member.size)
+        # tarfile parses GNU's base-256 sizes, negative and huge ones too.
+        if not 0 <= size < _MAX_MEMBER_BYTES:
+            raise BadArchive(f"archive member {str(name)!r} has a size of {size}")
+        if "\0" in str(name):
+            raise BadArchive(f"archive member {str(name)!r} has a NUL in its name")
         if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE):
             raise BadArchive(f"archive member {str(name)!r} is not a regular file")
         if name.is_absolute() or ".." in name.parts or not name.parts:
@@ -198,13 +206,13 @@ class Unpacker:
         if member.type == tarfile.DIRTYPE:  # tarfile's parse made "name/" one too
             if size:
                 raise BadArchive(f"archive member {str(name)!r} is a directory with data")
-            os.makedirs(path, 0o755, exist_ok=True)
+            _make_dirs(path, name)
             return
-        os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+        _make_dirs(os.path.dirname(path), name)
         try:
             # O_EXCL: a second member of the same name is no adapter.
             self._file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError as exc:
+        except (FileExistsError, NotADirectoryError) as exc:
             raise BadArchive(f"archive member {str(name)!r} comes twice") from exc
         relative = "/".join(name.parts).encode()
         if self._previous is not None and relative > self._previous:
@@ -229,6 +237,13 @@ class Unpacker:
             self._file = None
 
 
+def _make_dirs(path: str, name: PurePosixPath) -> None:
+    try:
+        os.makedirs(path, 0o755, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:  # a file has the folder's name
+        raise BadArchive(f"archive member {str(name)!r} comes twice") from exc
+
+
 def _padded(size: int) -> int:
     return -(-size // _BLOCK) * _BLOCK
 
@@ -242,7 +257,7 @@ def _write_all(descriptor: int | None, data: memoryview) -> None:
 def _pax_size(pax: dict[str, str], size: int) -> int:
     if "size" not in pax:
         return size
-    if not pax["size"].isdigit():
+    if not re.fullmatch(r"[0-9]{1,20}", pax["size"]):
         raise BadArchive(f"not a valid adapter archive: size {pax['size'][:32]!r}")
     return int(pax["size"])
 
@@ -253,8 +268,8 @@ def _pax_records(data: bytes) -> dict[str, str]:
     at = 0
     while at < len(data):
         space = data.find(b" ", at)
-        length = data[at:space]
-        if space < 0 or not length.isdigit() or not space < at + int(length) <= len(data):
+        length = data[at:space] if space >= 0 else b""
+        if not re.fullmatch(rb"[0-9]{1,6}", length) or not space < at + int(length) <= len(data):
             raise BadArchive("not a valid adapter archive: a bad extended header")
         record, at = data[space + 1 : at + int(length)], at + int(length)
         key, equals, value = record.removesuffix(b"\n").partition(b"=")

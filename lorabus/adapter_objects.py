@@ -402,7 +402,11 @@ async def _batch_again(nc: NatsClient, subjects: Subjects, start: dict[str, obje
             return await _batch(nc, subjects, start)
         except (TimeoutError, nats.errors.Error) as exc:
             if attempt == _BATCH_TRIES and isinstance(exc, nats.errors.NoRespondersError):
-                raise _no_store(subjects) from exc
+                # The object's meta was read from this store a moment ago.
+                raise BusError(
+                    f"no replica of adapter store {subjects.adapter_store()!r} answered "
+                    "a direct get: is a NATS node of its stream down?"
+                ) from exc
             if attempt == _BATCH_TRIES:
                 raise
             await asyncio.sleep(_BATCH_RETRY_GAP_S * attempt)

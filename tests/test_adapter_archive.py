@@ -116,9 +116,13 @@ def _pax_member(records: bytes, member: bytes = b"x") -> bytes:
     ("records", "said"),
     [
         (b"99 path=x\n", "bad extended header"),
-        (b"12 pathxyz\n", "bad extended header"),
+        (b"11 pathxyz\n", "bad extended header"),
+        (b"0" * 5000 + b"9 path=x\n", "bad extended header"),
         (b"x path=y\n", "bad extended header"),
         (b"11 size=-1\n", "size"),
+        ("11 size=\u00b2\n".encode(), "size"),
+        (b"35 size=99999999999999999999999999\n", "size"),
+        (b"14 path=a\x00bcd\n", "NUL"),
         (b"28 GNU.sparse.map=0,1,2,3,4\n", "sparse"),
         (b"12 path=\xff\xfe\xfd\n", "valid adapter archive"),
     ],
@@ -152,3 +156,77 @@ def test_a_directory_with_data_is_refused(tmp_path: Path) -> None:
     (tmp_path / "into").mkdir()
     with pytest.raises(BadArchive, match="directory with data"):
         unpack(io.BytesIO(folder.tobuf(tarfile.USTAR_FORMAT) + b"abc"), str(tmp_path / "into"))
+
+
+@pytest.mark.parametrize(
+    ("size_field", "said"),
+    [(b"\xff" * 11 + b"\xfb", "size of -5"), (b"\x80" + b"\xff" * 11, "size of 3094850")],
+)
+def test_a_negative_or_huge_size_is_refused(tmp_path: Path, size_field: bytes, said: str) -> None:
+    """tarfile parses GNU's base-256 numbers, negative and huge ones included."""
+    member = tarfile.TarInfo("weights")
+    member.size = 5
+    block = bytearray(member.tobuf(tarfile.GNU_FORMAT))
+    block[124:136] = size_field
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block[:512])
+    (tmp_path / "into").mkdir()
+    with pytest.raises(BadArchive, match=said):
+        unpack(io.BytesIO(bytes(block) + b"x" * 512), str(tmp_path / "into"))
+
+
+def _headers(*members: tarfile.TarInfo) -> bytes:
+    """Header blocks only: each member's size is 0 unless it is an extended header."""
+    return b"".join(member.tobuf(tarfile.USTAR_FORMAT) for member in members)
+
+
+def _info(name: str, kind: bytes = tarfile.REGTYPE, size: int = 0) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.size = kind, size
+    return info
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        [_info("a"), _info("a/b")],
+        [_info("a", tarfile.DIRTYPE), _info("a")],
+        [_info("a/b"), _info("a", tarfile.DIRTYPE), _info("a/b")],
+    ],
+    ids=["a file where a folder is", "a file over a folder", "the same file twice"],
+)
+def test_members_whose_names_clash_are_refused(
+    tmp_path: Path, members: list[tarfile.TarInfo]
+) -> None:
+    (tmp_path / "into").mkdir()
+    with pytest.raises(BadArchive, match="comes twice"):
+        unpack(io.BytesIO(_headers(*members)), str(tmp_path / "into"))
+
+
+def test_two_extended_headers_in_a_row_are_refused(tmp_path: Path) -> None:
+    records = b"11 path=ab\n"
+    extended = _info("././@PaxHeader", tarfile.XHDTYPE, len(records))
+    one = extended.tobuf(tarfile.USTAR_FORMAT) + records + bytes(512 - len(records))
+    (tmp_path / "into").mkdir()
+    with pytest.raises(BadArchive, match="bad extended header"):
+        unpack(io.BytesIO(one + one + _headers(_info("x"))), str(tmp_path / "into"))
+
+
+def test_an_extended_header_larger_than_any_adapter_needs_is_refused(tmp_path: Path) -> None:
+    """Its records are gathered in memory: their size is bounded before they come."""
+    extended = _info("././@PaxHeader", tarfile.XHDTYPE, (64 << 10) + 1)
+    (tmp_path / "into").mkdir()
+    unpacker = Unpacker(str(tmp_path / "into"))
+    with pytest.raises(BadArchive, match="bad extended header"):
+        unpacker.write(_headers(extended))
+
+
+@pytest.mark.parametrize(
+    "cut", [512, 1024], ids=["inside the extended header", "before its member"]
+)
+def test_an_archive_cut_around_an_extended_header_is_refused(tmp_path: Path, cut: int) -> None:
+    (tmp_path / "into").mkdir()
+    unpacker = Unpacker(str(tmp_path / "into"))
+    unpacker.write(_pax_member(b"11 path=ab\n")[:cut])
+    with pytest.raises(BadArchive, match="cut short"):
+        unpacker.finish()

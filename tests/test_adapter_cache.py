@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from lorabus import adapter_archive
 from lorabus.adapter_archive import pack
 from lorabus.adapter_digest import adapter_digest
 from lorabus.adapter_objects import ChunkSink
@@ -321,6 +323,42 @@ async def test_a_fetch_cut_short_leaves_nothing_and_the_next_get_succeeds(
 
     store.gate.set()
     assert adapter_digest(await cache.get(digest, store.fetch, timeout_s=10)) == digest
+
+
+async def test_a_fetch_cancelled_twice_mid_write_leaves_nothing(
+    store: Store, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write runs on in its thread when the fetch is cancelled; the clean-up
+    waits for it, and a second cancel while it waits must not leave the
+    half-unpacked folder (or its open file) behind."""
+    digest = store.add(b"weights" * 1000)
+    loop = asyncio.get_running_loop()
+    writing, release = asyncio.Event(), threading.Event()
+    write_all = adapter_archive._write_all
+
+    def slow_write_all(descriptor: int | None, data: memoryview) -> None:
+        loop.call_soon_threadsafe(writing.set)
+        assert release.wait(timeout=10)
+        write_all(descriptor, data)
+
+    monkeypatch.setattr(adapter_archive, "_write_all", slow_write_all)
+    getting = asyncio.create_task(
+        AdapterCache(str(cache_dir)).get(digest, store.fetch, timeout_s=30)
+    )
+    try:
+        async with asyncio.timeout(10):
+            await writing.wait()
+        getting.cancel()
+        await asyncio.sleep(0.1)  # the clean-up now waits for the write
+        assert not getting.done()
+        getting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await getting
+    finally:
+        release.set()
+    async with asyncio.timeout(10):
+        while leftovers(cache_dir):  # noqa: ASYNC110 (a thread of the executor removes it)
+            await asyncio.sleep(0.02)
 
 
 async def test_prune_keeps_the_most_recent_the_protected_and_the_busy(

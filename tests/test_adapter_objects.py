@@ -14,6 +14,7 @@ import io
 import json
 import os
 import tarfile
+import threading
 import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -217,6 +218,54 @@ async def test_a_store_nobody_answers_for_a_moment_is_asked_again_not_called_mis
     size = await looking
     assert size is not None and size > 0
     assert await fetching == size
+
+
+class _PausingSink(io.BytesIO):
+    """Holds its first write until told to go on: the fetch asks for its next
+    batch only after it, so the test can change the store in between."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._loop = loop
+        self.first_write = asyncio.Event()
+        self.go_on = threading.Event()
+
+    def write(self, data: object, /) -> int:
+        if not self.first_write.is_set():
+            self._loop.call_soon_threadsafe(self.first_write.set)
+            assert self.go_on.wait(timeout=10)
+        return super().write(data)  # type: ignore[call-overload]
+
+
+async def test_a_batch_nobody_answers_for_a_moment_is_asked_again(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path
+) -> None:
+    """The same moment without replicas, in the middle of a fetch (its meta
+    read, its first batch written): the next batch is asked for again."""
+    weights = os.urandom(6 * MB)  # more than one batch
+    digest, _ = await push_adapter(nc, subjects, str(write_adapter(tmp_path / "a", weights)))
+    js = nc.jetstream()
+    sink = _PausingSink(asyncio.get_running_loop())
+    fetching = asyncio.ensure_future(
+        fetch_object(nc, subjects, digest, sink, timeout_s=20, max_bytes=20 * MB)
+    )
+    try:
+        await asyncio.wait_for(sink.first_write.wait(), timeout=10)
+        silent = store_config(subjects)
+        silent.allow_direct = False
+        await js.update_stream(silent)
+        sink.go_on.set()
+        await asyncio.sleep(0.3)
+        assert not fetching.done()
+        await js.update_stream(store_config(subjects))
+
+        size = await fetching
+    finally:
+        sink.go_on.set()
+        fetching.cancel()
+    assert size == len(sink.getvalue()) > 6 * MB
+    (tmp_path / "out").mkdir()
+    assert unpack(io.BytesIO(sink.getvalue()), str(tmp_path / "out")) == digest
 
 
 async def test_a_store_that_never_answers_is_told_to_provision(
