@@ -326,6 +326,7 @@ class Commands:
         sent_at = dict.fromkeys(expected, started)
         looked_at = (-1, 0.0)  # membership generation, and quiet until when
         look_from = started  # no look at the membership before (after a stall)
+        overtime = False  # the deadline was moved once, past a stall
         try:
             if not how.sent and command.cohort and len(by_name) < len(expected):
                 await self.bus.broadcast(command)
@@ -347,6 +348,12 @@ class Commands:
                     # yet. Look a tick later rather than give them up for
                     # our own silence.
                     look_from = now() + LIVENESS_TICK_S
+                    if now() >= deadline and not overtime:
+                        # The deadline passed in the stall, and the acks
+                        # that came before it are unread as well: read them
+                        # (a tick, once) before calling anyone missing.
+                        overtime, deadline = True, look_from
+                        continue
                 if now() < look_from or self.membership.still_quiet(*looked_at):
                     rejoined: list[str] = []  # nothing changed that a look could see
                 else:

@@ -10,6 +10,10 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
+
+from lorabus.agents.bus import AgentBus
+from lorabus.schemas import Ack
 from lorabus.testbed.stack import EmbeddedStack
 
 BEAT_S = 0.2
@@ -34,4 +38,44 @@ async def test_a_stall_of_the_coordinators_process_gives_up_no_member(
         time.sleep(STALL_S)  # noqa: ASYNC251 - the stall under test: nothing of this process runs
         result = await asyncio.wait_for(asking, DEADLINE_S)
 
+    assert result.committed, result.error
+
+
+PHASE_S = 1.0
+"""The pause's budget; the load it carries has twice that from the pause's start."""
+QUICK_LOAD_S = 0.3
+PAST_EVERY_DEADLINE_S = 2 * PHASE_S + 0.5
+
+
+async def test_a_stall_past_a_phases_deadline_reads_the_acks_sent_before_it(
+    make_adapter: Callable[[int], str],
+    make_stack: Callable[..., EmbeddedStack],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The member acked well before the phase's deadline, and the process
+    stalled until after it: the ack is read before the member is called
+    missing. The stall starts in the agent as its ack is handed to its
+    connection (this process is the coordinator's too), so the ack goes out,
+    and is read, once the process runs again, past the deadline."""
+    send_ack = AgentBus.publish_ack
+    stalled: list[Ack] = []
+
+    async def send_then_stall(bus: AgentBus, ack: Ack) -> None:
+        await send_ack(bus, ack)
+        if ack.phase == "load" and not stalled:
+            stalled.append(ack)
+            time.sleep(PAST_EVERY_DEADLINE_S)  # noqa: ASYNC251 - the stall under test
+
+    monkeypatch.setattr(AgentBus, "publish_ack", send_then_stall)
+    async with make_stack(
+        [2], heartbeat_s=BEAT_S, phase_timeout_s=PHASE_S, leader_lease_s=30.0
+    ) as stack:
+        assert stack.client is not None and stack.sim is not None
+        for worker in stack.sim.workers.values():
+            worker.set_faults(latency_s={"load": QUICK_LOAD_S})
+        result = await asyncio.wait_for(
+            stack.client.update("policy", make_adapter(1), version=1), DEADLINE_S
+        )
+
+    assert [ack.ok for ack in stalled] == [True]
     assert result.committed, result.error
