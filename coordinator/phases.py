@@ -348,10 +348,10 @@ class Commands:
                     # yet. Look a tick later rather than give them up for
                     # our own silence.
                     look_from = now() + LIVENESS_TICK_S
-                    if now() >= deadline and not overtime:
-                        # The deadline passed in the stall, and the acks
-                        # that came before it are unread as well: read them
-                        # (a tick, once) before calling anyone missing.
+                    if deadline < look_from and not overtime:
+                        # The deadline passed in the stall, or comes before
+                        # the acks that came meanwhile can be read: read
+                        # them (a tick, once) before calling anyone missing.
                         overtime, deadline = True, look_from
                         continue
                 if now() < look_from or self.membership.still_quiet(*looked_at):
