@@ -51,12 +51,35 @@ def check_adapter_dir(directory: str | os.PathLike[str]) -> None:
         raise ValueError(f"{str(root)!r} is not a directory")
     if not (root / "adapter_config.json").is_file():
         raise ValueError(f"{str(root)!r} has no adapter_config.json: not a PEFT adapter")
-    top = [relative for relative, _ in _files(root) if "/" not in relative]
+    files = [relative for relative, _ in _files(root)]
+    for relative in files:
+        if problem := _name_problem(relative):
+            raise ValueError(f"{str(root)!r} holds {relative!r}, {problem}")
+    top = [relative for relative in files if "/" not in relative]
     if not any(name in _WEIGHTS or name.endswith(".safetensors") for name in top):
         raise ValueError(
             f"{str(root)!r} has no weights (adapter_model.safetensors, adapter_model.bin "
             "or another *.safetensors)"
         )
+
+
+_MAX_NAME_BYTES = 1024
+_MAX_PART_BYTES = 255
+_MAX_DEPTH = 32
+
+
+def _name_problem(relative: str) -> str | None:
+    """Why a file's path inside an adapter is refused, or None: bounded, so
+    that an agent can unpack it on any filesystem (and an archive cannot
+    make a tree too deep to walk)."""
+    encoded, parts = relative.encode(errors="surrogateescape"), relative.split("/")
+    if len(encoded) > _MAX_NAME_BYTES:
+        return f"a path over {_MAX_NAME_BYTES} bytes"
+    if len(parts) > _MAX_DEPTH:
+        return f"a path over {_MAX_DEPTH} levels deep"
+    if any(len(part.encode(errors="surrogateescape")) > _MAX_PART_BYTES for part in parts):
+        return f"a path with a part over {_MAX_PART_BYTES} bytes"
+    return None
 
 
 def pack(directory: str | os.PathLike[str], into: BinaryIO) -> None:
@@ -202,6 +225,8 @@ class Unpacker:
             raise BadArchive(f"archive member {str(name)!r} is not a regular file")
         if name.is_absolute() or ".." in name.parts or not name.parts:
             raise BadArchive(f"archive member {str(name)!r} points outside")
+        if problem := _name_problem("/".join(name.parts)):
+            raise BadArchive(f"archive member {str(name)[:64]!r}... has {problem}")
         path = os.path.join(self._into, *name.parts)
         if member.type == tarfile.DIRTYPE:  # tarfile's parse made "name/" one too
             if size:

@@ -23,7 +23,7 @@ from typing import BinaryIO, cast
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from lorabus import adapter_archive
+from lorabus import adapter_archive, adapter_objects
 from lorabus.adapter_archive import pack, unpack
 from lorabus.adapter_digest import adapter_digest
 from lorabus.adapter_objects import (
@@ -165,7 +165,9 @@ def test_packing_depends_on_the_files_only(tmp_path: Path) -> None:
     assert packed[0].getvalue() == packed[1].getvalue()
 
 
-@pytest.mark.parametrize("problem", ["no config", "no weights", "not a directory", "missing"])
+@pytest.mark.parametrize(
+    "problem", ["no config", "no weights", "not a directory", "missing", "too deep"]
+)
 async def test_what_is_not_an_adapter_is_refused_before_any_upload(
     nc: NatsClient, subjects: Subjects, tmp_path: Path, problem: str
 ) -> None:
@@ -176,6 +178,10 @@ async def test_what_is_not_an_adapter_is_refused_before_any_upload(
         (adapter / "adapter_model.safetensors").unlink()
     elif problem == "not a directory":
         adapter = adapter / "adapter_config.json"
+    elif problem == "too deep":  # no agent would unpack it
+        deep = adapter.joinpath(*["d"] * 40)
+        deep.mkdir(parents=True)
+        (deep / "notes.txt").write_text("x")
     else:
         adapter = tmp_path / "nowhere"
 
@@ -266,6 +272,30 @@ async def test_a_batch_nobody_answers_for_a_moment_is_asked_again(
     assert size == len(sink.getvalue()) > 6 * MB
     (tmp_path / "out").mkdir()
     assert unpack(io.BytesIO(sink.getvalue()), str(tmp_path / "out")) == digest
+
+
+async def test_a_batch_nobody_answers_for_good_says_so(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not "run lorabus provision": the store was read a moment ago."""
+    monkeypatch.setattr(adapter_objects, "_BATCH_RETRY_GAP_S", 0.01)
+    weights = os.urandom(6 * MB)
+    digest, _ = await push_adapter(nc, subjects, str(write_adapter(tmp_path / "a", weights)))
+    sink = _PausingSink(asyncio.get_running_loop())
+    fetching = asyncio.ensure_future(
+        fetch_object(nc, subjects, digest, sink, timeout_s=20, max_bytes=20 * MB)
+    )
+    try:
+        await asyncio.wait_for(sink.first_write.wait(), timeout=10)
+        silent = store_config(subjects)
+        silent.allow_direct = False
+        await nc.jetstream().update_stream(silent)
+        sink.go_on.set()
+        with pytest.raises(FetchFailed, match=r"no replica of adapter store .* answered"):
+            await fetching
+    finally:
+        sink.go_on.set()
+        fetching.cancel()
 
 
 async def test_a_store_that_never_answers_is_told_to_provision(
