@@ -9,6 +9,7 @@ its own JetStream directory, and is always stopped by whoever started it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -39,7 +40,9 @@ def find_nats_server() -> str:
     )
 
 
-_PORTS_BELOW_EPHEMERAL = range(20000, 32768)
+_LOWEST_PORT = 20000
+_HANDED_OUT: set[int] = set()
+"""Ports this process picked: each is bound later, so a second pick must not repeat it."""
 
 
 def free_port() -> int:
@@ -47,23 +50,41 @@ def free_port() -> int:
 
     A port is picked here and bound later by another process, so it must not
     be one that the kernel may hand out meanwhile: a proxy bound to port 0, or
-    any outgoing connection, takes ephemeral ports (32768 and up on Linux),
-    and a nats-server would then exit with "address already in use". Ports
-    below that range are only ever taken by name, as here. Dynamo also reads
-    its ``DYN_SYSTEM_PORT`` as a signed 16-bit integer.
+    any outgoing connection, takes an ephemeral port, and a nats-server would
+    then exit with "address already in use". Ports below that range are only
+    ever taken by name, as here. Dynamo also reads its ``DYN_SYSTEM_PORT`` as
+    a signed 16-bit integer.
     """
+    ports = range(_LOWEST_PORT, min(_first_ephemeral_port(), 1 << 15))
+    if len(ports) < 1000:  # a kernel that hands out nearly every port
+        ports = range(_LOWEST_PORT, 1 << 15)
+    if len(_HANDED_OUT) > len(ports) // 2:  # those picked long ago are free again
+        _HANDED_OUT.clear()
+    last: OSError | None = None
     for _ in range(200):
-        port = random.choice(_PORTS_BELOW_EPHEMERAL)
+        port = random.choice(ports)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
-            except OSError:
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise StartFailed(f"cannot bind a port on 127.0.0.1: {exc}") from exc
+                last = exc
                 continue
-            return port
-    raise StartFailed(
-        f"no free port between {_PORTS_BELOW_EPHEMERAL.start} and "
-        f"{_PORTS_BELOW_EPHEMERAL.stop - 1} on 127.0.0.1"
-    )
+        _HANDED_OUT.add(port)
+        return port
+    raise StartFailed(f"no free port between {ports.start} and {ports.stop - 1} ({last})")
+
+
+def _first_ephemeral_port() -> int:
+    """Where the kernel's ephemeral ports start (Linux; 32768 elsewhere, as on
+    Linux by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 _RESERVABLE_STORE = "1TB"
