@@ -243,11 +243,20 @@ class _PausingSink(io.BytesIO):
         return super().write(data)  # type: ignore[call-overload]
 
 
-async def test_a_batch_nobody_answers_for_a_moment_is_asked_again(
-    nc: NatsClient, subjects: Subjects, tmp_path: Path
+@pytest.mark.parametrize("silence", ["for a moment", "for good"])
+async def test_a_batch_nobody_answers_is_asked_again_then_said_so(
+    nc: NatsClient,
+    subjects: Subjects,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    silence: str,
 ) -> None:
     """The same moment without replicas, in the middle of a fetch (its meta
-    read, its first batch written): the next batch is asked for again."""
+    read, its first batch written): the next batch is asked for again. When
+    no replica ever answers, the fetch says so, not "run lorabus provision":
+    the store was read a moment ago."""
+    if silence == "for good":
+        monkeypatch.setattr(adapter_objects, "_BATCH_RETRY_GAP_S", 0.01)
     weights = os.urandom(6 * MB)  # more than one batch
     digest, _ = await push_adapter(nc, subjects, str(write_adapter(tmp_path / "a", weights)))
     js = nc.jetstream()
@@ -261,6 +270,10 @@ async def test_a_batch_nobody_answers_for_a_moment_is_asked_again(
         silent.allow_direct = False
         await js.update_stream(silent)
         sink.go_on.set()
+        if silence == "for good":
+            with pytest.raises(FetchFailed, match=r"no replica of adapter store .* answered"):
+                await fetching
+            return
         await asyncio.sleep(0.3)
         assert not fetching.done()
         await js.update_stream(store_config(subjects))
@@ -272,30 +285,6 @@ async def test_a_batch_nobody_answers_for_a_moment_is_asked_again(
     assert size == len(sink.getvalue()) > 6 * MB
     (tmp_path / "out").mkdir()
     assert unpack(io.BytesIO(sink.getvalue()), str(tmp_path / "out")) == digest
-
-
-async def test_a_batch_nobody_answers_for_good_says_so(
-    nc: NatsClient, subjects: Subjects, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Not "run lorabus provision": the store was read a moment ago."""
-    monkeypatch.setattr(adapter_objects, "_BATCH_RETRY_GAP_S", 0.01)
-    weights = os.urandom(6 * MB)
-    digest, _ = await push_adapter(nc, subjects, str(write_adapter(tmp_path / "a", weights)))
-    sink = _PausingSink(asyncio.get_running_loop())
-    fetching = asyncio.ensure_future(
-        fetch_object(nc, subjects, digest, sink, timeout_s=20, max_bytes=20 * MB)
-    )
-    try:
-        await asyncio.wait_for(sink.first_write.wait(), timeout=10)
-        silent = store_config(subjects)
-        silent.allow_direct = False
-        await nc.jetstream().update_stream(silent)
-        sink.go_on.set()
-        with pytest.raises(FetchFailed, match=r"no replica of adapter store .* answered"):
-            await fetching
-    finally:
-        sink.go_on.set()
-        fetching.cancel()
 
 
 async def test_a_store_that_never_answers_is_told_to_provision(
