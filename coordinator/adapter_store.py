@@ -1,30 +1,58 @@
 """The fleet's object store of adapters, as the leader sees it: whether the
 object a request names is there, before anything of the update runs; and
-which objects to delete once no adapter keeps them.
+which objects to delete, decided in one place (:func:`delete_unkept`) from
+the records that are the truth, read when it deletes.
 
-Only the orchestrator role writes it (``lorabus adapter push``) and agents
-read it (:mod:`lorabus.adapter_objects`); the leader looks, so that an
-update naming a digest nobody pushed is refused at once, with nothing
-paused and no member asked to fetch it. Each adapter keeps the objects of
-its ``keep`` newest commits, as engines keep its loaded versions; the
-record of them (``stored`` in the state bucket) is the leader's alone. An
-object pushed but never committed (its update failed, or none asked for
-it) goes at a later commit from the store, once it is older than the
-coordinator's ``orphan_after_s`` and no request named it since (looked at
-once every ``SWEEP_EVERY_S`` at most).
+Only the orchestrator role writes the store (``lorabus adapter push``), agents
+read it (:mod:`lorabus.adapter_objects`), and only the leader deletes. What
+must stay, at every moment (the invariant ``lorabus chaos`` checks):
+
+- every adapter's committed version and the versions kept beside it (its
+  commit point's ``digest`` and ``kept``; where a reset removed the commit
+  point, the reset record's ``kept``, until the adapter's next commit keeps
+  them), read from the state bucket;
+- the update in flight (its path, and the commit it carries), read from the
+  state bucket too;
+- every request this leader admitted and has not finished (queued or
+  running), and every request it is admitting (while admission looks for
+  its object; it joins the queue the moment the look ends). A digest being
+  deleted is refused to admission meanwhile, as not stored.
+
+Everything else may go. The versions a commit let go of (its ``dropped``)
+are deleted right after it, by the leader that wrote it or by a successor
+that finished it from the update left in flight, so both do the same.
+Anything else (pushed and never committed, the chunks of a push that
+stopped before its meta, a meta record that is no pushed adapter's) goes
+once older than ``orphan_after_s``, in a sweep at most every
+``SWEEP_EVERY_S`` (or ``orphan_after_s``), and a term sweeps only once it
+has led that long: the requests its predecessor had admitted are asked
+again of it by then. A record that cannot be read stops the deletion: what
+it names is unknown, and nothing is deleted on a guess.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Set
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection, Set
 
 from nats.aio.client import Client as NatsClient
 
-from lorabus.adapter_objects import delete_object, digest_of, object_size, stored_objects
+from lorabus.adapter_objects import (
+    StoreContents,
+    delete_chunks,
+    delete_meta,
+    delete_object,
+    digest_of,
+    object_size,
+    store_contents,
+)
 from lorabus.clock import now
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BadRequest, BusError
-from lorabus.schemas import CommittedRecord, StoredAdaptersRecord, StoredVersion, Subjects
+from lorabus.schemas import CommittedRecord, InflightRecord, ResetRecord, StoredVersion, Subjects
+
+log = logging.getLogger(__name__)
 
 _LOOK_TIMEOUT_S = 5.0
 SWEEP_EVERY_S = 600.0
@@ -32,41 +60,59 @@ SWEEP_EVERY_S = 600.0
 
 
 class AdapterStore:
+    """The leader's handle on the object store, and its memory of what
+    requests named lately (for one coordinator process)."""
+
     def __init__(
         self, nc: NatsClient, subjects: Subjects, clock: Callable[[], float] = now
     ) -> None:
         self._nc = nc
         self._subjects = subjects
         self._clock = clock
-        self._asked: dict[str, float] = {}
-        """Digests requests named, when last: admitted while a sweep lists
-        the store, a request's object must not be swept under it."""
-        self._swept_at: float | None = None
+        self._looking: Counter[str] = Counter()
+        """Digests admission is looking for now: a request on its way into
+        the queue, whose object must not be deleted under it."""
+        self._deleting: set[str] = set()
+        self._swept_at = clock()
 
-    def asked_lately(self, within_s: float) -> set[str]:
-        """The digests requests named in the last ``within_s`` seconds."""
-        at = self._clock()
-        self._asked = {d: t for d, t in self._asked.items() if at - t <= within_s}
-        return set(self._asked)
+    def took_office(self) -> None:
+        """A new term leads: its first sweep comes a sweep period from now,
+        once its predecessor's requesters have asked it again."""
+        self._swept_at = self._clock()
+
+    def looked_for(self) -> set[str]:
+        """The digests admission is looking for now."""
+        return set(self._looking)
 
     def sweep_due(self, every_s: float) -> bool:
         """Whether a sweep for orphans is due (at most one every ``every_s``:
         listing the store costs a read per object); True marks it done."""
         at = self._clock()
-        if self._swept_at is not None and at - self._swept_at < every_s:
+        if at - self._swept_at < every_s:
             return False
         self._swept_at = at
         return True
 
     async def check_stored(self, digest: str) -> None:
-        """Raise BadRequest unless the store holds an object under ``digest``."""
-        self._asked[digest] = self._clock()
+        """Raise BadRequest unless the store holds an object under ``digest``.
+        Nothing deletes it while this looks (the caller queues the request
+        as soon as this returns, with nothing awaited in between)."""
+        if digest in self._deleting:
+            raise BadRequest(
+                f"adapter {digest} is being deleted from the fleet's object store (no "
+                "update keeps it): push it again (lorabus adapter push DIR), then ask"
+            )
+        self._looking[digest] += 1
         try:
             size = await object_size(self._nc, self._subjects, digest, timeout_s=_LOOK_TIMEOUT_S)
         except (TimeoutError, BusError) as exc:
             raise BadRequest(
                 f"could not look for adapter {digest} in the fleet's object store: {exc}"
             ) from exc
+        finally:
+            self._looking[digest] -= 1
+            if not self._looking[digest]:
+                del self._looking[digest]
         if size is None:
             raise BadRequest(
                 f"adapter {digest} is not in the fleet's object store: push it first "
@@ -74,63 +120,124 @@ class AdapterStore:
             )
 
     async def delete(self, digest: str) -> bool:
-        """Delete the object of ``digest``; False when it was not there."""
-        return await delete_object(self._nc, self._subjects, digest)
+        """Delete the object of ``digest``; False when it was not there. While
+        it goes, admission refuses requests for it (see :meth:`check_stored`)."""
+        self._deleting.add(digest)
+        try:
+            return await delete_object(self._nc, self._subjects, digest)
+        finally:
+            self._deleting.discard(digest)
 
-    async def stored(self) -> dict[str, float]:
-        """Every digest stored, with when it was stored (seconds since the epoch)."""
-        return await stored_objects(self._nc, self._subjects)
+    async def contents(self) -> StoreContents:
+        return await store_contents(self._nc, self._subjects)
+
+    async def delete_meta(self, subject: str) -> None:
+        await delete_meta(self._nc, self._subjects, subject)
+
+    async def delete_chunks(self, nuid: str) -> None:
+        await delete_chunks(self._nc, self._subjects, nuid)
 
 
-async def retire_stored(
-    term_store: FleetStore,
-    objects: AdapterStore,
-    committed: CommittedRecord,
+def kept_beside(
+    digest: str | None,
+    previous: CommittedRecord | None,
+    reset: ResetRecord | None,
     *,
     keep: int,
-    waiting: Set[str],
+) -> tuple[list[StoredVersion], list[str]]:
+    """For a new commit of an adapter (``digest``: its object, None for a path
+    on a filesystem): the earlier versions it keeps beside it, newest first,
+    so that with it they are the adapter's ``keep`` newest commits, and the
+    digests it lets go of. ``previous``: the adapter's commit point before
+    it; where there is none, what its ``reset`` kept."""
+    earlier: list[StoredVersion] = []
+    if previous is not None:
+        if (was := digest_of(previous.path)) is not None:
+            earlier.append(StoredVersion(version=previous.version, digest=was))
+        earlier += previous.kept
+    elif reset is not None:
+        earlier = list(reset.kept)
+    unique: list[StoredVersion] = []
+    for version in earlier:
+        if version.digest != digest and all(v.digest != version.digest for v in unique):
+            unique.append(version)
+    kept = unique[: max(keep, 1) - 1]
+    dropped = sorted({v.digest for v in unique} - {v.digest for v in kept})
+    return kept, dropped
+
+
+def named_by(record: CommittedRecord | InflightRecord | ResetRecord) -> set[str]:
+    """The object digests a record keeps in the store."""
+    match record:
+        case CommittedRecord():
+            named = {v.digest for v in record.kept}
+            return named | ({d} if (d := digest_of(record.path)) is not None else set())
+        case ResetRecord():
+            return {v.digest for v in record.kept}
+        case InflightRecord():
+            named = {d} if (d := digest_of(record.path)) is not None else set()
+            return named | (named_by(record.committing) if record.committing else set())
+
+
+async def kept_by_records(records: FleetStore) -> set[str]:
+    """Every digest the state bucket's records keep in the store now: each
+    adapter's commit point (or, after a reset, its reset record) and the
+    update in flight. StoreUnavailable (CorruptRecord among them) when one
+    cannot be read."""
+    committed, resets = await records.read_adapter_records()
+    kept: set[str] = set()
+    for record in committed.values():
+        kept |= named_by(record)
+    for adapter, reset in resets.items():
+        if adapter not in committed:
+            kept |= named_by(reset)
+    in_flight = await records.read_inflight()
+    return kept | (named_by(in_flight) if in_flight is not None else set())
+
+
+async def delete_unkept(
+    records: FleetStore,
+    objects: AdapterStore,
+    *,
+    dropped: Collection[str],
+    in_use: Callable[[], Set[str]],
     orphan_after_s: float,
     wall_now: float,
 ) -> list[str]:
-    """After a commit from the object store: record it as the newest version
-    of its adapter the store keeps, and delete the objects no adapter keeps
-    any more (the ``keep`` newest commits of each, the committed one always
-    among them) and those never committed (see :func:`sweep_orphans`); the
-    digests deleted. A commit from a filesystem path changes nothing."""
-    digest = digest_of(committed.path)
-    if digest is None:
+    """Delete ``dropped`` (what a commit let go of) and, when a sweep is due,
+    what is older than ``orphan_after_s`` (the store's time stamps against
+    ``wall_now``, the system clock's): each only if no record keeps it
+    (:func:`kept_by_records`) and no request ``in_use`` (queued) names it or
+    is being admitted for it, both asked again right before each deletion.
+    The digests deleted (and, swept, the leftovers of pushes that stopped)."""
+    sweeping = objects.sweep_due(min(orphan_after_s, SWEEP_EVERY_S))
+    if not dropped and not sweeping:
         return []
-    record = await term_store.read_stored()
-    kept_before = record.adapters.get(committed.adapter, [])
-    versions = [StoredVersion(version=committed.version, digest=digest)]
-    versions += [v for v in kept_before if v.digest != digest]
-    kept, dropped = versions[: max(keep, 1)], versions[max(keep, 1) :]
-    adapters = record.adapters | {committed.adapter: kept}
-    await term_store.write_stored(StoredAdaptersRecord(adapters=adapters))
-    still_kept = {v.digest for vs in adapters.values() for v in vs}
-    deleted = []
-    for gone in sorted({v.digest for v in dropped} - still_kept):
-        if await objects.delete(gone):
-            deleted.append(gone)
-    if objects.sweep_due(min(orphan_after_s, SWEEP_EVERY_S)):
-        spared = still_kept | waiting | objects.asked_lately(orphan_after_s)
-        deleted += await sweep_orphans(
-            objects, spared, orphan_after_s=orphan_after_s, wall_now=wall_now
-        )
-    return deleted
+    kept = await kept_by_records(records)
 
+    def may_go(digest: str) -> bool:
+        return digest not in kept and digest not in in_use() | objects.looked_for()
 
-async def sweep_orphans(
-    objects: AdapterStore, spared: Set[str], *, orphan_after_s: float, wall_now: float
-) -> list[str]:
-    """Delete every stored object that ``spared`` (the kept versions and what
-    requests named lately or wait with) does not name and that was stored more than
-    ``orphan_after_s`` before ``wall_now`` (the system clock's: the store's
-    time stamps are the server's): younger ones may be for a request not
-    asked yet (a trainer pushes, then asks). The digests deleted."""
+    def old(at: float | None) -> bool:
+        return at is not None and wall_now - at > orphan_after_s
+
     deleted = []
-    for digest, stored_at in sorted((await objects.stored()).items()):
-        if digest not in spared and wall_now - stored_at > orphan_after_s:
-            if await objects.delete(digest):
-                deleted.append(digest)
+    for digest in sorted(set(dropped)):
+        if may_go(digest) and await objects.delete(digest):
+            deleted.append(digest)
+    if not sweeping:
+        return deleted
+    contents = await objects.contents()
+    for digest, at in sorted(contents.objects.items()):
+        if old(at) and may_go(digest) and await objects.delete(digest):
+            deleted.append(digest)
+    for meta, at in sorted(contents.stray_metas.items()):
+        if old(at):
+            log.warning("adapter store: removing %s, a meta record of no pushed adapter", meta)
+            await objects.delete_meta(meta)
+            deleted.append(meta)
+    for nuid, at in sorted(contents.stray_chunks.items()):
+        if old(at):
+            await objects.delete_chunks(nuid)
+            deleted.append(f"chunks {nuid}")
     return deleted

@@ -42,7 +42,7 @@ import msgspec
 
 from lorabus.adapter_objects import digest_of
 from lorabus.clock import now
-from lorabus.coordinator.adapter_store import retire_stored
+from lorabus.coordinator.adapter_store import delete_unkept
 from lorabus.coordinator.book import failed_result
 from lorabus.coordinator.fit import fit_result
 from lorabus.coordinator.inflight import Journalled
@@ -122,7 +122,7 @@ async def conclude(term: Term, request: UpdateRequest, executed: Executed, start
         await term.replies.sent(request.update_id)
         await announce(term, executed.notice)
     if executed.committed is not None:
-        await _retire_stored(term, executed.committed)
+        await retire_after(term, executed.committed)
     if not leading:
         # Deposed: step down now, not at the next lease renewal, so no later
         # request gets an answer from this term.
@@ -202,17 +202,18 @@ async def _clear_inflight(term: Term, journalled: Journalled) -> None:
         log.warning("store: %s", exc)
 
 
-async def _retire_stored(term: Term, committed: CommittedRecord) -> None:
-    """Delete the objects of the adapter store no adapter keeps any more: after
-    the announcement, and never at the cost of the commit (a failure leaves
-    them for the next commit of that adapter)."""
+async def retire_after(term: Term, committed: CommittedRecord) -> None:
+    """Delete from the adapter store what ``committed`` let go of, and sweep
+    it when a sweep is due (coordinator/adapter_store.py decides what may
+    go): after the announcement, by the term that committed or by a
+    successor that finished the commit, and never at the cost of the commit
+    (what a failure leaves is swept later)."""
     try:
-        deleted = await retire_stored(
+        deleted = await delete_unkept(
             term.store,
             term.adapters,
-            committed,
-            keep=term.config.keep,
-            waiting={d for p in term.book.waiting_paths() if (d := digest_of(p)) is not None},
+            dropped=committed.dropped,
+            in_use=lambda: {d for p in term.book.waiting_paths() if (d := digest_of(p))},
             orphan_after_s=term.config.orphan_after_s,
             wall_now=time.time(),
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from lorabus.adapter_objects import DEFAULT_STORE_MAX_BYTES
 from lorabus.schemas import Naming, UpdateMode, check_token
 
 
@@ -24,10 +25,12 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_replicas: int = 1
     """Replicas of the fleet's KV buckets, object store and audit stream (3 on a
     three-node cluster)."""
-    adapter_store_max_bytes: int = -1
+    adapter_store_max_bytes: int = DEFAULT_STORE_MAX_BYTES
     """How large the fleet's adapter object store may grow: a push beyond it is
-    refused (the store drops nothing on its own). -1: as large as the server
-    allows (a limit is reserved on the server's disk when the store is made)."""
+    refused (the store drops nothing on its own), and the fleet's buckets keep
+    the rest of JetStream's storage. The server reserves it on its disk when
+    the store is made. -1: as large as the server allows, which lets pushes
+    take the room of the leader's lease and commit points: not advised."""
 
     def __post_init__(self) -> None:
         check_token("fleet", self.fleet)

@@ -38,6 +38,7 @@ from typing import TypeVar
 
 import msgspec
 
+from lorabus.coordinator.commit import retire_after
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.signals import LeadershipLost, LostRace, SteppedAside, StoreUnavailable
 from lorabus.coordinator.store import COMMITTED as COMMITTED_KEY
@@ -119,6 +120,8 @@ async def _take_over(term: Term, runner: UpdateRunner, found: _LeftState) -> str
         # rolling back would withdraw a committed version.
         assert commit_point is not None
         await _record_commit(term, in_flight, commit_point, recorded)
+        # What the term that ran it would have deleted after its answer.
+        await retire_after(term, commit_point)
     elif recorded is None:
         # Taken over first, so that a predecessor frozen past its lease, all
         # its acks in hand, can no longer claim the commit once it wakes.

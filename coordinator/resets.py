@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+from lorabus.adapter_objects import digest_of
 from lorabus.coordinator.signals import LeadershipLost
 from lorabus.coordinator.store import CorruptRecord
 from lorabus.coordinator.term import Term
@@ -26,6 +27,7 @@ from lorabus.schemas import (
     ResetRecord,
     ResetRequest,
     ResetResult,
+    StoredVersion,
 )
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ async def _reset(
             previous_path=previous_path,
             reason=reason,
             ts=time.time(),
+            kept=_kept_by(committed, keep=term.config.keep),
         )
     )
     term.book.reset(adapter, new)
@@ -128,6 +131,16 @@ async def _reset(
             reason=reason,
         )
     )
+
+
+def _kept_by(committed: CommittedRecord | None, *, keep: int) -> list[StoredVersion]:
+    """What the removed commit kept in the object store, itself first: a reset
+    forgets a version, never the bytes (a later commit may be the same)."""
+    if committed is None:
+        return []
+    own = digest_of(committed.path)
+    kept = [StoredVersion(version=committed.version, digest=own)] if own is not None else []
+    return (kept + [v for v in committed.kept if v.digest != own])[: max(keep, 1)]
 
 
 async def _reset_lineage(term: Term, adapter: str) -> int:

@@ -44,7 +44,6 @@ from lorabus.schemas import (
     LeaderRecord,
     Reader,
     ResetRecord,
-    StoredAdaptersRecord,
     Subjects,
     UpdateResult,
 )
@@ -72,7 +71,6 @@ LEADER = "leader"
 COMMITTED = "committed"
 INFLIGHT = "inflight"
 RESET = "reset"
-STORED = "stored"
 
 
 class CorruptRecord(StoreUnavailable):
@@ -169,13 +167,37 @@ class FleetStore:
         _, own = await self._read(self._state, f"{COMMITTED}.{adapter}", CommittedRecord)
         return latest < own
 
-    async def read_stored(self) -> StoredAdaptersRecord:
-        """The versions the adapter object store keeps (none recorded: empty)."""
-        record = (await self._read(self._state, STORED, StoredAdaptersRecord))[0]
-        return record or StoredAdaptersRecord()
+    async def read_adapter_records(
+        self,
+    ) -> tuple[dict[str, CommittedRecord], dict[str, ResetRecord]]:
+        """Every adapter's commit point and latest reset, as stored now, by
+        adapter. CorruptRecord when one does not decode: what it names is
+        unknown, and a caller deciding what may be deleted must not guess."""
+        committed = {
+            key.removeprefix(f"{COMMITTED}."): record
+            for key in await self._keys(f"{COMMITTED}.>")
+            if (record := (await self._read(self._state, key, CommittedRecord))[0]) is not None
+        }
+        resets = {
+            key.removeprefix(f"{RESET}."): reset
+            for key in await self._keys(f"{RESET}.>")
+            if (reset := (await self._read(self._state, key, ResetRecord))[0]) is not None
+        }
+        return committed, resets
 
-    async def write_stored(self, record: StoredAdaptersRecord) -> None:
-        await self._put(self._state, STORED, msgspec.json.encode(record))
+    async def _keys(self, pattern: str) -> list[str]:
+        """The state bucket's keys that match ``pattern``, from its stream's
+        info: nats-py's ``keys()`` creates a consumer, which the coordinator's
+        role may not (lorabus.roles)."""
+        prefix = f"$KV.{self._state._name}."
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                info = await self._state._js.stream_info(
+                    self._state._stream, subjects_filter=prefix + pattern
+                )
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot list the keys {pattern}: {exc!r}") from exc
+        return sorted(subject.removeprefix(prefix) for subject in info.state.subjects or {})
 
     async def read_reset(self, adapter: str) -> ResetRecord | None:
         return (await self._read(self._state, f"{RESET}.{adapter}", ResetRecord))[0]

@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 from typing import NoReturn
 
+from lorabus.adapter_objects import digest_of
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
+from lorabus.coordinator.adapter_store import kept_beside
 from lorabus.coordinator.book import committed_result, failed_result
 from lorabus.coordinator.commit import Executed, conclude, deposed_result
 from lorabus.coordinator.lifecycle import UpdateRunner
@@ -28,7 +30,7 @@ from lorabus.coordinator.resets import lineage, reset_unknown
 from lorabus.coordinator.store import CorruptRecord
 from lorabus.coordinator.term import Term
 from lorabus.errors import LorabusError
-from lorabus.schemas import CommittedNotice, CommittedRecord, ErrorCode, ErrorInfo
+from lorabus.schemas import CommittedNotice, CommittedRecord, ErrorCode, ErrorInfo, ResetRecord
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,12 @@ async def _execute(term: Term, runner: UpdateRunner, checked: CheckedRequest) ->
             return Executed(deposed_result(term, request, committing), journalled=ran.journalled)
         if not result.committed or result.rank_map is None:
             return Executed(result, journalled=ran.journalled)
+        kept, dropped = kept_beside(
+            digest_of(plan.path),
+            committed,
+            await _reset_of(term, plan.adapter) if committed is None else None,
+            keep=term.config.keep,
+        )
         record = CommittedRecord(
             adapter=plan.adapter,
             version=plan.version,
@@ -73,6 +81,8 @@ async def _execute(term: Term, runner: UpdateRunner, checked: CheckedRequest) ->
             rank_map=result.rank_map,
             lineage=plan.lineage,
             digest=result.digest,
+            kept=kept,
+            dropped=dropped,
         )
         # Versions of the adapter beyond ``keep``, among those the engines hold.
         loaded = {name for worker in result.workers.values() for name in worker.adapters}
@@ -95,3 +105,12 @@ async def _execute(term: Term, runner: UpdateRunner, checked: CheckedRequest) ->
         log.exception("update=%s crashed", request.update_id)
         crashed = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
         return Executed(failed_result(request, crashed))
+
+
+async def _reset_of(term: Term, adapter: str) -> ResetRecord | None:
+    """The adapter's latest reset, for the versions it kept; one that does not
+    decode keeps nothing here (its objects are swept once unnamed)."""
+    try:
+        return await term.store.read_reset(adapter)
+    except CorruptRecord:
+        return None

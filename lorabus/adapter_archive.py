@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 from lorabus.adapter_digest import MAX_FILES
 
-__all__ = ["BadArchive", "Unpacker", "check_adapter_dir", "pack", "unpack"]
+__all__ = ["AdapterChanged", "BadArchive", "Unpacker", "check_adapter_dir", "pack", "unpack"]
 
 _WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -82,17 +82,63 @@ def _name_problem(relative: str) -> str | None:
     return None
 
 
-def pack(directory: str | os.PathLike[str], into: BinaryIO) -> None:
+class AdapterChanged(ValueError):
+    """Raised when an adapter's files change while :func:`pack` reads them: a
+    file grew, shrank or was rewritten, or one came or went."""
+
+
+class _Hashing:
+    """A file read through, its bytes added to ``digest`` as the tar copies them."""
+
+    def __init__(self, file: BinaryIO, digest: hashlib._Hash) -> None:
+        self._file, self._digest = file, digest
+
+    def read(self, size: int = -1, /) -> bytes:
+        data = self._file.read(size)
+        self._digest.update(data)
+        return data
+
+
+def pack(directory: str | os.PathLike[str], into: BinaryIO) -> str:
     """Write ``directory``'s files to ``into`` as an uncompressed tar whose bytes
-    depend on the files only, a file at a time (an adapter can be many GB)."""
+    depend on the files only, a file at a time (an adapter can be many GB),
+    and return the adapter digest of exactly the bytes written: taken from
+    the same reads, so an archive never goes out under a digest its bytes do
+    not have (:mod:`lorabus.adapter_digest` defines it). AdapterChanged when
+    a file changes, comes or goes meanwhile (a trainer still writing it)."""
+    root = Path(directory)
+    files = _files(root)
+    digest = hashlib.sha256()
     with tarfile.open(fileobj=into, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for relative, path in _files(Path(directory)):
-            with path.open("rb") as handle:
+        for relative, path in files:
+            try:
+                handle = path.open("rb")
+            except FileNotFoundError as exc:
+                raise AdapterChanged(f"{relative!r} went away while it was packed") from exc
+            with handle:
+                before = os.fstat(handle.fileno())
                 info = tarfile.TarInfo(relative)
-                info.size = os.fstat(handle.fileno()).st_size
+                info.size = before.st_size
                 info.mode, info.mtime, info.uid, info.gid = 0o644, 0, 0, 0
                 info.uname = info.gname = ""
-                tar.addfile(info, handle)
+                digest.update(relative.encode() + b"\0" + info.size.to_bytes(8, "big"))
+                try:
+                    tar.addfile(info, _Hashing(handle, digest))
+                except OSError as exc:
+                    if os.fstat(handle.fileno()).st_size < info.size:
+                        raise AdapterChanged(f"{relative!r} shrank while it was packed") from exc
+                    raise
+                after = os.fstat(handle.fileno())
+                if _version(after) != _version(before) or handle.read(1):
+                    raise AdapterChanged(f"{relative!r} changed while it was packed")
+    if [relative for relative, _ in _files(root)] != [relative for relative, _ in files]:
+        raise AdapterChanged("its files changed while it was packed (one came or went)")
+    return "sha256:" + digest.hexdigest()
+
+
+def _version(stat: os.stat_result) -> tuple[int, int, int]:
+    """What changes when a file is written: its size, its modification and change times."""
+    return stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 _BLOCK = tarfile.BLOCKSIZE

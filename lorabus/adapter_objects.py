@@ -2,13 +2,27 @@
 the adapter's content digest, instead of a filesystem every host must mount.
 
 The trainer side packs an adapter directory as a plain tar whose bytes depend
-only on the files (sorted paths, fixed headers) and puts it under its digest;
-a digest already stored is not sent again. Agents read an object with
-JetStream direct gets only: the meta by its subject, then its chunks by
-subject and sequence. A consumer would need more rights, and its deliver
-subject would let an agent aim JetStream (docs/security.md). What an agent
-fetches is unpacked as it arrives and checked against the adapter digest by
-the agent's cache (lorabus.agents.adapter_cache).
+only on the files (sorted paths, fixed headers), taking its digest from the
+same reads, and stores it under that digest; a digest already stored is not
+sent again. Agents read an object with JetStream direct gets only: the meta
+by its subject, then its chunks by subject and sequence. A consumer would
+need more rights, and its deliver subject would let an agent aim JetStream
+(docs/security.md). What an agent fetches is unpacked as it arrives and
+checked against the adapter digest by the agent's cache
+(lorabus.agents.adapter_cache).
+
+The store is written once, message by message. An object is its chunks, one
+per subject (``$O.<bucket>.C.<nuid>.<index>``), then its meta record
+(``$O.<bucket>.M.<base64 of the digest>``, nats's object info). The stream
+keeps one message per subject, refuses a second one (discard new per
+subject) and refuses rollup headers: a publish can add an object, never
+replace, shadow or remove one. Only the purge API removes anything, and only
+the coordinator may call it (lorabus.roles): so the orchestrator, which
+publishes on these subjects to push, cannot wipe the store. Chunks of a push
+that stopped before its meta stay until the leader sweeps them
+(coordinator/adapter_store.py). The stream has a size limit of its own, so a
+full store refuses pushes and leaves the fleet's buckets their room.
+
 A request names such an adapter by a *bus path*: ``bus:sha256:<hex>``.
 """
 
@@ -17,13 +31,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import io
 import json
 import logging
 import os
 import re
 import tempfile
-import time
+from dataclasses import dataclass
 from datetime import datetime
 from typing import BinaryIO, Protocol
 
@@ -31,34 +44,36 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js import object_store as obj
 from nats.js.api import (
     DiscardPolicy,
     ObjectInfo,
-    ObjectMeta,
     ObjectMetaOptions,
     StorageType,
     StreamConfig,
 )
+from nats.js.client import JetStreamContext
 
-from lorabus.adapter_archive import check_adapter_dir, pack
-from lorabus.adapter_digest import adapter_digest
+from lorabus.adapter_archive import AdapterChanged, BadArchive, check_adapter_dir, pack
 from lorabus.bus import js_api_of
 from lorabus.errors import BadRequest, BusError, FetchFailed
 from lorabus.schemas import Subjects
 
 __all__ = [
     "BUS_SCHEME",
+    "DEFAULT_STORE_MAX_BYTES",
     "ChunkSink",
+    "StoreContents",
     "bus_path",
     "check_digest",
+    "delete_chunks",
+    "delete_meta",
     "delete_object",
     "digest_of",
     "fetch_object",
     "object_size",
     "push_adapter",
     "store_config",
-    "stored_objects",
+    "store_contents",
 ]
 
 BUS_SCHEME = "bus:"
@@ -94,8 +109,9 @@ _BATCH_BYTES = 4 << 20
 """How many bytes of chunks one batch of direct gets asks for: eight chunks, a
 round trip per batch instead of per chunk (which a real network makes
 dearer); a batch is what sits in memory, whatever the adapter's size."""
-_PURGE_GRACE_S = 15.0
-"""Beyond a push's deadline, for nats-py to purge the chunks of an upload it stopped."""
+DEFAULT_STORE_MAX_BYTES = 10 << 30
+"""The store's size limit unless the operator gives another: full, it refuses
+pushes, and the fleet's buckets keep the rest of JetStream's storage."""
 
 
 def check_digest(digest: str) -> str:
@@ -123,24 +139,39 @@ def digest_of(path: str) -> str | None:
         ) from None
 
 
-def store_config(subjects: Subjects, *, replicas: int = 1, max_bytes: int = -1) -> StreamConfig:
-    """The stream of the fleet's adapter store: as ``js.create_object_store``
-    makes one, file-backed, with direct gets (agents read nothing else)."""
+def store_config(
+    subjects: Subjects, *, replicas: int = 1, max_bytes: int = DEFAULT_STORE_MAX_BYTES
+) -> StreamConfig:
+    """The stream of the fleet's adapter store: file-backed, with direct gets
+    (agents read nothing else), every subject written once (see the module
+    docstring), and full at ``max_bytes`` (-1: no limit of its own)."""
     bucket = subjects.adapter_store()
     return StreamConfig(
-        name=obj.OBJ_STREAM_TEMPLATE.format(bucket=bucket),
-        subjects=[
-            obj.OBJ_ALL_CHUNKS_PRE_TEMPLATE.format(bucket=bucket),
-            obj.OBJ_ALL_META_PRE_TEMPLATE.format(bucket=bucket),
-        ],
+        name=_stream(subjects),
+        subjects=[f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"],
         max_bytes=max_bytes,
         max_consumers=0,
+        max_msgs_per_subject=1,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
         storage=StorageType.FILE,
         num_replicas=replicas,
-        discard=DiscardPolicy.NEW,
-        allow_rollup_hdrs=True,
+        allow_rollup_hdrs=False,
         allow_direct=True,
     )
+
+
+def _stream(subjects: Subjects) -> str:
+    return f"OBJ_{subjects.adapter_store()}"
+
+
+def _meta_subject(subjects: Subjects, digest: str) -> str:
+    name = base64.urlsafe_b64encode(digest.encode()).decode()  # as nats names an object
+    return f"$O.{subjects.adapter_store()}.M.{name}"
+
+
+def _chunk_subject(subjects: Subjects, nuid: str, index: int | str) -> str:
+    return f"$O.{subjects.adapter_store()}.C.{nuid}.{index}"
 
 
 def _no_store(subjects: Subjects) -> BusError:
@@ -150,37 +181,21 @@ def _no_store(subjects: Subjects) -> BusError:
     )
 
 
-async def _store(nc: NatsClient, subjects: Subjects) -> obj.ObjectStore:
-    try:
-        return await nc.jetstream().object_store(subjects.adapter_store())
-    except nats.js.errors.BucketNotFoundError as exc:
-        raise _no_store(subjects) from exc
-
-
 async def _read_meta(nc: NatsClient, subjects: Subjects, digest: str) -> ObjectInfo | None:
-    """The stored object's info (None: none, or deleted), by one direct get."""
-    bucket = subjects.adapter_store()
-    name = base64.urlsafe_b64encode(digest.encode()).decode()  # as nats-py names it
-    meta = obj.OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=name)
-    found = await _read_meta_at(nc, subjects, meta)
-    return None if found is None else found[0]
+    """The stored object's info (None: none, or not a pushed adapter's), by one direct get."""
+    found = await _read_meta_at(nc, subjects, _meta_subject(subjects, digest))
+    if found is None or not _is_pushed(found[0], digest):
+        return None
+    return found[0]
 
 
 async def _read_meta_at(
     nc: NatsClient, subjects: Subjects, meta: str
-) -> tuple[ObjectInfo, str] | None:
-    """The info stored on meta subject ``meta`` and the server's time stamp of
-    it, as sent; None: none, or deleted."""
-    stream = obj.OBJ_STREAM_TEMPLATE.format(bucket=subjects.adapter_store())
-    subject = f"{js_api_of(nc)}.DIRECT.GET.{stream}.{meta}"
-    for pause in (*_NO_RESPONDERS_PAUSES_S, None):
-        try:
-            msg = await nc.request(subject, b"", timeout=_READ_DEADLINE_S)
-            break
-        except nats.errors.NoRespondersError as exc:
-            if pause is None:
-                raise _no_store(subjects) from exc
-            await asyncio.sleep(pause)
+) -> tuple[ObjectInfo, float | None] | None:
+    """The info stored on meta subject ``meta`` and when it was stored (None:
+    no valid time stamp); None: none there, or marked deleted. BusError when
+    what is there is no object info."""
+    msg = await _direct_get(nc, subjects, f".{meta}", b"")
     status = (msg.headers or {}).get("Status", "")
     if status == "404":
         return None
@@ -190,7 +205,42 @@ async def _read_meta_at(
         info = ObjectInfo.from_response(json.loads(msg.data))
     except (ValueError, TypeError, AttributeError) as exc:
         raise BusError(f"the stored meta on {meta} is not valid: {exc}") from exc
-    return None if info.deleted else (info, (msg.headers or {}).get("Nats-Time-Stamp", ""))
+    return None if info.deleted else (info, _stamp_of(msg))
+
+
+async def _direct_get(nc: NatsClient, subjects: Subjects, suffix: str, body: bytes) -> Msg:
+    """One direct get of the store (``suffix``: "" or "." and a subject),
+    asked again while no replica answers (see ``_NO_RESPONDERS_PAUSES_S``)."""
+    subject = f"{js_api_of(nc)}.DIRECT.GET.{_stream(subjects)}{suffix}"
+    for pause in (*_NO_RESPONDERS_PAUSES_S, None):
+        try:
+            return await nc.request(subject, body, timeout=_READ_DEADLINE_S)
+        except nats.errors.NoRespondersError as exc:
+            if pause is None:
+                raise _no_store(subjects) from exc
+            await asyncio.sleep(pause)
+    raise AssertionError("unreachable")
+
+
+def _is_pushed(info: ObjectInfo, digest: str) -> bool:
+    """Whether ``info`` is what a push stores for ``digest``: its name, a nuid
+    that names nothing but its own chunks, sizes that are numbers."""
+    return (
+        info.name == digest
+        and not info.is_link()
+        and bool(_NUID.fullmatch(info.nuid or ""))
+        and isinstance(info.size, int)
+        and isinstance(info.chunks, int)
+        and info.size >= 0
+        and info.chunks >= 0
+    )
+
+
+def _stamp_of(msg: Msg) -> float | None:
+    try:
+        return _server_time((msg.headers or {}).get("Nats-Time-Stamp", ""))
+    except ValueError:
+        return None
 
 
 def _server_time(stamp: str) -> float:
@@ -203,33 +253,70 @@ def _server_time(stamp: str) -> float:
     return at + float(f"0{fraction}" if fraction else 0)
 
 
-async def stored_objects(
+@dataclass(frozen=True)
+class StoreContents:
+    """What the store holds, each with when it was stored (seconds since the
+    epoch, the server's clock; None: no valid time stamp)."""
+
+    objects: dict[str, float | None]
+    """Digest -> when, for every object a push stored whole."""
+    stray_metas: dict[str, float | None]
+    """Meta subject -> when, for meta records that are no pushed adapter's."""
+    stray_chunks: dict[str, float | None]
+    """Nuid -> when its last chunk was stored, for the chunks no object's meta
+    names: a push that stopped before its meta (or one still under way)."""
+
+
+async def store_contents(
     nc: NatsClient, subjects: Subjects, *, timeout_s: float = 30.0
-) -> dict[str, float]:
-    """Every object the store holds, by digest, with when it was stored: the
-    meta subjects from the stream's info, then each meta by one direct get
-    (the reads an agent may make too: no consumer)."""
+) -> StoreContents:
+    """Everything the store holds: the subjects from the stream's info, then
+    each meta record, and the last chunk of each set no meta names, by one
+    direct get (the reads an agent may make too: no consumer)."""
     bucket = subjects.adapter_store()
-    stream = obj.OBJ_STREAM_TEMPLATE.format(bucket=bucket)
     try:
         async with asyncio.timeout(timeout_s):
-            info = await nc.jetstream().stream_info(stream, subjects_filter=f"$O.{bucket}.M.>")
-            stored: dict[str, float] = {}
-            for meta in sorted(info.state.subjects or {}):
-                found = await _read_meta_at(nc, subjects, meta)
-                # Only what a push stores: anything else put there by hand
-                # is no adapter of lorabus's, to list or to delete.
-                if found is None or not _DIGEST.fullmatch(found[0].name or ""):
-                    continue
+            js = nc.jetstream()
+            metas = await js.stream_info(_stream(subjects), subjects_filter=f"$O.{bucket}.M.>")
+            firsts = await js.stream_info(_stream(subjects), subjects_filter=f"$O.{bucket}.C.*.0")
+            objects: dict[str, float | None] = {}
+            named: set[str] = set()
+            stray: dict[str, float | None] = {}
+            for meta in sorted(metas.state.subjects or {}):
                 try:
-                    stored[found[0].name] = _server_time(found[1])
-                except ValueError:  # undated: never old enough to sweep
-                    log.warning("adapter store: %s has no time stamp: %r", meta, found[1][:64])
-            return stored
+                    found = await _read_meta_at(nc, subjects, meta)
+                except BusError:  # not an object info at all
+                    found = None
+                digest = str(found[0].name) if found is not None else ""
+                if (
+                    found is not None
+                    and _DIGEST.fullmatch(digest)
+                    and meta == _meta_subject(subjects, digest)
+                    and _is_pushed(found[0], digest)
+                ):
+                    objects[digest] = found[1]
+                    named.add(str(found[0].nuid))
+                else:
+                    stray[meta] = await _stamp_at(nc, subjects, meta)
+            chunks: dict[str, float | None] = {}
+            for first in sorted(firsts.state.subjects or {}):
+                nuid = first.split(".")[-2]
+                if nuid not in named:
+                    chunks[nuid] = await _stamp_at(
+                        nc, subjects, _chunk_subject(subjects, nuid, "*")
+                    )
+            return StoreContents(objects, stray, chunks)
     except nats.js.errors.NotFoundError as exc:
         raise _no_store(subjects) from exc
     except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"listing the adapter store failed: {exc!r}") from exc
+
+
+async def _stamp_at(nc: NatsClient, subjects: Subjects, subject: str) -> float | None:
+    """When the last message on ``subject`` (wildcards allowed) was stored;
+    None: none there, or undated."""
+    msg = await _direct_get(nc, subjects, "", json.dumps({"last_by_subj": subject}).encode())
+    return None if (msg.headers or {}).get("Status") else _stamp_of(msg)
 
 
 async def object_size(
@@ -245,49 +332,103 @@ async def object_size(
     return None if info is None else int(info.size or 0)
 
 
-class _UntilDeadline(io.BufferedIOBase):
-    """A file that fails to read past a deadline: nats-py purges the chunks of
-    an upload that fails, not of one that is cancelled, so a push stops this way."""
-
-    def __init__(self, file: BinaryIO, deadline: float) -> None:
-        self._file, self._deadline = file, deadline
-
-    def readinto(self, buffer: bytearray) -> int:  # type: ignore[override]
-        if time.monotonic() > self._deadline:
-            raise TimeoutError("the push took longer than its deadline")
-        return self._file.readinto(buffer)  # type: ignore[attr-defined]
-
-
 async def push_adapter(
     nc: NatsClient, subjects: Subjects, directory: str | os.PathLike[str], *, timeout_s: float = 600
 ) -> tuple[str, bool]:
     """Put the adapter in ``directory`` into the fleet's store under its digest;
-    returns the digest and whether it was uploaded (False: already stored)."""
+    returns the digest and whether it was uploaded (False: already stored).
+
+    The directory is read once: packed into a file of the machine's temporary
+    directory (an adapter can be many GB) while its digest is taken from the
+    same bytes, and a file that changes meanwhile fails the push
+    (BadRequest). A push cut short stores no meta, so nothing under the
+    digest; its chunks wait for the leader's sweep."""
     try:
         check_adapter_dir(directory)
     except (ValueError, OSError) as exc:
         raise BadRequest(f"cannot push {directory!r}: {exc}") from exc
-    deadline = time.monotonic() + timeout_s
     try:
-        async with asyncio.timeout(timeout_s + _PURGE_GRACE_S):
-            try:
-                digest = await asyncio.to_thread(adapter_digest, directory)
-            except (ValueError, OSError) as exc:
-                raise BadRequest(f"cannot push {directory!r}: {exc}") from exc
-            store = await _store(nc, subjects)
-            if await _read_meta(nc, subjects, digest) is not None:
-                return digest, False
-            # On disk, not in memory: an adapter can be many GB.
+        async with asyncio.timeout(timeout_s):
             with tempfile.TemporaryFile() as archive:
-                await asyncio.to_thread(pack, directory, archive)
+                try:
+                    digest = await asyncio.to_thread(pack, directory, archive)
+                except AdapterChanged as exc:
+                    raise BadRequest(
+                        f"cannot push {directory!r}: {exc}; push it again once it is "
+                        "written whole (nothing was stored)"
+                    ) from exc
+                except (ValueError, OSError) as exc:
+                    raise BadRequest(f"cannot push {directory!r}: {exc}") from exc
+                if await _read_meta(nc, subjects, digest) is not None:
+                    return digest, False
+                size = archive.tell()
                 archive.seek(0)
-                meta = ObjectMeta(
-                    name=digest, options=ObjectMetaOptions(max_chunk_size=_chunk_bytes(nc))
-                )
-                await store.put(digest, _UntilDeadline(archive, deadline), meta=meta)
-            return digest, True
-    except (TimeoutError, nats.errors.Error) as exc:
+                return digest, await _upload(nc, subjects, digest, archive, size)
+    except TimeoutError as exc:
+        raise BusError(
+            f"pushing {directory!r} to the adapter store failed: not done within its "
+            f"deadline of {timeout_s:g}s (nothing was stored under its digest)"
+        ) from exc
+    except nats.errors.Error as exc:
         raise BusError(f"pushing {directory!r} to the adapter store failed: {exc!r}") from exc
+
+
+async def _upload(
+    nc: NatsClient, subjects: Subjects, digest: str, archive: BinaryIO, size: int
+) -> bool:
+    """Publish the chunks of ``archive``, then its meta; False when the same
+    digest was stored whole meanwhile (by another push)."""
+    js = nc.jetstream()
+    nuid = nc._nuid.next().decode()  # nats's own unique ids, as its object store takes
+    chunk = _chunk_bytes(nc)
+    count = 0
+    while data := await asyncio.to_thread(archive.read, chunk):
+        await _publish(js, subjects, _chunk_subject(subjects, nuid, count), data)
+        count += 1
+    info = ObjectInfo(
+        name=digest,
+        bucket=subjects.adapter_store(),
+        nuid=nuid,
+        size=size,
+        chunks=count,
+        mtime=datetime.now().astimezone().isoformat(),
+        options=ObjectMetaOptions(max_chunk_size=chunk),
+    )
+    try:
+        await _publish(
+            js, subjects, _meta_subject(subjects, digest), json.dumps(info.as_dict()).encode()
+        )
+    except _SubjectTaken:
+        # Another push of the same bytes stored its meta first: the object is
+        # there (ours are chunks nobody names, for the sweep), unless what
+        # holds the subject is no pushed adapter's.
+        if await _read_meta(nc, subjects, digest) is None:
+            raise BusError(
+                f"the adapter store holds a meta record for {digest} that is no pushed "
+                "adapter's: the leader removes it once it is older than its --orphan-after"
+            ) from None
+        return False
+    return True
+
+
+class _SubjectTaken(Exception):
+    """A publish on a subject that holds a message already (written once)."""
+
+
+async def _publish(js: JetStreamContext, subjects: Subjects, subject: str, data: bytes) -> None:
+    try:
+        await js.publish(subject, data, timeout=_READ_DEADLINE_S)
+    except nats.js.errors.APIError as exc:
+        said = str(exc.description or "")
+        if "per subject" in said:
+            raise _SubjectTaken(said) from exc
+        if "maximum bytes" in said or "resource limits" in said or "insufficient" in said:
+            raise BusError(
+                f"the fleet's adapter store {subjects.adapter_store()!r} is full ({said}): "
+                "the leader deletes adapters no update keeps; an operator can raise its "
+                "limit (lorabus provision --adapter-store-max-bytes)"
+            ) from exc
+        raise
 
 
 def _chunk_bytes(nc: NatsClient) -> int:
@@ -300,25 +441,41 @@ async def delete_object(
     nc: NatsClient, subjects: Subjects, digest: str, *, timeout_s: float = 10.0
 ) -> bool:
     """Delete the object of ``digest`` from the store; False when it was not there.
-    The deletion marker nats-py leaves is purged too: nothing here watches for
-    it, and the store's listing (:func:`stored_objects`) would grow by one for
-    every object ever deleted."""
-    bucket = subjects.adapter_store()
-    name = base64.urlsafe_b64encode(check_digest(digest).encode()).decode()
+    Its meta goes first (from then on nobody finds it), then its chunks."""
     try:
         async with asyncio.timeout(timeout_s):
-            store = await _store(nc, subjects)
-            try:
-                await store.delete(digest)
-            except nats.js.errors.ObjectNotFoundError:
+            info = await _read_meta(nc, subjects, check_digest(digest))
+            if info is None:
                 return False
-            await nc.jetstream().purge_stream(
-                obj.OBJ_STREAM_TEMPLATE.format(bucket=bucket),
-                subject=obj.OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=name),
-            )
+            await delete_meta(nc, subjects, _meta_subject(subjects, digest), timeout_s=timeout_s)
+            await delete_chunks(nc, subjects, str(info.nuid), timeout_s=timeout_s)
             return True
     except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"deleting {digest} from the adapter store failed: {exc!r}") from exc
+
+
+async def delete_meta(
+    nc: NatsClient, subjects: Subjects, meta: str, *, timeout_s: float = 10.0
+) -> None:
+    """Purge the meta record on subject ``meta`` (the coordinator's right alone)."""
+    await _purge(nc, subjects, meta, timeout_s)
+
+
+async def delete_chunks(
+    nc: NatsClient, subjects: Subjects, nuid: str, *, timeout_s: float = 10.0
+) -> None:
+    """Purge every chunk stored under ``nuid`` (the coordinator's right alone)."""
+    if not _NUID.fullmatch(nuid):
+        raise ValueError(f"{nuid!r} is not a nuid of the store")
+    await _purge(nc, subjects, _chunk_subject(subjects, nuid, ">"), timeout_s)
+
+
+async def _purge(nc: NatsClient, subjects: Subjects, subject: str, timeout_s: float) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            await nc.jetstream().purge_stream(_stream(subjects), subject=subject)
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"purging {subject} from the adapter store failed: {exc!r}") from exc
 
 
 async def fetch_object(
@@ -331,26 +488,27 @@ async def fetch_object(
     max_bytes: int,
 ) -> int:
     """Write the object stored under ``digest`` into ``into``; returns its size.
-    FetchFailed, naming the digest and why, for whatever goes wrong."""
+    FetchFailed, naming the digest and why, for whatever goes wrong: the
+    store, the stored records, or ``into`` refusing what it is given."""
     check_digest(digest)
     deadline = asyncio.timeout(timeout_s)
     try:
         async with deadline:
-            info = await _read_meta(nc, subjects, digest)
-            if info is None:
+            found = await _read_meta_at(nc, subjects, _meta_subject(subjects, digest))
+            if found is None:
                 raise FetchFailed(f"adapter {digest} is not in the fleet's store (or deleted)")
+            info = found[0]
             _checked(info, digest, max_bytes)
-            chunks = obj.OBJ_CHUNKS_PRE_TEMPLATE.format(
-                bucket=subjects.adapter_store(), obj=info.nuid
-            )
-            return await _read_chunks(nc, subjects, chunks, info, into)
+            return await _read_chunks(nc, subjects, info, into)
     except FetchFailed:
         raise
     except TimeoutError as exc:
         if deadline.expired():
             raise FetchFailed(f"adapter {digest}: not fetched within {timeout_s:g}s") from exc
         raise FetchFailed(f"adapter {digest}: the store stopped answering mid-transfer") from exc
-    except (BusError, nats.errors.Error, OSError) as exc:
+    except BadArchive as exc:
+        raise FetchFailed(f"adapter {digest}: the store's object is no adapter: {exc}") from exc
+    except (BusError, nats.errors.Error, OSError, ValueError) as exc:
         raise FetchFailed(f"adapter {digest}: {exc}") from exc
 
 
@@ -359,32 +517,38 @@ def _checked(info: ObjectInfo, digest: str, max_bytes: int) -> None:
     SHA-256 of the object is not checked: the adapter digest of what is
     unpacked is (agents/adapter_cache.py), and a second hash of every byte
     cost a fetch a third of its time."""
-    if info.name != digest or info.is_link() or not _NUID.fullmatch(info.nuid or ""):
+    if not _is_pushed(info, digest):
         raise FetchFailed(f"adapter {digest}: the stored meta is not one of a pushed adapter")
-    if not isinstance(info.size, int) or not isinstance(info.chunks, int) or info.size < 0:
-        raise FetchFailed(f"adapter {digest}: the stored meta has no valid size")
-    if info.size > max_bytes:
+    if int(info.size or 0) > max_bytes:
         raise FetchFailed(f"adapter {digest} is {info.size} bytes, over the limit of {max_bytes}")
 
 
 async def _read_chunks(
-    nc: NatsClient, subjects: Subjects, chunks: str, info: ObjectInfo, into: ChunkSink
+    nc: NatsClient, subjects: Subjects, info: ObjectInfo, into: ChunkSink
 ) -> int:
-    """Read the chunks on ``chunks`` in order, a batch of direct gets at a time."""
+    """Read the object's chunks in order, a batch of direct gets at a time.
+    Only chunk ``i`` is taken as the ``i``-th: a chunk stored past the last
+    one (on a subject of its own, since none can be written twice) is no
+    part of the object."""
     digest, size, count = info.name, int(info.size or 0), int(info.chunks or 0)
+    nuid = str(info.nuid)
     seq, read, total = 1, 0, 0
+    wildcard = _chunk_subject(subjects, nuid, "*")
     while read < count:
-        batch = await _batch_again(nc, subjects, {"seq": seq, "next_by_subj": chunks})
+        batch = await _batch_again(nc, subjects, {"seq": seq, "next_by_subj": wildcard})
         if not batch:
             raise FetchFailed(f"adapter {digest} is short: {read} of {count} chunks stored")
         for msg in batch:
+            headers = msg.headers or {}
+            seq = int(headers.get("Nats-Sequence", "")) + 1
+            if read == count or headers.get("Nats-Subject") != _chunk_subject(subjects, nuid, read):
+                continue  # not the next chunk: stored after the object, or out of order
             total += len(msg.data)
             read += 1
-            if total > size or read > count:
+            if total > size:
                 raise FetchFailed(f"adapter {digest}: its chunks hold more than its {size} bytes")
             # In a thread: a large file write can block.
             await asyncio.to_thread(into.write, msg.data)
-            seq = int((msg.headers or {}).get("Nats-Sequence", "0")) + 1
     if total != size:
         raise FetchFailed(f"adapter {digest} is short: {total} of {size} bytes stored")
     return total
@@ -416,13 +580,14 @@ async def _batch_again(nc: NatsClient, subjects: Subjects, start: dict[str, obje
 
 async def _batch(nc: NatsClient, subjects: Subjects, start: dict[str, object]) -> list[Msg]:
     """Up to ``_BATCH_BYTES`` of stored messages from ``start`` on (none: no more)."""
-    stream = obj.OBJ_STREAM_TEMPLATE.format(bucket=subjects.adapter_store())
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     try:
         request = {**start, "batch": 1024, "max_bytes": _BATCH_BYTES}
         await nc.publish(
-            f"{js_api_of(nc)}.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox
+            f"{js_api_of(nc)}.DIRECT.GET.{_stream(subjects)}",
+            json.dumps(request).encode(),
+            reply=inbox,
         )
         found: list[Msg] = []
         while True:

@@ -94,6 +94,22 @@ class FleetAuth:
         return self.identities[identity_name(role, worker_id)]
 
 
+JETSTREAM_BYTES_PER_REPLICA = 16 << 30
+"""The fleet account's JetStream file storage, per replica of its streams:
+room for the adapter store's default limit (10 GiB) and the audit stream's
+(1 GiB), which they never outgrow, and 5 GiB that only the KV buckets (the
+leader's lease, the commit points, the results) use, so that a full store
+never blocks a lease renewal or a commit. The server reserves each stream's
+limit when it is made, and refuses one the budget cannot hold."""
+MIN_JETSTREAM_BYTES = 64 << 20
+
+
+def default_jetstream_bytes(cluster_nodes: Sequence[str] = ()) -> int:
+    """The fleet account's JetStream storage: JetStream counts every replica of
+    a stream against it, so on a cluster it is the budget times the nodes."""
+    return JETSTREAM_BYTES_PER_REPLICA * max(1, len(cluster_nodes))
+
+
 def write_fleet_auth(
     directory: Path,
     subjects: Subjects,
@@ -103,9 +119,12 @@ def write_fleet_auth(
     hosts: Sequence[str] = ("localhost", "127.0.0.1"),
     method: str = "nkey",
     cluster_nodes: Sequence[str] = (),
+    jetstream_max_bytes: int | None = None,
 ) -> FleetAuth:
     """Write a fleet's identities and server configuration into ``directory``,
-    which must not exist yet or be empty (keys are never overwritten)."""
+    which must not exist yet or be empty (keys are never overwritten).
+    ``jetstream_max_bytes``: the fleet account's JetStream file storage (None:
+    :func:`default_jetstream_bytes`)."""
     if method not in ("nkey", "cert", "jwt"):
         raise ValueError(f"authentication method must be nkey, cert or jwt, not {method!r}")
     if method == "cert" and not tls:
@@ -115,6 +134,13 @@ def write_fleet_auth(
     routes = [_route_address(node) for node in cluster_nodes]
     if len(set(worker_ids)) != len(worker_ids) or not worker_ids:
         raise ValueError("give one or more distinct worker ids")
+    if jetstream_max_bytes is None:
+        jetstream_max_bytes = default_jetstream_bytes(cluster_nodes)
+    if jetstream_max_bytes < MIN_JETSTREAM_BYTES:
+        raise ValueError(
+            f"the fleet's JetStream storage must be at least {MIN_JETSTREAM_BYTES} bytes "
+            f"(its streams' smallest limits and room for its buckets), got {jetstream_max_bytes}"
+        )
     for worker in worker_ids:
         check_token("worker id", worker)
     directory = directory.resolve()
@@ -186,9 +212,9 @@ def write_fleet_auth(
         (directory / JWT_SEEDS).mkdir(mode=0o700)
         for file_name, seed in jwts.seeds().items():
             _write_secret(directory / JWT_SEEDS / file_name, seed + b"\n")
-        accounts = jwts.server_conf(layout)
+        accounts = jwts.server_conf(layout, jetstream_max_bytes=jetstream_max_bytes)
     else:
-        accounts = _accounts_conf(layout, users)
+        accounts = _accounts_conf(layout, users, jetstream_max_bytes)
     text = _server_conf(subjects, accounts, server_tls, method) + cluster
     _write_secret(conf, text.encode())
     return FleetAuth(
@@ -289,10 +315,10 @@ def _user_block(user_key: tuple[str, str], allowed: Permissions, name: str) -> s
     )
 
 
-def _account_block(account: Account, users: list[str]) -> str:
+def _account_block(account: Account, users: list[str], jetstream_max_bytes: int) -> str:
     lines = [f"  {json.dumps(account.name)} {{"]
     if account.jetstream:
-        lines.append("    jetstream: enabled")
+        lines.append(f"    jetstream: {{ max_file: {jetstream_max_bytes} }}")
     lines += ["    users: [", ",\n".join(users), "    ]"]
     if account.exports:
         lines.append("    exports: [")
@@ -318,11 +344,16 @@ def _account_block(account: Account, users: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _accounts_conf(layout: FleetAccounts, users: dict[str, list[str]]) -> str:
+def _accounts_conf(
+    layout: FleetAccounts, users: dict[str, list[str]], jetstream_max_bytes: int
+) -> str:
     return "\n".join(
         [
             "accounts {",
-            *(_account_block(account, users[name]) for name, account in layout.accounts.items()),
+            *(
+                _account_block(account, users[name], jetstream_max_bytes)
+                for name, account in layout.accounts.items()
+            ),
             "}",
         ]
     )

@@ -58,8 +58,9 @@ class JwtAuthority:
             claims["resp"] = {"max": 1, "ttl": 0}
         return creds(encode(self.accounts[account], user.public, name, claims), user)
 
-    def server_conf(self, layout: FleetAccounts) -> str:
-        """The operator-mode part of ``nats-server.conf``."""
+    def server_conf(self, layout: FleetAccounts, *, jetstream_max_bytes: int) -> str:
+        """The operator-mode part of ``nats-server.conf``; the fleet account's
+        JetStream file storage is ``jetstream_max_bytes``."""
         preload = {
             self.system.public: encode(
                 self.operator, self.system.public, "SYS", {"type": "account"}
@@ -72,7 +73,11 @@ class JwtAuthority:
                 "limits": {
                     **_UNLIMITED,
                     **_ACCOUNT_LIMITS,
-                    **(_JETSTREAM if account.jetstream else {}),
+                    **(
+                        {**_JETSTREAM, "disk_storage": jetstream_max_bytes}
+                        if account.jetstream
+                        else {}
+                    ),
                 },
                 "exports": [
                     {

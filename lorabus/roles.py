@@ -97,7 +97,7 @@ def permissions(
                     # A new leader checks the streams' settings (coordinator/streams.py).
                     f"{JS_API}.STREAM.INFO.{subjects.audit_stream()}",
                     # Admission looks for the object an update names; the
-                    # leader deletes those no adapter keeps (coordinator/adapter_store.py).
+                    # leader deletes those nothing keeps (coordinator/adapter_store.py).
                     *object_deletes(subjects, JS_API),
                     f"$KV.{subjects.state_bucket()}.>",
                     f"$KV.{subjects.results_bucket()}.>",
@@ -179,27 +179,20 @@ def object_reads(subjects: Subjects, api: str) -> tuple[str, ...]:
 def object_writes(subjects: Subjects, api: str) -> tuple[str, ...]:
     """What ``lorabus adapter push`` publishes: the object's chunks and its
     meta record (JetStream answers each with its ack, into the pusher's own
-    account), and the reads it makes first. No purge nor delete: only the
-    store's stream limits drop anything."""
-    bucket = subjects.adapter_store()
-    return (
-        *object_reads(subjects, api),
-        f"{api}.STREAM.MSG.GET.OBJ_{bucket}",
-        *object_subjects(subjects),
-    )
+    account), and the reads it makes first. No purge nor delete, and the
+    store's stream refuses rollup headers and a second message on any
+    subject: a publish there adds an object, never removes or replaces one
+    (lorabus.adapter_objects)."""
+    return (*object_reads(subjects, api), *object_subjects(subjects))
 
 
 def object_deletes(subjects: Subjects, api: str) -> tuple[str, ...]:
     """What the leader needs to delete an object of the adapter store: the
-    reads, a meta record marking it deleted, and a purge of its chunks. Only
-    the coordinator, the fleet's most trusted part, may purge the store."""
+    reads, and a purge of its meta record and of its chunks. Only the
+    coordinator, the fleet's most trusted part, may purge the store; it
+    publishes nothing there."""
     bucket = subjects.adapter_store()
-    return (
-        *object_reads(subjects, api),
-        f"{api}.STREAM.MSG.GET.OBJ_{bucket}",
-        f"{api}.STREAM.PURGE.OBJ_{bucket}",
-        f"$O.{bucket}.M.>",
-    )
+    return (*object_reads(subjects, api), f"{api}.STREAM.PURGE.OBJ_{bucket}")
 
 
 def object_subjects(subjects: Subjects) -> tuple[str, ...]:

@@ -71,7 +71,6 @@ from lorabus.schemas.records import (
     InflightRecord,
     LeaderRecord,
     ResetRecord,
-    StoredAdaptersRecord,
     StoredVersion,
 )
 from lorabus.schemas.reports import Ack, Heartbeat, acks_in
@@ -152,7 +151,6 @@ __all__ = [
     "ResultRequest",
     "ResumeCommand",
     "StatusRequest",
-    "StoredAdaptersRecord",
     "StoredVersion",
     "Subjects",
     "UnloadCommand",

@@ -22,6 +22,13 @@ class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
     """The public key this leader signs its commands with ("": it does not sign)."""
 
 
+class StoredVersion(msgspec.Struct, frozen=True, kw_only=True):
+    """A committed version of an adapter whose bytes are in the fleet's object store."""
+
+    version: Version
+    digest: str
+
+
 class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
     adapter: str
     version: Version
@@ -32,6 +39,13 @@ class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
     """The adapter's lineage when this was committed (see ``ResetRequest``)."""
     digest: str = ""
     """The content digest the members saw (see ``UpdateResult.digest``)."""
+    kept: list[StoredVersion] = []
+    """The adapter's earlier versions from the fleet's object store kept beside
+    this one (its ``keep`` newest commits), newest first: with the committed
+    one, what the store must hold for the adapter (coordinator/adapter_store.py)."""
+    dropped: list[str] = []
+    """The object store digests this commit let go of (fallen out of ``kept``):
+    deleted once it is written, unless something else still names them."""
 
 
 class ResetRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,18 +58,9 @@ class ResetRecord(msgspec.Struct, frozen=True, kw_only=True):
     previous_path: str
     reason: str
     ts: float
-
-
-class StoredVersion(msgspec.Struct, frozen=True, kw_only=True):
-    version: Version
-    digest: str
-
-
-class StoredAdaptersRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """The versions the fleet's object store keeps for each adapter, newest
-    commit first: the leader deletes an object once no adapter keeps it."""
-
-    adapters: dict[str, list[StoredVersion]] = {}
+    kept: list[StoredVersion] = []
+    """The versions from the object store that the removed commit kept (itself
+    first): still kept, until the adapter's next commit keeps them beside it."""
 
 
 class InflightRecord(msgspec.Struct, frozen=True, kw_only=True):

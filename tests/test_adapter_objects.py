@@ -28,12 +28,14 @@ from lorabus.adapter_archive import pack, unpack
 from lorabus.adapter_digest import adapter_digest
 from lorabus.adapter_objects import (
     bus_path,
+    delete_chunks,
     delete_object,
     digest_of,
     fetch_object,
     object_size,
     push_adapter,
     store_config,
+    store_contents,
 )
 from lorabus.bus import close, connect
 from lorabus.errors import BadRequest, BusError, FetchFailed, NatsServerMissing
@@ -143,16 +145,65 @@ async def test_the_same_content_is_uploaded_once(
     assert await stored_messages(nc, subjects) == stored
 
 
-async def test_a_push_out_of_time_leaves_no_chunks_behind(
-    nc: NatsClient, subjects: Subjects, tmp_path: Path
+async def test_a_push_out_of_time_stores_nothing_under_its_digest(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Chunks of an upload cut short would fill a store that discards new
-    messages when full. The deadline lands during the upload on this machine;
-    wherever it lands, nothing may stay."""
-    adapter = write_adapter(tmp_path / "adapter", os.urandom(64 * MB))
-    with pytest.raises(BusError, match="deadline"):
-        await push_adapter(nc, subjects, str(adapter), timeout_s=0.3)
+    """A push cut short by its deadline (here its second chunk never gets an
+    answer) stores no meta, so nothing is found under its digest; its chunks
+    are left for the leader's sweep, which only the coordinator may make."""
+    adapter = write_adapter(tmp_path / "adapter", os.urandom(2 * MB))  # four chunks
+    real_publish = adapter_objects._publish
+    published: list[str] = []
+
+    async def stalls_after_the_first(js: object, s: Subjects, subject: str, data: bytes) -> None:
+        published.append(subject)
+        if len(published) > 1:
+            await asyncio.Event().wait()  # no answer, ever
+        await real_publish(js, s, subject, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adapter_objects, "_publish", stalls_after_the_first)
+    with pytest.raises(BusError, match=r"not done within its deadline of 0\.5s"):
+        await push_adapter(nc, subjects, str(adapter), timeout_s=0.5)
+    digest = adapter_digest(adapter)
+
+    assert await object_size(nc, subjects, digest) is None
+    contents = await store_contents(nc, subjects)
+    assert contents.objects == {} and len(contents.stray_chunks) == 1
+    await delete_chunks(nc, subjects, next(iter(contents.stray_chunks)))
     assert await stored_messages(nc, subjects) == 0
+
+
+async def test_a_directory_that_changes_mid_push_stores_nothing(
+    nc: NatsClient, subjects: Subjects, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer still writing its weights while they are pushed: the push
+    fails, saying so, and no object names a digest its bytes do not have."""
+    adapter = write_adapter(tmp_path / "adapter", os.urandom(MB))
+    weights = adapter / "adapter_model.safetensors"
+    real_read = adapter_archive._Hashing.read
+
+    def rewritten_midway(self: object, size: int = -1, /) -> bytes:
+        data = real_read(self, size)  # type: ignore[arg-type]
+        with weights.open("r+b") as file:  # the same size, other bytes
+            file.write(os.urandom(16))
+        return data
+
+    monkeypatch.setattr(adapter_archive._Hashing, "read", rewritten_midway)
+    with pytest.raises(BadRequest, match=r"changed while it was packed.*nothing was stored"):
+        await push_adapter(nc, subjects, str(adapter), timeout_s=30)
+
+    assert await stored_messages(nc, subjects) == 0
+
+
+def test_the_digest_of_a_pack_is_that_of_its_bytes(tmp_path: Path) -> None:
+    """One read: the digest pack returns is what unpacking its archive finds,
+    and what the directory's digest is."""
+    adapter = write_adapter(tmp_path / "adapter", os.urandom(300_000))
+    archive = io.BytesIO()
+    digest = pack(adapter, archive)
+    (tmp_path / "out").mkdir()
+    assert digest == adapter_digest(adapter)
+    assert unpack(io.BytesIO(archive.getvalue()), str(tmp_path / "out")) == digest
 
 
 def test_packing_depends_on_the_files_only(tmp_path: Path) -> None:
@@ -361,10 +412,11 @@ async def test_a_tampered_object_is_refused(
             meta["chunks"] += 1
         else:
             meta["nuid"] = ">"
-        rollup = {"Nats-Rollup": "sub"}
-        await js.publish(meta_subject(subjects, digest), json.dumps(meta).encode(), headers=rollup)
+        # Written once: only a purge first lets another meta in.
+        await js.purge_stream(stream_of(subjects), subject=meta_subject(subjects, digest))
+        await js.publish(meta_subject(subjects, digest), json.dumps(meta).encode())
     else:
-        await js.purge_stream(stream_of(subjects), subject=chunks)
+        await js.purge_stream(stream_of(subjects), subject=f"{chunks}.>")
 
     with pytest.raises(FetchFailed, match=f"{digest}.*{said}"):
         await fetch_object(nc, subjects, digest, io.BytesIO(), timeout_s=10, max_bytes=1 << 30)

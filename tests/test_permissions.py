@@ -66,8 +66,8 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
                 s.reset_request(),
                 f"$JS.API.STREAM.UPDATE.{audit}",
                 *erase,
-                # It deletes objects no adapter keeps, but writes none.
-                f"$O.{store}.C.forged",
+                # It deletes objects nothing keeps, but writes none.
+                *object_writes,
                 f"$JS.API.STREAM.DELETE.OBJ_{store}",
             ],
             "subscription": [s.cmd(), *others],

@@ -82,6 +82,14 @@ def auth() -> None:
     help="A node of a NATS cluster, where its routes listen (repeatable; port 6222 by "
     "default): writes route credentials and route TLS that every node must present.",
 )
+@click.option(
+    "--jetstream-max-bytes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The fleet account's JetStream file storage, in bytes. Default: 16 GiB (the "
+    "adapter store's 10 GiB, the audit stream's 1 GiB, 5 GiB only the KV buckets use), "
+    "times the cluster's nodes (JetStream counts every replica).",
+)
 def auth_init(
     fleet: str,
     worker_ids: list[str],
@@ -90,6 +98,7 @@ def auth_init(
     hosts: tuple[str, ...],
     method: str,
     cluster_nodes: tuple[str, ...],
+    jetstream_max_bytes: int | None,
 ) -> None:
     """Write a nats-server configuration that gives each role exactly its
     permissions, and one identity (a folder, 0700) per role and per worker."""
@@ -105,6 +114,7 @@ def auth_init(
             hosts=hosts,
             method=method,
             cluster_nodes=cluster_nodes,
+            jetstream_max_bytes=jetstream_max_bytes,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -87,7 +87,7 @@ def _first_ephemeral_port() -> int:
         return 32768
 
 
-_RESERVABLE_STORE = "1TB"
+_RESERVABLE_STORE = "1PB"
 
 
 class NatsServer:
@@ -152,8 +152,9 @@ class NatsServer:
 
     def _write_config(self) -> str:
         """What the flags cannot say. JetStream counts each stream's limit (an
-        audit stream's is 1 GiB) against a reservation that defaults to three
-        quarters of the free disk, so a test session's hundreds of fleets, or
+        audit stream's is 1 GiB, an adapter store's 10 GiB) against a
+        reservation that defaults to three quarters of the free disk, so a
+        test session's hundreds of fleets, or
         one ``lorabus up`` on a nearly full disk, would be refused storage
         that they never fill. Streams here stay small: reserve generously."""
         path = Path(self.store_dir) / "lorabus-nats.conf"

@@ -162,7 +162,12 @@ class EmbeddedStack:
     async def _provision(self) -> None:
         nc = await self.bus_as(Role.OPERATOR).connect(f"lorabus-operator-{self.fleet_name}")
         try:
-            await provision(nc, StorageConfig(fleet=self.fleet_name))
+            storage = {
+                name: value
+                for name, value in self._coordinator_settings.items()
+                if name in StorageConfig.__struct_fields__
+            }
+            await provision(nc, StorageConfig(fleet=self.fleet_name, **storage))
         finally:
             await close(nc)
 

@@ -1,0 +1,292 @@
+"""Nothing committed is ever lost from the adapter store: what the leader may
+delete is decided from the state bucket's records (every adapter's commit
+point and the versions kept beside it, a reset's, the update in flight) and
+the requests it holds, read when it deletes; a successor that finishes a
+commit does what the term that ran it would have.
+
+A real nats-server, the real coordinator and agents, a simulated fleet; the
+state a leader leaves when it dies is written as it leaves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lorabus.adapter_objects import bus_path, object_size, push_adapter
+from lorabus.bus import close, connect
+from lorabus.coordinator import adapter_store
+from lorabus.coordinator.adapter_store import AdapterStore, delete_unkept, kept_beside
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.store import CorruptRecord, FleetStore
+from lorabus.errors import BadRequest
+from lorabus.schemas import (
+    CommittedRecord,
+    InflightRecord,
+    Phase,
+    ResetRecord,
+    StoredVersion,
+    Subjects,
+    build_rank_map,
+)
+from lorabus.testbed.stack import EmbeddedStack
+
+MEMBERS = {"w000": 1, "w001": 2}
+D = ["sha256:" + f"{n:x}" * 64 for n in range(1, 6)]
+
+
+def _committed(version: int, digest: str, kept: list[StoredVersion]) -> CommittedRecord:
+    return CommittedRecord(
+        adapter="policy",
+        version=version,
+        path=bus_path(digest),
+        served_name=f"policy-v{version}",
+        rank_map=build_rank_map(MEMBERS),
+        digest=digest,
+        kept=kept,
+    )
+
+
+def test_a_commit_keeps_the_newest_versions_beside_it_and_drops_the_rest() -> None:
+    v2 = _committed(2, D[1], [StoredVersion(version=1, digest=D[0])])
+    assert kept_beside(D[2], v2, None, keep=2) == ([StoredVersion(version=2, digest=D[1])], [D[0]])
+    assert kept_beside(D[2], v2, None, keep=3) == (
+        [StoredVersion(version=2, digest=D[1]), StoredVersion(version=1, digest=D[0])],
+        [],
+    )
+    # The same bytes again: kept as the commit itself, not twice, not dropped.
+    assert kept_beside(D[0], v2, None, keep=2) == ([StoredVersion(version=2, digest=D[1])], [])
+    # A commit from a filesystem path keeps the versions the store holds.
+    assert kept_beside(None, v2, None, keep=2) == ([StoredVersion(version=2, digest=D[1])], [D[0]])
+    # keep 1: nothing beside the commit.
+    assert kept_beside(D[2], v2, None, keep=1) == ([], [D[0], D[1]])
+    # After a reset: what the reset kept, until this commit keeps it beside it.
+    reset = ResetRecord(
+        adapter="policy",
+        lineage=1,
+        previous_version=2,
+        previous_path=bus_path(D[1]),
+        reason="test",
+        ts=0.0,
+        kept=[StoredVersion(version=2, digest=D[1]), StoredVersion(version=1, digest=D[0])],
+    )
+    assert kept_beside(D[2], None, reset, keep=2) == (
+        [StoredVersion(version=2, digest=D[1])],
+        [D[0]],
+    )
+    assert kept_beside(D[2], None, None, keep=2) == ([], [])
+
+
+def _write_adapter(root: Path, weights: bytes) -> str:
+    root.mkdir(parents=True)
+    (root / "adapter_config.json").write_text('{"r": 8}')
+    (root / "adapter_model.safetensors").write_bytes(weights)
+    return str(root)
+
+
+def _config(fleet: str) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        fleet=fleet, frontend_url="http://frontend.invalid", expected_world_size=3
+    )
+
+
+async def test_a_commit_a_successor_finished_keeps_its_adapter_through_another_commit(
+    nats_url: str, fleet_name: str, make_stack: Callable[..., EmbeddedStack], tmp_path: Path
+) -> None:
+    """The leader that committed ``policy`` from the store died the moment its
+    commit point landed (before its answer and its clean-up); a successor
+    finishes the commit. Another adapter's commit then sweeps the store
+    (orphan age 0): ``policy``'s object stays, and nodes that start with an
+    empty cache fetch it for a new version with the same bytes."""
+    subjects = Subjects(fleet=fleet_name)
+    nc = await connect(nats_url, name="test-predecessor")
+    try:
+        store = await FleetStore.open(nc, _config(fleet_name))  # provisions the fleet
+        policy, _ = await push_adapter(nc, subjects, _write_adapter(tmp_path / "p", b"p" * 4096))
+        committing = _committed(1, policy, [])
+        await store.write_inflight(
+            InflightRecord(
+                update_id="policy-1",
+                epoch=1,
+                phase=Phase.LOAD,
+                adapter="policy",
+                served_name="policy-v1",
+                version=1,
+                members=MEMBERS,
+                path=bus_path(policy),
+                committing=committing,
+            )
+        )
+        await store.commit(committing)
+    finally:
+        await close(nc)
+
+    caches = tmp_path / "caches"
+    async with make_stack(
+        list(MEMBERS.values()), orphan_after_s=0.0, cache_root=str(caches)
+    ) as stack:
+        assert stack.client is not None
+        finished = await stack.client.update(
+            "policy", digest=policy, version=1, update_id="policy-1"
+        )
+        orphan = await stack.client.push_adapter(_write_adapter(tmp_path / "x", b"x" * 4096))
+        other = await stack.client.update(
+            "other", source=_write_adapter(tmp_path / "o", b"o" * 4096), version=1
+        )
+        async with asyncio.timeout(30):  # the sweep runs after the answer
+            while await object_size(stack.client.nc, subjects, orphan) is not None:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        still = await object_size(stack.client.nc, subjects, policy)
+        shutil.rmtree(caches)  # every node starts with an empty cache
+        again = await stack.client.update("policy", digest=policy, version=2)
+
+    assert finished.committed and finished.digest == policy, finished
+    assert other.committed, other
+    assert still is not None, "the committed adapter was deleted"
+    assert again.committed and again.digest == policy, again.error
+
+
+async def _stored_digests(stack: EmbeddedStack, subjects: Subjects) -> set[str]:
+    assert stack.client is not None
+    objects = AdapterStore(stack.client.nc, subjects)
+    return set((await objects.contents()).objects)
+
+
+async def test_only_what_nothing_names_and_is_old_is_swept(
+    nats_url: str, fleet_name: str, make_stack: Callable[..., EmbeddedStack], tmp_path: Path
+) -> None:
+    """The sweep spares the committed version and those kept beside it, what a
+    queued request names, and whatever is younger than the orphan
+    age (a trainer pushes, then asks); it removes old objects nothing names,
+    a meta record of no pushed adapter and the chunks of a push that stopped."""
+    subjects = Subjects(fleet=fleet_name)
+    bucket = subjects.adapter_store()
+    async with make_stack([1], keep=2) as stack:
+        assert stack.client is not None
+        adapters = [_write_adapter(tmp_path / f"a{n}", bytes([n]) * 4096) for n in range(4)]
+        kept, committed, waiting, orphan = [await stack.client.push_adapter(a) for a in adapters]
+        for version, digest in ((1, kept), (2, committed)):
+            result = await stack.client.update("policy", digest=digest, version=version)
+            assert result.committed, result.error
+        js = stack.client.nc.jetstream()
+        await js.publish(f"$O.{bucket}.M.bm90ZXM=", json.dumps({"name": "notes"}).encode())
+        await js.publish(f"$O.{bucket}.C.stopped.0", b"half a push")
+
+        nc = await connect(nats_url, name="test-sweeper")
+        try:
+            clock = [0.0]
+            objects = AdapterStore(nc, subjects, clock=lambda: clock[0])
+            records = await FleetStore.open(nc, _config(fleet_name))
+
+            async def sweep(after_s: float) -> list[str]:
+                clock[0] += 601.0  # a sweep is due
+
+                return await delete_unkept(
+                    records,
+                    objects,
+                    dropped=[],
+                    in_use=lambda: {waiting},
+                    orphan_after_s=3600.0,
+                    wall_now=time.time() + after_s,
+                )
+
+            young = await sweep(0.0)
+            old = await sweep(7200.0)
+            left = await _stored_digests(stack, subjects)
+            info = await js.stream_info(f"OBJ_{bucket}", subjects_filter=f"$O.{bucket}.>")
+        finally:
+            await close(nc)
+
+    assert young == []
+    assert sorted(old) == sorted([orphan, f"$O.{bucket}.M.bm90ZXM=", "chunks stopped"])
+    assert left == {kept, committed, waiting}
+    assert not any("stopped" in s or "bm90ZXM" in s for s in info.state.subjects or {})
+
+
+async def test_nothing_is_deleted_when_a_record_cannot_be_read(
+    nats_url: str, fleet_name: str, make_stack: Callable[..., EmbeddedStack], tmp_path: Path
+) -> None:
+    """A commit point that does not decode could name any digest: the
+    deletion stops, saying so, and deletes nothing."""
+    subjects = Subjects(fleet=fleet_name)
+    async with make_stack([1]) as stack:
+        assert stack.client is not None
+        orphan = await stack.client.push_adapter(_write_adapter(tmp_path / "a", b"a" * 4096))
+        nc = await connect(nats_url, name="test-sweeper")
+        try:
+            kv = await nc.jetstream().key_value(subjects.state_bucket())
+            await kv.put("committed.garbled", b"\xff not a record")
+            records = await FleetStore.open(nc, _config(fleet_name))
+            objects = AdapterStore(nc, subjects, clock=lambda: 10_000.0)
+            with pytest.raises(CorruptRecord, match=r"committed\.garbled"):
+                await delete_unkept(
+                    records,
+                    objects,
+                    dropped=[orphan],
+                    in_use=set,
+                    orphan_after_s=0.0,
+                    wall_now=time.time() + 7200,
+                )
+            size = await object_size(nc, subjects, orphan)
+        finally:
+            await close(nc)
+
+    assert size is not None, "nothing may be deleted on a guess"
+
+
+async def test_an_object_admission_is_looking_for_is_not_deleted_under_it(
+    nats_url: str,
+    fleet_name: str,
+    make_stack: Callable[..., EmbeddedStack],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request whose object admission is looking for joins the queue as
+    soon as the look ends: a deletion meanwhile spares it. One that comes
+    while the object is being deleted is refused, as not stored."""
+    subjects = Subjects(fleet=fleet_name)
+    async with make_stack([1]) as stack:
+        assert stack.client is not None
+        digest = await stack.client.push_adapter(_write_adapter(tmp_path / "a", b"a" * 4096))
+        nc = await connect(nats_url, name="test-admission")
+        try:
+            records = await FleetStore.open(nc, _config(fleet_name))
+            objects = AdapterStore(nc, subjects)
+            looking, go_on = asyncio.Event(), asyncio.Event()
+            real_size = adapter_store.object_size
+
+            async def slow_look(*args: object, **kwargs: object) -> int | None:
+                looking.set()
+                await go_on.wait()
+                return await real_size(*args, **kwargs)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(adapter_store, "object_size", slow_look)
+            admitting = asyncio.ensure_future(objects.check_stored(digest))
+            await looking.wait()
+            spared = await delete_unkept(
+                records,
+                objects,
+                dropped=[digest],
+                in_use=set,
+                orphan_after_s=3600.0,
+                wall_now=time.time(),
+            )
+            go_on.set()
+            await admitting  # stored: it would join the queue now
+
+            monkeypatch.setattr(adapter_store, "object_size", real_size)
+            deleting = asyncio.ensure_future(objects.delete(digest))
+            await asyncio.sleep(0)  # it starts, and waits on the store
+            with pytest.raises(BadRequest, match="is being deleted"):
+                await objects.check_stored(digest)
+            assert await deleting is True
+        finally:
+            await close(nc)
+
+    assert spared == []

@@ -1,0 +1,108 @@
+"""Only the leader deletes from the adapter store. Every other role tries
+every way NATS offers to remove or replace an object: a rollup header on a
+chunk (``all``) or on a meta record (``sub``), a meta record marked deleted,
+the purge, message-delete, stream-delete and stream-update API calls. Each
+is refused, by the role's permissions or by the stream's settings, and the
+object is still there, whole.
+
+Against a real nats-server started from ``lorabus auth init``'s
+configuration (static accounts and operator JWTs), every part as its own
+identity.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Callable
+
+import nats.errors
+import pytest
+from nats.aio.client import Client as NatsClient
+from secured import watched
+
+from lorabus.accounts import js_api_prefix
+from lorabus.adapter_objects import fetch_object, store_config
+from lorabus.bus import close
+from lorabus.roles import Role
+from lorabus.schemas import Subjects
+from lorabus.testbed.stack import EmbeddedStack
+
+ROLES = [Role.AGENT, Role.COORDINATOR, Role.ORCHESTRATOR, Role.AUDITOR, Role.OPERATOR]
+
+
+def _attempts(
+    subjects: Subjects, api: str, digest: str, meta: dict[str, object]
+) -> list[tuple[str, bytes, dict[str, str] | None]]:
+    """Every way to remove or replace the object of ``digest`` through NATS."""
+    bucket = subjects.adapter_store()
+    stream = f"OBJ_{bucket}"
+    meta_subject = f"$O.{bucket}.M.{base64.urlsafe_b64encode(digest.encode()).decode()}"
+    deleted = json.dumps({**meta, "deleted": True, "size": 0, "chunks": 0}).encode()
+    lax = store_config(subjects).as_dict() | {"allow_rollup_hdrs": True, "max_msgs_per_subject": -1}
+    return [
+        (f"$O.{bucket}.C.forged.0", b"", {"Nats-Rollup": "all"}),
+        (f"$O.{bucket}.C.{meta['nuid']}.0", b"", {"Nats-Rollup": "sub"}),
+        (meta_subject, deleted, {"Nats-Rollup": "sub"}),
+        (meta_subject, deleted, None),
+        (f"{api}.STREAM.MSG.DELETE.{stream}", json.dumps({"seq": 1}).encode(), None),
+        (f"{api}.STREAM.DELETE.{stream}", b"", None),
+        (f"{api}.STREAM.UPDATE.{stream}", json.dumps(lax).encode(), None),
+        # Purging is the leader's way to delete: the coordinator may.
+        (f"{api}.STREAM.PURGE.{stream}", b"{}", None),
+        (f"{api}.STREAM.PURGE.{stream}", json.dumps({"filter": meta_subject}).encode(), None),
+    ]
+
+
+async def _answer(nc: NatsClient, subject: str, data: bytes, headers: dict[str, str] | None) -> str:
+    """What the server answered, or that nothing did (a publish the role's
+    permissions refused has no answer)."""
+    try:
+        msg = await nc.request(subject, data, headers=headers, timeout=2)
+    except (TimeoutError, nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        return "no answer"
+    return msg.data.decode(errors="replace")
+
+
+@pytest.mark.parametrize("role", ROLES)
+async def test_no_role_but_the_coordinator_can_remove_or_replace_an_object(
+    secured_stack: EmbeddedStack, role: Role, make_adapter: Callable[[int], str]
+) -> None:
+    stack = secured_stack
+    assert stack.client is not None
+    subjects = Subjects(fleet=stack.fleet_name)
+    stream = f"OBJ_{subjects.adapter_store()}"
+    digest = await stack.client.push_adapter(make_adapter(1))
+    reader = await stack.bus_as(Role.OPERATOR).connect("test-store-reader")
+    try:
+        before = (await reader.jetstream().stream_info(stream)).state.messages
+        meta_subject = (
+            f"$O.{subjects.adapter_store()}.M.{base64.urlsafe_b64encode(digest.encode()).decode()}"
+        )
+        found = await stack.client.nc.request(
+            f"{js_api_prefix(Role.ORCHESTRATOR)}.DIRECT.GET.{stream}.{meta_subject}", b"", timeout=5
+        )
+        meta = json.loads(found.data)
+        api = js_api_prefix(role) or "$JS.API"
+        attempts = _attempts(subjects, api, digest, meta)
+        if role is Role.COORDINATOR:
+            attempts = [a for a in attempts if ".STREAM.PURGE." not in a[0]]
+        answers = {}
+        async with watched(stack.bus_as(role, "w000" if role is Role.AGENT else None)) as client:
+            for subject, data, headers in attempts:
+                answers[(subject, str(headers))] = await _answer(client.nc, subject, data, headers)
+        after = (await reader.jetstream().stream_info(stream)).state.messages
+        into = io.BytesIO()
+        size = await fetch_object(
+            stack.client.nc, subjects, digest, into, timeout_s=10, max_bytes=1 << 30
+        )
+    finally:
+        await close(reader)
+
+    # Refused, by the permissions (no answer) or by JetStream (an error).
+    assert all(a == "no answer" or '"error"' in a for a in answers.values()), answers
+    assert after == before
+    assert size == into.tell() > 0
+    result = await stack.client.update("policy", digest=digest, version=1, timeout_s=30)
+    assert result.committed, result.error
