@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Set
+from collections.abc import Callable, Collection, Mapping, Set
+from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 
@@ -166,33 +167,62 @@ def kept_beside(
     return kept, dropped
 
 
-def named_by(record: CommittedRecord | InflightRecord | ResetRecord) -> set[str]:
-    """The object digests a record keeps in the store."""
-    match record:
-        case CommittedRecord():
-            named = {v.digest for v in record.kept}
-            return named | ({d} if (d := digest_of(record.path)) is not None else set())
-        case ResetRecord():
-            return {v.digest for v in record.kept}
-        case InflightRecord():
-            named = {d} if (d := digest_of(record.path)) is not None else set()
-            return named | (named_by(record.committing) if record.committing else set())
+def keepers(
+    committed: Mapping[str, CommittedRecord],
+    resets: Mapping[str, ResetRecord],
+    in_flight: InflightRecord | None,
+) -> dict[str, list[str]]:
+    """What keeps each digest in the store, by digest: every adapter's
+    commit point (its version and those kept beside it; where a reset
+    removed it, what the reset kept) and the update in flight. The one rule
+    of what must stay, for the deletion and for ``lorabus adapter list``."""
+    kept: dict[str, list[str]] = {}
 
+    def keep(digest: str | None, why: str) -> None:
+        if digest is not None:
+            kept.setdefault(digest, []).append(why)
 
-async def kept_by_records(records: FleetStore) -> set[str]:
-    """Every digest the state bucket's records keep in the store now: each
-    adapter's commit point (or, after a reset, its reset record) and the
-    update in flight. StoreUnavailable (CorruptRecord among them) when one
-    cannot be read."""
-    committed, resets = await records.read_adapter_records()
-    kept: set[str] = set()
-    for record in committed.values():
-        kept |= named_by(record)
-    for adapter, reset in resets.items():
+    for adapter, record in sorted(committed.items()):
+        keep(digest_of(record.path), f"{adapter} v{record.version} committed")
+        for version in record.kept:
+            keep(version.digest, f"{adapter} v{version.version} kept")
+    for adapter, reset in sorted(resets.items()):
         if adapter not in committed:
-            kept |= named_by(reset)
-    in_flight = await records.read_inflight()
-    return kept | (named_by(in_flight) if in_flight is not None else set())
+            for version in reset.kept:
+                keep(version.digest, f"{adapter} v{version.version} kept by its reset")
+    if in_flight is not None:
+        keep(digest_of(in_flight.path), f"update {in_flight.update_id} in flight")
+        if in_flight.committing is not None:
+            for digest in keepers({in_flight.adapter: in_flight.committing}, {}, None):
+                keep(digest, f"update {in_flight.update_id} committing")
+    return kept
+
+
+async def kept_by_records(records: FleetStore) -> dict[str, list[str]]:
+    """:func:`keepers` of the state bucket's records as they are now.
+    StoreUnavailable (CorruptRecord among them) when one cannot be read."""
+    committed, resets = await records.read_adapter_records()
+    return keepers(committed, resets, await records.read_inflight())
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One object of the store, as ``lorabus adapter list`` shows it."""
+
+    digest: str
+    size: int
+    stored_at: float | None
+    kept_by: list[str]
+    """Empty: nothing keeps it (deleted once older than the orphan age)."""
+
+
+def listing(contents: StoreContents, kept: Mapping[str, list[str]]) -> list[Listed]:
+    """Every stored object with what keeps it; the kept first, oldest first."""
+    listed = [
+        Listed(digest, contents.sizes.get(digest, 0), at, list(kept.get(digest, [])))
+        for digest, at in contents.objects.items()
+    ]
+    return sorted(listed, key=lambda o: (not o.kept_by, o.stored_at or 0.0, o.digest))
 
 
 async def delete_unkept(

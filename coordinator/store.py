@@ -124,6 +124,17 @@ class FleetStore:
                 "as the fleet's operator"
             ) from exc
 
+    @classmethod
+    async def bind(cls, nc: NatsClient, subjects: Subjects) -> FleetStore:
+        """The fleet's buckets as they are, to read (never set up, records not
+        checked for a seal): for a part that only looks (``lorabus adapter
+        list``). StoreUnavailable when they cannot be bound."""
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                return cls(*await _bind(nc.jetstream(), subjects))
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise StoreUnavailable(f"cannot read the fleet's KV buckets: {exc!r}") from exc
+
     # -- leader ---------------------------------------------------------------
 
     async def read_leader(self) -> tuple[LeaderRecord | None, int]:

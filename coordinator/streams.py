@@ -135,6 +135,9 @@ _GUARDED = (
     "mirror_direct",
 )
 _AUDIT_GUARDED = ("deny_purge", "allow_direct", "allow_msg_ttl")
+_STORE_GUARDED = ("allow_rollup_hdrs", "max_msgs_per_subject", "discard_new_per_subject")
+"""What keeps every subject of the adapter store written once: else a publish
+could replace or remove an object (lorabus/adapter_objects.py)."""
 
 
 def _setting(field: str, value: Any) -> Any:
@@ -143,6 +146,8 @@ def _setting(field: str, value: Any) -> Any:
         return sorted(value or [])
     if field in _ABSENT:
         return value or None
+    if field == "max_msgs_per_subject":
+        return value
     return bool(value)
 
 
@@ -153,7 +158,7 @@ async def unsafe_settings(js: JetStreamContext, config: StorageConfig) -> list[t
     read is said so too."""
     found = []
     streams = fleet_streams(config)
-    audit_name = streams[-1].name
+    audit_name, store_name = streams[-1].name, streams[-2].name
     for canonical in streams:
         name = str(canonical.name)
         try:
@@ -162,7 +167,12 @@ async def unsafe_settings(js: JetStreamContext, config: StorageConfig) -> list[t
         except (TimeoutError, nats.errors.Error) as exc:
             found.append((name, f"stream {name} could not be read: {exc!r}"[:256]))
             continue
-        for field in (*_GUARDED, *(_AUDIT_GUARDED if name == audit_name else ())):
+        guarded = (
+            *_GUARDED,
+            *(_AUDIT_GUARDED if name == audit_name else ()),
+            *(_STORE_GUARDED if name == store_name else ()),
+        )
+        for field in guarded:
             wanted = _setting(field, getattr(canonical, field))
             actual = _setting(field, getattr(info.config, field, None))
             if actual != wanted:

@@ -100,14 +100,19 @@ def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccoun
         if same:
             earlier = owner.exports[same[0]]
             owner.exports[same[0]] = Export(
-                subject, service, (*earlier.to, *to), earlier.streamed or streamed
+                subject,
+                service,
+                tuple(dict.fromkeys((*earlier.to, *to))),
+                earlier.streamed or streamed,
             )
         else:
             owner.exports.append(Export(subject, service, tuple(to), streamed))
         js = subject.startswith(JS_API + ".")
         local = FLEET_JS_API + subject.removeprefix(JS_API) if js else ""
         for name in to:
-            by_name[name].imports.append(Import(subject, service, owner.name, local))
+            imports = by_name[name].imports
+            if not any(i.subject == subject and i.account == owner.name for i in imports):
+                imports.append(Import(subject, service, owner.name, local))
 
     agent_names = [a.name for a in agents.values()]
     listeners = [orchestrator.name, operator.name]
@@ -115,11 +120,13 @@ def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccoun
     share(fleet, subjects.result_request(), [orchestrator.name], service=True)
     share(fleet, subjects.status_request(), listeners, service=True)
     share(fleet, subjects.reset_request(), [operator.name], service=True)
+    # The operator reads them too, to list what the store keeps (lorabus adapter list).
+    readers = [*agent_names, operator.name]
     for subject in kv_reads(subjects.state_bucket(), JS_API):
-        share(fleet, subject, agent_names, service=True)
+        share(fleet, subject, readers, service=True)
     for subject in object_reads(subjects, JS_API):
         # A batch read answers with many messages: the import must let them all back.
-        share(fleet, subject, agent_names, service=True, streamed=".DIRECT.GET." in subject)
+        share(fleet, subject, readers, service=True, streamed=".DIRECT.GET." in subject)
     # The pusher's chunks and meta record reach the store's stream in the
     # fleet's account as requests: JetStream's acks come back into its own.
     for subject in object_writes(subjects, JS_API):

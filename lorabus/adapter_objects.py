@@ -260,6 +260,8 @@ class StoreContents:
 
     objects: dict[str, float | None]
     """Digest -> when, for every object a push stored whole."""
+    sizes: dict[str, int]
+    """Digest -> its size in bytes, for the same objects."""
     stray_metas: dict[str, float | None]
     """Meta subject -> when, for meta records that are no pushed adapter's."""
     stray_chunks: dict[str, float | None]
@@ -280,6 +282,7 @@ async def store_contents(
             metas = await js.stream_info(_stream(subjects), subjects_filter=f"$O.{bucket}.M.>")
             firsts = await js.stream_info(_stream(subjects), subjects_filter=f"$O.{bucket}.C.*.0")
             objects: dict[str, float | None] = {}
+            sizes: dict[str, int] = {}
             named: set[str] = set()
             stray: dict[str, float | None] = {}
             for meta in sorted(metas.state.subjects or {}):
@@ -294,7 +297,7 @@ async def store_contents(
                     and meta == _meta_subject(subjects, digest)
                     and _is_pushed(found[0], digest)
                 ):
-                    objects[digest] = found[1]
+                    objects[digest], sizes[digest] = found[1], int(found[0].size or 0)
                     named.add(str(found[0].nuid))
                 else:
                     stray[meta] = await _stamp_at(nc, subjects, meta)
@@ -305,7 +308,7 @@ async def store_contents(
                     chunks[nuid] = await _stamp_at(
                         nc, subjects, _chunk_subject(subjects, nuid, "*")
                     )
-            return StoreContents(objects, stray, chunks)
+            return StoreContents(objects, sizes, stray, chunks)
     except nats.js.errors.NotFoundError as exc:
         raise _no_store(subjects) from exc
     except (TimeoutError, nats.errors.Error) as exc:

@@ -18,7 +18,8 @@ Least privilege, one identity per process:
   JetStream publish stored commands wherever it names.
 - **operator**: creates the buckets and the audit stream; asks the
   coordinator to reset an adapter's committed state (and for the fleet's
-  status, and hears the heartbeats as the orchestrator does). No role may
+  status, and hears the heartbeats as the orchestrator does); reads the
+  state bucket and the adapter store, to list what the store keeps. No role may
   change a stream's configuration: whoever may can aim JetStream (republish
   onto a KV key, seal a bucket, answer acks); a creation where the stream
   exists with another configuration is refused by the server. The stream
@@ -142,6 +143,9 @@ def permissions(
             return Permissions(
                 publish=(
                     *stream_admin(subjects, FLEET_JS_API),
+                    # What the store holds and what keeps it (lorabus adapter list).
+                    *kv_reads(subjects.state_bucket(), FLEET_JS_API),
+                    *object_reads(subjects, FLEET_JS_API),
                     subjects.reset_request(),
                     subjects.status_request(),
                 ),

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
+from processes import run_lorabus
 from secured import watched
 
 from lorabus.accounts import js_api_prefix
@@ -106,3 +107,41 @@ async def test_no_role_but_the_coordinator_can_remove_or_replace_an_object(
     assert size == into.tell() > 0
     result = await stack.client.update("policy", digest=digest, version=1, timeout_s=30)
     assert result.committed, result.error
+
+
+async def test_the_operator_lists_what_the_store_holds_and_what_keeps_it(
+    fleet_name: str, make_adapter: Callable[[int], str]
+) -> None:
+    """``lorabus adapter list`` as the operator: each object, its size and what
+    keeps it; one nothing keeps is said to be so. As the orchestrator (which
+    may not read the state bucket) the objects alone, saying why."""
+    async with EmbeddedStack([1], fleet=fleet_name, secure=True, heartbeat_s=0.2) as stack:
+        assert stack.client is not None and stack.auth is not None
+        committed = await stack.client.push_adapter(make_adapter(1))
+        orphan = await stack.client.push_adapter(make_adapter(2))
+        result = await stack.client.update("policy", digest=committed, version=1, timeout_s=30)
+        listed = {}
+        for role in (Role.OPERATOR, Role.ORCHESTRATOR):
+            listed[role] = await run_lorabus(
+                "--identity",
+                str(stack.auth.identity(role).folder),
+                "adapter",
+                "list",
+                "--nats",
+                stack.nats_url,
+                "--fleet",
+                fleet_name,
+                "--json",
+            )
+
+    assert result.committed, result.error
+    by_operator = json.loads(listed[Role.OPERATOR].stdout)
+    kept = {o["digest"]: o["kept_by"] for o in by_operator["objects"]}
+    assert kept == {committed: ["policy v1 committed"], orphan: []}, by_operator
+    by_orchestrator = listed[Role.ORCHESTRATOR]
+    assert by_orchestrator.returncode == 0, by_orchestrator
+    assert {o["digest"] for o in json.loads(by_orchestrator.stdout)["objects"]} == {
+        committed,
+        orphan,
+    }
+    assert "what keeps each object is not known" in by_orchestrator.stderr

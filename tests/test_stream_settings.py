@@ -102,10 +102,11 @@ async def test_a_new_leader_audits_stream_settings_lorabus_would_not_make(
 ) -> None:
     """On a server without roles, where anyone may: the streams as lorabus
     sets them up, then the audit stream made to republish and answer acks,
-    and the state bucket to republish."""
+    the state bucket to republish, and the adapter store to take rollups
+    (which would let a publish remove its objects)."""
     s = Subjects(fleet=fleet_name)
     storage = StorageConfig(fleet=fleet_name)
-    state, results, _, audit = fleet_streams(storage)
+    state, results, store, audit = fleet_streams(storage)
     nc = await connect(nats_url, name="test-another-hand")
     try:
         assert set(await provision(nc, storage)) <= {state.name, results.name, audit.name}
@@ -118,13 +119,14 @@ async def test_a_new_leader_audits_stream_settings_lorabus_would_not_make(
         await js.update_stream(
             dataclasses.replace(state, republish=RePublish(src=">", dest=f"{fleet_name}.kv.>"))
         )
+        await js.update_stream(dataclasses.replace(store, allow_rollup_hdrs=True))
         heard = await nc.subscribe(s.coordinator_event("bad_message"))
         await nc.flush()
 
         async with make_stack([1]) as stack:
             assert stack.client is not None
             said = []
-            while len(said) < 3:
+            while len(said) < 4:
                 message = await heard.next_msg(timeout=15)
                 event = event_decoder.decode(message.data)
                 assert isinstance(event, BadMessage)
@@ -135,8 +137,10 @@ async def test_a_new_leader_audits_stream_settings_lorabus_would_not_make(
         assert any(f"stream {audit.name}: republish" in e for e in said), said
         assert any(f"stream {audit.name}: no_ack is False, lorabus sets True" in e for e in said)
         assert any(f"stream {state.name}: republish" in e for e in said), said
+        rollups = f"stream {store.name}: allow_rollup_hdrs is True, lorabus sets False"
+        assert any(rollups in e for e in said), said
         # lorabus provision, where it may, puts them back.
-        assert set(await provision(nc, storage)) == {state.name, audit.name}
+        assert set(await provision(nc, storage)) == {state.name, audit.name, store.name}
         assert await unsafe_settings(js, storage) == []
     finally:
         await close(nc)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import re
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import click
@@ -228,6 +229,62 @@ def push(nats_url: str, bus: BusOptions, fleet: str, directory: str, timeout: fl
         return 0
 
     sys.exit(run(push_))
+
+
+@adapter.command("list")
+@bus_options()
+@fleet_option
+@click.option("--json", "as_json", is_flag=True, help="Print the listing as one JSON object.")
+def list_adapters(nats_url: str, bus: BusOptions, fleet: str, as_json: bool) -> None:
+    """Every object of the fleet's adapter store, with its size, its age and
+    what keeps it (as an identity that may read the state bucket too, such
+    as the operator's); the leader deletes one nothing keeps once it is
+    older than its --orphan-after. Also the leftovers of pushes that stopped."""
+    from lorabus.adapter_objects import store_contents
+    from lorabus.bus import Bus, close
+    from lorabus.coordinator.adapter_store import kept_by_records, listing
+    from lorabus.coordinator.signals import StoreUnavailable
+    from lorabus.coordinator.store import FleetStore
+
+    subjects = subjects_of(fleet)
+
+    async def list_() -> int:
+        nc = await Bus(nats_url, bus).connect(f"lorabus-adapter-list-{fleet}")
+        try:
+            contents = await store_contents(nc, subjects)
+            try:
+                kept = await kept_by_records(await FleetStore.bind(nc, subjects))
+            except StoreUnavailable as exc:
+                kept = None
+                click.echo(f"what keeps each object is not known: {exc}", err=True)
+        finally:
+            await close(nc)
+        listed = listing(contents, kept or {})
+        if as_json:
+            leftovers = {"stray_metas": sorted(contents.stray_metas)}
+            leftovers["stopped_pushes"] = sorted(contents.stray_chunks)
+            click.echo(json.dumps({"objects": [vars(o) for o in listed], **leftovers}))
+            return 0
+        now = time.time()
+        for item in listed:
+            why = "; ".join(item.kept_by) or ("nothing keeps it" if kept is not None else "")
+            age = "" if item.stored_at is None else f"stored {_ago(now - item.stored_at)} ago"
+            click.echo(f"{item.digest}  {item.size / 1e6:9.1f} MB  {age:<18} {why}".rstrip())
+        click.echo(
+            f"{len(listed)} object(s), {sum(o.size for o in listed) / 1e6:.1f} MB; leftovers: "
+            f"{len(contents.stray_chunks)} stopped push(es), "
+            f"{len(contents.stray_metas)} meta record(s) of no pushed adapter"
+        )
+        return 0
+
+    sys.exit(run(list_))
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
 
 
 async def _show_progress(client: UpdateClient, update_id: str) -> None:
