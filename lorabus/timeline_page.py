@@ -3,6 +3,9 @@
 Nothing is fetched from anywhere (no script, font or stylesheet from a URL):
 the page opens on an air-gapped machine. Bars are plain elements placed by
 percentages of the update's span, so no script is needed to draw them.
+A pause that nothing resumed, and an update with no result, are drawn up to
+the trail's end and marked ("never resumed", "no result in the trail"): the
+case an operator most needs to see must not be a window of no width.
 Every text comes from the trail, which anyone on the bus could have written
 into: all of it is escaped.
 """
@@ -27,6 +30,7 @@ h1 { font-size: 18px; } h2 { font-size: 15px; margin: 24px 0 4px; }
 .row { display: flex; align-items: center; height: 18px; border-bottom: 1px solid #f2f2f2; }
 .row.head { position: sticky; top: 0; background: #fafafa; z-index: 2; font-weight: 600; }
 .row.coordinator { background: #f5f7fb; }
+.row.unresumed { background: #fff1e0; }
 .row.failed { background: #fde8ea; }
 .label { width: 330px; flex: none; padding: 0 6px; white-space: nowrap; overflow: hidden;
          text-overflow: ellipsis; font-variant-numeric: tabular-nums; }
@@ -37,8 +41,11 @@ h1 { font-size: 18px; } h2 { font-size: 15px; margin: 24px 0 4px; }
 .bar.not-ok { background: #d0021b !important; outline: 2px solid #7a0010; }
 .window { position: absolute; top: 0; height: 14px; background: rgba(201,162,39,.18);
           border-left: 1px solid #c9a227; border-right: 1px solid #c9a227; }
+.window.open { background: rgba(230,81,0,.22); border-right: 3px dashed #e65100; }
+.window.unfinished { background: rgba(120,120,120,.15); border-left-color: #777; }
 .badge { font-size: 11px; padding: 0 4px; border-radius: 3px; margin-left: 4px; color: #fff; }
 .badge.slowest { background: #6a3d9a; } .badge.failed { background: #d0021b; }
+.badge.unresumed { background: #e65100; }
 .phase-quorum { background: #9e9e9e; } .phase-prepare { background: #8e6c8a; }
 .phase-pause { background: #c9a227; } .phase-load { background: #2a7ab9; }
 .phase-verify { background: #17a2b8; } .phase-resume { background: #3b9c5b; }
@@ -62,7 +69,10 @@ def render_page(
         f"<title>lorabus update timeline</title><style>{_STYLE}</style></head><body>"
         f"<h1>lorabus: {len(timelines)} update(s)</h1>{shown}"
         f'<p class="legend">{legend} <span style="background:#d0021b">failed</span> '
-        '<span style="background:rgba(201,162,39,.45);color:#222">paused</span></p>'
+        '<span style="background:rgba(201,162,39,.45);color:#222">paused</span> '
+        '<span style="background:rgba(230,81,0,.45);color:#222" '
+        'title="paused, and nothing in the trail resumed it: drawn to the trail\'s end">'
+        "never resumed</span></p>"
         f"{sections}</body></html>\n"
     )
 
@@ -86,12 +96,24 @@ def _section(timeline: UpdateTimeline, order: str) -> str:
 
     slowest = timeline.slowest
     slowest_id = slowest[0] if slowest else None
+    a0, a1 = timeline.active_span
+    took = f"took {_ms(a1 - a0)}"
+    in_flight = ""
+    if timeline.unfinished and timeline.started is not None and timeline.trail_end is not None:
+        ran = max(timeline.trail_end - timeline.started, 0.0)
+        took = f"still in flight when the trail ends, {_ms(ran)} after its start"
+        in_flight = (
+            f'<div class="window open unfinished" '
+            f'style="{place(timeline.started, timeline.started + ran)}" '
+            f'title="{_e(f"no result in the trail: {took}")}"></div>'
+        )
     rows = [
         '<div class="row head"><div class="label"><span class="id">worker</span>'
         '<span class="ws">size</span><span class="rank">rank</span>phases</div>'
         '<div class="track"></div></div>',
         '<div class="row coordinator"><div class="label"><span class="id">coordinator</span>'
         '</div><div class="track">'
+        + in_flight
         + "".join(bar(b) for b in timeline.coordinator)
         + "</div></div>",
     ]
@@ -103,13 +125,15 @@ def _section(timeline: UpdateTimeline, order: str) -> str:
         f"adapter {_e(timeline.adapter)}"
         + (f" v{timeline.version}" if timeline.version is not None else ""),
         f"{len(timeline.workers)} worker(s)",
-        f"took {_ms(t1 - t0)}",
+        took,
     ]
     if timeline.started is not None:
         with contextlib.suppress(OverflowError, OSError, ValueError):  # a time of no calendar
             facts.append(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timeline.started)))
+    unresumed = timeline.unresumed
     if pause is not None:
-        facts.append(f"engines paused for {_ms(pause[1] - pause[0])}")
+        to_end = " (to the end of the trail)" if unresumed else ""
+        facts.append(f"engines paused for {_ms(pause[1] - pause[0])}{to_end}")
     if slowest is not None:
         facts.append(
             f"slowest: {_e(slowest[0])}, {_e(slowest[1].label)} {_ms(slowest[1].duration_s)}"
@@ -118,6 +142,13 @@ def _section(timeline: UpdateTimeline, order: str) -> str:
     problems = ""
     if timeline.error:
         problems += f'<p class="failed-text">{_e(timeline.error)}</p>'
+    if unresumed:
+        named = ", ".join(r.worker_id for r in unresumed[:_LISTED])
+        more = f" and {len(unresumed) - _LISTED} more" if len(unresumed) > _LISTED else ""
+        problems += (
+            f'<p class="failed-text">engine(s) never resumed: {_e(named)}{more} '
+            "(paused to the end of the trail)</p>"
+        )
     if failed:
         items = "".join(f"<li>{_e(r.worker_id)}: {_e(r.error)}</li>" for r in failed[:_LISTED])
         more = f"<li>and {len(failed) - _LISTED} more</li>" if len(failed) > _LISTED else ""
@@ -147,19 +178,31 @@ def _worker_row(
         badges += '<span class="badge slowest">slowest</span>'
     if error:
         badges += f'<span class="badge failed" title="{_e(error)}">failed</span>'
-    window = row.paused
-    band = (
-        f'<div class="window" style="{place(*window)}" title="engine paused"></div>'
-        if window is not None
-        else ""
-    )
+    band = ""
+    window = row.pause
+    if window is not None and window.resumed:
+        band = (
+            f'<div class="window" style="{place(window.start, window.end)}" '
+            f'title="{_e(f"engine paused {_ms(window.duration_s)}, until {window.resumed_by}")}">'
+            "</div>"
+        )
+    elif window is not None:
+        never = (
+            f"engine paused, never resumed: still paused when the trail ends, "
+            f"{_ms(window.duration_s)} after its pause"
+        )
+        band = (
+            f'<div class="window open" style="{place(window.start, window.end)}" '
+            f'title="{_e(never)}"></div>'
+        )
+        badges += f'<span class="badge unresumed" title="{_e(never)}">never resumed</span>'
     rank = "" if row.rank_offset is None else str(row.rank_offset)
     label = (
         f'<span class="id">{_e(row.worker_id)}</span><span class="ws">{row.world_size or ""}'
         f'</span><span class="rank">{rank}</span>{badges}'
         + (f' <span class="failed-text">{_e(error)}</span>' if error else "")
     )
-    css = "row worker failed" if error else "row worker"
+    css = "row worker" + (" unresumed" if row.unresumed else "") + (" failed" if error else "")
     return (
         f'<div class="{css}" data-worker="{_e(row.worker_id)}">'
         f'<div class="label" title="{_e(row.worker_id)}">{label}</div>'

@@ -109,6 +109,11 @@ async def test_a_trail_becomes_a_page_with_a_row_per_worker_and_the_failed_one_m
     for worker in WORKERS:
         assert {"phase-pause", "phase-load", "phase-resume"} <= set(ok_rows[worker].bars), ok_rows
         assert "failed" not in ok_rows[worker].classes
+    for rows in (ok_rows, failed_rows):
+        for worker, row in rows.items():
+            phases = [c for c in row.bars if c.startswith("phase-")]
+            assert len(phases) == len(set(phases)), f"one bar per phase: {worker} {row}"
+            assert "unresumed" not in row.classes, f"every engine was resumed: {worker} {row}"
     marked = [w for w, row in failed_rows.items() if "failed" in row.classes]
     assert marked == ["w001"], failed_rows
     assert "injected load failure" in failed_rows["w001"].text
