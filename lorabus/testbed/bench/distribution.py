@@ -445,7 +445,8 @@ class _NodeFleet(BenchFleet):
         await asyncio.to_thread(remove)
         old, self.stored = self.stored[:-1], self.stored[-1:]
         if old:
-            nc = await self.connect(Role.ORCHESTRATOR, name="bench-store-clearer")
+            # Only the coordinator's identity may delete from the store.
+            nc = await self.connect(Role.COORDINATOR, name="bench-store-clearer")
             try:
                 for digest in old:
                     await delete_object(nc, self.subjects, digest)
