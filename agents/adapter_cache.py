@@ -20,8 +20,17 @@ unpacked files live under ``.partial/`` until one ``rename``. The files are
 not synced to disk first: what the kernel had not written back is lost only
 with the node (a crash or a power cut), and after a reboot no note holds,
 so the entry is hashed before it is used, and fetched again if it lost
-anything. :meth:`AdapterCache.prune` keeps the most recently used entries
-and those an engine still serves.
+anything.
+
+:meth:`AdapterCache.prune` never removes an entry an engine of the node may
+serve, whichever agent of whichever fleet sharing the directory prunes, and
+across restarts: each agent names what its engine holds in a holder file
+under ``.holders/``, and a prune leaves every digest a fresh one names,
+read again under the entry's lock just before the entry goes
+(:mod:`~lorabus.agents.cache_holders`). Of the other entries it keeps the
+``keep`` most recently used. It runs in the background, never inside a
+command (:class:`~lorabus.agents.cache_holders.CacheKeeper`), and takes
+entries vanishing while it looks (another agent's prune) in its stride.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from collections.abc import Awaitable, Callable, Collection
 from lorabus.adapter_archive import BadArchive, Unpacker
 from lorabus.adapter_digest import adapter_digest
 from lorabus.adapter_objects import ChunkSink, check_digest
+from lorabus.agents.cache_holders import HolderFiles
 from lorabus.errors import DigestMismatch, FetchFailed
 
 __all__ = ["AdapterCache", "Fetch"]
@@ -108,16 +118,20 @@ class _Lock:
 
 class AdapterCache:
     def __init__(self, directory: str, *, keep: int = 2) -> None:
-        """``keep``: entries kept by :meth:`prune` besides those it must protect."""
+        """``keep``: entries kept by :meth:`prune` besides those held."""
         self.directory = os.path.abspath(directory)
         self.keep = keep
         self._locks = os.path.join(self.directory, ".locks")
         self._partial = os.path.join(self.directory, ".partial")
+        self.holders = HolderFiles(os.path.join(self.directory, ".holders"), self._partial)
+        """What the engines of the node serve from this cache, an agent each."""
+        self.unremovable: set[str] = set()
+        """Entries the last prunes could not remove (each said once)."""
 
     def check_writable(self) -> None:
         """Create the cache's directories and write in each; OSError, naming the
         directory, when that cannot be done (the agent is not ready then)."""
-        for folder in (self.directory, self._locks, self._partial):
+        for folder in (self.directory, self._locks, self._partial, self.holders.directory):
             try:
                 os.makedirs(folder, exist_ok=True)
                 with tempfile.TemporaryFile(dir=folder):
@@ -207,11 +221,20 @@ class AdapterCache:
 
     def _discard(self, path: str) -> None:
         """Take ``path`` out of the cache at once (one rename), then delete it."""
+        shutil.rmtree(self._take_out(path), ignore_errors=True)
+
+    def _take_out(self, path: str) -> str:
+        """Take ``path`` out of the cache (one rename); returns the folder under
+        ``.partial/`` that now holds it, to delete."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._hash_note(path))
         trash = tempfile.mkdtemp(prefix=os.path.basename(path) + ".", dir=self._partial)
-        os.rename(path, os.path.join(trash, "old"))
-        shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.rename(path, os.path.join(trash, "old"))
+        except OSError:
+            os.rmdir(trash)
+            raise
+        return trash
 
     def _hash_note(self, entry: str) -> str:
         return os.path.join(self._locks, os.path.basename(entry) + ".hashed")
@@ -241,33 +264,53 @@ class AdapterCache:
 
     def prune(self, protect: Collection[str] = ()) -> list[str]:
         """Remove the entries beyond the ``keep`` most recently used ones, except
-        the digests in ``protect`` (what the engine serves) and entries another
-        process holds now, and old leftovers of fetches; returns the digests removed."""
+        those held (``protect``, and the digests a fresh holder file names) and
+        those another process uses now, and old leftovers of fetches; returns
+        the digests removed. An entry that vanishes while it looks (another
+        agent's prune) is skipped; one it may not remove is left for the next
+        prune; ValueError when a holder file cannot be read (then it removes
+        nothing). Blocking: call it from a thread."""
         if not os.path.isdir(self.directory):
             return []
-        protected = {check_digest(d).removeprefix("sha256:") for d in protect}
+        protected = {check_digest(d) for d in protect}
         entries = []
         for item in os.scandir(self.directory):
-            if _ENTRY.match(item.name) and item.name not in protected:
-                entries.append((item.stat(follow_symlinks=False).st_mtime_ns, item.name))
+            if _ENTRY.match(item.name):
+                with contextlib.suppress(FileNotFoundError):  # taken meanwhile
+                    entries.append((item.stat(follow_symlinks=False).st_mtime_ns, item.name))
+        held = self._held(protected)
+        unheld = sorted(((used, name) for used, name in entries if name not in held), reverse=True)
         removed = []
-        for used, name in sorted(entries, reverse=True)[self.keep :]:
+        for used, name in unheld[self.keep :]:
             entry = os.path.join(self.directory, name)
             lock = _Lock(os.path.join(self._locks, f"{name}.lock"))
             if not (os.path.isdir(self._locks) and lock.try_acquire()):
                 continue  # in use now: a get is checking or fetching it
+            trash = ""
             try:
-                if os.lstat(entry).st_mtime_ns == used:  # else used since we looked
-                    self._discard(entry)
+                # Read again under the lock: a load names its digest before its
+                # get takes this lock, so either this sees it, or that get
+                # finds the entry gone and fetches it again.
+                if name not in self._held(protected) and os.lstat(entry).st_mtime_ns == used:
+                    trash = self._take_out(entry)  # else used since we looked
                     removed.append(f"sha256:{name}")
+                self.unremovable.discard(name)
             except FileNotFoundError:
                 pass  # another process's prune took it
             except OSError as exc:  # not ours to remove: the next prune tries again
-                log.warning("adapter cache: cannot remove %s: %s", entry, exc)
+                if name not in self.unremovable:
+                    self.unremovable.add(name)
+                    log.warning("adapter cache: cannot remove %s: %s", entry, exc)
             finally:
                 lock.release(remove=True)
+            if trash:  # out of the cache already: deleted without holding its lock
+                shutil.rmtree(trash, ignore_errors=True)
         self._sweep_partial()
         return removed
+
+    def _held(self, protect: set[str]) -> set[str]:
+        """The hex digests of ``protect`` and of every fresh holder file."""
+        return {d.removeprefix("sha256:") for d in protect | self.holders.held()}
 
     def _sweep_partial(self) -> None:
         """Remove what fetches that died left under ``.partial/``."""

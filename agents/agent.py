@@ -40,6 +40,7 @@ from nats.aio.msg import Msg
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.beats import BeatPolicy
 from lorabus.agents.bus import AgentBus
+from lorabus.agents.cache_holders import CacheKeeper
 from lorabus.agents.command_queue import CommandQueue, Work
 from lorabus.agents.config import (
     MAX_ADAPTER_BYTES,
@@ -53,6 +54,7 @@ from lorabus.agents.executor import CommandExecutor
 from lorabus.agents.fencing import Fencing
 from lorabus.agents.heartbeats import LATE_PAUSE, Heartbeats
 from lorabus.agents.lease import LeaseState, PauseLease
+from lorabus.agents.metrics import InstrumentedDriver
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
 from lorabus.errors import DuplicateWorker
@@ -135,7 +137,13 @@ class Agent:
     @classmethod
     def from_config(cls, config: AgentConfig, driver: EngineDriver) -> Agent:
         """The agent ``config`` describes, driving its engine through ``driver``."""
-        cache = AdapterCache(config.cache_dir or default_cache_dir(), keep=config.cache_keep)
+        cache_dir = config.cache_dir or default_cache_dir(config.fleet)
+        cache = AdapterCache(cache_dir, keep=config.cache_keep)
+        keeper = CacheKeeper(
+            cache,
+            holder=f"{config.fleet}.{config.worker_id}",  # one file per worker of each fleet
+            counts=driver.metrics if isinstance(driver, InstrumentedDriver) else None,
+        )
         return cls(
             Subjects(fleet=config.fleet, prefix=config.subject_prefix),
             CommandExecutor(
@@ -144,6 +152,7 @@ class Agent:
                 driver,
                 adapter_roots=config.adapter_roots,
                 adapter_cache=cache,
+                cache_keeper=keeper,
             ),
             heartbeat_s=config.heartbeat_s,
             max_pause_lease_s=config.max_pause_lease_s,
@@ -225,6 +234,9 @@ class Agent:
                 running_loop_name(),
             )
             tasks.create_task(parts.heartbeats.run())
+            if self.executor.cache_keeper is not None:
+                # Housekeeping beside the commands, never inside one.
+                tasks.create_task(self.executor.cache_keeper.run())
 
     async def _stop_if_refused(self, refused: asyncio.Future[RefuseInstance]) -> None:
         refusal = await refused

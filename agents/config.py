@@ -29,10 +29,13 @@ MAX_ADAPTER_BYTES = 64 << 30
 """An adapter larger than this is no adapter: a fetch stops before reading it."""
 
 
-def default_cache_dir() -> str:
-    """``$XDG_CACHE_HOME/lorabus/adapters``, else ``~/.cache/lorabus/adapters``."""
+def default_cache_dir(fleet: str) -> str:
+    """``$XDG_CACHE_HOME/lorabus/adapters/<fleet>``, else
+    ``~/.cache/lorabus/adapters/<fleet>``: shared by the agents of one fleet on
+    the node, none of another fleet's (whose prunes follow their own
+    ``--keep``)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "lorabus", "adapters")
+    return os.path.join(base, "lorabus", "adapters", check_token("fleet", fleet))
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,9 +72,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     subject_prefix: str = "lorabus"
     cache_dir: str = ""
     """Where adapters from the fleet's object store are kept on this node
-    ("": :func:`default_cache_dir`)."""
+    ("": :func:`default_cache_dir`, one per fleet). Agents of one node, of
+    one fleet or several, may share it."""
     cache_keep: int = 2
-    """Adapters kept in the cache besides those the engine serves."""
+    """Adapters a prune keeps in the cache, the most recently used, besides
+    those an engine of the node serves (of any agent sharing the cache)."""
     max_adapter_bytes: int = MAX_ADAPTER_BYTES
     """The largest adapter this agent fetches from the object store."""
 

@@ -15,7 +15,11 @@ subject. An adapter from the fleet's object store (a ``bus:<digest>`` path)
 is fetched into this node's cache (:class:`~lorabus.agents.adapter_cache.AdapterCache`,
 verified against its digest before the engine sees it) and the engine is
 handed the cached directory; a ``prepare`` does the fetch alone, ahead of
-the update's pause.
+the update's pause. Before a fetch and after every command the executor
+tells its :class:`~lorabus.agents.cache_holders.CacheKeeper` which entries
+the engine may serve or a load needs, so that no prune on the node removes
+them; pruning itself runs beside the agent, never inside a command: a good
+load is never failed by housekeeping.
 
 An engine may be unable to take LoRA updates at all, however often asked (a
 vLLM started without its runtime LoRA routes, an SGLang with data
@@ -43,6 +47,7 @@ from lorabus.adapter_digest import read_adapter_digest
 from lorabus.adapter_objects import ChunkSink, digest_of
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
+from lorabus.agents.cache_holders import CacheKeeper
 from lorabus.agents.engine import EngineDriver, InPlaceReplace, SetupCheck
 from lorabus.clock import now
 from lorabus.errors import (
@@ -87,7 +92,11 @@ class CommandExecutor:
         *,
         adapter_roots: list[str] | None = None,
         adapter_cache: AdapterCache | None = None,
+        cache_keeper: CacheKeeper | None = None,
     ) -> None:
+        """``cache_keeper``: prunes ``adapter_cache`` for this agent (by default
+        one without a holder file: what the engine serves is kept from the
+        prunes of this process only)."""
         self.worker_id = worker_id
         self.adapter_roots = list(adapter_roots or [])
         """Directories adapters may be loaded from, on this host (empty: any path,
@@ -99,7 +108,9 @@ class CommandExecutor:
         """A pause went unanswered: the engine may pause late, after a resume."""
         self._seen_digest = ""
         """The digest the load being run saw (for its ack)."""
-        self.adapters: list[str] = []
+        self._adapters: list[str] = []
+        self._listed = False
+        """The engine's list has been read: :attr:`adapters` is what it holds."""
         self.last_contact = 0.0
         """When a command last talked to the engine (monotonic seconds)."""
         self.adapter_cache = adapter_cache
@@ -107,9 +118,20 @@ class CommandExecutor:
         filesystem paths only)."""
         self.fetch: Fetch | None = None
         """Reads the fleet's object store: the agent's connection sets it."""
-        self._stored_digests: dict[str, str] = {}
-        """Served name -> digest of each adapter loaded from the object store:
-        the cache keeps those the engine still serves."""
+        if cache_keeper is None and adapter_cache is not None:
+            cache_keeper = CacheKeeper(adapter_cache)
+        self.cache_keeper = cache_keeper
+        """Says what the engine holds from the cache, and prunes it (the agent
+        runs it)."""
+        self._from_cache: dict[str, set[str]] = {}
+        """Served name -> digests of the cache the engine may serve under it
+        (a predecessor's record at first: its engine serves on)."""
+        self._prepared: set[str] = set()
+        """Digests fetched for a load to come."""
+        self._loading = ""
+        """The name a load from the cache is loading now."""
+        if cache_keeper is not None:
+            self._from_cache, self._prepared = cache_keeper.held_here()
         self.committed_name = ""
         """The served name the fleet has committed, as the agent last learnt it
         ("": none): a load must not make the engine drop it."""
@@ -119,12 +141,23 @@ class CommandExecutor:
         self._setup_checked_at: float | None = None
         """When the driver last answered the set-up check (None: ask at once)."""
 
+    @property
+    def adapters(self) -> list[str]:
+        """The engine's adapter list, as last read back."""
+        return self._adapters
+
+    @adapters.setter
+    def adapters(self, names: list[str]) -> None:
+        self._adapters = names
+        self._listed = True
+
     async def refresh(self) -> None:
         """Read the engine's adapter list (at start, so heartbeats tell the
         truth), and first, when due, whether it can take LoRA updates."""
         if self._setup_due():
             await self.check_setup()
         self.adapters = await self.driver.list_adapters()
+        self._hold()
 
     async def check_setup(self) -> None:
         """Ask the driver what keeps the engine from taking LoRA updates; an
@@ -178,6 +211,7 @@ class CommandExecutor:
             log.exception("worker=%s update=%s command crashed", self.worker_id, command.update_id)
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
         self.last_contact = now()
+        self._hold()
         if error is not None:
             log.warning(
                 "worker=%s update=%s epoch=%d %s: %s",
@@ -230,6 +264,8 @@ class CommandExecutor:
     async def _run(self, command: PhasedCommand, budget_s: float, *, retire: bool) -> None:
         match command:
             case PrepareCommand(digest=digest):
+                self._prepared = {digest}  # the last prepare's: the load to come
+                self._hold()
                 await self._from_store(digest, budget_s)
             case PauseCommand():
                 try:
@@ -295,16 +331,31 @@ class CommandExecutor:
     ) -> None:
         if asked is not None and asked != digest:
             raise DigestMismatch(f"{self.worker_id} was asked to load {digest} as {asked}: refused")
+        # Held before the fetch, beside what the name may serve now (a load in
+        # place): no prune on the node takes the entry from under the load.
+        self._from_cache.setdefault(name, set()).add(digest)
+        self._loading = name
+        self._hold()
         started = now()
-        real = await self._from_store(digest, budget_s)
-        await self._load(name, real, replace=replace, budget_s=budget_s - (now() - started))
-        self._stored_digests[name] = digest
-        assert self.adapter_cache is not None  # _from_store checked it
-        serving = {d for n, d in self._stored_digests.items() if n in self.adapters}
-        self._stored_digests = {n: d for n, d in self._stored_digests.items() if d in serving}
-        removed = await asyncio.to_thread(self.adapter_cache.prune, serving)
-        if removed:
-            log.info("worker=%s removed from the adapter cache: %s", self.worker_id, removed)
+        try:
+            real = await self._from_store(digest, budget_s)
+            await self._load(name, real, replace=replace, budget_s=budget_s - (now() - started))
+        finally:
+            self._loading = ""
+        self._from_cache[name] = {digest}
+        self._prepared.discard(digest)
+
+    def _hold(self) -> None:
+        """Tell the cache keeper what the engine may serve from the cache and
+        what a load to come needs; names the engine no longer lists are let go
+        once its list is known (a restarted agent holds its predecessor's
+        record until then). Never fails a command."""
+        if self.cache_keeper is None:
+            return
+        if self._listed:
+            listed = set(self._adapters) | {self._loading}
+            self._from_cache = {n: d for n, d in self._from_cache.items() if n in listed}
+        self.cache_keeper.hold(self._from_cache, self._prepared)
 
     def _check_names(self, names: list[str]) -> None:
         """Refuse the command if a name could leave its place in an engine URL."""

@@ -1,4 +1,5 @@
-"""Prometheus metrics of an agent: how its engine calls go, per operation.
+"""Prometheus metrics of an agent: how its engine calls go, per operation, and
+how the housekeeping of its node's adapter cache goes.
 
 :func:`instrumented` wraps any engine driver, so the drivers stay free of
 metrics code and every engine kind is measured the same way; the wrapper
@@ -11,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from lorabus.agents.engine import EngineDriver, InPlaceReplace, SetupCheck
 
@@ -35,6 +36,34 @@ class AgentMetrics:
             ["operation"],
             registry=self.registry,
         )
+        self.bus_connected = Gauge(
+            "lorabus_bus_connected",
+            "1 while this process is connected to NATS, else 0 (waiting for it, reconnecting).",
+            registry=self.registry,
+        )
+        self.cache_removed = Counter(
+            "lorabus_adapter_cache_removed",
+            "Adapters this agent's prunes removed from the node's adapter cache.",
+            registry=self.registry,
+        )
+        self.cache_errors = Counter(
+            "lorabus_adapter_cache_errors",
+            "Housekeeping of the node's adapter cache that failed, by operation "
+            "(prune; remove: an entry a prune may not remove; hold: writing the "
+            "holder file); tried again later.",
+            ["operation"],
+            registry=self.registry,
+        )
+        for operation in ("prune", "remove", "hold"):
+            self.cache_errors.labels(operation)  # at 0 from the start, for rate()
+
+    def cache_pruned(self, removed: int) -> None:
+        """A prune of the adapter cache ended, having removed ``removed`` entries."""
+        self.cache_removed.inc(removed)
+
+    def cache_failed(self, operation: str) -> None:
+        """Housekeeping of the adapter cache failed (to be tried again)."""
+        self.cache_errors.labels(operation).inc()
 
 
 class InstrumentedDriver:

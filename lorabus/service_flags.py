@@ -131,13 +131,16 @@ AGENT_FLAGS = (
         "cache_dir",
         "--cache-dir",
         "Where adapters fetched from the fleet's object store are kept on this node "
-        "(agents of one node may share it: each adapter is fetched once). "
-        "Default: $XDG_CACHE_HOME/lorabus/adapters, else ~/.cache/lorabus/adapters.",
+        "(agents of one node, of one fleet or several, may share it: each adapter is "
+        "fetched once, and none an engine of the node serves is pruned). "
+        "Default: $XDG_CACHE_HOME/lorabus/adapters/<fleet>, "
+        "else ~/.cache/lorabus/adapters/<fleet>.",
     ),
     Flag(
         "cache_keep",
         "--keep",
-        "Adapters kept in the cache besides those the engine serves.",
+        "Adapters a prune keeps in the cache, the most recently used, besides those "
+        "an engine of the node serves.",
         type=click.IntRange(min=0),
     ),
     Flag(
@@ -186,8 +189,9 @@ COORDINATOR_FLAGS = (
     Flag(
         "orphan_after_s",
         "--orphan-after",
-        "Seconds after which an adapter pushed to the object store but never "
-        "committed is deleted (at a later commit).",
+        "Seconds after which an object of the store that nothing keeps (pushed and "
+        "never committed, or the chunks of a push that stopped) is deleted, at a later "
+        "commit; keep it above the longest push.",
         float,
     ),
     Flag(
@@ -247,7 +251,9 @@ COORDINATOR_FLAGS = (
     Flag(
         "adapter_store_max_bytes",
         "--adapter-store-max-bytes",
-        "Bytes the fleet's adapter object store may hold; a push beyond is refused.",
+        "Bytes the fleet's adapter object store may hold; a push beyond is refused, "
+        "and the fleet's KV buckets keep the rest of JetStream's storage "
+        "(-1: no limit of its own, not advised).",
         int,
     ),
 )

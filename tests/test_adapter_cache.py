@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import io
 import os
 import re
 import shutil
@@ -23,54 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from cache_doubles import Store
 
 from lorabus import adapter_archive
-from lorabus.adapter_archive import pack
 from lorabus.adapter_digest import adapter_digest
 from lorabus.adapter_objects import ChunkSink
 from lorabus.agents import adapter_cache
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.errors import DigestMismatch, FetchFailed
-
-
-def write_adapter(root: Path, weights: bytes) -> Path:
-    root.mkdir(parents=True)
-    (root / "adapter_config.json").write_text('{"r": 8}')
-    (root / "adapter_model.safetensors").write_bytes(weights)
-    (root / "sub").mkdir()
-    (root / "sub" / "notes.txt").write_text("step")
-    return root
-
-
-class Store:
-    """Stands in for the fleet's store: packs the adapter a digest names."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.root = tmp_path / "store"
-        self.adapters: dict[str, Path] = {}
-        self.fetches: list[str] = []
-        self.gate: asyncio.Event | None = None
-        self.fetching = asyncio.Event()
-
-    def add(self, weights: bytes) -> str:
-        adapter = write_adapter(self.root / str(len(self.adapters)), weights)
-        digest = adapter_digest(adapter)
-        self.adapters[digest] = adapter
-        return digest
-
-    async def fetch(self, digest: str, into: ChunkSink) -> int:
-        """As the bus's fetch does: the object's bytes in chunks, each written
-        from a thread (a write unpacks the chunk to disk)."""
-        self.fetches.append(digest)
-        self.fetching.set()
-        if self.gate is not None:
-            await self.gate.wait()
-        packed = io.BytesIO()
-        pack(self.adapters[digest], packed)
-        data = packed.getvalue()
-        for start in range(0, len(data), 64 << 10):
-            await asyncio.to_thread(into.write, data[start : start + (64 << 10)])
-        return len(data)
 
 
 @pytest.fixture
@@ -84,8 +43,10 @@ def cache_dir(tmp_path: Path) -> Path:
 
 
 def leftovers(cache_dir: Path) -> list[str]:
-    """What the cache holds besides its lock files."""
-    found = [p.name for p in cache_dir.iterdir() if p.name not in (".locks", ".partial")]
+    """What the cache holds besides its lock and holder files."""
+    found = [
+        p.name for p in cache_dir.iterdir() if p.name not in (".locks", ".partial", ".holders")
+    ]
     return found + [p.name for p in (cache_dir / ".partial").iterdir()]
 
 
