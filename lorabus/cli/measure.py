@@ -277,6 +277,12 @@ def bench(
     "partitions to the faults: one node's routes to the others cut both ways.",
 )
 @click.option(
+    "--adapters",
+    type=click.Choice(["bus", "path"]),
+    help="How updates name adapters: pushed to the fleet's object store and asked for by "
+    f"digest (bus), or a directory every agent reads (path) [default: {_CHAOS.adapters}].",
+)
+@click.option(
     "--out", "out_path", type=click.Path(dir_okay=False), help="Write the run's figures as JSON."
 )
 @click.option(
@@ -292,6 +298,7 @@ def chaos(
     world_sizes: list[int] | None,
     fault_gap: float | None,
     nats_cluster: bool,
+    adapters: str | None,
     out_path: str | None,
     run_dir: str | None,
 ) -> None:
@@ -315,6 +322,7 @@ def chaos(
         "faults": faults,
         "seed": seed,
         "mean_gap_s": fault_gap,
+        "adapters": adapters,
         "run_dir": Path(run_dir) if run_dir else None,
     }
     world_sizes = [sizes[i % len(sizes)] for i in range(count)]

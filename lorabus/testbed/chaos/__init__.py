@@ -4,10 +4,13 @@ Modules, one job each: ``config`` (the run's settings), ``schedule`` (the
 seeded, reproducible fault schedule), ``procs`` (child processes, always
 reaped), ``fleet`` (NATS, the simulated engines, agent and coordinator
 processes, and the faults on them), ``inject`` (applying and healing the
-schedule), ``observe`` (watching the engines and the bus), ``timeline`` (what
-was seen, on one clock), ``updates`` (the update loop with same-id retries),
-``invariants`` (the checks), ``report`` (the figures) and ``runner`` (the
-whole run: ``lorabus.testbed.chaos.runner.run_chaos``).
+schedule), ``observe`` (watching the engines and the bus), ``store_watch``
+(sampling the adapter object store against its records), ``timeline`` (what
+was seen, on one clock), ``adapters`` (each step's adapter: written, and
+pushed to the store), ``updates`` (the update loop with same-id retries),
+``invariants`` (the checks; ``store_keeps`` judges the store's samples),
+``report`` (the figures) and ``runner`` (the whole run:
+``lorabus.testbed.chaos.runner.run_chaos``).
 
 Only the modules that need no ``sim`` extra are imported here, so that the
 CLI can read ``ChaosConfig``'s defaults without it.

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from lorabus.client import REASK_S
 from lorabus.testbed.chaos.invariants import Bounds
@@ -27,7 +28,17 @@ class FleetSettings:
     phase_timeout_s: float = 6.0
     quorum_timeout_s: float = 5.0
     verify_timeout_s: float = 6.0
+    prepare_timeout_s: float = 6.0
+    """Deadline for every member to fetch an adapter from the object store."""
     quorum: float = 1.0
+    keep: int = 2
+    """Versions of an adapter the coordinators keep (``--keep``): beyond them a
+    commit lets the oldest go, and the leader deletes its object."""
+    orphan_after_s: float = 5.0
+    """Objects nothing keeps go once this old (``--orphan-after``): short, so
+    that deletions happen often in a run; above the client's interval
+    between asks (3 s), so that a new leader has heard again of every
+    request its predecessor had queued before it sweeps."""
     coordinators: int = 2
     log_level: str = "INFO"
     nats_nodes: int = 1
@@ -65,6 +76,30 @@ class ChaosConfig:
     """Share of gaps between updates that last longer than lease + grace."""
     run_dir: Path | None = None
     """Logs, NATS store and adapters; default: a temporary one, kept on violations."""
+    adapters: Literal["bus", "path"] = "bus"
+    """How updates name adapters: ``bus``, pushed to the fleet's object store
+    and asked for by digest (each agent fetches it into a cache of its own);
+    ``path``, a directory every agent reads."""
+    reuse_chance: float = 0.15
+    """Share of steps (``bus``) that push an earlier step's or orphan's bytes
+    again as their new version: the same digest, maybe deleted since."""
+    orphan_chance: float = 0.15
+    """Share of steps (``bus``) that also push an adapter never asked for."""
+    store_sample_s: float = 0.5
+    """How often (``bus``) the store is sampled against its records (``store_keeps``)."""
+
+    def __post_init__(self) -> None:
+        if self.adapters not in ("bus", "path"):
+            raise ValueError(f"adapters travel by 'bus' or 'path', not {self.adapters!r}")
+        for name in ("reuse_chance", "orphan_chance"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.store_sample_s <= 0:
+            raise ValueError(f"store_sample_s must be > 0, got {self.store_sample_s}")
+
+    @property
+    def by_bus(self) -> bool:
+        return self.adapters == "bus"
 
     def fleet_settings(self) -> FleetSettings:
         settings = self.fleet or FleetSettings(world_sizes=self.world_sizes)
@@ -80,10 +115,13 @@ class ChaosConfig:
         lease (until a standby takes over), the client's interval between asks
         (until it asks the new leader) and 2 s to spare, then the successor's
         roll-back of what the frozen leader left in flight (a resume: one phase)
-        and two whole updates at their deadlines: at most one queued ahead of it
-        (the update loop asks one at a time), and its own."""
+        and two whole updates at their deadlines (with their fetches from the
+        store, by bus): at most one queued ahead of it (the update loop asks
+        one at a time), and its own."""
         s = self.fleet_settings()
         update_s = s.quorum_timeout_s + 3 * s.phase_timeout_s + s.verify_timeout_s
+        if self.by_bus:
+            update_s += s.prepare_timeout_s
         return s.leader_lease_s + REASK_S + 2.0 + s.phase_timeout_s + 2 * update_s
 
     def bounds(self) -> Bounds:

@@ -1,7 +1,8 @@
 """The fleet a chaos run breaks: nats-server, simulated engines, agents, coordinators.
 
 Agents and coordinators are ``lorabus agent`` / ``lorabus coordinator`` OS
-processes, so a kill is a real kill; the simulated Dynamo fleet is served from
+processes, so a kill is a real kill (each agent with an adapter cache of its
+own, as on a node of its own); the simulated Dynamo fleet is served from
 this process (its engines are watched exactly and faulted directly); the
 nats-server is a :class:`NatsServer` process that can be stopped and started
 again on the same port with the same JetStream store.
@@ -277,6 +278,8 @@ class ChaosFleet:
             world_size=worker.world_size,
             heartbeat_s=s.heartbeat_s,
             engine_timeout_s=s.engine_timeout_s,
+            # A cache of its own, as on a node of its own (kept across restarts).
+            cache_dir=str(self.run_dir / "caches" / worker_id),
         )
         link = await self._link(f"agent-{worker_id}")
         child = await self.processes.start(
@@ -319,7 +322,10 @@ class ChaosFleet:
             phase_timeout_s=s.phase_timeout_s,
             quorum_timeout_s=s.quorum_timeout_s,
             verify_timeout_s=s.verify_timeout_s,
+            prepare_timeout_s=s.prepare_timeout_s,
             quorum=s.quorum,
+            keep=s.keep,
+            orphan_after_s=s.orphan_after_s,
             kv_replicas=len(self.nodes),
         )
         link = await self._link(f"coordinator-{holder}")

@@ -47,6 +47,15 @@ and returns the violations it found, each with the details a bug report needs.
    for more than ``UNNOTICED_PAUSE_S``: an agent whose pause call got no
    answer reports the engine as maybe paused, and undoes a pause that lands
    late, until the pause's lease has run out.
+10. ``store_keeps``: at every moment, every digest named by a committed or
+    kept version (each adapter's commit point, a reset's kept versions, the
+    update in flight and the commit it carries), or by a request of the run
+    admitted and not finished, is in the fleet's object store. Sampled every
+    ``store_sample_s`` during the run: the records, the store, the records
+    again; a digest is missing only when the same record named it in both
+    reads (or a request was in flight throughout) and the listing in between
+    did not hold it (:mod:`lorabus.testbed.chaos.store_keeps`). A sample
+    that cannot be read whole is skipped.
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ from dataclasses import dataclass
 import msgspec
 
 from lorabus.schemas import COMMITTED, ErrorCode, UpdateResult
+from lorabus.testbed.chaos.store_keeps import store_lapses
 from lorabus.testbed.chaos.timeline import (
     BLOCKING,
     ENGINE_LATENCY,
@@ -80,6 +90,7 @@ INVARIANTS = (
     "crash",
     "frozen_leader_request",
     "unnoticed_pause",
+    "store_keeps",
 )
 UNNOTICED_PAUSE_S = 1.0
 
@@ -121,6 +132,7 @@ def check_all(timeline: Timeline, bounds: Bounds) -> list[Violation]:
         *check_crashes(timeline),
         *check_one_call_requests(timeline),
         *check_unnoticed_pauses(timeline),
+        *check_store_keeps(timeline),
     ]
 
 
@@ -128,6 +140,13 @@ def check_unnoticed_pauses(timeline: Timeline) -> list[Violation]:
     return [
         Violation(invariant="unnoticed_pause", subject=worker_id, detail=detail)
         for worker_id, detail in timeline.unnoticed_pauses(UNNOTICED_PAUSE_S)
+    ]
+
+
+def check_store_keeps(timeline: Timeline) -> list[Violation]:
+    return [
+        Violation(invariant="store_keeps", subject=digest, detail=detail)
+        for digest, detail in store_lapses(timeline)
     ]
 
 

@@ -5,9 +5,9 @@ The engines are watched in this process, on their own change notifications
 it did. On the bus the observer listens as any tap would: events, commands
 (for the pause renewals and the epochs they carry; a command addressed to a
 pause's cohort is resolved through the pauses seen, and who took a broadcast
-pause through its acks), acks (what each agent acted on) and heartbeats (for
-the epoch each agent reports having seen). It only listens; it never
-publishes.
+pause through its acks), acks (what each agent acted on), heartbeats (for
+the epoch each agent reports having seen) and when each update was first
+seen finished. It only listens; it never publishes.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from lorabus.schemas import (
     Phase,
     RenewLeaseCommand,
     Subjects,
+    UpdateFinished,
     ack_decoder,
     acks_in,
     command_decoder,
@@ -40,6 +41,7 @@ from lorabus.schemas import (
     tag_of,
 )
 from lorabus.simfleet import SimFleet, SimWorker
+from lorabus.testbed.chaos.invariants import UNANSWERED
 from lorabus.testbed.chaos.timeline import LeaseCommand, SeenCommand, Timeline, now
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,9 @@ class BusObserver:
                 self.timeline.epoch_seen(event.worker_id, event.epoch_seen, at)
             case LeaderElected(holder=holder, epoch=epoch):
                 self.timeline.leaders.append((at, holder, epoch))
+            case UpdateFinished(update_id=update_id, error=error):
+                if error is None or error.code not in UNANSWERED:
+                    self.timeline.finished_seen.setdefault(update_id, at)
 
     async def _on_command(self, msg: Msg) -> None:
         try:

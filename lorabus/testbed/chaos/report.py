@@ -46,6 +46,9 @@ class ChaosReport(msgspec.Struct, kw_only=True):
     violations: list[Violation]
     observed: dict[str, Any]
     run_dir: str
+    adapter_store: dict[str, Any] = {}
+    """By bus: the pushes by kind, the store's samples, and the requests
+    refused because their adapter was not (or no longer) in the store."""
 
     @property
     def ok(self) -> bool:
@@ -64,6 +67,17 @@ class ChaosReport(msgspec.Struct, kw_only=True):
             + f", without a terminal result {self.no_terminal_result}; "
             f"{self.retried} needed the same id asked again; goodput {self.goodput:.0%}",
         ]
+        store = self.adapter_store
+        if store.get("pushes"):
+            kinds = store["pushes"]
+            lines.append(
+                f"adapter store: pushed {sum(kinds.values())} (new {kinds.get('new', 0)}, "
+                f"earlier bytes again {kinds.get('again', 0)} ({store['uploaded_again']} "
+                f"uploaded again after their deletion), orphans {kinds.get('orphan', 0)}); "
+                f"{store['samples']} samples, {store['samples_skipped']} skipped, at most "
+                f"{store['most_objects']} objects; {store['refused_not_stored']} requests "
+                "refused as not in the store"
+            )
         calls = self.one_call_requests
         if calls.get("made"):
             outcomes = ", ".join(f"{what} {n}" for what, n in calls["outcomes"].items())
@@ -125,7 +139,32 @@ def build_report(
         violations=violations,
         observed=_observed(timeline),
         run_dir=run_dir,
+        adapter_store=_adapter_store(timeline),
     )
+
+
+_NOT_STORED = ("not in the fleet's object store", "being deleted from the fleet's object store")
+
+
+def _adapter_store(timeline: Timeline) -> dict[str, Any]:
+    if not timeline.pushes:
+        return {}
+    refused = [
+        u.update_id
+        for u in timeline.updates
+        if u.result is not None
+        and u.result.error is not None
+        and any(said in u.result.error.message for said in _NOT_STORED)
+    ]
+    return {
+        "pushes": dict(sorted(Counter(p.kind for p in timeline.pushes).items())),
+        "uploaded_again": sum(p.kind == "again" and p.uploaded for p in timeline.pushes),
+        "samples": len(timeline.store_samples),
+        "samples_skipped": timeline.store_samples_skipped,
+        "most_objects": max((len(s.stored) for s in timeline.store_samples), default=0),
+        "refused_not_stored": len(refused),
+        "refused_not_stored_ids": refused,
+    }
 
 
 def _spread(values: list[float]) -> dict[str, float]:

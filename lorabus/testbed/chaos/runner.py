@@ -2,10 +2,11 @@
 
 The run, in order: start NATS and the simulated engines, start listening
 (engines and bus), start the coordinators and agents, wait until the fleet is
-ready; then for ``duration_s`` (or until ``faults`` faults have been
-injected) run the update loop while the injector applies the schedule; then
-heal every fault, ask for a recovery update, let the engines converge, ask
-again for every update id, and judge the timeline.
+ready, start sampling the adapter store (by bus); then for ``duration_s`` (or
+until ``faults`` faults have been injected) run the update loop while the
+injector applies the schedule; then heal every fault, ask for a recovery
+update, let the engines converge, ask again for every update id, stop
+sampling, and judge the timeline.
 Every process is stopped on the way out, also on Ctrl-C.
 """
 
@@ -27,8 +28,11 @@ import nats.errors
 
 from lorabus.bus import close, connect
 from lorabus.client import UpdateClient
+from lorabus.coordinator.config import StorageConfig
+from lorabus.coordinator.store import FleetStore
 from lorabus.errors import NoCoordinator
 from lorabus.schemas import Subjects
+from lorabus.testbed.chaos.adapters import StepAdapters
 from lorabus.testbed.chaos.config import ChaosConfig
 from lorabus.testbed.chaos.fleet import ChaosFleet
 from lorabus.testbed.chaos.inject import FaultInjector
@@ -36,6 +40,7 @@ from lorabus.testbed.chaos.invariants import check_all
 from lorabus.testbed.chaos.observe import BusObserver, EngineWatcher
 from lorabus.testbed.chaos.report import ChaosReport, build_report
 from lorabus.testbed.chaos.schedule import Fault, build_schedule
+from lorabus.testbed.chaos.store_watch import StoreWatcher
 from lorabus.testbed.chaos.timeline import Timeline, now
 from lorabus.testbed.chaos.updates import UpdateLoop
 
@@ -86,6 +91,10 @@ async def run_chaos(config: ChaosConfig, out: Callable[[str], None] = print) -> 
             "idle_chance": config.idle_chance,
             "faults": config.faults,
             "one_call_timeout_s": config.one_call_timeout_s(),
+            "adapters": config.adapters,
+            "reuse_chance": config.reuse_chance,
+            "orphan_chance": config.orphan_chance,
+            "store_sample_s": config.store_sample_s,
         },
         timeline=timeline,
         schedule=schedule,
@@ -136,10 +145,19 @@ async def _run(
     observer = BusObserver(Subjects(fleet=settings.fleet), timeline)
     watcher = asyncio.create_task(EngineWatcher(fleet.sim, timeline).run(), name="engine-watcher")
     client = UpdateClient(nc, settings.fleet)
-    loop = UpdateLoop(
+    adapters = StepAdapters(
         client,
         timeline,
         run_dir / "adapters",
+        by_bus=config.by_bus,
+        seed=config.seed,
+        reuse_chance=config.reuse_chance,
+        orphan_chance=config.orphan_chance,
+    )
+    loop = UpdateLoop(
+        client,
+        timeline,
+        adapters,
         seed=config.seed,
         run_id=f"chaos{config.seed}-{uuid.uuid4().hex[:6]}",
         attempt_timeout_s=config.attempt_timeout_s,
@@ -156,6 +174,7 @@ async def _run(
     injector = FaultInjector(
         fleet, schedule, client, out, request_once=request_once, stop_after=config.faults
     )
+    sampling: asyncio.Task[None] | None = None
     try:
         await observer.start(nc)
         await fleet.start_services()
@@ -164,7 +183,10 @@ async def _run(
             raise RuntimeError(
                 f"the fleet did not become ready within 30s; logs in {run_dir / 'logs'}\n{crashes}"
             )
+        store_watcher = await _store_watcher(config, fleet, client, timeline)
         began = timeline.origin = now()
+        if store_watcher is not None:
+            sampling = asyncio.create_task(store_watcher.run(), name="store-watcher")
         injecting = asyncio.create_task(injector.run(began), name="injector")
         try:
             # Until the run's time is up and every scheduled fault has landed.
@@ -187,13 +209,31 @@ async def _run(
             await loop.ask_again(record)
         await _wait_settled(fleet, timeline, bounds.pause_lease_s + bounds.grace_s)
         timeline.ended_at = now()
+        if sampling is not None and sampling.done():
+            sampling.result()  # raises what stopped the sampling before its time
     finally:
         await injector.aclose()
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        tasks = [t for t in (watcher, sampling) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await observer.stop()
         await close(nc)
     return injector
+
+
+async def _store_watcher(
+    config: ChaosConfig, fleet: ChaosFleet, client: UpdateClient, timeline: Timeline
+) -> StoreWatcher | None:
+    """By bus, what samples the adapter store against the fleet's records (read
+    as the coordinators read them, from the run's own connection)."""
+    if not config.by_bus:
+        return None
+    storage = StorageConfig(fleet=fleet.settings.fleet, kv_replicas=len(fleet.nodes))
+    records = await FleetStore.open(client.nc, storage)
+    return StoreWatcher(
+        client.nc, client.subjects, records, timeline, every_s=config.store_sample_s
+    )
 
 
 async def _wait_settled(fleet: ChaosFleet, timeline: Timeline, deadline_s: float) -> None:

@@ -3,9 +3,10 @@
 Everything is stamped with this process's ``time.monotonic()`` when it was
 seen: engine state changes of the simulated fleet (in this process, so exact),
 messages on the bus (when they arrived here), faults (when they were applied
-and healed) and update requests (when asked and answered). The record is plain
-data, so the invariant checker is a pure function of it and can be fed planted
-records in tests.
+and healed), update requests (when asked, sent and answered), the adapters
+pushed to the fleet's object store, and samples of that store beside the
+records that keep its objects. The record is plain data, so the invariant
+checker is a pure function of it and can be fed planted records in tests.
 """
 
 from __future__ import annotations
@@ -98,11 +99,49 @@ class SeenCommand:
     targets: frozenset[str]
 
 
+@dataclass(frozen=True)
+class StoreSample:
+    """One look at the fleet's adapter object store, between two reads of the
+    records that keep its objects (lorabus.testbed.chaos.store_watch).
+
+    A record is named by what it is (``commit point of policy v5 ...``): the
+    same name in both reads is the same record, unchanged in between."""
+
+    began: float
+    """When the first read of the records began."""
+    listed_from: float
+    """When the listing of the store began, after that read had ended."""
+    listed_to: float
+    """When the listing ended, before the second read of the records began."""
+    ended: float
+    """When the second read of the records ended."""
+    before: dict[str, frozenset[str]]
+    """Record -> the digests it keeps in the store, in the first read."""
+    after: dict[str, frozenset[str]]
+    """The same, in the second read."""
+    stored: frozenset[str]
+    """The digests of the objects the store held, as listed."""
+
+
+@dataclass(frozen=True)
+class Push:
+    """An adapter the run pushed to the fleet's object store."""
+
+    at: float
+    digest: str
+    kind: str
+    """``new`` (a step's own bytes), ``again`` (an earlier step's or orphan's
+    bytes, for a new version) or ``orphan`` (never requested)."""
+    uploaded: bool
+    """False when the store held the digest already (nothing was sent)."""
+
+
 @dataclass
 class UpdateRecord:
     update_id: str
     version: int
     path: str
+    """What the request names: a directory, or ``bus:sha256:...`` (the store)."""
     requested_at: float
     answered_at: float | None = None
     attempts: list[str] = field(default_factory=list)
@@ -118,6 +157,9 @@ class UpdateRecord:
     """The coordinator that was frozen (SIGSTOP) when that one call was made."""
     call_s: float | None = None
     """How long that one call took to return, whatever it returned."""
+    sent_at: float | None = None
+    """When it was first sent (after its adapter was written, and pushed);
+    None when it never was (its push did not succeed)."""
 
     @property
     def one_call(self) -> bool:
@@ -159,6 +201,14 @@ class Timeline:
     ended_at: float | None = None
     healed_at: float | None = None
     """When every fault had been healed (the final convergence starts here)."""
+    finished_seen: dict[str, float] = field(default_factory=dict)
+    """By update id: when the first ``update_finished`` event with a terminal
+    status was seen for it (the coordinator had finished it by then)."""
+    pushes: list[Push] = field(default_factory=list)
+    store_samples: list[StoreSample] = field(default_factory=list)
+    store_samples_skipped: int = 0
+    """Samples of the store that could not be read whole (the bus down, a
+    record unreadable): skipped, not judged."""
 
     def at(self, when: float) -> str:
         """``when`` as an offset into the run, as faults are printed: ``t+12.34s``."""
@@ -312,7 +362,9 @@ class Timeline:
                 {
                     "update_id": u.update_id,
                     "version": u.version,
+                    "path": u.path,
                     "requested_at": rel(u.requested_at),
+                    "sent_at": rel(u.sent_at),
                     "answered_at": rel(u.answered_at),
                     "attempts": u.attempts,
                     "result": None if u.result is None else msgspec.to_builtins(u.result),
@@ -332,6 +384,12 @@ class Timeline:
                 for u in self.updates
             ],
             "events": dict(self.event_counts),
+            "pushes": [[rel(p.at), p.digest, p.kind, p.uploaded] for p in self.pushes],
+            "store_samples": {
+                "taken": len(self.store_samples),
+                "skipped": self.store_samples_skipped,
+                "most_objects": max((len(s.stored) for s in self.store_samples), default=0),
+            },
             "healed_at": rel(self.healed_at),
             "ended_at": rel(self.ended_at),
             "final_committed": self.final_committed,

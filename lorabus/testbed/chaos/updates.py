@@ -1,12 +1,14 @@
 """The update loop of a chaos run: one RL step after another, asked until answered.
 
-Each step writes a real PEFT adapter and asks for it with a fixed update id.
-An attempt that hears nothing final (``timeout``, ``no_coordinator``,
-``not_leader``, or the bus itself failing while NATS restarts) is repeated
-with the same id, as an orchestrator would, until a terminal result or the
-retry bound. Steps are spaced by a seeded gap, now and then (often after a
-failed step) one longer than the pause lease and its grace, so that an engine
-left paused is not hidden by the next update resuming it.
+Each step writes a real PEFT adapter, pushes it to the fleet's object store
+(or, by path, leaves it where agents read it: ``adapters.py``) and asks for
+it with a fixed update id. An attempt that hears nothing final
+(``timeout``, ``no_coordinator``, ``not_leader``, or the bus itself failing
+while NATS restarts) is repeated with the same id, as an orchestrator
+would, until a terminal result or the retry bound. Steps are spaced by a
+seeded gap, now and then (often after a failed step) one longer than the
+pause lease and its grace, so that an engine left paused is not hidden by
+the next update resuming it.
 
 The frozen-leader fault asks for one more update through :meth:`UpdateLoop.
 request_once`: one client call, never repeated here, while the loop's own
@@ -22,23 +24,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import shutil
 from collections.abc import Callable
-from pathlib import Path
 
 import nats.errors
 
 from lorabus.client import UpdateClient
 from lorabus.errors import LorabusError
 from lorabus.schemas import UpdateResult
+from lorabus.testbed.chaos.adapters import StepAdapters
 from lorabus.testbed.chaos.invariants import is_terminal
 from lorabus.testbed.chaos.timeline import Timeline, UpdateRecord, now
-from lorabus.testbed.trainer import write_adapter
 
 log = logging.getLogger(__name__)
 
 ADAPTER = "policy"
-_KEEP_ADAPTER_DIRS = 8
 _RETRY_PAUSE_S = 0.2
 _IDLE_AFTER_FAILURE = 0.75
 _HUNG_AFTER_S = 10.0
@@ -50,7 +49,7 @@ class UpdateLoop:
         self,
         client: UpdateClient,
         timeline: Timeline,
-        adapter_root: Path,
+        adapters: StepAdapters,
         *,
         seed: int,
         run_id: str,
@@ -62,7 +61,7 @@ class UpdateLoop:
     ) -> None:
         self.client = client
         self.timeline = timeline
-        self.adapter_root = adapter_root
+        self.adapters = adapters
         self.run_id = run_id
         self.attempt_timeout_s = attempt_timeout_s
         self.retry_bound_s = retry_bound_s
@@ -70,7 +69,6 @@ class UpdateLoop:
         self.idle_s = idle_s
         self.out = out
         self.step = 0
-        self._committed_version = 0
         self._rng = random.Random(f"{seed}-updates")
 
     async def run_until(self, deadline: float, also: asyncio.Task[None] | None = None) -> None:
@@ -96,13 +94,17 @@ class UpdateLoop:
         self.step += 1
         step = self.step
         update_id = f"{self.run_id}-step-{step}"
-        path = str(write_adapter(self.adapter_root, step))
-        self._prune(step)
-        record = UpdateRecord(update_id=update_id, version=step, path=path, requested_at=now())
+        record = UpdateRecord(update_id=update_id, version=step, path="", requested_at=now())
         self.timeline.updates.append(record)
         if recovery:
             self.timeline.recovery_ids.add(update_id)
         give_up_at = record.requested_at + self.retry_bound_s
+        path, why = await self.adapters.prepare(step, give_up_at=give_up_at)
+        if path is None:
+            record.attempts.append(f"never sent: its push failed until the retry bound ({why})")
+            self._report(record)
+            return record
+        record.path, record.sent_at = path, now()
         while True:
             remaining = give_up_at - now()
             result = await self._attempt(update_id, path, step, max(0.5, remaining))
@@ -117,14 +119,18 @@ class UpdateLoop:
         self._report(record)
         return record
 
-    async def request_once(self, timeout_s: float, *, frozen_leader: str) -> UpdateRecord:
+    async def request_once(self, timeout_s: float, *, frozen_leader: str) -> UpdateRecord | None:
         """Ask for the next version with ONE ``UpdateClient.update`` call and record
         what it returned: whatever it is, it is not asked again here (the
-        invariant ``frozen_leader_request`` judges it)."""
+        invariant ``frozen_leader_request`` judges it). Its adapter is pushed
+        first (by bus); if that fails for a whole timeout, nothing is asked."""
         self.step += 1
         step = self.step
         update_id = f"{self.run_id}-once-{step}"
-        path = str(write_adapter(self.adapter_root, step))
+        path, why = await self.adapters.prepare(step, give_up_at=now() + timeout_s, variety=False)
+        if path is None:
+            self.out(f"update {update_id}: not asked, its push failed ({why})")
+            return None
         record = UpdateRecord(
             update_id=update_id,
             version=step,
@@ -133,6 +139,7 @@ class UpdateLoop:
             one_call_timeout_s=timeout_s,
             frozen_leader=frozen_leader,
         )
+        record.sent_at = record.requested_at
         self.timeline.updates.append(record)
         try:
             async with asyncio.timeout(timeout_s + _HUNG_AFTER_S):
@@ -156,7 +163,7 @@ class UpdateLoop:
             return False
         record.result, record.answered_at = result, now()
         if result.committed:
-            self._committed_version = max(self._committed_version, record.version)
+            self.adapters.committed_version = max(self.adapters.committed_version, record.version)
         return True
 
     async def ask_again(self, record: UpdateRecord) -> None:
@@ -181,14 +188,6 @@ class UpdateLoop:
         except nats.errors.Error as exc:
             log.info("update=%s attempt failed on the bus: %r", update_id, exc)
             return None
-
-    def _prune(self, step: int) -> None:
-        """Keep the newest few adapter directories (a long run writes hundreds), and
-        always the committed one: a restarted engine reloads it from there."""
-        for directory in self.adapter_root.glob("step_*"):
-            version = int(directory.name.removeprefix("step_"))
-            if version < min(step - _KEEP_ADAPTER_DIRS, self._committed_version):
-                shutil.rmtree(directory, ignore_errors=True)
 
     def _report(self, record: UpdateRecord) -> None:
         result = record.result
