@@ -378,6 +378,17 @@ class Agent:
 
     # -- starting and leaving ------------------------------------------------
 
+    async def resume_left_paused(self) -> None:
+        """Resume an engine a predecessor may have left paused, before the bus
+        is reached: no lease holds it, and waiting for NATS must not keep it
+        paused. Never raises; once connected, :meth:`run` resumes it again
+        and says so on the bus."""
+        try:
+            async with asyncio.timeout(_RESUME_ON_EXIT_S):
+                await self.executor.resume_unasked()
+        except Exception as exc:
+            log.warning("worker=%s could not resume its engine at start: %s", self.worker_id, exc)
+
     async def _resume_at_start(self, parts: _Parts) -> None:
         """A predecessor that died (SIGKILL) may have left the engine paused, and
         no lease is held now: resuming an engine that runs is harmless."""

@@ -22,6 +22,7 @@ from nats.js.kv import KeyValue
 
 from lorabus.adapter_objects import ChunkSink, fetch_object
 from lorabus.agents.beats import BeatPolicy
+from lorabus.bus import wait_flushed
 from lorabus.rate_limit import PerSecond
 from lorabus.schemas import Ack, Event, Heartbeat, Subjects, encode, tag_of
 
@@ -29,7 +30,6 @@ from lorabus.schemas import Ack, Event, Heartbeat, Subjects, encode, tag_of
 log = logging.getLogger("lorabus.agents.agent")
 
 _BAD_EVENTS_PER_S = 10
-_FLUSH_TIMEOUT_S = 5
 _FETCH_TIMEOUT_S = 24 * 3600.0
 """A fetch runs under its command's budget; this only ends one nobody bounds."""
 
@@ -80,8 +80,9 @@ class AgentBus:
                 await sub.unsubscribe()
 
     async def flush(self) -> None:
-        """Wait until the server has what this connection sent (its subscriptions)."""
-        await self._nc.flush(timeout=_FLUSH_TIMEOUT_S)
+        """Wait until the server has what this connection sent (its subscriptions),
+        for as long as NATS takes to answer (it may be restarting)."""
+        await wait_flushed(self._nc, who=f"worker={self._worker_id}")
 
     async def state_bucket(self) -> KeyValue:
         """The fleet's state bucket in KV (the leader record, the committed state)."""

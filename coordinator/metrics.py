@@ -71,6 +71,11 @@ class CoordinatorMetrics:
             "The epoch of this coordinator's latest term as leader (0: never led).",
             registry=self.registry,
         )
+        self.bus_connected = Gauge(
+            "lorabus_bus_connected",
+            "1 while this process is connected to NATS, else 0 (waiting for it, reconnecting).",
+            registry=self.registry,
+        )
         self.registry.register(_MembershipCollector(membership, alerts))
 
 

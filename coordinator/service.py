@@ -37,6 +37,7 @@ from collections.abc import Callable
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
+from lorabus.bus import wait_flushed
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.clock import now
 from lorabus.coordinator.adapter_store import AdapterStore
@@ -105,6 +106,7 @@ class Coordinator:
         ``ready`` means "up": leading, or standing by to take over.
         """
         self._max_payload = lambda: nc.max_payload
+        self.metrics.bus_connected.set_function(lambda: nc.is_connected)
         bus = CoordinatorBus(
             nc,
             self.subjects,
@@ -142,7 +144,8 @@ class Coordinator:
         self._acks = bus.acks
         subs = await bus.follow()
         try:
-            await nc.flush(timeout=5)
+            # NATS may be away right now (restarting, say): wait for it.
+            await wait_flushed(nc, who=f"coordinator {self.holder} of fleet {self.config.fleet}")
             if ready is not None:
                 ready.set()
             log.info(

@@ -1,8 +1,19 @@
-"""Connecting to NATS with settings that fail fast and notice dead links early.
+"""Connecting to NATS with settings that fail fast and notice dead links early,
+and waiting for it where a process must outlast it.
 
 nats-py's defaults suit long-lived services badly here: the first connect
 retries for about two minutes on a wrong URL, and a dead link is noticed only
 after two minutes of pings. Every lorabus process connects through this module.
+
+A command (``update``, ``status``) connects with :func:`connect`, which gives
+up after a deadline. A serving process (coordinator, agent, following tap)
+must not exit because NATS is slow or away, at start or later:
+:func:`wait_connected` and :func:`wait_flushed` try again with a growing
+pause for as long as it takes (:func:`until_answered`), saying so once, then
+once a minute, and once more when the bus answers. What trying again cannot
+mend (credentials or a certificate refused, options that expose credentials,
+malformed options) still raises at once. Once connected, nats-py reconnects
+on its own, without end.
 """
 
 from __future__ import annotations
@@ -12,17 +23,31 @@ import contextlib
 import logging
 import re
 import ssl
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 import nats
+import nats.errors
 import nats.js
 from nats.aio.client import Client as NatsClient
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_base,
+    retry_if_exception,
+    retry_if_result,
+    wait_exponential,
+    wait_random,
+)
 
 from lorabus.bus_options import BusOptions
+from lorabus.clock import now
 from lorabus.errors import BadRequest, BusError, BusUnreachable, PermissionDenied
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class _TlsCloseNoise(logging.Filter):
@@ -42,7 +67,8 @@ class FleetConnection(NatsClient):
     """A NATS connection whose JetStream calls go where its identity's account
     has the fleet's JetStream (``BusOptions.js_api_prefix``): every part that
     reads a bucket or the audit stream gets it from the connection it is
-    handed, and need not know which role it runs as."""
+    handed, and need not know which role it runs as; and that outlives a
+    flush that timed out (nats-py 2.16 does not)."""
 
     def __init__(self, js_api_prefix: str | None = None) -> None:
         super().__init__()
@@ -52,6 +78,19 @@ class FleetConnection(NatsClient):
         if self.js_api_prefix and "prefix" not in options and "domain" not in options:
             options["prefix"] = self.js_api_prefix
         return super().jetstream(**options)
+
+    async def _process_pong(self) -> None:
+        # nats-py's flush() cancels its future when it times out, but leaves
+        # it queued: the PONG that answers it once the server is back would
+        # raise InvalidStateError in the read loop, which then stops reading
+        # for good (a deaf client, until its pings call the link stale). That
+        # PONG is the one the flush gave up on: take both off the queue.
+        if self._pongs and self._pongs[0].done():
+            self._pongs.pop(0)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+            return
+        await super()._process_pong()
 
 
 def js_api_of(nc: NatsClient) -> str:
@@ -70,6 +109,10 @@ class Bus(msgspec.Struct, frozen=True):
             self.url, name=name, options=self.options, connect_timeout_s=connect_timeout_s
         )
 
+    async def wait_connected(self, name: str, *, who: str | None = None) -> NatsClient:
+        """:func:`wait_connected` to this bus."""
+        return await wait_connected(self.url, name=name, options=self.options, who=who)
+
 
 async def connect(
     url: str,
@@ -86,6 +129,46 @@ async def connect(
     credentials, and :class:`BusUnreachable` when no connection is made within
     ``connect_timeout_s``; no message shows a secret.
     """
+    reached = await _connect_once(url, name, options, connect_timeout_s)
+    if isinstance(reached, BusUnreachable):
+        raise reached
+    return reached
+
+
+async def wait_connected(
+    url: str,
+    *,
+    name: str,
+    options: BusOptions | None = None,
+    who: str | None = None,
+    attempt_s: float = 5.0,
+) -> NatsClient:
+    """:func:`connect`, for as long as NATS takes to answer: a serving process
+    waits for its bus. Each attempt lasts up to ``attempt_s`` (nats-py tries
+    every half second meanwhile), then a pause growing to 10 s; ``who`` (by
+    default ``name``) opens the log lines that say it waits.
+
+    Raises at once what trying again cannot mend, as :func:`connect` does:
+    :class:`InsecureConnection`, :class:`BadRequest`, :class:`PermissionDenied`
+    (credentials or a client certificate refused) and the
+    :class:`BusUnreachable` of a server certificate this client cannot verify.
+    """
+    reached = await until_answered(
+        lambda: _connect_once(url, name, options, attempt_s),
+        who=who or name,
+        doing="connecting to NATS",
+        retry=retry_if_result(lambda reached: isinstance(reached, BusUnreachable)),
+    )
+    if isinstance(reached, BusUnreachable):  # never: such an outcome is tried again
+        raise reached
+    return reached
+
+
+async def _connect_once(
+    url: str, name: str, options: BusOptions | None, timeout_s: float
+) -> NatsClient | BusUnreachable:
+    """One attempt of :func:`connect`: the connection, or the BusUnreachable
+    of an attempt that trying again may mend. What it cannot mend is raised."""
     servers = [part.strip() for part in url.split(",") if part.strip()]
     options = options or BusOptions()
     try:
@@ -95,9 +178,11 @@ async def connect(
     nc = FleetConnection(options.js_api_prefix)
     refused: asyncio.Future[BusError] = asyncio.get_running_loop().create_future()
     refusals = 0
+    last_error: Exception | None = None
+    """What the last try of this attempt failed with, to say why it did."""
 
     async def on_error(exc: Exception) -> None:
-        nonlocal refusals
+        nonlocal refusals, last_error
         final = None if nc.is_connected else _refusal(exc, redact(url))
         if final is not None and not refused.done():
             # nats-py would retry the same credentials forever; in a cluster,
@@ -109,6 +194,8 @@ async def connect(
             # Refused by this identity's permissions: a set-up to fix, said by name.
             log.error("nats (%s): %s", name, str(exc).removeprefix("nats: ").strip("'"))
             return
+        if not nc.is_connected:
+            last_error = exc
         # Before the first connection, failures are summed up by the errors raised below.
         log.log(
             logging.WARNING if nc.is_connected or nc.is_reconnecting else logging.DEBUG,
@@ -140,27 +227,118 @@ async def connect(
             **identity,
         )
     )
+    unreachable: BusUnreachable | None = None
     try:
         either: set[asyncio.Future[Any]] = {connecting, refused}
-        await asyncio.wait(either, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(either, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if refused.done() and not (connecting.done() and connecting.exception() is None):
             raise refused.result()
         if not connecting.done():
-            raise BusUnreachable(
-                f"cannot reach NATS at {redact(url)} within {connect_timeout_s:.0f}s"
+            last = f" (last: {_said(last_error)})" if last_error is not None else ""
+            unreachable = BusUnreachable(
+                f"cannot reach NATS at {redact(url)} within {timeout_s:.0f}s{last}"
             )
-        try:
-            connecting.result()
-        except (OSError, nats.errors.Error) as exc:
-            raise BusUnreachable(f"cannot reach NATS at {redact(url)}: {exc}") from exc
+        else:
+            try:
+                connecting.result()
+            except (OSError, nats.errors.Error) as exc:
+                unreachable = BusUnreachable(f"cannot reach NATS at {redact(url)}: {_said(exc)}")
+                unreachable.__cause__ = exc
     except BaseException:
-        connecting.cancel()
-        await asyncio.gather(connecting, return_exceptions=True)
-        # A client that never connected cannot close cleanly (nats-py asserts).
-        with contextlib.suppress(Exception):
-            await nc.close()
+        await _abandon(nc, connecting)
         raise
+    if unreachable is not None:
+        await _abandon(nc, connecting)
+        return unreachable
     return nc
+
+
+def _said(exc: BaseException) -> str:
+    """What ``exc`` says; its type where it says nothing (a TimeoutError)."""
+    return str(exc) or type(exc).__name__
+
+
+async def _abandon(nc: NatsClient, connecting: asyncio.Future[Any]) -> None:
+    """Stop a connection attempt that did not succeed."""
+    connecting.cancel()
+    await asyncio.gather(connecting, return_exceptions=True)
+    # A client that never connected cannot close cleanly (nats-py asserts).
+    with contextlib.suppress(Exception):
+        await nc.close()
+
+
+_FLUSH_TIMEOUT_S = 5
+_PAUSES = wait_exponential(multiplier=0.5, max=10.0) + wait_random(0, 0.5)
+"""Between two tries at the bus: 0.5 s doubling to 10 s, and a jitter, so
+that a fleet's processes do not all knock at once when NATS comes back."""
+STILL_WAITING_EVERY_S = 60.0
+"""How often a process that still waits for its bus says so again."""
+
+
+async def wait_flushed(nc: NatsClient, *, who: str) -> None:
+    """Wait until the server has what ``nc`` sent (its subscriptions, say),
+    for as long as the bus takes to answer; ``who`` opens the log lines that
+    say it waits. A closed connection raises (no wait can mend it)."""
+    await until_answered(
+        lambda: nc.flush(timeout=_FLUSH_TIMEOUT_S),
+        who=who,
+        doing="flushing to NATS",
+        retry=retry_if_exception(is_transient),
+    )
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed call to NATS may work once the bus answers again (a
+    timeout, a link being re-made), rather than never (a closed connection)."""
+    if isinstance(exc, nats.errors.ConnectionClosedError | nats.errors.ConnectionDrainingError):
+        return False
+    return isinstance(exc, TimeoutError | nats.errors.Error | OSError)
+
+
+async def until_answered(
+    call: Callable[[], Awaitable[_T]], *, who: str, doing: str, retry: retry_base
+) -> _T:
+    """``call()``, again after a growing pause (0.5 s to 10 s) while ``retry``
+    says its outcome may mend once the bus answers; any other outcome is
+    returned or raised. Said at WARNING once when the waiting starts, again
+    every :data:`STILL_WAITING_EVERY_S`, and at INFO when it ends: never a
+    line per try."""
+    began = now()
+    said_at: float | None = None
+
+    def say(state: RetryCallState) -> None:
+        nonlocal said_at
+        outcome = state.outcome
+        assert outcome is not None  # tenacity sleeps only after an attempt
+        failure = outcome.exception() if outcome.failed else outcome.result()
+        cause = _said(failure) if isinstance(failure, BaseException) else failure
+        if said_at is None:
+            log.warning(
+                "%s waiting for the bus: %s failed (%s); trying again with a growing pause",
+                who,
+                doing,
+                cause,
+            )
+        elif now() - said_at >= STILL_WAITING_EVERY_S:
+            log.warning(
+                "%s still waiting for the bus after %.0fs: %s failed (%s)",
+                who,
+                now() - began,
+                doing,
+                cause,
+            )
+        else:
+            return
+        said_at = now()
+
+    async def attempt() -> _T:  # a coroutine function, as tenacity wants to see
+        return await call()
+
+    # No stop: a serving process waits as long as it takes, until cancelled.
+    result: _T = await AsyncRetrying(retry=retry, wait=_PAUSES, before_sleep=say)(attempt)
+    if said_at is not None:
+        log.info("%s done waiting for the bus after %.0fs: %s", who, now() - began, doing)
+    return result
 
 
 def _refusal(exc: BaseException, where: str) -> BusError | None:

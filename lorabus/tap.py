@@ -7,7 +7,9 @@ consumer: a consumer's deliver subject would let whoever may create one have
 JetStream publish stored commands wherever it names (docs/security.md). Its
 place is the last sequence it wrote: a tap appending to a trail file starts
 after the file's last record, so a tap that stops (or a nats-server that
-restarts) goes on where it left off, writing nothing twice.
+restarts) goes on where it left off, writing nothing twice. A read that
+gets no answer is tried again for as long as the bus is away
+(:func:`~lorabus.bus.until_answered`: said once, then once a minute).
 
 No message can stop the tap: each payload is read by the wire contract's
 reader for its subject, and one that is not a valid message (not JSON, the
@@ -26,6 +28,7 @@ import contextlib
 import datetime as dt
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -33,7 +36,13 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    retry_if_exception_type,
+    wait_exponential,
+)
 
 from lorabus.audit import (
     TrailRecord,
@@ -43,7 +52,7 @@ from lorabus.audit import (
     read_payload,
     subject_problem,
 )
-from lorabus.bus import js_api_of
+from lorabus.bus import is_transient, js_api_of, until_answered
 from lorabus.cancellation import raise_if_cancelled
 from lorabus.errors import AuditStreamMissing, BusError
 from lorabus.render import printable
@@ -118,21 +127,18 @@ class Tap:
         js = self.nc.jetstream()
         await self._until_stream(js, self.subjects.audit_stream(), follow)
         written = 0
-        pause = 0.1
         start: dict[str, object] = {"seq": max(self.last_seq + 1, self.start_seq or 1)}
         if self.start_time is not None and not self.last_seq:
             start = {"start_time": self.start_time.astimezone(dt.UTC).isoformat()}
         while True:
             raise_if_cancelled()
-            try:
-                batch = await self._read(start)
-                pause = 0.1
-            except (TimeoutError, nats.errors.Error) as exc:
-                # The bus is away (a restart): the next read starts where we are.
-                log.warning("tap: %s; retrying in %.1fs", exc, pause)
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 5.0)
-                continue
+            # The bus may be away (a restart): the next read starts where we are.
+            batch = await until_answered(
+                partial(self._read, start),
+                who=f"tap of fleet {self.subjects.fleet}",
+                doing=f"reading the audit stream {self.subjects.audit_stream()}",
+                retry=retry_if_exception(is_transient),
+            )
             for msg in batch:
                 record = to_record(msg, self.subjects)
                 if record.seq > self.last_seq:

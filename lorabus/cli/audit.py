@@ -62,7 +62,11 @@ def tap(
     subjects = subjects_of(fleet)
 
     async def follow_trail() -> int:
-        nc = await Bus(nats_url, bus).connect(f"lorabus-tap-{fleet}")
+        target, name = Bus(nats_url, bus), f"lorabus-tap-{fleet}"
+        if follow:  # a tap that follows serves as long as the fleet: it waits for its bus
+            nc = await target.wait_connected(name, who=f"tap of fleet {fleet}")
+        else:  # a replay is a command: it says at once that NATS is away
+            nc = await target.connect(name)
         reader = Tap(
             nc,
             subjects,

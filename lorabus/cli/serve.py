@@ -1,7 +1,10 @@
 """The serving processes: ``lorabus agent`` (one per worker) and ``lorabus coordinator``.
 
 Both run until SIGTERM or SIGINT, and take their settings from the tables in
-:mod:`lorabus.service_flags`.
+:mod:`lorabus.service_flags`. Neither exits because NATS is slow or away: each
+waits for its bus (:func:`lorabus.bus.wait_connected`), serving its metrics
+meanwhile, and exits at once only on what waiting cannot mend (credentials
+refused, options that would expose them).
 """
 
 from __future__ import annotations
@@ -136,7 +139,11 @@ async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
                 await agent.executor.refresh()
             except EngineError as exc:
                 log.warning("worker=%s engine not answering at start: %s", config.worker_id, exc)
-            nc = await bus.connect(f"lorabus-agent-{config.worker_id}")
+            await agent.resume_left_paused()
+            nc = await bus.wait_connected(
+                f"lorabus-agent-{config.worker_id}", who=f"worker={config.worker_id}"
+            )
+            metrics.bus_connected.set_function(lambda: nc.is_connected)
             try:
                 await agent.run(nc)
             finally:
@@ -152,11 +159,14 @@ async def coordinator(config: CoordinatorConfig, bus: Bus, metrics_port: int | N
     from lorabus.bus import close
     from lorabus.coordinator import Coordinator
 
-    nc = await bus.connect(f"lorabus-coordinator-{config.fleet}")
     service = Coordinator(config)
-    try:
-        with serving(service.metrics.registry, metrics_port):
+    with serving(service.metrics.registry, metrics_port):
+        nc = await bus.wait_connected(
+            f"lorabus-coordinator-{config.fleet}",
+            who=f"coordinator {service.holder} of fleet {config.fleet}",
+        )
+        try:
             await service.run(nc)
-    finally:
-        await close(nc)
+        finally:
+            await close(nc)
     return 0
