@@ -4,8 +4,9 @@ which objects to delete, decided in one place (:func:`delete_unkept`) from
 the records that are the truth, read when it deletes.
 
 Only the orchestrator role writes the store (``lorabus adapter push``), agents
-read it (:mod:`lorabus.adapter_objects`), and only the leader deletes. What
-must stay, at every moment (the invariant ``lorabus chaos`` checks):
+read it (:mod:`lorabus.adapter_objects`), and only coordinators may purge it:
+the leader, which checks it still leads before each deletion. What must
+stay, at every moment (the invariant ``lorabus chaos`` checks):
 
 - every adapter's committed version and the versions kept beside it (its
   commit point's ``digest`` and ``kept``; where a reset removed the commit
@@ -19,28 +20,36 @@ must stay, at every moment (the invariant ``lorabus chaos`` checks):
   deleted is refused to admission meanwhile, as not stored.
 
 Everything else may go. The versions a commit let go of (its ``dropped``)
-are deleted right after it, by the leader that wrote it or by a successor
-that finished it from the update left in flight, so both do the same.
-Anything else (pushed and never committed, the chunks of a push that
-stopped before its meta, a meta record that is no pushed adapter's) goes
-once older than ``orphan_after_s``, in a sweep at most every
-``SWEEP_EVERY_S`` (or ``orphan_after_s``), and a term sweeps only once it
-has led that long: the requests its predecessor had admitted are asked
-again of it by then. A record that cannot be read stops the deletion: what
-it names is unknown, and nothing is deleted on a guess.
+are deleted right after it by the leader that wrote it, which knows the
+requests queued behind it. A successor that finished the commit from the
+update left in flight does not know its predecessor's queue: it leaves them
+to its first sweep, by when those requesters have asked it again. A sweep
+(a task of the term, under the term's lock, so that no update commits in
+the middle of it: at most every ``SWEEP_EVERY_S``, or ``orphan_after_s`` if
+shorter, and a term's first one only ``TAKEOVER_GRACE_S`` after it took over
+from a predecessor) deletes those, and anything else older than
+``orphan_after_s``: pushed and never committed, the chunks of a push that
+stopped before its meta, a meta record that is no pushed adapter's. The
+records are read once per deletion round (no commit can land meanwhile),
+the requests before each deletion. A record or a listing that cannot be
+read stops the round: what it names is unknown, and nothing is deleted on a
+guess. A round that fails is tried again at the next sweep; it never ends a
+term.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Set
+from collections.abc import Awaitable, Callable, Collection, Mapping, Set
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 
 from lorabus.adapter_objects import (
     StoreContents,
+    check_digest,
     delete_chunks,
     delete_meta,
     delete_object,
@@ -58,41 +67,69 @@ log = logging.getLogger(__name__)
 _LOOK_TIMEOUT_S = 5.0
 SWEEP_EVERY_S = 600.0
 """At most one sweep for orphans this often (or every ``orphan_after_s``)."""
+TAKEOVER_GRACE_S = 15.0
+"""A term that took over from a predecessor sweeps no sooner: requesters ask
+a new leader again within a few seconds (``UpdateClient``'s ``reask_s``),
+and only then are the requests its predecessor had queued in its book."""
 
 
 class AdapterStore:
     """The leader's handle on the object store, and its memory of what
-    requests named lately (for one coordinator process)."""
+    admission is looking for and what waits for a sweep (for one
+    coordinator process)."""
 
     def __init__(
-        self, nc: NatsClient, subjects: Subjects, clock: Callable[[], float] = now
+        self,
+        nc: NatsClient,
+        subjects: Subjects,
+        *,
+        orphan_after_s: float = 3600.0,
+        clock: Callable[[], float] = now,
     ) -> None:
         self._nc = nc
         self._subjects = subjects
         self._clock = clock
+        self.orphan_after_s = orphan_after_s
+        self.sweep_every_s = min(orphan_after_s, SWEEP_EVERY_S)
         self._looking: Counter[str] = Counter()
         """Digests admission is looking for now: a request on its way into
         the queue, whose object must not be deleted under it."""
         self._deleting: set[str] = set()
-        self._swept_at = clock()
+        self._next_sweep = clock()
+        self.pending: set[str] = set()
+        """Digests a commit recovered from a predecessor let go of: for the
+        term's first sweep, once its predecessor's requesters asked again."""
 
-    def took_office(self) -> None:
-        """A new term leads: its first sweep comes a sweep period from now,
-        once its predecessor's requesters have asked it again."""
-        self._swept_at = self._clock()
+    def took_office(self, *, successor: bool) -> None:
+        """A new term leads. Its first sweep comes a sweep period from now,
+        and, after a predecessor (``successor``), no sooner than
+        ``TAKEOVER_GRACE_S``: by then that term's requesters have asked again."""
+        grace = max(self.sweep_every_s, TAKEOVER_GRACE_S) if successor else self.sweep_every_s
+        self._next_sweep = self._clock() + grace
+
+    def defer(self, dropped: Collection[str]) -> None:
+        """What a commit recovered from a predecessor let go of: deleted at
+        this term's first sweep, no sooner than ``TAKEOVER_GRACE_S`` from now
+        (the predecessor's queue reaches this term as its requesters ask again)."""
+        self.pending.update(dropped)
+        self._next_sweep = max(self._next_sweep, self._clock() + TAKEOVER_GRACE_S)
+
+    def next_sweep_in(self) -> float:
+        """Seconds until the next sweep is due (0: now)."""
+        return max(0.0, self._next_sweep - self._clock())
+
+    def sweep_due(self) -> bool:
+        """Whether a sweep is due; True marks it done (the next one a sweep
+        period later: listing the store costs a read per object)."""
+        at = self._clock()
+        if at < self._next_sweep:
+            return False
+        self._next_sweep = at + self.sweep_every_s
+        return True
 
     def looked_for(self) -> set[str]:
         """The digests admission is looking for now."""
         return set(self._looking)
-
-    def sweep_due(self, every_s: float) -> bool:
-        """Whether a sweep for orphans is due (at most one every ``every_s``:
-        listing the store costs a read per object); True marks it done."""
-        at = self._clock()
-        if at - self._swept_at < every_s:
-            return False
-        self._swept_at = at
-        return True
 
     async def check_stored(self, digest: str) -> None:
         """Raise BadRequest unless the store holds an object under ``digest``.
@@ -135,8 +172,8 @@ class AdapterStore:
     async def delete_meta(self, subject: str) -> None:
         await delete_meta(self._nc, self._subjects, subject)
 
-    async def delete_chunks(self, nuid: str) -> None:
-        await delete_chunks(self._nc, self._subjects, nuid)
+    async def delete_chunks(self, key: str) -> None:
+        await delete_chunks(self._nc, self._subjects, key)
 
 
 def kept_beside(
@@ -231,43 +268,66 @@ async def delete_unkept(
     *,
     dropped: Collection[str],
     in_use: Callable[[], Set[str]],
-    orphan_after_s: float,
+    leading: Callable[[], Awaitable[bool]],
+    sweep: bool,
     wall_now: float,
 ) -> list[str]:
-    """Delete ``dropped`` (what a commit let go of) and, when a sweep is due,
-    what is older than ``orphan_after_s`` (the store's time stamps against
-    ``wall_now``, the system clock's): each only if no record keeps it
-    (:func:`kept_by_records`) and no request ``in_use`` (queued) names it or
-    is being admitted for it, both asked again right before each deletion.
-    The digests deleted (and, swept, the leftovers of pushes that stopped)."""
-    sweeping = objects.sweep_due(min(orphan_after_s, SWEEP_EVERY_S))
-    if not dropped and not sweeping:
+    """Delete ``dropped`` (what a commit let go of) and, with ``sweep``, what
+    waits for a sweep (``objects.pending``) and what is older than the orphan
+    age (the store's time stamps against ``wall_now``, the system clock's):
+    each only if no record keeps it (:func:`kept_by_records`) and no request
+    ``in_use`` (queued or running) names it or is being admitted for it,
+    those asked again right before each deletion, while this term is still
+    ``leading`` (asked too). The records are read once: the caller holds the
+    term's lock, so no commit lands meanwhile. The digests deleted (and,
+    swept, the leftovers of pushes that stopped)."""
+    if not dropped and not sweep:
         return []
     kept = await kept_by_records(records)
+    deleted: list[str] = []
 
-    def may_go(digest: str) -> bool:
-        return digest not in kept and digest not in in_use() | objects.looked_for()
+    async def may_go(digest: str) -> bool:
+        if digest in kept or digest in in_use() | objects.looked_for():
+            return False
+        if not await leading():
+            raise BusError("no longer leading: the deletion stops")
+        return True
 
     def old(at: float | None) -> bool:
-        return at is not None and wall_now - at > orphan_after_s
+        return at is not None and wall_now - at > objects.orphan_after_s
 
-    deleted = []
     for digest in sorted(set(dropped)):
-        if may_go(digest) and await objects.delete(digest):
+        if await may_go(digest) and await objects.delete(digest):
             deleted.append(digest)
-    if not sweeping:
+    if not sweep:
         return deleted
+    # Listed whole before anything goes: a listing that fails deletes nothing.
     contents = await objects.contents()
-    for digest, at in sorted(contents.objects.items()):
-        if old(at) and may_go(digest) and await objects.delete(digest):
+    for digest in sorted(objects.pending):
+        objects.pending.discard(digest)
+        if digest in contents.objects and await may_go(digest) and await objects.delete(digest):
             deleted.append(digest)
+    for digest, at in sorted(contents.objects.items()):
+        if digest not in deleted and old(at) and await may_go(digest):
+            if await objects.delete(digest):
+                deleted.append(digest)
     for meta, at in sorted(contents.stray_metas.items()):
-        if old(at):
+        named = _digest_of_meta(meta)
+        if old(at) and (named is None or await may_go(named)):
             log.warning("adapter store: removing %s, a meta record of no pushed adapter", meta)
             await objects.delete_meta(meta)
             deleted.append(meta)
-    for nuid, at in sorted(contents.stray_chunks.items()):
-        if old(at):
-            await objects.delete_chunks(nuid)
-            deleted.append(f"chunks {nuid}")
+    for key, at in sorted(contents.stray_chunks.items()):
+        if old(at) and await leading():
+            await objects.delete_chunks(key)
+            deleted.append(f"chunks {key}")
     return deleted
+
+
+def _digest_of_meta(meta: str) -> str | None:
+    """The digest a meta subject is named after, if it is one."""
+    try:
+        name = base64.urlsafe_b64decode(meta.rpartition(".")[2]).decode()
+        return check_digest(name)
+    except ValueError:
+        return None

@@ -100,6 +100,7 @@ class UpdateBook:
         self.lineages: dict[str, int] = {}
         """Each adapter's lineage, where this term has learned it."""
         self.running: str | None = None
+        self._running_path = ""
         self._results: OrderedDict[str, UpdateResult] = OrderedDict()
         self._unpersisted: dict[str, UpdateResult] = {}
         self._requests: OrderedDict[str, UpdateRequest] = OrderedDict()
@@ -114,9 +115,10 @@ class UpdateBook:
         """Requests waiting behind the one running."""
         return len(self._queue)
 
-    def waiting_paths(self) -> list[str]:
-        """The adapter paths of the requests queued behind the one running."""
-        return [queued.request.path for queued in self._queue]
+    def held_paths(self) -> list[str]:
+        """The adapter paths of the request running and those queued behind it."""
+        running = [self._running_path] if self.running is not None else []
+        return running + [queued.request.path for queued in self._queue]
 
     def outcome(self, update_id: str) -> UpdateResult | None:
         """The id's result if this term has it; ``pending`` while it is queued
@@ -233,7 +235,7 @@ class UpdateBook:
             self._queued.clear()
             await self._queued.wait()
         checked = self._queue.pop(0)
-        self.running = checked.update_id
+        self.running, self._running_path = checked.update_id, checked.request.path
         return checked
 
     def finish(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -203,22 +204,34 @@ async def _clear_inflight(term: Term, journalled: Journalled) -> None:
 
 
 async def retire_after(term: Term, committed: CommittedRecord) -> None:
-    """Delete from the adapter store what ``committed`` let go of, and sweep
-    it when a sweep is due (coordinator/adapter_store.py decides what may
-    go): after the announcement, by the term that committed or by a
-    successor that finished the commit, and never at the cost of the commit
-    (what a failure leaves is swept later)."""
+    """Delete from the adapter store what ``committed`` let go of (see
+    coordinator/adapter_store.py): after the announcement, by the term that
+    committed it, which knows the requests queued behind it. Never at the
+    cost of the commit, nor of the term: what a failure leaves is swept later."""
+    if not committed.dropped:
+        return
+    await housekeep(term, dropped=committed.dropped, sweep=False)
+
+
+async def housekeep(term: Term, *, dropped: Sequence[str] = (), sweep: bool) -> None:
+    """One round of deletions from the adapter store (a commit's ``dropped``,
+    or a sweep), logged; whatever goes wrong is logged and left for the next
+    sweep: housekeeping never ends a term."""
     try:
         deleted = await delete_unkept(
             term.store,
             term.adapters,
-            dropped=committed.dropped,
-            in_use=lambda: {d for p in term.book.waiting_paths() if (d := digest_of(p))},
-            orphan_after_s=term.config.orphan_after_s,
+            dropped=dropped,
+            in_use=lambda: {d for p in term.book.held_paths() if (d := digest_of(p))},
+            leading=term.still_leading,
+            sweep=sweep,
             wall_now=time.time(),
         )
     except (StoreUnavailable, BusError) as exc:
         log.warning("epoch=%d could not delete retired adapters: %s", term.epoch, exc)
+        return
+    except Exception:
+        log.exception("epoch=%d deleting retired adapters crashed", term.epoch)
         return
     if deleted:
         log.info("epoch=%d deleted retired adapters from the store: %s", term.epoch, deleted)

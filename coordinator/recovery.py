@@ -38,7 +38,6 @@ from typing import TypeVar
 
 import msgspec
 
-from lorabus.coordinator.commit import retire_after
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.signals import LeadershipLost, LostRace, SteppedAside, StoreUnavailable
 from lorabus.coordinator.store import COMMITTED as COMMITTED_KEY
@@ -120,8 +119,10 @@ async def _take_over(term: Term, runner: UpdateRunner, found: _LeftState) -> str
         # rolling back would withdraw a committed version.
         assert commit_point is not None
         await _record_commit(term, in_flight, commit_point, recorded)
-        # What the term that ran it would have deleted after its answer.
-        await retire_after(term, commit_point)
+        # What the term that ran it would have deleted after its answer, at
+        # this term's first sweep: the requests its predecessor had queued
+        # behind it are in this term's book only once asked again.
+        term.adapters.defer(commit_point.dropped)
     elif recorded is None:
         # Taken over first, so that a predecessor frozen past its lease, all
         # its acks in hand, can no longer claim the commit once it wakes.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
-from lorabus.adapter_objects import digest_of
+from lorabus.coordinator.adapter_store import kept_beside
 from lorabus.coordinator.signals import LeadershipLost
 from lorabus.coordinator.store import CorruptRecord
 from lorabus.coordinator.term import Term
@@ -138,9 +138,8 @@ def _kept_by(committed: CommittedRecord | None, *, keep: int) -> list[StoredVers
     forgets a version, never the bytes (a later commit may be the same)."""
     if committed is None:
         return []
-    own = digest_of(committed.path)
-    kept = [StoredVersion(version=committed.version, digest=own)] if own is not None else []
-    return (kept + [v for v in committed.kept if v.digest != own])[: max(keep, 1)]
+    # The versions a next commit would keep beside it, with one more place.
+    return kept_beside(None, committed, None, keep=keep + 1)[0]
 
 
 async def _reset_lineage(term: Term, adapter: str) -> int:

@@ -45,7 +45,7 @@ from lorabus.coordinator.admission import Admission
 from lorabus.coordinator.alerts import MemberAlerts
 from lorabus.coordinator.book import UpdateBook
 from lorabus.coordinator.bus import CoordinatorBus
-from lorabus.coordinator.commit import announce_term
+from lorabus.coordinator.commit import announce_term, housekeep
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.frontend import FrontendClient
 from lorabus.coordinator.gather import AckRouter
@@ -69,6 +69,8 @@ from lorabus.signing import CommandSigner
 log = logging.getLogger(__name__)
 
 ALERT_CHECK_S = 1.0
+_SWEEP_TICK_S = 1.0
+"""The shortest wait between two looks whether a sweep of the store is due."""
 """How often the leader looks for members that need a person's look."""
 
 
@@ -132,7 +134,7 @@ class Coordinator:
                 remedy="elected over by compare-and-set on its revision, once no lease runs",
             ),
         )
-        adapters = AdapterStore(nc, self.subjects)
+        adapters = AdapterStore(nc, self.subjects, orphan_after_s=self.config.orphan_after_s)
         owned: FrontendClient | None = None
         frontend = self._frontend
         if frontend is None:
@@ -211,6 +213,7 @@ class Coordinator:
                 tasks.create_task(self._lead(nc, term, runner))
                 tasks.create_task(self._watch_members(term))
                 tasks.create_task(self._check_streams(nc, term))
+                tasks.create_task(self._sweep_store(term))
         except* LeadershipLost as lost:
             log.warning("epoch=%d stepped down: %s", term.epoch, lost.exceptions[0])
             if any(isinstance(exc, SteppedAside) for exc in lost.exceptions):
@@ -291,6 +294,18 @@ class Coordinator:
         for stream, problem in await unsafe_settings(nc.jetstream(), self.config):
             log.error("epoch=%d %s", term.epoch, problem)
             await term.reports.bad(f"$JS.API.STREAM.INFO.{stream}", problem, 0)
+
+    async def _sweep_store(self, term: Term) -> None:
+        """For one term: sweep the adapter store whenever a sweep is due
+        (coordinator/adapter_store.py), under the term's lock, so that no
+        update commits in the middle of one. Also when no update commits: a
+        store full of orphans refuses the pushes that updates need."""
+        while True:
+            await asyncio.sleep(max(term.adapters.next_sweep_in(), _SWEEP_TICK_S))
+            if not self.leading.is_set() or not term.adapters.sweep_due():
+                continue  # still recovering, or a sweep came sooner
+            async with term.serial:
+                await housekeep(term, sweep=True)
 
     def _highest_epoch_seen(self) -> int:
         """The highest epoch the live agents' heartbeats say they have seen."""

@@ -135,9 +135,16 @@ _GUARDED = (
     "mirror_direct",
 )
 _AUDIT_GUARDED = ("deny_purge", "allow_direct", "allow_msg_ttl")
-_STORE_GUARDED = ("allow_rollup_hdrs", "max_msgs_per_subject", "discard_new_per_subject")
-"""What keeps every subject of the adapter store written once: else a publish
-could replace or remove an object (lorabus/adapter_objects.py)."""
+_STORE_GUARDED = (
+    "allow_rollup_hdrs",
+    "max_msgs_per_subject",
+    "discard_new_per_subject",
+    "discard",
+    "max_age",
+)
+"""What keeps every subject of the adapter store written once and kept until
+the leader deletes it: else a publish could replace or remove an object, or
+the stream drop one on its own (lorabus/adapter_objects.py)."""
 
 
 def _setting(field: str, value: Any) -> Any:
@@ -148,6 +155,10 @@ def _setting(field: str, value: Any) -> Any:
         return value or None
     if field == "max_msgs_per_subject":
         return value
+    if field == "discard":
+        return str(getattr(value, "value", value) or "old")
+    if field == "max_age":
+        return value or 0
     return bool(value)
 
 

@@ -127,7 +127,7 @@ class Term:
         """The largest message the bus carries (the server's, once connected)."""
         self.adapters = adapters
         """The fleet's object store of adapters (``bus:`` paths)."""
-        adapters.took_office()
+        adapters.took_office(successor=epoch > 1)
         self.book = UpdateBook(max_queued=config.max_queued)
         self.serial = asyncio.Lock()
         """Held by each update while it runs and by each reset: a reset never

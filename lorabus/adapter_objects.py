@@ -12,16 +12,20 @@ checked against the adapter digest by the agent's cache
 (lorabus.agents.adapter_cache).
 
 The store is written once, message by message. An object is its chunks, one
-per subject (``$O.<bucket>.C.<nuid>.<index>``), then its meta record
-(``$O.<bucket>.M.<base64 of the digest>``, nats's object info). The stream
-keeps one message per subject, refuses a second one (discard new per
-subject) and refuses rollup headers: a publish can add an object, never
+per subject (``$O.<bucket>.C.<hex of the digest>.<nuid>.<index>``, the nuid
+random per push), then its meta record (``$O.<bucket>.M.<base64 of the
+digest>``, nats's object info). The stream takes only subjects of those
+shapes, keeps one message per subject, refuses a second one (discard new
+per subject) and refuses rollup headers: a publish can add an object, never
 replace, shadow or remove one. Only the purge API removes anything, and only
 the coordinator may call it (lorabus.roles): so the orchestrator, which
-publishes on these subjects to push, cannot wipe the store. Chunks of a push
-that stopped before its meta stay until the leader sweeps them
-(coordinator/adapter_store.py). The stream has a size limit of its own, so a
-full store refuses pushes and leaves the fleet's buckets their room.
+publishes on these subjects to push, cannot wipe the store. An object's
+chunks live under its own digest: a meta record naming another object's
+nuid names no chunk of it, and deleting an object purges nothing of
+another. Chunks of a push that stopped before its meta stay until the
+leader sweeps them (coordinator/adapter_store.py). The stream has a size
+limit of its own, so a full store refuses pushes and leaves the fleet's
+buckets their room.
 
 A request names such an adapter by a *bus path*: ``bus:sha256:<hex>``.
 """
@@ -35,6 +39,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import tempfile
 from dataclasses import dataclass
 from datetime import datetime
@@ -87,6 +92,7 @@ class ChunkSink(Protocol):
 
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NUID = re.compile(r"^[A-Za-z0-9]{1,64}$")
+_CHUNK_SET = re.compile(r"^[^.*>\s]+\.[^.*>\s]+$")
 log = logging.getLogger(__name__)
 
 _READ_DEADLINE_S = 5.0
@@ -148,7 +154,7 @@ def store_config(
     bucket = subjects.adapter_store()
     return StreamConfig(
         name=_stream(subjects),
-        subjects=[f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"],
+        subjects=[f"$O.{bucket}.C.*.*.*", f"$O.{bucket}.M.*"],
         max_bytes=max_bytes,
         max_consumers=0,
         max_msgs_per_subject=1,
@@ -170,8 +176,13 @@ def _meta_subject(subjects: Subjects, digest: str) -> str:
     return f"$O.{subjects.adapter_store()}.M.{name}"
 
 
-def _chunk_subject(subjects: Subjects, nuid: str, index: int | str) -> str:
-    return f"$O.{subjects.adapter_store()}.C.{nuid}.{index}"
+def _chunks_of(subjects: Subjects, digest: str, nuid: str) -> str:
+    """Where the chunks of one push of ``digest`` live: under its own digest."""
+    return f"$O.{subjects.adapter_store()}.C.{digest.removeprefix('sha256:')}.{nuid}"
+
+
+def _chunk_subject(subjects: Subjects, digest: str, nuid: str, index: int | str) -> str:
+    return f"{_chunks_of(subjects, digest, nuid)}.{index}"
 
 
 def _no_store(subjects: Subjects) -> BusError:
@@ -183,7 +194,10 @@ def _no_store(subjects: Subjects) -> BusError:
 
 async def _read_meta(nc: NatsClient, subjects: Subjects, digest: str) -> ObjectInfo | None:
     """The stored object's info (None: none, or not a pushed adapter's), by one direct get."""
-    found = await _read_meta_at(nc, subjects, _meta_subject(subjects, digest))
+    try:
+        found = await _read_meta_at(nc, subjects, _meta_subject(subjects, digest))
+    except NotAnObject:
+        return None
     if found is None or not _is_pushed(found[0], digest):
         return None
     return found[0]
@@ -193,19 +207,37 @@ async def _read_meta_at(
     nc: NatsClient, subjects: Subjects, meta: str
 ) -> tuple[ObjectInfo, float | None] | None:
     """The info stored on meta subject ``meta`` and when it was stored (None:
-    no valid time stamp); None: none there, or marked deleted. BusError when
-    what is there is no object info."""
-    msg = await _direct_get(nc, subjects, f".{meta}", b"")
+    no valid time stamp); None: none there, or marked deleted. NotAnObject
+    when what is there is no object info; BusError when it cannot be read."""
+    msg = await _get_stored(nc, subjects, meta)
+    if msg is None:
+        return None
+    info = _object_info(msg, meta)
+    return None if info.deleted else (info, _stamp_of(msg))
+
+
+class NotAnObject(BusError):
+    """Raised when a meta subject holds something that is no object info."""
+
+
+async def _get_stored(nc: NatsClient, subjects: Subjects, subject: str) -> Msg | None:
+    """The message stored on ``subject`` (None: none). BusError when it
+    cannot be read: a store that does not answer is never taken for one that
+    holds nothing."""
+    msg = await _direct_get(nc, subjects, f".{subject}", b"")
     status = (msg.headers or {}).get("Status", "")
     if status == "404":
         return None
     if status:
         raise BusError(f"reading the adapter store: {status} {_description(msg)}")
+    return msg
+
+
+def _object_info(msg: Msg, meta: str) -> ObjectInfo:
     try:
-        info = ObjectInfo.from_response(json.loads(msg.data))
+        return ObjectInfo.from_response(json.loads(msg.data))
     except (ValueError, TypeError, AttributeError) as exc:
-        raise BusError(f"the stored meta on {meta} is not valid: {exc}") from exc
-    return None if info.deleted else (info, _stamp_of(msg))
+        raise NotAnObject(f"the stored meta on {meta} is not valid: {exc}") from exc
 
 
 async def _direct_get(nc: NatsClient, subjects: Subjects, suffix: str, body: bytes) -> Msg:
@@ -259,67 +291,86 @@ class StoreContents:
     epoch, the server's clock; None: no valid time stamp)."""
 
     objects: dict[str, float | None]
-    """Digest -> when, for every object a push stored whole."""
+    """Digest -> when, for every object a push stored whole (its meta)."""
     sizes: dict[str, int]
     """Digest -> its size in bytes, for the same objects."""
+    complete: dict[str, bool]
+    """Digest -> whether every chunk its meta counts is stored."""
     stray_metas: dict[str, float | None]
     """Meta subject -> when, for meta records that are no pushed adapter's."""
     stray_chunks: dict[str, float | None]
-    """Nuid -> when its last chunk was stored, for the chunks no object's meta
-    names: a push that stopped before its meta (or one still under way)."""
+    """``<hex>.<nuid>`` -> when its first chunk was stored, for the chunks no
+    object's meta names: a push that stopped before its meta (or one still
+    under way)."""
 
 
 async def store_contents(
     nc: NatsClient, subjects: Subjects, *, timeout_s: float = 30.0
 ) -> StoreContents:
-    """Everything the store holds: the subjects from the stream's info, then
-    each meta record, and the last chunk of each set no meta names, by one
-    direct get (the reads an agent may make too: no consumer)."""
+    """Everything the store holds: the subjects from the stream's info, the
+    chunks' first (a push that ends meanwhile then has its meta listed),
+    then each meta record, and the first chunk of each set no meta names, by
+    one direct get (the reads an agent may make too: no consumer). A record
+    that cannot be read ends the listing (BusError): one taken for missing
+    or stray could be deleted."""
     bucket = subjects.adapter_store()
     try:
         async with asyncio.timeout(timeout_s):
             js = nc.jetstream()
+            listed = await js.stream_info(_stream(subjects), subjects_filter=f"$O.{bucket}.C.>")
+            chunk_sets: dict[str, int] = {}
+            for chunk in listed.state.subjects or {}:
+                key = chunk.removeprefix(f"$O.{bucket}.C.").rpartition(".")[0]
+                chunk_sets[key] = chunk_sets.get(key, 0) + 1
             metas = await js.stream_info(_stream(subjects), subjects_filter=f"$O.{bucket}.M.>")
-            firsts = await js.stream_info(_stream(subjects), subjects_filter=f"$O.{bucket}.C.*.0")
             objects: dict[str, float | None] = {}
             sizes: dict[str, int] = {}
-            named: set[str] = set()
+            complete: dict[str, bool] = {}
             stray: dict[str, float | None] = {}
             for meta in sorted(metas.state.subjects or {}):
+                msg = await _get_stored(nc, subjects, meta)
+                if msg is None:  # purged since it was listed
+                    continue
                 try:
-                    found = await _read_meta_at(nc, subjects, meta)
-                except BusError:  # not an object info at all
-                    found = None
-                digest = str(found[0].name) if found is not None else ""
+                    info: ObjectInfo | None = _object_info(msg, meta)
+                except NotAnObject:
+                    info = None
+                digest = str(info.name) if info is not None else ""
                 if (
-                    found is not None
-                    and _DIGEST.fullmatch(digest)
-                    and meta == _meta_subject(subjects, digest)
-                    and _is_pushed(found[0], digest)
+                    info is None
+                    or info.deleted
+                    or not _DIGEST.fullmatch(digest)
+                    or meta != _meta_subject(subjects, digest)
+                    or not _is_pushed(info, digest)
                 ):
-                    objects[digest], sizes[digest] = found[1], int(found[0].size or 0)
-                    named.add(str(found[0].nuid))
-                else:
-                    stray[meta] = await _stamp_at(nc, subjects, meta)
-            chunks: dict[str, float | None] = {}
-            for first in sorted(firsts.state.subjects or {}):
-                nuid = first.split(".")[-2]
-                if nuid not in named:
-                    chunks[nuid] = await _stamp_at(
-                        nc, subjects, _chunk_subject(subjects, nuid, "*")
-                    )
-            return StoreContents(objects, sizes, stray, chunks)
+                    stray[meta] = _stamp_of(msg)
+                    continue
+                key = _chunks_of(subjects, digest, str(info.nuid)).removeprefix(f"$O.{bucket}.C.")
+                objects[digest], sizes[digest] = _stamp_of(msg), int(info.size or 0)
+                complete[digest] = chunk_sets.pop(key, 0) == info.chunks
+            unnamed = {
+                key: await _first_stamp(nc, subjects, f"$O.{bucket}.C.{key}.*")
+                for key in sorted(chunk_sets)
+            }
+            return StoreContents(objects, sizes, complete, stray, unnamed)
     except nats.js.errors.NotFoundError as exc:
         raise _no_store(subjects) from exc
     except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"listing the adapter store failed: {exc!r}") from exc
 
 
-async def _stamp_at(nc: NatsClient, subjects: Subjects, subject: str) -> float | None:
-    """When the last message on ``subject`` (wildcards allowed) was stored;
-    None: none there, or undated."""
-    msg = await _direct_get(nc, subjects, "", json.dumps({"last_by_subj": subject}).encode())
-    return None if (msg.headers or {}).get("Status") else _stamp_of(msg)
+async def _first_stamp(nc: NatsClient, subjects: Subjects, subject: str) -> float | None:
+    """When the first message on ``subject`` (wildcards allowed) was stored:
+    a push's age is its first chunk's, whatever was added to it since.
+    None: none there any more, or undated. BusError when it cannot be read."""
+    body = json.dumps({"seq": 1, "next_by_subj": subject}).encode()
+    msg = await _direct_get(nc, subjects, "", body)
+    status = (msg.headers or {}).get("Status", "")
+    if status == "404":
+        return None
+    if status:
+        raise BusError(f"reading the adapter store: {status} {_description(msg)}")
+    return _stamp_of(msg)
 
 
 async def object_size(
@@ -350,8 +401,9 @@ async def push_adapter(
         check_adapter_dir(directory)
     except (ValueError, OSError) as exc:
         raise BadRequest(f"cannot push {directory!r}: {exc}") from exc
+    deadline = asyncio.timeout(timeout_s)
     try:
-        async with asyncio.timeout(timeout_s):
+        async with deadline:
             with tempfile.TemporaryFile() as archive:
                 try:
                     digest = await asyncio.to_thread(pack, directory, archive)
@@ -368,9 +420,14 @@ async def push_adapter(
                 archive.seek(0)
                 return digest, await _upload(nc, subjects, digest, archive, size)
     except TimeoutError as exc:
+        if deadline.expired():
+            raise BusError(
+                f"pushing {directory!r} to the adapter store failed: not done within its "
+                f"deadline of {timeout_s:g}s (nothing was stored under its digest)"
+            ) from exc
         raise BusError(
-            f"pushing {directory!r} to the adapter store failed: not done within its "
-            f"deadline of {timeout_s:g}s (nothing was stored under its digest)"
+            f"pushing {directory!r} to the adapter store failed: the store did not "
+            f"answer within {_READ_DEADLINE_S:g}s (nothing was stored under its digest)"
         ) from exc
     except nats.errors.Error as exc:
         raise BusError(f"pushing {directory!r} to the adapter store failed: {exc!r}") from exc
@@ -382,11 +439,19 @@ async def _upload(
     """Publish the chunks of ``archive``, then its meta; False when the same
     digest was stored whole meanwhile (by another push)."""
     js = nc.jetstream()
-    nuid = nc._nuid.next().decode()  # nats's own unique ids, as its object store takes
+    # Random, not nats's sequential nuids: nobody can take this push's chunk
+    # subjects before it does.
+    nuid = secrets.token_hex(11)
     chunk = _chunk_bytes(nc)
     count = 0
     while data := await asyncio.to_thread(archive.read, chunk):
-        await _publish(js, subjects, _chunk_subject(subjects, nuid, count), data)
+        try:
+            await _publish(js, subjects, _chunk_subject(subjects, digest, nuid, count), data)
+        except _SubjectTaken as exc:
+            raise BusError(
+                f"pushing {digest}: chunk {count} of this push was stored already, by "
+                "another hand: push again (nothing was stored under its digest)"
+            ) from exc
         count += 1
     info = ObjectInfo(
         name=digest,
@@ -414,7 +479,7 @@ async def _upload(
     return True
 
 
-class _SubjectTaken(Exception):
+class _SubjectTaken(BusError):
     """A publish on a subject that holds a message already (written once)."""
 
 
@@ -428,8 +493,10 @@ async def _publish(js: JetStreamContext, subjects: Subjects, subject: str, data:
         if "maximum bytes" in said or "resource limits" in said or "insufficient" in said:
             raise BusError(
                 f"the fleet's adapter store {subjects.adapter_store()!r} is full ({said}): "
-                "the leader deletes adapters no update keeps; an operator can raise its "
-                "limit (lorabus provision --adapter-store-max-bytes)"
+                "the leader deletes what nothing keeps once it is older than its "
+                "--orphan-after (lorabus adapter list shows what the store holds); the "
+                "store's limit is set when it is provisioned (docs/security.md, 'The "
+                "fleet's streams')"
             ) from exc
         raise
 
@@ -451,7 +518,9 @@ async def delete_object(
             if info is None:
                 return False
             await delete_meta(nc, subjects, _meta_subject(subjects, digest), timeout_s=timeout_s)
-            await delete_chunks(nc, subjects, str(info.nuid), timeout_s=timeout_s)
+            # Its own chunks only: they live under its digest.
+            key = _chunks_of(subjects, digest, str(info.nuid))
+            await _purge(nc, subjects, f"{key}.>", timeout_s)
             return True
     except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"deleting {digest} from the adapter store failed: {exc!r}") from exc
@@ -465,12 +534,14 @@ async def delete_meta(
 
 
 async def delete_chunks(
-    nc: NatsClient, subjects: Subjects, nuid: str, *, timeout_s: float = 10.0
+    nc: NatsClient, subjects: Subjects, key: str, *, timeout_s: float = 10.0
 ) -> None:
-    """Purge every chunk stored under ``nuid`` (the coordinator's right alone)."""
-    if not _NUID.fullmatch(nuid):
-        raise ValueError(f"{nuid!r} is not a nuid of the store")
-    await _purge(nc, subjects, _chunk_subject(subjects, nuid, ">"), timeout_s)
+    """Purge every chunk of the set ``key`` (``<hex>.<nuid>``, as
+    :attr:`StoreContents.stray_chunks` names it; the coordinator's right
+    alone). ValueError for a key that is not two subject tokens."""
+    if not _CHUNK_SET.fullmatch(key):
+        raise ValueError(f"{key!r} names no set of chunks of the store")
+    await _purge(nc, subjects, f"$O.{subjects.adapter_store()}.C.{key}.>", timeout_s)
 
 
 async def _purge(nc: NatsClient, subjects: Subjects, subject: str, timeout_s: float) -> None:
@@ -536,7 +607,7 @@ async def _read_chunks(
     digest, size, count = info.name, int(info.size or 0), int(info.chunks or 0)
     nuid = str(info.nuid)
     seq, read, total = 1, 0, 0
-    wildcard = _chunk_subject(subjects, nuid, "*")
+    wildcard = _chunk_subject(subjects, digest, nuid, "*")
     while read < count:
         batch = await _batch_again(nc, subjects, {"seq": seq, "next_by_subj": wildcard})
         if not batch:
@@ -544,7 +615,9 @@ async def _read_chunks(
         for msg in batch:
             headers = msg.headers or {}
             seq = int(headers.get("Nats-Sequence", "")) + 1
-            if read == count or headers.get("Nats-Subject") != _chunk_subject(subjects, nuid, read):
+            if read == count or headers.get("Nats-Subject") != _chunk_subject(
+                subjects, digest, nuid, read
+            ):
                 continue  # not the next chunk: stored after the object, or out of order
             total += len(msg.data)
             read += 1

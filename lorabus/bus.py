@@ -354,12 +354,21 @@ def _refusal(exc: BaseException, where: str) -> BusError | None:
             f"TLS: cannot verify the certificate of NATS at {where} ({exc.verify_message}); "
             "give its CA with --tls-ca"
         )
-    if isinstance(exc, ssl.SSLError):
+    if isinstance(exc, ssl.SSLError) and _is_refused_certificate(exc):
         return PermissionDenied(
             f"TLS: NATS at {where} refused this client ({exc.reason or exc}); it needs a "
             "client certificate from the server's CA (--tls-cert, --tls-key)"
         )
     return None
+
+
+def _is_refused_certificate(exc: ssl.SSLError) -> bool:
+    """Whether the server refused this client's certificate (a TLS alert),
+    not a handshake cut short (a server restarting: ``SSLEOFError``, a reset),
+    which trying again mends."""
+    if isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError | ssl.SSLSyscallError):
+        return False
+    return "ALERT" in str(getattr(exc, "reason", "") or exc).upper()
 
 
 _FLUSH_ON_CLOSE_S = 0.5

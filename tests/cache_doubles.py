@@ -8,18 +8,11 @@ import asyncio
 import io
 from pathlib import Path
 
+from adapter_dirs import write_adapter
+
 from lorabus.adapter_archive import pack
 from lorabus.adapter_digest import adapter_digest
 from lorabus.adapter_objects import ChunkSink
-
-
-def write_adapter(root: Path, weights: bytes) -> Path:
-    root.mkdir(parents=True)
-    (root / "adapter_config.json").write_text('{"r": 8}')
-    (root / "adapter_model.safetensors").write_bytes(weights)
-    (root / "sub").mkdir()
-    (root / "sub" / "notes.txt").write_text("step")
-    return root
 
 
 class Store:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from adapter_dirs import write_adapter
 
 from lorabus.adapter_objects import bus_path, object_size, push_adapter
 from lorabus.bus import close, connect
@@ -83,11 +84,12 @@ def test_a_commit_keeps_the_newest_versions_beside_it_and_drops_the_rest() -> No
     assert kept_beside(D[2], None, None, keep=2) == ([], [])
 
 
+async def _leading() -> bool:
+    return True
+
+
 def _write_adapter(root: Path, weights: bytes) -> str:
-    root.mkdir(parents=True)
-    (root / "adapter_config.json").write_text('{"r": 8}')
-    (root / "adapter_model.safetensors").write_bytes(weights)
-    return str(root)
+    return str(write_adapter(root, weights))
 
 
 def _config(fleet: str) -> CoordinatorConfig:
@@ -176,23 +178,21 @@ async def test_only_what_nothing_names_and_is_old_is_swept(
             assert result.committed, result.error
         js = stack.client.nc.jetstream()
         await js.publish(f"$O.{bucket}.M.bm90ZXM=", json.dumps({"name": "notes"}).encode())
-        await js.publish(f"$O.{bucket}.C.stopped.0", b"half a push")
+        await js.publish(f"$O.{bucket}.C.{'ab' * 32}.stopped.0", b"half a push")
 
         nc = await connect(nats_url, name="test-sweeper")
         try:
-            clock = [0.0]
-            objects = AdapterStore(nc, subjects, clock=lambda: clock[0])
+            objects = AdapterStore(nc, subjects, orphan_after_s=3600.0)
             records = await FleetStore.open(nc, _config(fleet_name))
 
             async def sweep(after_s: float) -> list[str]:
-                clock[0] += 601.0  # a sweep is due
-
                 return await delete_unkept(
                     records,
                     objects,
                     dropped=[],
                     in_use=lambda: {waiting},
-                    orphan_after_s=3600.0,
+                    leading=_leading,
+                    sweep=True,
                     wall_now=time.time() + after_s,
                 )
 
@@ -204,7 +204,8 @@ async def test_only_what_nothing_names_and_is_old_is_swept(
             await close(nc)
 
     assert young == []
-    assert sorted(old) == sorted([orphan, f"$O.{bucket}.M.bm90ZXM=", "chunks stopped"])
+    stopped = f"chunks {'ab' * 32}.stopped"
+    assert sorted(old) == sorted([orphan, f"$O.{bucket}.M.bm90ZXM=", stopped])
     assert left == {kept, committed, waiting}
     assert not any("stopped" in s or "bm90ZXM" in s for s in info.state.subjects or {})
 
@@ -223,14 +224,15 @@ async def test_nothing_is_deleted_when_a_record_cannot_be_read(
             kv = await nc.jetstream().key_value(subjects.state_bucket())
             await kv.put("committed.garbled", b"\xff not a record")
             records = await FleetStore.open(nc, _config(fleet_name))
-            objects = AdapterStore(nc, subjects, clock=lambda: 10_000.0)
+            objects = AdapterStore(nc, subjects, orphan_after_s=0.0)
             with pytest.raises(CorruptRecord, match=r"committed\.garbled"):
                 await delete_unkept(
                     records,
                     objects,
                     dropped=[orphan],
                     in_use=set,
-                    orphan_after_s=0.0,
+                    leading=_leading,
+                    sweep=True,
                     wall_now=time.time() + 7200,
                 )
             size = await object_size(nc, subjects, orphan)
@@ -274,7 +276,8 @@ async def test_an_object_admission_is_looking_for_is_not_deleted_under_it(
                 objects,
                 dropped=[digest],
                 in_use=set,
-                orphan_after_s=3600.0,
+                leading=_leading,
+                sweep=False,
                 wall_now=time.time(),
             )
             go_on.set()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import nats.js.errors
 import pytest
+from adapter_dirs import write_adapter
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
@@ -28,13 +29,6 @@ from lorabus.errors import BusError, FetchFailed
 from lorabus.schemas import Subjects
 
 MB = 1000 * 1000
-
-
-def write_adapter(root: Path, weights: bytes) -> Path:
-    root.mkdir(parents=True)
-    (root / "adapter_config.json").write_text('{"r": 8}')
-    (root / "adapter_model.safetensors").write_bytes(weights)
-    return root
 
 
 @pytest.fixture
@@ -85,16 +79,16 @@ async def test_a_second_meta_a_rollup_or_a_deletion_marker_is_refused(
             await js.get_last_msg(f"OBJ_{subjects.adapter_store()}", meta_subject(subjects, pushed))
         ).data
     )
-    nuid = meta["nuid"]
+    chunks = f"$O.{subjects.adapter_store()}.C.{pushed.removeprefix('sha256:')}.{meta['nuid']}"
     before = await stored(nc, subjects)
     size = await fetches(nc, subjects, pushed)
     forged = json.dumps({**meta, "deleted": True, "size": 0, "chunks": 0}).encode()
     attempts = [
         (meta_subject(subjects, pushed), forged, None),
         (meta_subject(subjects, pushed), forged, {"Nats-Rollup": "sub"}),
-        (f"$O.{subjects.adapter_store()}.C.{nuid}.0", b"x", None),
-        (f"$O.{subjects.adapter_store()}.C.other.0", b"x", {"Nats-Rollup": "all"}),
-        (f"$O.{subjects.adapter_store()}.C.{nuid}.0", b"x", {"Nats-Rollup": "sub"}),
+        (f"{chunks}.0", b"x", None),
+        (f"$O.{subjects.adapter_store()}.C.{'0' * 64}.other.0", b"x", {"Nats-Rollup": "all"}),
+        (f"{chunks}.0", b"x", {"Nats-Rollup": "sub"}),
     ]
     for subject, data, headers in attempts:
         with pytest.raises(nats.js.errors.APIError):
@@ -116,8 +110,9 @@ async def test_a_chunk_stored_after_an_object_is_no_part_of_it(
         ).data
     )
     size = await fetches(nc, subjects, pushed)
-    await js.publish(f"$O.{subjects.adapter_store()}.C.{meta['nuid']}.{meta['chunks']}", b"more")
-    await js.publish(f"$O.{subjects.adapter_store()}.C.{meta['nuid']}.x", b"more")
+    chunks = f"$O.{subjects.adapter_store()}.C.{pushed.removeprefix('sha256:')}.{meta['nuid']}"
+    await js.publish(f"{chunks}.{meta['chunks']}", b"more")
+    await js.publish(f"{chunks}.x", b"more")
 
     assert await fetches(nc, subjects, pushed) == size
 
@@ -127,7 +122,7 @@ async def test_a_push_into_a_full_store_fails_saying_so(
 ) -> None:
     before = await stored(nc, subjects)
     big = write_adapter(tmp_path / "big", os.urandom(3 * MB))
-    with pytest.raises(BusError, match=r"adapter store .* is full .*--adapter-store-max-bytes"):
+    with pytest.raises(BusError, match=r"adapter store .* is full .*lorabus adapter list"):
         await push_adapter(nc, subjects, str(big))
     assert await object_size(nc, subjects, pushed) is not None
     assert await stored(nc, subjects) >= before  # what was there stays

@@ -11,7 +11,11 @@ its own identity.
 
 from __future__ import annotations
 
+import base64
+import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,7 +52,7 @@ async def test_a_full_store_refuses_pushes_and_the_fleet_goes_on(
         status = await stack.client.status()
 
     assert refused is not None, "the store took more than its limit"
-    assert "is full" in str(refused) and "--adapter-store-max-bytes" in str(refused)
+    assert "is full" in str(refused) and "lorabus adapter list" in str(refused)
     assert result.committed and result.digest == kept, result.error
     assert status.leader and status.epoch == epoch, "the leader kept its lease"
 
@@ -66,9 +70,20 @@ def test_auth_init_gives_the_fleet_account_a_jetstream_budget(method: str, tmp_p
     assert default_jetstream_bytes(nodes) == 3 * default_jetstream_bytes()
     if method == "nkey":
         assert f"max_file: {default_jetstream_bytes()}" in text
+    else:  # the fleet account's JWT, among those the configuration preloads
+        budgets = [c["nats"].get("limits", {}).get("disk_storage") for c in _claims(text)]
+        assert default_jetstream_bytes() in budgets, budgets
     assert (
         f"max_file: {default_jetstream_bytes(nodes)}"
         in (cluster.directory / SERVER_CONF).read_text()
     )
     with pytest.raises(ValueError, match="at least"):
         write_fleet_auth(tmp_path / "tiny", Subjects(fleet="f"), ["w000"], jetstream_max_bytes=1)
+
+
+def _claims(conf: str) -> list[dict[str, Any]]:
+    """The claims of every JWT a server configuration holds (unverified)."""
+    claims = []
+    for token in re.findall(r"eyJ[\w-]+\.([\w-]+)\.[\w-]+", conf):
+        claims.append(json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))))
+    return claims

@@ -43,8 +43,13 @@ def _attempts(
     deleted = json.dumps({**meta, "deleted": True, "size": 0, "chunks": 0}).encode()
     lax = store_config(subjects).as_dict() | {"allow_rollup_hdrs": True, "max_msgs_per_subject": -1}
     return [
-        (f"$O.{bucket}.C.forged.0", b"", {"Nats-Rollup": "all"}),
-        (f"$O.{bucket}.C.{meta['nuid']}.0", b"", {"Nats-Rollup": "sub"}),
+        (f"$O.{bucket}.C.{'0' * 64}.forged.0", b"", {"Nats-Rollup": "all"}),
+        (f"$O.{bucket}.C.{digest.removeprefix('sha256:')}.{meta['nuid']}.0", b"", None),
+        (
+            f"$O.{bucket}.C.{digest.removeprefix('sha256:')}.{meta['nuid']}.0",
+            b"",
+            {"Nats-Rollup": "sub"},
+        ),
         (meta_subject, deleted, {"Nats-Rollup": "sub"}),
         (meta_subject, deleted, None),
         (f"{api}.STREAM.MSG.DELETE.{stream}", json.dumps({"seq": 1}).encode(), None),

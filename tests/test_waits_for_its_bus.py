@@ -16,6 +16,7 @@ import logging
 import re
 import signal
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -415,3 +416,17 @@ async def test_refused_credentials_end_a_serving_process_at_once(
     assert "error: authorization violation" in finished.stderr, finished
     assert WAITING not in finished.stderr, finished
     assert "Traceback" not in finished.stderr, finished
+
+
+def test_a_tls_handshake_cut_short_is_waited_for_a_refused_certificate_is_not() -> None:
+    """A server restarting cuts handshakes short (EOF): trying again mends
+    that. A TLS alert from the server (no client certificate, a bad one)
+    does not."""
+    from lorabus.bus import _refusal
+
+    cut_short = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
+    refused = ssl.SSLError(1, "[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] certificate required")
+    refused.reason = "TLSV13_ALERT_CERTIFICATE_REQUIRED"  # as OpenSSL sets it
+
+    assert _refusal(cut_short, "tls://n1:4222") is None
+    assert isinstance(_refusal(refused, "tls://n1:4222"), PermissionDenied)

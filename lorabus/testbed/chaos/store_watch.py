@@ -15,7 +15,9 @@ in between (a commit point is written once; an in-flight record belongs to
 one update until it is cleared, and an update id is never run twice), so
 what it keeps was kept throughout, the listing included. Reading what the
 records keep is done here, independently of the coordinator's own
-``named_by``, so that a mistake there is not copied into the check.
+``keepers``, so that a mistake there is not copied into the check. An
+object counts as stored only with its meta and every chunk it counts: one
+whose chunks are gone is as lost as one whose meta is.
 
 A sample that cannot be read whole (nats-server restarting, a link cut, a
 record that does not decode) is skipped and counted, not judged.
@@ -154,7 +156,7 @@ class StoreWatcher:
             ended=now(),
             before=before,
             after=after,
-            stored=frozenset(contents.objects),
+            stored=frozenset(d for d in contents.objects if contents.complete.get(d)),
         )
         self.timeline.store_samples.append(sample)
         return sample
