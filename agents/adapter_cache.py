@@ -47,9 +47,9 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Collection
 
-from lorabus.adapter_archive import BadArchive, Unpacker
-from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import ChunkSink, check_digest
+from lorabus.adapters.archive import BadArchive, Unpacker
+from lorabus.adapters.digest import adapter_digest
+from lorabus.adapters.store import ChunkSink, check_digest
 from lorabus.agents.cache_holders import HolderFiles
 from lorabus.errors import DigestMismatch, FetchFailed
 

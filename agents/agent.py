@@ -55,10 +55,10 @@ from lorabus.agents.fencing import Fencing
 from lorabus.agents.heartbeats import LATE_PAUSE, Heartbeats
 from lorabus.agents.lease import LeaseState, PauseLease
 from lorabus.agents.metrics import InstrumentedDriver
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.clock import now
 from lorabus.errors import DuplicateWorker
-from lorabus.event_loop import running_loop_name
+from lorabus.runtime.cancellation import raise_if_cancelled
+from lorabus.runtime.clock import now
+from lorabus.runtime.event_loop import running_loop_name
 from lorabus.schemas import (
     Ack,
     BadMessage,
@@ -75,7 +75,7 @@ from lorabus.schemas import (
     addressing_of,
     command_decoder,
 )
-from lorabus.signing import CommandVerifier
+from lorabus.security.signing import CommandVerifier
 
 log = logging.getLogger(__name__)
 

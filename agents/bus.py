@@ -20,10 +20,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from lorabus.adapter_objects import ChunkSink, fetch_object
+from lorabus.adapters.store import ChunkSink, fetch_object
 from lorabus.agents.beats import BeatPolicy
-from lorabus.bus import wait_flushed
-from lorabus.rate_limit import PerSecond
+from lorabus.bus.connect import wait_flushed
+from lorabus.bus.rate_limit import PerSecond
 from lorabus.schemas import Ack, Event, Heartbeat, Subjects, encode, tag_of
 
 # One logger name for all of the agent's lines: the one operators filter on.

@@ -23,7 +23,7 @@ from lorabus.agents.bus import AgentBus
 from lorabus.agents.config import MIN_PAUSE_LEASE_S
 from lorabus.agents.executor import CommandExecutor
 from lorabus.agents.lease import PauseLease
-from lorabus.clock import now
+from lorabus.runtime.clock import now
 from lorabus.schemas import (
     Ack,
     ErrorCode,

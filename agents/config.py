@@ -10,7 +10,7 @@ import os
 
 import msgspec
 
-from lorabus.bus import redact
+from lorabus.bus.connect import redact
 from lorabus.schemas import MAX_WORLD_SIZE, check_token
 from lorabus.schemas.bounds import MAX_SECONDS
 

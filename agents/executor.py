@@ -43,13 +43,12 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from lorabus.adapter_digest import read_adapter_digest
-from lorabus.adapter_objects import ChunkSink, digest_of
+from lorabus.adapters.digest import read_adapter_digest
+from lorabus.adapters.store import ChunkSink, digest_of
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
 from lorabus.agents.cache_holders import CacheKeeper
 from lorabus.agents.engine import EngineDriver, InPlaceReplace, SetupCheck
-from lorabus.clock import now
 from lorabus.errors import (
     BadRequest,
     DigestMismatch,
@@ -58,6 +57,7 @@ from lorabus.errors import (
     LorabusError,
     NotListed,
 )
+from lorabus.runtime.clock import now
 from lorabus.schemas import (
     Ack,
     ErrorCode,

@@ -13,7 +13,7 @@ next read, so the agent need not wait for the leader's re-send.
 
 Signatures: an agent pinned to the fleet's coordinator keys obeys a command
 only if it is signed by the key that the leader record of its epoch names,
-for the subject it arrived on, and not replayed (see :mod:`lorabus.signing`).
+for the subject it arrived on, and not replayed (see :mod:`lorabus.security.signing`).
 The sequence numbers it took live only in this process: a command sent by
 name names the agent process it is for (``instance``), so after a restart
 none signed before reaches it, and the first it takes is its floor for the
@@ -40,7 +40,7 @@ from nats.js.kv import KeyValue
 
 from lorabus.agents.bus import AgentBus, state_entry
 from lorabus.agents.executor import CommandExecutor
-from lorabus.clock import now
+from lorabus.runtime.clock import now
 from lorabus.schemas import (
     INSTANCE_BOUND_SINCE,
     Addressing,
@@ -55,7 +55,7 @@ from lorabus.schemas import (
     RenewLeaseCommand,
     tag_of,
 )
-from lorabus.signing import CommandVerifier
+from lorabus.security.signing import CommandVerifier
 
 # One logger name for all of the agent's lines: the one operators filter on.
 log = logging.getLogger("lorabus.agents.agent")

@@ -24,8 +24,8 @@ from lorabus.agents.command_queue import CommandQueue
 from lorabus.agents.convergence import Convergence
 from lorabus.agents.executor import CommandExecutor
 from lorabus.agents.fencing import Fencing
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.clock import now
+from lorabus.runtime.cancellation import raise_if_cancelled
+from lorabus.runtime.clock import now
 from lorabus.schemas import Heartbeat, ResumeCommand
 
 LATE_PAUSE = "late_pause"

@@ -57,7 +57,7 @@ from tenacity import (
 
 from lorabus._version import __version__
 from lorabus.agents.config import ENGINE_TIMEOUT_S, check_engine_url
-from lorabus.bus import redact
+from lorabus.bus.connect import redact
 from lorabus.errors import BadRequest, EngineError
 
 __all__ = [

@@ -14,8 +14,8 @@ import asyncio
 import enum
 from collections.abc import Awaitable, Callable
 
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.clock import now
+from lorabus.runtime.cancellation import raise_if_cancelled
+from lorabus.runtime.clock import now
 
 
 class LeaseState(enum.Enum):

@@ -4,7 +4,7 @@ which objects to delete, decided in one place (:func:`delete_unkept`) from
 the records that are the truth, read when it deletes.
 
 Only the orchestrator role writes the store (``lorabus adapter push``), agents
-read it (:mod:`lorabus.adapter_objects`), and only coordinators may purge it:
+read it (:mod:`lorabus.adapters.store`), and only coordinators may purge it:
 the leader, which checks it still leads before each deletion. What must
 stay, at every moment (the invariant ``lorabus chaos`` checks):
 
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 
-from lorabus.adapter_objects import (
+from lorabus.adapters.store import (
     StoreContents,
     check_digest,
     delete_chunks,
@@ -57,9 +57,9 @@ from lorabus.adapter_objects import (
     object_size,
     store_contents,
 )
-from lorabus.clock import now
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BadRequest, BusError
+from lorabus.runtime.clock import now
 from lorabus.schemas import CommittedRecord, InflightRecord, ResetRecord, StoredVersion, Subjects
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from lorabus.adapter_objects import digest_of
+from lorabus.adapters.store import digest_of
 from lorabus.coordinator.book import committed_result, failed_result
 from lorabus.coordinator.bus import reply_refusal
 from lorabus.coordinator.fit import fit_result, fit_status

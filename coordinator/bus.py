@@ -33,9 +33,9 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from lorabus.bus.rate_limit import PerSecond
 from lorabus.coordinator.gather import AckRouter
 from lorabus.coordinator.membership import Conflict, Membership
-from lorabus.rate_limit import PerSecond
 from lorabus.schemas import (
     Ack,
     BadMessage,
@@ -52,7 +52,7 @@ from lorabus.schemas import (
     heartbeat_decoder,
     tag_of,
 )
-from lorabus.signing import CommandSigner
+from lorabus.security.signing import CommandSigner
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,7 @@ from functools import partial
 
 import msgspec
 
-from lorabus.adapter_objects import digest_of
-from lorabus.clock import now
+from lorabus.adapters.store import digest_of
 from lorabus.coordinator.adapter_store import delete_unkept
 from lorabus.coordinator.book import failed_result
 from lorabus.coordinator.fit import fit_result
@@ -51,6 +50,7 @@ from lorabus.coordinator.signals import LeadershipLost, LostRace, SteppedAside, 
 from lorabus.coordinator.store import quietly, until_stored
 from lorabus.coordinator.term import Term
 from lorabus.errors import BusError
+from lorabus.runtime.clock import now
 from lorabus.schemas import (
     CommittedNotice,
     CommittedRecord,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lorabus.adapter_objects import DEFAULT_STORE_MAX_BYTES
+from lorabus.adapters.store import DEFAULT_STORE_MAX_BYTES
 from lorabus.schemas import Naming, UpdateMode, check_token
 
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import httpx
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
 
-from lorabus.clock import now
 from lorabus.errors import FrontendUnverified
+from lorabus.runtime.clock import now
 
 log = logging.getLogger(__name__)
 

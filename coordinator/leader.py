@@ -28,10 +28,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.clock import now
 from lorabus.coordinator.signals import LeadershipLost, LostRace, StoreUnavailable
 from lorabus.coordinator.store import CorruptRecord
+from lorabus.runtime.cancellation import raise_if_cancelled
+from lorabus.runtime.clock import now
 from lorabus.schemas import LeaderRecord
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from lorabus.clock import now
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
@@ -28,6 +27,7 @@ from lorabus.coordinator.phases import LIVENESS_TICK_S, Commands, first_resend_g
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import CommandBus, Frontend, Journal
 from lorabus.coordinator.update_run import UpdateRun
+from lorabus.runtime.clock import now
 from lorabus.schemas import (
     ErrorCode,
     ErrorInfo,

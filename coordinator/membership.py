@@ -35,9 +35,9 @@ from typing import NamedTuple
 
 import msgspec
 
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.clock import now
 from lorabus.errors import QuorumNotReached
+from lorabus.runtime.cancellation import raise_if_cancelled
+from lorabus.runtime.clock import now
 from lorabus.schemas import Ack, Heartbeat
 
 MISSED_BEATS = 3

@@ -28,14 +28,14 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from lorabus.adapter_objects import digest_of
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.clock import now
+from lorabus.adapters.store import digest_of
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.gather import PhaseGather
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.ports import CommandBus
+from lorabus.runtime.cancellation import raise_if_cancelled
+from lorabus.runtime.clock import now
 from lorabus.schemas import (
     Ack,
     ErrorCode,

@@ -32,7 +32,7 @@ import re
 
 import msgspec
 
-from lorabus.adapter_objects import digest_of
+from lorabus.adapters.store import digest_of
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.errors import BadRequest, StaleVersion
 from lorabus.schemas import CommittedRecord, Naming, UpdateMode, UpdateRequest

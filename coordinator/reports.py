@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from nats.aio.msg import Msg
 
+from lorabus.bus.rate_limit import PerSecond
 from lorabus.coordinator.ports import CommandBus
 from lorabus.coordinator.store import CorruptRecord
-from lorabus.rate_limit import PerSecond
 from lorabus.schemas import BadMessage, Subjects
 
 log = logging.getLogger(__name__)

@@ -37,9 +37,7 @@ from collections.abc import Callable
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
-from lorabus.bus import wait_flushed
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.clock import now
+from lorabus.bus.connect import wait_flushed
 from lorabus.coordinator.adapter_store import AdapterStore
 from lorabus.coordinator.admission import Admission
 from lorabus.coordinator.alerts import MemberAlerts
@@ -62,9 +60,11 @@ from lorabus.coordinator.store import FleetStore, until_stored
 from lorabus.coordinator.streams import unsafe_settings
 from lorabus.coordinator.term import Term
 from lorabus.coordinator.updates import run_updates
-from lorabus.event_loop import running_loop_name
+from lorabus.runtime.cancellation import raise_if_cancelled
+from lorabus.runtime.clock import now
+from lorabus.runtime.event_loop import running_loop_name
 from lorabus.schemas import MAX_MESSAGE_BYTES, FleetStatus, LeaderElected, MemberAlert, Subjects
-from lorabus.signing import CommandSigner
+from lorabus.security.signing import CommandSigner
 
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ from nats.aio.client import Client as NatsClient
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.clock import now
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.signals import LostRace, StoreUnavailable
 from lorabus.coordinator.streams import provision
+from lorabus.runtime.cancellation import raise_if_cancelled
+from lorabus.runtime.clock import now
 from lorabus.schemas import (
     CommittedRecord,
     InflightRecord,
@@ -47,7 +47,7 @@ from lorabus.schemas import (
     Subjects,
     UpdateResult,
 )
-from lorabus.signing import CommandSigner, CommandVerifier
+from lorabus.security.signing import CommandSigner, CommandVerifier
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class FleetStore:
         self, state: KeyValue, results: KeyValue, signer: CommandSigner | None = None
     ) -> None:
         """With ``signer``, every record is sealed with it, and a record is read
-        only if it is sealed with its key (:mod:`lorabus.signing`): anything
+        only if it is sealed with its key (:mod:`lorabus.security.signing`): anything
         else is a :class:`CorruptRecord`, whoever wrote it."""
         self._state = state
         self._results = results
@@ -199,7 +199,7 @@ class FleetStore:
     async def _keys(self, pattern: str) -> list[str]:
         """The state bucket's keys that match ``pattern``, from its stream's
         info: nats-py's ``keys()`` creates a consumer, which the coordinator's
-        role may not (lorabus.roles)."""
+        role may not (lorabus.security.roles)."""
         prefix = f"$KV.{self._state._name}."
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S):

@@ -23,7 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 
-from lorabus.adapter_objects import store_config
+from lorabus.adapters.store import store_config
 from lorabus.coordinator.config import StorageConfig
 from lorabus.schemas import Subjects
 
@@ -78,7 +78,7 @@ def fleet_streams(config: StorageConfig) -> tuple[StreamConfig, ...]:
         # Nobody erases the trail through the API.
         deny_delete=True,
         deny_purge=True,
-        # The auditor reads it message by message (lorabus/tap.py): no consumer.
+        # The auditor reads it message by message (lorabus/audit/tap.py): no consumer.
         allow_direct=True,
         # No "stored" answers: an agent's ack or event keeps the reply
         # subject it was published with, and JetStream would answer there,
@@ -144,7 +144,7 @@ _STORE_GUARDED = (
 )
 """What keeps every subject of the adapter store written once and kept until
 the leader deletes it: else a publish could replace or remove an object, or
-the stream drop one on its own (lorabus/adapter_objects.py)."""
+the stream drop one on its own (lorabus/adapters/store.py)."""
 
 
 def _setting(field: str, value: Any) -> Any:

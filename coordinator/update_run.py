@@ -31,8 +31,7 @@ import time
 
 import msgspec
 
-from lorabus.adapter_objects import digest_of
-from lorabus.clock import now
+from lorabus.adapters.store import digest_of
 from lorabus.coordinator.digests import digest_problem
 from lorabus.coordinator.gather import PhaseGather
 from lorabus.coordinator.inflight import InflightJournal
@@ -42,6 +41,7 @@ from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import Frontend, Journal
 from lorabus.coordinator.quorum import QuorumPolicy
 from lorabus.errors import FrontendUnverified, QuorumNotReached
+from lorabus.runtime.clock import now
 from lorabus.schemas import (
     COMMITTED,
     FAILED,

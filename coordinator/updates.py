@@ -18,9 +18,7 @@ from __future__ import annotations
 import logging
 from typing import NoReturn
 
-from lorabus.adapter_objects import digest_of
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.clock import now
+from lorabus.adapters.store import digest_of
 from lorabus.coordinator.adapter_store import kept_beside
 from lorabus.coordinator.book import committed_result, failed_result
 from lorabus.coordinator.commit import Executed, conclude, deposed_result
@@ -30,6 +28,8 @@ from lorabus.coordinator.resets import lineage, reset_unknown
 from lorabus.coordinator.store import CorruptRecord
 from lorabus.coordinator.term import Term
 from lorabus.errors import LorabusError
+from lorabus.runtime.cancellation import raise_if_cancelled
+from lorabus.runtime.clock import now
 from lorabus.schemas import CommittedNotice, CommittedRecord, ErrorCode, ErrorInfo, ResetRecord
 
 log = logging.getLogger(__name__)

@@ -9,13 +9,18 @@ The orchestrator's side, in full::
         if result.committed:
             rebuild_broadcast_group(result.rank_map)
 
-Everything else (``lorabus.agents``, ``lorabus.coordinator``, the wire
-contract in ``lorabus.schemas``, the development tools in
-``lorabus.testbed``) is for running the fleet, not for calling it.
+What is public is ``__all__`` below, and ``lorabus.rank_group`` (the rank map
+as a ``torch.distributed`` group, extra ``torch``). Everything else is for
+running the fleet, not for calling it, and may change: the parts
+(``lorabus.agents``, ``lorabus.coordinator``, the wire contract in
+``lorabus.schemas``), the layers they share (``lorabus.runtime``,
+``lorabus.bus``, ``lorabus.security``, ``lorabus.adapters``,
+``lorabus.audit``), the command (``lorabus.cli``) and the development tools
+(``lorabus.testbed``).
 """
 
 from lorabus._version import __version__
-from lorabus.bus_options import BusOptions
+from lorabus.bus.options import BusOptions
 from lorabus.client import UpdateClient
 from lorabus.errors import (
     BadRequest,

@@ -45,11 +45,11 @@ from tenacity import (
     wait_exponential,
 )
 
-from lorabus.adapter_objects import bus_path, push_adapter
-from lorabus.bus import close, connect
-from lorabus.bus_options import BusOptions
-from lorabus.clock import now
+from lorabus.adapters.store import bus_path, push_adapter
+from lorabus.bus.connect import close, connect
+from lorabus.bus.options import BusOptions
 from lorabus.errors import BadRequest, MalformedReply, NoCoordinator
+from lorabus.runtime.clock import now
 from lorabus.schemas import (
     FAILED,
     BadPayload,
@@ -195,7 +195,7 @@ class UpdateClient:
         before with :meth:`push_adapter`), or from ``source``, a local
         directory pushed first. Give ``path`` or one of the others.
 
-        ``digest`` (``sha256:...``, see :func:`lorabus.adapter_digest`) is what
+        ``digest`` (``sha256:...``, see :func:`lorabus.adapters.digest`) is what
         every member must see at ``path`` on its own host, or the update fails
         with ``digest_mismatch``; without it the members must agree among
         themselves. A committed result carries the digest they saw.

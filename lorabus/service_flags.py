@@ -23,7 +23,7 @@ from lorabus.agents.config import AgentConfig
 from lorabus.agents.engines import ENGINE_KINDS
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.schemas import Naming, UpdateMode
-from lorabus.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, TRUST_FILE_ENV
+from lorabus.security.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, TRUST_FILE_ENV
 
 _Config = TypeVar("_Config", bound=msgspec.Struct)
 _F = TypeVar("_F", bound=Callable[..., Any])

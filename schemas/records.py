@@ -3,7 +3,7 @@
 A successor reads them to take over (the leader record, what is committed,
 the update in flight); agents read the leader and committed records to
 converge on the committed state. Sealed when the coordinator signs
-(:mod:`lorabus.signing`).
+(:mod:`lorabus.security.signing`).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from adapter_dirs import write_adapter
 
-from lorabus.adapter_archive import pack
-from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import ChunkSink
+from lorabus.adapters.archive import pack
+from lorabus.adapters.digest import adapter_digest
+from lorabus.adapters.store import ChunkSink
 
 
 class Store:

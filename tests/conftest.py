@@ -23,7 +23,7 @@ from hand_coordinator import HandCoordinator
 from nats_container import nats_in_container
 from processes import Processes
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.errors import NatsServerMissing
 from lorabus.schemas import Subjects

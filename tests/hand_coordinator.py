@@ -12,7 +12,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from lorabus.agents import Agent, AgentConfig, driver_for
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     Ack,
     Event,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nkeys
 
-from lorabus.nats_jwt import Key, creds, encode
+from lorabus.security.nats_jwt import Key, creds, encode
 
 
 @dataclass(frozen=True)

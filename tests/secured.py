@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import nats
 
-from lorabus.bus import Bus, FleetConnection
+from lorabus.bus.connect import Bus, FleetConnection
 
 DEADLINE_S = 10.0
 

@@ -26,8 +26,8 @@ import os
 import sys
 from typing import Any
 
-from lorabus.adapter_archive import pack
-from lorabus.adapter_objects import ChunkSink, bus_path
+from lorabus.adapters.archive import pack
+from lorabus.adapters.store import ChunkSink, bus_path
 from lorabus.agents import CommandExecutor
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.cache_holders import CacheKeeper

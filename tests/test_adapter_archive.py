@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lorabus.adapter_archive import BadArchive, Unpacker, pack, unpack
-from lorabus.adapter_digest import adapter_digest
+from lorabus.adapters.archive import BadArchive, Unpacker, pack, unpack
+from lorabus.adapters.digest import adapter_digest
 
 LONG = "a-name-longer-than-a-tar-header-holds-" * 4 + ".safetensors"
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from cache_doubles import Store
 
-from lorabus import adapter_archive
-from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import ChunkSink
+from lorabus.adapters import archive as adapter_archive
+from lorabus.adapters.digest import adapter_digest
+from lorabus.adapters.store import ChunkSink
 from lorabus.agents import adapter_cache
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.errors import DigestMismatch, FetchFailed
@@ -102,7 +102,7 @@ async def test_two_caches_asking_at_once_fetch_once(
 
 _PROCESS = """
 import asyncio, io, sys
-from lorabus.adapter_archive import pack
+from lorabus.adapters.archive import pack
 from lorabus.agents import adapter_cache
 
 cache_dir, adapter, digest = sys.argv[1:]

@@ -23,8 +23,8 @@ import msgspec
 import pytest
 from processes import Processes, run_lorabus, wait_live_workers
 
-from lorabus import adapter_digest as digest_module
-from lorabus.adapter_digest import MAX_FILES, adapter_digest, read_adapter_digest
+from lorabus.adapters import digest as digest_module
+from lorabus.adapters.digest import MAX_FILES, adapter_digest, read_adapter_digest
 from lorabus.agents import AgentConfig, CommandExecutor, DynamoDriver
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig

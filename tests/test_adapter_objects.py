@@ -24,10 +24,11 @@ import pytest
 from adapter_dirs import write_adapter
 from nats.aio.client import Client as NatsClient
 
-from lorabus import adapter_archive, adapter_objects
-from lorabus.adapter_archive import pack, unpack
-from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import (
+from lorabus.adapters import archive as adapter_archive
+from lorabus.adapters import store as adapter_objects
+from lorabus.adapters.archive import pack, unpack
+from lorabus.adapters.digest import adapter_digest
+from lorabus.adapters.store import (
     bus_path,
     delete_chunks,
     delete_object,
@@ -38,7 +39,7 @@ from lorabus.adapter_objects import (
     store_config,
     store_contents,
 )
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.errors import BadRequest, BusError, FetchFailed, NatsServerMissing
 from lorabus.schemas import Subjects
 from lorabus.testbed.natsserver import NatsServer

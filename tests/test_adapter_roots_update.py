@@ -18,7 +18,7 @@ import pytest
 from processes import wait_live_workers
 
 from lorabus.agents import Agent, AgentConfig, driver_for
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
 from lorabus.schemas import ErrorCode

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from adapter_dirs import write_adapter
 
-from lorabus.adapter_objects import bus_path, object_size, push_adapter
-from lorabus.bus import close, connect
+from lorabus.adapters.store import bus_path, object_size, push_adapter
+from lorabus.bus.connect import close, connect
 from lorabus.coordinator import adapter_store
 from lorabus.coordinator.adapter_store import AdapterStore, delete_unkept, kept_beside
 from lorabus.coordinator.config import CoordinatorConfig

@@ -21,10 +21,10 @@ from adapter_dirs import write_adapter
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from lorabus import adapter_objects
-from lorabus.adapter_archive import BadArchive
-from lorabus.adapter_objects import fetch_object, object_size, push_adapter, store_config
-from lorabus.bus import close, connect
+from lorabus.adapters import store as adapter_objects
+from lorabus.adapters.archive import BadArchive
+from lorabus.adapters.store import fetch_object, object_size, push_adapter, store_config
+from lorabus.bus.connect import close, connect
 from lorabus.errors import BusError, FetchFailed
 from lorabus.schemas import Subjects
 

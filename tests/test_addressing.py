@@ -11,7 +11,7 @@ from collections.abc import Callable
 from hand_coordinator import EPOCH, HandCoordinator
 from nats.aio.msg import Msg
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     Command,
     CommittedNotice,

@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 
 from lorabus.agents import Agent, CommandExecutor
 from lorabus.agents.dynamo import DynamoDriver
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     BadMessage,
     CommandRefused,

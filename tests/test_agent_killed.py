@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from processes import Processes, wait_live_workers
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
 from lorabus.schemas import UpdateResult

@@ -17,8 +17,7 @@ from nats.aio.msg import Msg
 from secured import watched
 
 from lorabus import BusOptions, PermissionDenied
-from lorabus.bus import Bus, connect
-from lorabus.roles import Role
+from lorabus.bus.connect import Bus, connect
 from lorabus.schemas import (
     COMMITTED,
     CommittedNotice,
@@ -28,6 +27,7 @@ from lorabus.schemas import (
     UpdateResult,
     encode,
 )
+from lorabus.security.roles import Role
 from lorabus.testbed.stack import EmbeddedStack
 
 

@@ -14,7 +14,7 @@ import pytest
 from processes import LORABUS, Processes, child_env, run_lorabus
 
 from lorabus.agents import AgentConfig
-from lorabus.audit import TrailRecord
+from lorabus.audit.verify import TrailRecord
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.schemas import Phase, to_builtins
 from lorabus.simfleet import SimFleet

@@ -13,10 +13,10 @@ from pathlib import Path
 import msgspec
 from processes import run_lorabus
 
-from lorabus.audit import TrailRecord
+from lorabus.audit.timeline import build_timelines
+from lorabus.audit.timeline_page import render_page
+from lorabus.audit.verify import TrailRecord
 from lorabus.testbed.stack import EmbeddedStack
-from lorabus.timeline_page import render_page
-from lorabus.update_timeline import build_timelines
 
 WORKERS = {"w000": 1, "w001": 2, "w002": 1}
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from lorabus.audit import TrailRecord, decode_message, verify
-from lorabus.bus import close, connect
+from lorabus.audit.tap import Tap
+from lorabus.audit.trail_file import TrailWriter, last_seq_in
+from lorabus.audit.verify import TrailRecord, decode_message, verify
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import Ack, Subjects, UpdateFinished, UpdateStarted
-from lorabus.tap import Tap
 from lorabus.testbed.natsserver import NatsServer
 from lorabus.testbed.stack import EmbeddedStack
-from lorabus.trail_file import TrailWriter, last_seq_in
 
 
 async def _replay(url: str, fleet: str, trail: Path | None = None) -> list[TrailRecord]:

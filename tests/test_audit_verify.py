@@ -13,9 +13,10 @@ import msgspec
 import pytest
 from processes import Processes, wait_live_workers
 
-from lorabus import audit
-from lorabus.audit import TrailRecord, Violation, decode_message, origin_of, verify
-from lorabus.bus import close, connect
+from lorabus.audit import verify as audit
+from lorabus.audit.tap import Tap
+from lorabus.audit.verify import TrailRecord, Violation, decode_message, origin_of, verify
+from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
 from lorabus.schemas import (
@@ -40,7 +41,6 @@ from lorabus.schemas import (
     to_builtins,
 )
 from lorabus.simfleet import SimFleet
-from lorabus.tap import Tap
 from lorabus.testbed.child_processes import ChildProcess
 from lorabus.testbed.stack import EmbeddedStack
 

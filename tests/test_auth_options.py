@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorabus.options import auth_headers
+from lorabus.cli.headers import auth_headers
 
 
 def test_the_api_key_becomes_a_bearer_header_plus_extra_headers() -> None:

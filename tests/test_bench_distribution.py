@@ -22,8 +22,8 @@ import pytest
 from click.testing import CliRunner
 from processes import LORABUS, child_env, pids_marked
 
-from lorabus.adapter_archive import check_adapter_dir
-from lorabus.adapter_digest import adapter_digest
+from lorabus.adapters.archive import check_adapter_dir
+from lorabus.adapters.digest import adapter_digest
 from lorabus.cli.measure import bench
 from lorabus.testbed.bench import QUICK, BenchConfig, BenchReport, Stats, report_json, table
 from lorabus.testbed.bench.config import DistributionCase

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import digest_of, object_size
-from lorabus.bus import close, connect
-from lorabus.roles import Role
+from lorabus.adapters.digest import adapter_digest
+from lorabus.adapters.store import digest_of, object_size
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     ErrorCode,
     PauseCommand,
@@ -27,6 +26,7 @@ from lorabus.schemas import (
     ack_decoder,
     command_decoder,
 )
+from lorabus.security.roles import Role
 from lorabus.testbed.stack import EmbeddedStack
 
 UNKNOWN = "sha256:" + "0" * 64

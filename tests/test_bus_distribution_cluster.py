@@ -29,8 +29,8 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from lorabus.adapter_digest import adapter_digest
-from lorabus.bus import close, connect
+from lorabus.adapters.digest import adapter_digest
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import ErrorCode, Subjects, UpdateResult
 from lorabus.testbed.natsserver import NatsServer, free_port
 from lorabus.testbed.stack import EmbeddedStack
@@ -252,7 +252,7 @@ async def test_a_fetch_whose_node_dies_goes_on_from_another_node(
     """The reader's own node is killed while chunks stream to it, most likely
     inside a batch: the fetch asks again from the last chunk it wrote, on the
     node its connection moved to, and ends with every byte, once."""
-    from lorabus.adapter_objects import fetch_object, push_adapter, store_config
+    from lorabus.adapters.store import fetch_object, push_adapter, store_config
 
     subjects = Subjects(fleet=fleet_name)
     urls = [node.server.url for node in cluster]
@@ -288,7 +288,7 @@ async def test_a_fetch_whose_node_dies_goes_on_from_another_node(
 
     unpacked = tmp_path / "unpacked"
     unpacked.mkdir()
-    from lorabus.adapter_archive import unpack
+    from lorabus.adapters.archive import unpack
 
     unpack(str(into), str(unpacked))
     assert size == into.stat().st_size

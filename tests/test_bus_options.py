@@ -17,7 +17,7 @@ LOOPBACK = ["nats://127.0.0.1:4222"]
 
 @pytest.fixture
 def seed_file(tmp_path: Path) -> str:
-    from lorabus.auth_init import _new_user_seed
+    from lorabus.security.auth_init import _new_user_seed
 
     path = tmp_path / "nkey.seed"
     path.write_bytes(_new_user_seed())
@@ -54,8 +54,8 @@ def test_tls_makes_credentials_to_a_remote_host_fine(seed_file: str) -> None:
 def test_no_credentials_to_loopback_work_with_a_warning_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("lorabus.bus_options._warned", set())
-    with caplog.at_level(logging.WARNING, logger="lorabus.bus_options"):
+    monkeypatch.setattr("lorabus.bus.options._warned", set())
+    with caplog.at_level(logging.WARNING, logger="lorabus.bus.options"):
         assert BusOptions().nats_kwargs(LOOPBACK, environ={}) == {}
         assert BusOptions().nats_kwargs(LOOPBACK, environ={}) == {}
     warnings = [r.message for r in caplog.records if "without credentials" in r.message]
@@ -77,7 +77,7 @@ def test_a_user_needs_a_password_from_the_environment() -> None:
 
 
 def test_an_nkeys_inbox_prefix_comes_from_its_public_key(seed_file: str) -> None:
-    from lorabus.bus_options import inbox_prefix_for, public_key_of
+    from lorabus.bus.options import inbox_prefix_for, public_key_of
 
     prefix = BusOptions(nkey_seed_file=seed_file).nats_kwargs(LOOPBACK, environ={})["inbox_prefix"]
     assert prefix == inbox_prefix_for(public_key_of(Path(seed_file).read_bytes()))

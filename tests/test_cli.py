@@ -191,7 +191,7 @@ async def test_adapter_push_prints_the_digest_and_update_by_digest_commits(
 ) -> None:
     """The trainer side with no filesystem shared with the workers: push, then
     an update that names what was pushed; and the same with --source."""
-    from lorabus.adapter_digest import adapter_digest
+    from lorabus.adapters.digest import adapter_digest
 
     source = make_adapter(1)
     bus = ["--nats", stack.nats_url, "--fleet", stack.fleet_name]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 from nats.aio.msg import Msg
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.errors import LorabusError, MalformedReply, NoCoordinator
 from lorabus.schemas import Subjects, UpdateRequest, update_request_decoder

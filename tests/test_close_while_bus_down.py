@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.testbed.natsserver import NatsServer
 
 DEADLINE_S = 10.0

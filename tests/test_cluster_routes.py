@@ -16,11 +16,11 @@ from pathlib import Path
 
 from nats.aio.msg import Msg
 
-from lorabus.auth_init import write_fleet_auth
-from lorabus.bus import Bus, close, connect
-from lorabus.bus_options import BusOptions
-from lorabus.roles import Role
+from lorabus.bus.connect import Bus, close, connect
+from lorabus.bus.options import BusOptions
 from lorabus.schemas import Subjects
+from lorabus.security.auth_init import write_fleet_auth
+from lorabus.security.roles import Role
 from lorabus.testbed.natsserver import NatsServer, free_port
 
 DEADLINE_S = 20.0

@@ -10,7 +10,7 @@ import pytest
 from processes import run_lorabus
 
 from lorabus import BusOptions, BusUnreachable, PermissionDenied
-from lorabus.bus import close, connect, redact
+from lorabus.bus.connect import close, connect, redact
 from lorabus.testbed.natsserver import NatsServer, free_port
 
 USER, PASSWORD, WRONG = "orchestrator", "right-horse", "wrong-battery"

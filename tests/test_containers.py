@@ -38,7 +38,7 @@ from nats_container import IMAGE, PODMAN_SOCKET, nats_in_container
 from processes import LORABUS, run_lorabus
 
 from lorabus._version import __version__
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import Subjects
 from lorabus.testbed.stack import EmbeddedStack
 from lorabus.testbed.trainer import write_adapter

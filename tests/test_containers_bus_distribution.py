@@ -30,8 +30,8 @@ from nats_container import IMAGE
 from processes import LORABUS, run_lorabus
 
 from lorabus._version import __version__
-from lorabus.adapter_digest import adapter_digest
-from lorabus.bus import close, connect
+from lorabus.adapters.digest import adapter_digest
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import Subjects
 from lorabus.testbed.trainer import write_adapter
 

@@ -15,7 +15,7 @@ import pytest
 from nats.aio.msg import Msg
 from processes import Processes, wait_live_workers
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.schemas import Subjects, heartbeat_decoder
 from lorabus.simfleet import SimFleet

@@ -20,7 +20,7 @@ from fleet_doubles import MemoryLeaderStore
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.leader import LeaderElection
 from lorabus.coordinator.store import CorruptRecord, FleetStore

@@ -12,7 +12,7 @@ from jwt_minting import Account
 from secured import watched
 
 from lorabus import BusOptions, PermissionDenied
-from lorabus.bus import Bus, close, connect
+from lorabus.bus.connect import Bus, close, connect
 from lorabus.schemas import Subjects
 from lorabus.testbed.natsserver import NatsServer
 

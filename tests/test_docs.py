@@ -18,9 +18,9 @@ import pytest
 from lorabus.agents import AgentConfig
 from lorabus.cli.main import main
 from lorabus.coordinator import CoordinatorConfig
-from lorabus.roles import Role, permissions
 from lorabus.schemas import Subjects, commands, events, rankmap, records, reports, requests
 from lorabus.schemas import errors as wire_errors
+from lorabus.security.roles import Role, permissions
 from lorabus.service_flags import AGENT_FLAGS, COORDINATOR_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent

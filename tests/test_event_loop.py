@@ -12,7 +12,7 @@ import uvloop
 from click.testing import CliRunner
 
 from lorabus.cli.main import main
-from lorabus.event_loop import EVENT_LOOP_ENV, running_loop_name, serving_loop_factory
+from lorabus.runtime.event_loop import EVENT_LOOP_ENV, running_loop_name, serving_loop_factory
 
 
 def test_uvloop_by_default_and_asyncio_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,7 +51,7 @@ def test_a_settled_collector_leaves_what_exists_out_of_every_collection() -> Non
     # In a process of its own: freezing this one would keep the test session's
     # garbage for good.
     probe = (
-        "import gc; from lorabus.event_loop import settle_collector\n"
+        "import gc; from lorabus.runtime.event_loop import settle_collector\n"
         "before = gc.get_freeze_count(); settle_collector()\n"
         "print(before, gc.get_freeze_count(), gc.get_threshold()[0])"
     )

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from events import EventListener
 from hand_coordinator import EPOCH, HandCoordinator
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     CommandRefused,
     Event,

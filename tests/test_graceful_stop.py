@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from hand_coordinator import write_leader
 from processes import Processes
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
 from lorabus.schemas import Subjects

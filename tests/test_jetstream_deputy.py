@@ -24,11 +24,11 @@ import pytest
 from nats.aio.msg import Msg
 from secured import watched
 
-from lorabus.audit import TrailRecord
-from lorabus.bus import close
-from lorabus.roles import FLEET_JS_API, Role, permissions
+from lorabus.audit.tap import Tap
+from lorabus.audit.verify import TrailRecord
+from lorabus.bus.connect import close
 from lorabus.schemas import Subjects
-from lorabus.tap import Tap
+from lorabus.security.roles import FLEET_JS_API, Role, permissions
 from lorabus.testbed.stack import EmbeddedStack
 
 WORKERS = ("w000", "w001")

@@ -61,3 +61,33 @@ def test_no_module_imports_across_its_layer(folder: str) -> None:
             if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN[folder]):
                 crossings.append(f"{relative} imports {name}")
     assert crossings == []
+
+
+#: The layers of the lorabus package, lowest first: each folder imports of
+#: lorabus only itself and what is named here (docs/architecture.md).
+LAYERS = {
+    "lorabus/runtime": (),
+    "lorabus/bus": ("lorabus.runtime", "lorabus.errors", "lorabus.schemas"),
+    "lorabus/adapters": ("lorabus.runtime", "lorabus.bus", "lorabus.errors", "lorabus.schemas"),
+    "lorabus/security": ("lorabus.runtime", "lorabus.bus", "lorabus.errors", "lorabus.schemas"),
+    "lorabus/audit": ("lorabus.runtime", "lorabus.bus", "lorabus.errors", "lorabus.schemas"),
+}
+
+
+@pytest.mark.parametrize("folder", sorted(LAYERS))
+def test_each_layer_of_the_package_imports_only_those_below_it(folder: str) -> None:
+    own = folder.replace("/", ".")
+    allowed = (own, *LAYERS[folder])
+    crossings = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for name in _imports(path)
+        if name.startswith("lorabus.")
+        and not any(name == ok or name.startswith(ok + ".") for ok in allowed)
+    ]
+    assert crossings == []
+
+
+def test_no_more_than_a_dozen_modules_stay_at_the_top() -> None:
+    top = sorted(p.name for p in (ROOT / "lorabus").glob("*.py"))
+    assert len(top) <= 12, top

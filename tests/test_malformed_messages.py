@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from nats.aio.msg import Msg
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     MAX_MESSAGE_BYTES,
     BadMessage,

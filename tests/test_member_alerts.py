@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from events import EventListener
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.coordinator.alerts import (
     NOT_READY_ALERT_AFTER_S,
     PAUSED_ALERT_AFTER_S,

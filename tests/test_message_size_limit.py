@@ -11,11 +11,11 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from lorabus.bus import close, connect
+from lorabus.audit.render import result_text, status_text, update_progress_text
+from lorabus.bus.connect import close, connect
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.fit import ERROR_DETAIL_CHARS, fit_result, fit_status
 from lorabus.coordinator.store import FleetStore
-from lorabus.render import result_text, status_text, update_progress_text
 from lorabus.schemas import (
     MAX_MESSAGE_BYTES,
     ErrorInfo,

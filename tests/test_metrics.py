@@ -11,8 +11,8 @@ from lorabus.agents import DynamoDriver
 from lorabus.agents.engine import InPlaceReplace
 from lorabus.agents.metrics import AgentMetrics, instrumented
 from lorabus.agents.vllm import VllmDriver
+from lorabus.cli.metrics_http import serving
 from lorabus.errors import EngineError
-from lorabus.metrics_http import serving
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.natsserver import free_port
 from lorabus.testbed.stack import EmbeddedStack

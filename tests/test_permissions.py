@@ -14,12 +14,12 @@ from collections.abc import Callable
 import pytest
 from secured import watched
 
-from lorabus.audit import TrailRecord
-from lorabus.bus import close
+from lorabus.audit.tap import Tap
+from lorabus.audit.verify import TrailRecord
+from lorabus.bus.connect import close
 from lorabus.operator import reset_committed
-from lorabus.roles import Role
 from lorabus.schemas import PauseCommand, Subjects, encode
-from lorabus.tap import Tap
+from lorabus.security.roles import Role
 from lorabus.testbed.stack import EmbeddedStack
 
 WORKERS = ("w000", "w001")

@@ -32,7 +32,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from poison import as_tree, poison_payloads
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     Ack,
     BadMessage,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hand_coordinator import EPOCH, HandCoordinator
 
-from lorabus.adapter_digest import adapter_digest
+from lorabus.adapters.digest import adapter_digest
 from lorabus.schemas import PauseCommand, encode
 from lorabus.simfleet import SimWorker
 from lorabus.testbed.stack import EmbeddedStack

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.service import Coordinator
 from lorabus.coordinator.signals import StoreUnavailable

@@ -17,7 +17,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from lorabus.agents import Agent, AgentConfig, driver_for
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.coordinator import Coordinator
 from lorabus.schemas import (
     Ack,
@@ -36,7 +36,7 @@ from lorabus.schemas import (
     encode,
     event_decoder,
 )
-from lorabus.signing import CommandSigner, new_signing_seed
+from lorabus.security.signing import CommandSigner, new_signing_seed
 from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 20.0

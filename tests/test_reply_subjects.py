@@ -3,7 +3,7 @@ KV key, a command, an ack, an event or a JetStream API subject is refused and
 not acted on, whoever sends it.
 
 The attacks run against a real nats-server whose identities hold the
-per-role permissions of ``lorabus/roles.py`` in one account, as a deployment
+per-role permissions of ``lorabus/security/roles.py`` in one account, as a deployment
 that creates its users by hand in an existing account does (``lorabus auth
 init`` puts each role in an account of its own, where the server carries
 every answer back into the requester's account and these replies cannot land
@@ -32,14 +32,14 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from secured import DEADLINE_S, watched
 
-from lorabus.audit import TrailRecord
-from lorabus.bus import Bus, close, connect
-from lorabus.bus_options import BusOptions, inbox_prefix_for, public_key_of
+from lorabus.audit.tap import Tap
+from lorabus.audit.verify import TrailRecord
+from lorabus.bus.connect import Bus, close, connect
+from lorabus.bus.options import BusOptions, inbox_prefix_for, public_key_of
 from lorabus.coordinator.bus import reply_refusal
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.store import FleetStore, result_key
 from lorabus.coordinator.streams import provision
-from lorabus.roles import Role, permissions
 from lorabus.schemas import (
     ResetRequest,
     ResultRequest,
@@ -48,7 +48,7 @@ from lorabus.schemas import (
     UpdateRequest,
     encode,
 )
-from lorabus.tap import Tap
+from lorabus.security.roles import Role, permissions
 from lorabus.testbed.natsserver import NatsServer
 from lorabus.testbed.stack import EmbeddedStack
 

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from processes import Processes, wait_live_workers
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.schemas import ErrorCode, FleetStatus, UpdateResult
 from lorabus.simfleet import SimFleet

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from hand_coordinator import write_leader
 from nats.aio.msg import Msg
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     Ack,
     CommittedNotice,

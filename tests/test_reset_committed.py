@@ -18,7 +18,7 @@ import pytest
 from events import EventListener
 from processes import run_lorabus
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.coordinator.adapter_store import AdapterStore
 from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.config import CoordinatorConfig

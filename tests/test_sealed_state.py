@@ -19,9 +19,8 @@ from hand_coordinator import HandCoordinator, real_agent
 from nats.aio.msg import Msg
 
 from lorabus.agents import AgentConfig
-from lorabus.bus import close
-from lorabus.render import status_text
-from lorabus.roles import Role
+from lorabus.audit.render import status_text
+from lorabus.bus.connect import close
 from lorabus.schemas import (
     FleetStatus,
     Heartbeat,
@@ -33,7 +32,8 @@ from lorabus.schemas import (
     heartbeat_decoder,
 )
 from lorabus.schemas.codec import Reader
-from lorabus.signing import CommandSigner, CommandVerifier, new_signing_seed
+from lorabus.security.roles import Role
+from lorabus.security.signing import CommandSigner, CommandVerifier, new_signing_seed
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.stack import EmbeddedStack
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from processes import Processes, run_lorabus
 
-from lorabus.auth_init import SEED_FILE
-from lorabus.bus_options import ENV_FILE, identity_env
+from lorabus.bus.options import ENV_FILE, identity_env
 from lorabus.coordinator import CoordinatorConfig
+from lorabus.security.auth_init import SEED_FILE
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.natsserver import NatsServer
 

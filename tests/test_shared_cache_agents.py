@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from shared_cache_agent import CRASHED
 
-from lorabus.adapter_digest import adapter_digest
+from lorabus.adapters.digest import adapter_digest
 from lorabus.agents.adapter_cache import AdapterCache
 
 AGENT = str(Path(__file__).with_name("shared_cache_agent.py"))

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 from nats.aio.msg import Msg
 
-from lorabus.audit import TrailRecord, decode_message
-from lorabus.bus import close
-from lorabus.roles import Role
+from lorabus.audit.tap import Tap
+from lorabus.audit.verify import TrailRecord, decode_message
+from lorabus.bus.connect import close
 from lorabus.schemas import (
     CommandRefused,
     PauseCommand,
@@ -22,8 +22,8 @@ from lorabus.schemas import (
     command_decoder,
     encode,
 )
-from lorabus.signing import CommandSigner, CommandVerifier, new_signing_seed
-from lorabus.tap import Tap
+from lorabus.security.roles import Role
+from lorabus.security.signing import CommandSigner, CommandVerifier, new_signing_seed
 from lorabus.testbed.stack import EmbeddedStack
 
 DEADLINE_S = 15.0

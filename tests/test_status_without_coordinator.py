@@ -21,7 +21,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from processes import Finished, Processes, run_lorabus
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import Heartbeat, PauseCommand, Subjects, encode, heartbeat_decoder
 from lorabus.simfleet import SimFleet
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from lorabus.auth_init import SERVER_CONF, default_jetstream_bytes, write_fleet_auth
 from lorabus.errors import BusError
 from lorabus.schemas import Subjects
+from lorabus.security.auth_init import SERVER_CONF, default_jetstream_bytes, write_fleet_auth
 from lorabus.testbed.stack import EmbeddedStack
 from lorabus.testbed.trainer import write_adapter
 

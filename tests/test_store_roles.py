@@ -23,11 +23,11 @@ from nats.aio.msg import Msg
 from processes import run_lorabus
 from secured import DEADLINE_S, Watched, watched
 
-from lorabus.accounts import js_api_prefix
-from lorabus.adapter_objects import fetch_object, store_config
-from lorabus.bus import close
-from lorabus.roles import Role
+from lorabus.adapters.store import fetch_object, store_config
+from lorabus.bus.connect import close
 from lorabus.schemas import Subjects
+from lorabus.security.accounts import js_api_prefix
+from lorabus.security.roles import Role
 from lorabus.testbed.stack import EmbeddedStack
 
 ROLES = [Role.AGENT, Role.COORDINATOR, Role.ORCHESTRATOR, Role.AUDITOR, Role.OPERATOR]

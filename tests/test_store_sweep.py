@@ -23,10 +23,10 @@ import pytest
 from adapter_dirs import write_adapter
 from nats.aio.client import Client as NatsClient
 
-from lorabus import adapter_objects
-from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import bus_path, fetch_object, object_size, push_adapter
-from lorabus.bus import close, connect
+from lorabus.adapters import store as adapter_objects
+from lorabus.adapters.digest import adapter_digest
+from lorabus.adapters.store import bus_path, fetch_object, object_size, push_adapter
+from lorabus.bus.connect import close, connect
 from lorabus.coordinator.adapter_store import AdapterStore, delete_unkept
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.store import FleetStore

@@ -23,7 +23,7 @@ import pytest
 from nats.js.api import RePublish, StreamConfig
 from secured import watched
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.streams import (
     StreamChangeRefused,
@@ -31,8 +31,8 @@ from lorabus.coordinator.streams import (
     provision,
     unsafe_settings,
 )
-from lorabus.roles import FLEET_JS_API, Role
 from lorabus.schemas import BadMessage, Subjects, event_decoder
+from lorabus.security.roles import FLEET_JS_API, Role
 from lorabus.testbed.stack import EmbeddedStack
 
 WORKERS = ("w000", "w001")

@@ -21,7 +21,9 @@ import re
 import msgspec
 import pytest
 
-from lorabus.audit import TrailRecord, origin_of, verify
+from lorabus.audit.timeline import Bar, PauseWindow, build_timelines
+from lorabus.audit.timeline_page import render_page
+from lorabus.audit.verify import TrailRecord, origin_of, verify
 from lorabus.schemas import (
     Ack,
     EngineResumed,
@@ -38,8 +40,6 @@ from lorabus.schemas import (
     tag_of,
     to_builtins,
 )
-from lorabus.timeline_page import render_page
-from lorabus.update_timeline import Bar, PauseWindow, build_timelines
 
 SUBJECTS = Subjects(fleet="f")
 MEMBERS = {"a": 2, "b": 1, "c": 1, "d": 1}

@@ -12,11 +12,11 @@ import pytest
 from secured import watched
 
 from lorabus import BusUnreachable, PermissionDenied
-from lorabus.auth_init import FleetAuth, write_fleet_auth
-from lorabus.bus import Bus, close, connect
-from lorabus.bus_options import BusOptions
-from lorabus.roles import Role
+from lorabus.bus.connect import Bus, close, connect
+from lorabus.bus.options import BusOptions
 from lorabus.schemas import Subjects
+from lorabus.security.auth_init import FleetAuth, write_fleet_auth
+from lorabus.security.roles import Role
 from lorabus.testbed.natsserver import NatsServer
 
 FLEET = "tls"

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 from processes import Finished, run_lorabus
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     MAX_MESSAGE_BYTES,
     Ack,
@@ -243,8 +243,8 @@ async def test_a_payload_over_the_size_limit_is_a_poison_record(
 
 
 def test_a_line_too_long_to_be_a_record_is_reported_and_reading_goes_on(tmp_path: Path) -> None:
-    from lorabus.audit import TrailRecord
-    from lorabus.trail_file import MAX_LINE_BYTES, read_trail
+    from lorabus.audit.trail_file import MAX_LINE_BYTES, read_trail
+    from lorabus.audit.verify import TrailRecord
 
     good = TrailRecord(seq=3, subject="lorabus.f.ack.w1", ts=1.0, kind="ack", message=_ack("w1"))
     trail = tmp_path / "trail.jsonl"

@@ -12,8 +12,8 @@ from nats.aio.msg import Msg
 from processes import Processes
 
 from lorabus.agents import AgentConfig
-from lorabus.bus import close, connect
-from lorabus.render import status_text
+from lorabus.audit.render import status_text
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     Ack,
     BadMessage,

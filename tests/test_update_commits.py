@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import httpx
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     BadPayload,
     CommittedNotice,

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from processes import LORABUS, child_env, run_lorabus
 
-from lorabus.render import update_progress_text
+from lorabus.audit.render import update_progress_text
 from lorabus.schemas import FleetStatus, MemberStatus
 from lorabus.testbed.stack import EmbeddedStack
 

@@ -29,8 +29,7 @@ from tenacity import retry_if_exception
 
 from lorabus import BusUnreachable, InsecureConnection, PermissionDenied
 from lorabus.agents import AgentConfig
-from lorabus.auth_init import write_fleet_auth
-from lorabus.bus import (
+from lorabus.bus.connect import (
     close,
     connect,
     is_transient,
@@ -38,11 +37,12 @@ from lorabus.bus import (
     wait_connected,
     wait_flushed,
 )
-from lorabus.bus_options import BusOptions
+from lorabus.bus.options import BusOptions
 from lorabus.client import UpdateClient
 from lorabus.coordinator import CoordinatorConfig
-from lorabus.roles import Role
 from lorabus.schemas import Subjects, UpdateResult
+from lorabus.security.auth_init import write_fleet_auth
+from lorabus.security.roles import Role
 from lorabus.service_flags import agent_args, coordinator_args
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.child_processes import ChildProcess
@@ -141,7 +141,7 @@ async def _committed(client: UpdateClient, path: str, version: int) -> UpdateRes
 async def test_a_connection_asked_before_nats_listens_is_made_once_it_does(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="lorabus.bus")
+    caplog.set_level(logging.INFO, logger="lorabus.bus.connect")
     port = free_port()
     waiting = asyncio.ensure_future(
         wait_connected(f"nats://127.0.0.1:{port}", name="test", who="test", attempt_s=1)
@@ -170,7 +170,7 @@ async def test_a_long_wait_is_said_once_then_once_a_minute_never_per_try(
 ) -> None:
     """Ten minutes of a bus that does not answer, on the loop's fake clock:
     one line when the waiting starts, one a minute after, one when it ends."""
-    caplog.set_level(logging.INFO, logger="lorabus.bus")
+    caplog.set_level(logging.INFO, logger="lorabus.bus.connect")
     tries = 0
 
     async def unanswered_for_ten_minutes() -> str:
@@ -200,7 +200,7 @@ async def test_a_flush_waits_out_a_frozen_nats_server_on_the_same_link(
     """The flush times out while the server is frozen, and is tried again; the
     answer to the one that timed out arrives late, and the link takes it in
     its stride (nats-py alone would stop reading, and reconnect much later)."""
-    caplog.set_level(logging.INFO, logger="lorabus.bus")
+    caplog.set_level(logging.INFO, logger="lorabus.bus.connect")
     async with NatsServer() as server:
         nc = await connect(server.url, name="test")
         try:
@@ -422,7 +422,7 @@ def test_a_tls_handshake_cut_short_is_waited_for_a_refused_certificate_is_not() 
     """A server restarting cuts handshakes short (EOF): trying again mends
     that. A TLS alert from the server (no client certificate, a bad one)
     does not."""
-    from lorabus.bus import _refusal
+    from lorabus.bus.connect import _refusal
 
     cut_short = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
     refused = ssl.SSLError(1, "[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] certificate required")

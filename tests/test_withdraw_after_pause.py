@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 
 from nats.aio.msg import Msg
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.schemas import Subjects, UnloadCommand, UpdateResult, command_decoder
 from lorabus.simfleet import SimWorker
 from lorabus.testbed.stack import EmbeddedStack

@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from lorabus.bus import Bus
-from lorabus.bus_options import BusOptions
+from lorabus.bus.connect import Bus
+from lorabus.bus.options import BusOptions
 from lorabus.cli.common import bus_options, fleet_option, run, subjects_of
 from lorabus.coordinator.config import StorageConfig
 from lorabus.operator import RESET_TIMEOUT_S
@@ -102,7 +102,7 @@ def auth_init(
 ) -> None:
     """Write a nats-server configuration that gives each role exactly its
     permissions, and one identity (a folder, 0700) per role and per worker."""
-    from lorabus.auth_init import SERVER_CONF, write_fleet_auth
+    from lorabus.security.auth_init import SERVER_CONF, write_fleet_auth
 
     subjects = subjects_of(fleet)
     try:
@@ -145,7 +145,7 @@ def provision(nats_url: str, bus: BusOptions, fleet: str, **settings: Any) -> No
     purge); run once, as the fleet's operator. Where they exist with other
     settings, only an identity that may change a stream's configuration (a
     server without roles) brings them to these."""
-    from lorabus.bus import close
+    from lorabus.bus.connect import close
     from lorabus.coordinator.streams import StreamChangeRefused
     from lorabus.coordinator.streams import provision as set_up
 
@@ -204,9 +204,9 @@ def reset(
     the fleet's operator; recorded in the trail as committed_reset."""
     import json
 
-    from lorabus.bus import close
+    from lorabus.audit.render import printable
+    from lorabus.bus.connect import close
     from lorabus.operator import reset_committed
-    from lorabus.render import printable
     from lorabus.schemas import to_builtins
 
     subjects = subjects_of(fleet)

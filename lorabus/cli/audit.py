@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from lorabus.bus import Bus
-from lorabus.bus_options import BusOptions
+from lorabus.bus.connect import Bus
+from lorabus.bus.options import BusOptions
 from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.schemas import Subjects
 
 if TYPE_CHECKING:
-    from lorabus.audit import TrailRecord
+    from lorabus.audit.verify import TrailRecord
 
 
 @click.command()
@@ -55,9 +55,9 @@ def tap(
     out_path: str | None,
 ) -> None:
     """Follow or replay the fleet's audit trail (commands, acks, events)."""
-    from lorabus.bus import close
-    from lorabus.tap import Tap
-    from lorabus.trail_file import TrailWriter, last_seq_in
+    from lorabus.audit.tap import Tap
+    from lorabus.audit.trail_file import TrailWriter, last_seq_in
+    from lorabus.bus.connect import close
 
     subjects = subjects_of(fleet)
 
@@ -104,9 +104,9 @@ def audit_verify(
     record (a payload that is no valid message) and a body that disagrees with
     its subject count as violations. Exits 1 when there is any.
     """
-    from lorabus.audit import Violation, verify
-    from lorabus.render import printable
-    from lorabus.trail_file import read_trail
+    from lorabus.audit.render import printable
+    from lorabus.audit.trail_file import read_trail
+    from lorabus.audit.verify import Violation, verify
 
     if live == (trail is not None):
         raise click.UsageError("give either a TRAIL file or --live")
@@ -142,8 +142,8 @@ def audit_verify(
 
 async def _live_records(target: Bus, subjects: Subjects) -> list[TrailRecord]:
     """The fleet's audit stream as it is now."""
-    from lorabus.bus import close
-    from lorabus.tap import Tap
+    from lorabus.audit.tap import Tap
+    from lorabus.bus.connect import close
 
     records: list[TrailRecord] = []
 
@@ -207,10 +207,10 @@ def audit_timeline(
     that failed marked. The page needs nothing from the network. Exits 1 when
     the trail holds no update, or not the one asked for.
     """
-    from lorabus.render import printable
-    from lorabus.timeline_page import render_page
-    from lorabus.trail_file import read_trail
-    from lorabus.update_timeline import build_timelines
+    from lorabus.audit.render import printable
+    from lorabus.audit.timeline import build_timelines
+    from lorabus.audit.timeline_page import render_page
+    from lorabus.audit.trail_file import read_trail
 
     if live == (trail is not None):
         raise click.UsageError("give either a TRAIL file or --live")

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import click
 
-from lorabus.bus_options import ENV, PASSWORD_ENV, BusOptions
+from lorabus.bus.options import ENV, PASSWORD_ENV, BusOptions
+from lorabus.cli.headers import auth_headers
 from lorabus.errors import LorabusError
-from lorabus.options import auth_headers
 from lorabus.schemas.subjects import DEFAULT_FLEET, Subjects
 
 log = logging.getLogger("lorabus")

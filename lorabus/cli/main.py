@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from lorabus._version import __version__
-from lorabus.bus_options import identity_env
+from lorabus.bus.options import identity_env
 from lorabus.cli import admin, audit, demo, measure, orchestrate, serve
 
 

@@ -314,7 +314,7 @@ def chaos(
         )
     if logging.getLogger().level > logging.INFO:
         # Its own connection's warnings while the nats-server restarts on purpose.
-        logging.getLogger("lorabus.bus").setLevel(logging.ERROR)
+        logging.getLogger("lorabus.bus.connect").setLevel(logging.ERROR)
     sizes = world_sizes or list(_CHAOS.world_sizes)
     count = workers or len(sizes)
     given: dict[str, Any] = {

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 
 import click
 
-from lorabus.bus_options import BusOptions
+from lorabus.bus.options import BusOptions
 from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.client import PUSH_TIMEOUT_S, UPDATE_TIMEOUT_S
 from lorabus.schemas import DIGEST_PATTERN, UPDATE_ID_PATTERN, UpdateMode
 
 if TYPE_CHECKING:
+    from lorabus.audit.heartbeat_view import HeartbeatListener
     from lorabus.client import UpdateClient
-    from lorabus.heartbeat_view import HeartbeatListener
 
 PROGRESS_INTERVAL_S = 1.0
 """How often ``lorabus update`` asks where its update stands (at a terminal)."""
@@ -42,7 +42,7 @@ def _digest(ctx: click.Context, param: click.Parameter, value: str | None) -> st
 
 async def _digest_of(path: str) -> str:
     """``--digest auto``: the digest of the directory as this host shows it."""
-    from lorabus.adapter_digest import adapter_digest
+    from lorabus.adapters.digest import adapter_digest
     from lorabus.errors import BadRequest
 
     try:
@@ -128,9 +128,9 @@ def update(
     stands (quorum, each phase, who is still awaited) is shown on stderr."""
     import uuid
 
+    from lorabus.audit.render import result_text
     from lorabus.client import CONNECT_TIMEOUT_S, UpdateClient
     from lorabus.errors import LorabusError
-    from lorabus.render import result_text
     from lorabus.schemas import FAILED, UpdateResult, to_builtins
 
     subjects_of(fleet)
@@ -240,8 +240,8 @@ def list_adapters(nats_url: str, bus: BusOptions, fleet: str, as_json: bool) -> 
     what keeps it (as an identity that may read the state bucket too, such
     as the operator's); the leader deletes one nothing keeps once it is
     older than its --orphan-after. Also the leftovers of pushes that stopped."""
-    from lorabus.adapter_objects import store_contents
-    from lorabus.bus import Bus, close
+    from lorabus.adapters.store import store_contents
+    from lorabus.bus.connect import Bus, close
     from lorabus.coordinator.adapter_store import kept_by_records, listing
     from lorabus.coordinator.signals import StoreUnavailable
     from lorabus.coordinator.store import FleetStore
@@ -292,8 +292,8 @@ async def _show_progress(client: UpdateClient, update_id: str) -> None:
     fleet's status asked every PROGRESS_INTERVAL_S (until cancelled)."""
     import nats.errors
 
+    from lorabus.audit.render import update_progress_text
     from lorabus.errors import LorabusError
-    from lorabus.render import update_progress_text
 
     shown = ""
     while True:
@@ -329,10 +329,10 @@ def status(
     (members, world sizes, paused, ready, adapters), saying so on the first
     line; exit 1 if no heartbeat is heard either. Engines paused outside any
     update, or not ready, get a WARNING line each."""
+    from lorabus.audit.heartbeat_view import HeartbeatListener
+    from lorabus.audit.render import status_text
     from lorabus.client import UpdateClient
     from lorabus.errors import NoCoordinator
-    from lorabus.heartbeat_view import HeartbeatListener
-    from lorabus.render import status_text
     from lorabus.schemas import to_builtins
 
     subjects = subjects_of(fleet)
@@ -381,7 +381,7 @@ def _without_coordinator(
     was heard. The JSON is built here, not as a wire message: it is not one, and
     its ``type`` and ``coordinator_answered`` keep it from passing for a
     ``fleet_status``."""
-    from lorabus.render import heartbeat_view_text, member_warnings, printable
+    from lorabus.audit.render import heartbeat_view_text, member_warnings, printable
     from lorabus.schemas import ErrorCode, to_builtins
 
     view = listener.view()
@@ -424,8 +424,8 @@ def schema() -> None:
 def result(nats_url: str, bus: BusOptions, fleet: str, update_id: str, as_json: bool) -> None:
     """Show an earlier update's outcome by its id; runs nothing (exit 0 committed,
     1 failed, pending or unknown)."""
+    from lorabus.audit.render import result_text
     from lorabus.client import UpdateClient
-    from lorabus.render import result_text
     from lorabus.schemas import to_builtins
 
     subjects_of(fleet)

@@ -2,7 +2,7 @@
 
 Both run until SIGTERM or SIGINT, and take their settings from the tables in
 :mod:`lorabus.service_flags`. Neither exits because NATS is slow or away: each
-waits for its bus (:func:`lorabus.bus.wait_connected`), serving its metrics
+waits for its bus (:func:`lorabus.bus.connect.wait_connected`), serving its metrics
 meanwhile, and exits at once only on what waiting cannot mend (credentials
 refused, options that would expose them).
 """
@@ -17,13 +17,13 @@ from typing import Any, TypeVar
 import click
 
 from lorabus.agents.config import AgentConfig
-from lorabus.bus import Bus
-from lorabus.bus_options import BusOptions
+from lorabus.bus.connect import Bus
+from lorabus.bus.options import BusOptions
 from lorabus.cli.common import auth_options, bus_options, fleet_option, headers_from, log, run
+from lorabus.cli.headers import auth_headers
+from lorabus.cli.metrics_http import serving
 from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.event_loop import serving_loop_factory, settle_collector
-from lorabus.metrics_http import serving
-from lorabus.options import auth_headers
+from lorabus.runtime.event_loop import serving_loop_factory, settle_collector
 from lorabus.service_flags import (
     AGENT_FLAGS,
     COORDINATOR_FLAGS,
@@ -109,7 +109,7 @@ async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
     """Drive one worker's engine on the coordinator's commands."""
     from lorabus.agents import Agent, driver_for
     from lorabus.agents.metrics import AgentMetrics, instrumented
-    from lorabus.bus import close
+    from lorabus.bus.connect import close
     from lorabus.errors import BadRequest, EngineError
 
     metrics = AgentMetrics()
@@ -156,7 +156,7 @@ async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
 @serving_command(CoordinatorConfig, COORDINATOR_FLAGS)
 async def coordinator(config: CoordinatorConfig, bus: Bus, metrics_port: int | None) -> int:
     """Run updates for one fleet (several may run: one leads, the others stand by)."""
-    from lorabus.bus import close
+    from lorabus.bus.connect import close
     from lorabus.coordinator import Coordinator
 
     service = Coordinator(config)

@@ -25,16 +25,16 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 
 from lorabus.agents import Agent, AgentConfig, driver_for
-from lorabus.auth_init import SIGNING_SEED_FILE, FleetAuth, write_fleet_auth
-from lorabus.bus import Bus, close
-from lorabus.bus_options import BusOptions
+from lorabus.bus.connect import Bus, close
+from lorabus.bus.options import BusOptions
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.streams import provision
 from lorabus.errors import StartFailed
-from lorabus.roles import Role
 from lorabus.schemas import Subjects
+from lorabus.security.auth_init import SIGNING_SEED_FILE, FleetAuth, write_fleet_auth
+from lorabus.security.roles import Role
 from lorabus.simfleet import SimFleet
 from lorabus.simfleet.identity import numbered_worker_ids
 from lorabus.testbed.natsserver import NatsServer

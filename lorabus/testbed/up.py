@@ -18,18 +18,18 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lorabus.audit import TrailRecord, verify
-from lorabus.bus import close
-from lorabus.cancellation import raise_if_cancelled
-from lorabus.render import phase_timeline, rank_map_text
-from lorabus.roles import Role
+from lorabus.audit.render import phase_timeline, rank_map_text
+from lorabus.audit.tap import Tap
+from lorabus.audit.timeline import build_timelines
+from lorabus.audit.timeline_page import render_page
+from lorabus.audit.verify import TrailRecord, verify
+from lorabus.bus.connect import close
+from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.schemas import Subjects, UpdateResult
+from lorabus.security.roles import Role
 from lorabus.simfleet import SimWorker
-from lorabus.tap import Tap
 from lorabus.testbed.stack import EmbeddedStack
 from lorabus.testbed.trainer import write_adapter
-from lorabus.timeline_page import render_page
-from lorabus.update_timeline import build_timelines
 
 ADAPTER = "policy"
 KEEP = 2
@@ -67,7 +67,7 @@ async def run_up(
             results: list[UpdateResult] = []
             for step in range(1, steps + 1):
                 # Each step now pushes over nats-py's wait_for, which in Python
-                # 3.11 can drop a Ctrl-C's cancellation (lorabus/cancellation.py).
+                # 3.11 can drop a Ctrl-C's cancellation (lorabus/runtime/cancellation.py).
                 raise_if_cancelled()
                 path = write_adapter(trainer, step)
                 result = await stack.client.update(

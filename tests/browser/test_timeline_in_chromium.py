@@ -25,7 +25,7 @@ import msgspec
 import pytest
 from processes import run_lorabus
 
-from lorabus.audit import TrailRecord
+from lorabus.audit.verify import TrailRecord
 from lorabus.testbed.stack import EmbeddedStack
 
 pytestmark = pytest.mark.browser

@@ -14,7 +14,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.errors import NatsServerMissing
 from lorabus.testbed.chaos.config import FleetSettings
 from lorabus.testbed.chaos.fleet import ChaosFleet

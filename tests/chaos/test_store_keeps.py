@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lorabus.adapter_objects import bus_path
+from lorabus.adapters.store import bus_path
 from lorabus.schemas import (
     CommittedRecord,
     ErrorCode,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lorabus.adapter_objects import bus_path, delete_object, push_adapter
-from lorabus.bus import close, connect
+from lorabus.adapters.store import bus_path, delete_object, push_adapter
+from lorabus.bus.connect import close, connect
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.store import FleetStore
 from lorabus.schemas import CommittedRecord, StoredVersion, Subjects, build_rank_map

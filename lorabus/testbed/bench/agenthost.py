@@ -29,11 +29,11 @@ from nats.aio.msg import Msg
 
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver, EngineDriver
 from lorabus.agents.adapter_cache import AdapterCache
-from lorabus.bus import close, connect
-from lorabus.bus_options import BusOptions
-from lorabus.event_loop import serving_loop_factory, settle_collector
+from lorabus.bus.connect import close, connect
+from lorabus.bus.options import BusOptions
+from lorabus.runtime.event_loop import serving_loop_factory, settle_collector
 from lorabus.schemas import Subjects
-from lorabus.signing import COORDINATOR_KEYS_ENV, CommandVerifier
+from lorabus.security.signing import COORDINATOR_KEYS_ENV, CommandVerifier
 from lorabus.testbed.bench.control import child_main, say, serve_requests
 from lorabus.testbed.bench.engines import EngineTimes, NullEngine, TimedEngine
 

@@ -42,15 +42,15 @@ from pathlib import Path
 
 import aiohttp
 
-from lorabus.adapter_digest import adapter_digest
-from lorabus.adapter_objects import delete_object
-from lorabus.bus import close
+from lorabus.adapters.digest import adapter_digest
+from lorabus.adapters.store import delete_object
+from lorabus.bus.connect import close
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig, StorageConfig
 from lorabus.coordinator.streams import provision
 from lorabus.errors import LorabusError
-from lorabus.roles import Role
 from lorabus.schemas import Subjects, UpdateMode, UpdateResult
+from lorabus.security.roles import Role
 from lorabus.service_flags import coordinator_args
 from lorabus.testbed.bench.children import Child, ChildFailed
 from lorabus.testbed.bench.config import BenchConfig

@@ -18,12 +18,12 @@ from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
-from lorabus.auth_init import FleetAuth
-from lorabus.bus import connect
-from lorabus.bus_options import BusOptions, identity_env
+from lorabus.bus.connect import connect
+from lorabus.bus.options import BusOptions, identity_env
 from lorabus.client import UpdateClient
 from lorabus.errors import NoCoordinator
-from lorabus.roles import Role
+from lorabus.security.auth_init import FleetAuth
+from lorabus.security.roles import Role
 from lorabus.simfleet.identity import numbered_worker_ids
 from lorabus.testbed.bench.children import Child, Children
 from lorabus.testbed.bench.config import BenchConfig

@@ -10,7 +10,7 @@ them. Two roles, each a process of its own:
   of the files it answered since the last ask;
 - ``puller``: answers ``pull`` by downloading an adapter's files for each of
   the nodes it is given, all nodes at once, each into ``<node>/<adapter>/``,
-  then computing each copy's adapter digest (``lorabus.adapter_digest``), and
+  then computing each copy's adapter digest (``lorabus.adapters.digest``), and
   answers with the digests and how long each node took. Files are written as
   they come, without ``fsync``: a download tool's way.
 
@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from lorabus.adapter_digest import adapter_digest
+from lorabus.adapters.digest import adapter_digest
 from lorabus.testbed.bench.control import child_main, say, serve_requests
 
 _CHUNK = 1 << 20

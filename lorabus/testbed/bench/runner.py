@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from lorabus.agents.config import AgentConfig
-from lorabus.auth_init import write_fleet_auth
-from lorabus.bus import close
+from lorabus.bus.connect import close
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig, StorageConfig
 from lorabus.coordinator.streams import provision
-from lorabus.roles import Role
 from lorabus.schemas import Subjects, UpdateMode
+from lorabus.security.auth_init import write_fleet_auth
+from lorabus.security.roles import Role
 from lorabus.service_flags import agent_args, coordinator_args
 from lorabus.testbed.bench.children import Child, ChildFailed
 from lorabus.testbed.bench.config import BenchConfig

@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorabus.adapter_objects import bus_path, push_adapter
+from lorabus.adapters.store import bus_path, push_adapter
 from lorabus.client import UpdateClient
 from lorabus.errors import BusError
 from lorabus.testbed.chaos.timeline import Push, Timeline, now

@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 import nats.errors
 
-from lorabus.bus import close, connect
+from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.store import FleetStore

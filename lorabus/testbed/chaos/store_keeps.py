@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lorabus.adapter_objects import digest_of
+from lorabus.adapters.store import digest_of
 from lorabus.schemas import ErrorCode, UpdateResult
 from lorabus.testbed.chaos.timeline import StoreSample, Timeline, UpdateRecord
 

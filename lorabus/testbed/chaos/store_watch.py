@@ -33,7 +33,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from lorabus.adapter_objects import digest_of, store_contents
+from lorabus.adapters.store import digest_of, store_contents
 from lorabus.coordinator.signals import StoreUnavailable
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BusError

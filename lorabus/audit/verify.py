@@ -49,7 +49,7 @@ from typing import Any
 
 import msgspec
 
-from lorabus.render import printable
+from lorabus.audit.render import printable
 from lorabus.schemas import (
     COMMITTED,
     Ack,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lorabus.clock import now
+from lorabus.runtime.clock import now
 
 
 class PerSecond:

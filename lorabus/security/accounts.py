@@ -12,7 +12,7 @@ auditor, the operator and each agent have an account of their own, and
 reach the fleet only through what it exports to them:
 
 - *services* (request and reply): the coordinator's requests, and the few
-  JetStream calls a role needs, imported under :data:`~lorabus.roles.FLEET_JS_API`.
+  JetStream calls a role needs, imported under :data:`~lorabus.security.roles.FLEET_JS_API`.
   The server gives each request that crosses an account a reply subject of
   its own (``_R_...``) and carries the answer back into the requester's
   account, so an answer lands nowhere but there;
@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lorabus.roles import (
+from lorabus.schemas import Subjects
+from lorabus.security.roles import (
     FLEET_JS_API,
     JS_API,
     Role,
@@ -40,7 +41,6 @@ from lorabus.roles import (
     object_writes,
     stream_admin,
 )
-from lorabus.schemas import Subjects
 
 
 @dataclass(frozen=True)

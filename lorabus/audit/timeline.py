@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorabus.audit import TrailRecord
+from lorabus.audit.verify import TrailRecord
 
 PHASE_LABELS = {"prepare": "fetch"}
 """The name a person knows a phase by, where it differs from the wire's."""

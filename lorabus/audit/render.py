@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from lorabus.schemas import FleetStatus, MemberStatus, Phase, RankMap, UpdateResult
 
 if TYPE_CHECKING:
-    from lorabus.heartbeat_view import HeartbeatView
+    from lorabus.audit.heartbeat_view import HeartbeatView
 
 _PHASE_ORDER = [p.value for p in Phase]
 

@@ -41,9 +41,9 @@ from tenacity import (
     wait_random,
 )
 
-from lorabus.bus_options import BusOptions
-from lorabus.clock import now
+from lorabus.bus.options import BusOptions
 from lorabus.errors import BadRequest, BusError, BusUnreachable, PermissionDenied
+from lorabus.runtime.clock import now
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The trainer side packs an adapter directory as a plain tar whose bytes depend
 only on the files (sorted paths, fixed headers), so one adapter is one
 object of the fleet's store whatever machine packed it
-(:mod:`lorabus.adapter_objects`); an agent unpacks it as it arrives, taking
+(:mod:`lorabus.adapters.store`); an agent unpacks it as it arrives, taking
 the adapter digest on the way, and refuses anything but regular files and
 directories inside its target.
 """
@@ -19,7 +19,7 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from lorabus.adapter_digest import MAX_FILES
+from lorabus.adapters.digest import MAX_FILES
 
 __all__ = ["AdapterChanged", "BadArchive", "Unpacker", "check_adapter_dir", "pack", "unpack"]
 
@@ -104,7 +104,7 @@ def pack(directory: str | os.PathLike[str], into: BinaryIO) -> str:
     depend on the files only, a file at a time (an adapter can be many GB),
     and return the adapter digest of exactly the bytes written: taken from
     the same reads, so an archive never goes out under a digest its bytes do
-    not have (:mod:`lorabus.adapter_digest` defines it). AdapterChanged when
+    not have (:mod:`lorabus.adapters.digest` defines it). AdapterChanged when
     a file changes, comes or goes meanwhile (a trainer still writing it)."""
     root = Path(directory)
     files = _files(root)

@@ -18,7 +18,7 @@ digest>``, nats's object info). The stream takes only subjects of those
 shapes, keeps one message per subject, refuses a second one (discard new
 per subject) and refuses rollup headers: a publish can add an object, never
 replace, shadow or remove one. Only the purge API removes anything, and only
-the coordinator may call it (lorabus.roles): so the orchestrator, which
+the coordinator may call it (lorabus.security.roles): so the orchestrator, which
 publishes on these subjects to push, cannot wipe the store. An object's
 chunks live under its own digest: a meta record naming another object's
 nuid names no chunk of it, and deleting an object purges nothing of
@@ -58,8 +58,8 @@ from nats.js.api import (
 )
 from nats.js.client import JetStreamContext
 
-from lorabus.adapter_archive import AdapterChanged, BadArchive, check_adapter_dir, pack
-from lorabus.bus import js_api_of
+from lorabus.adapters.archive import AdapterChanged, BadArchive, check_adapter_dir, pack
+from lorabus.bus.connect import js_api_of
 from lorabus.errors import BadRequest, BusError, FetchFailed
 from lorabus.schemas import Subjects
 

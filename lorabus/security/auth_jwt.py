@@ -1,7 +1,7 @@
 """The operator/JWT form of a fleet's accounts (``lorabus auth init --method jwt``).
 
 The same accounts, exports, imports and permissions as the static
-configuration (:mod:`lorabus.accounts`, :mod:`lorabus.roles`), as NATS runs
+configuration (:mod:`lorabus.security.accounts`, :mod:`lorabus.security.roles`), as NATS runs
 them with decentralized authentication: an operator signs one JWT per
 account, each account signs its users' JWTs, and each identity gets a
 ``.creds`` file. The server is given the operator, a system account
@@ -21,9 +21,9 @@ from typing import Any
 
 import nkeys
 
-from lorabus.accounts import FleetAccounts
-from lorabus.nats_jwt import Key, creds, encode
-from lorabus.roles import Permissions
+from lorabus.security.accounts import FleetAccounts
+from lorabus.security.nats_jwt import Key, creds, encode
+from lorabus.security.roles import Permissions
 
 _UNLIMITED = {"subs": -1, "data": -1, "payload": -1}
 _JETSTREAM = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}

@@ -2,11 +2,11 @@
 
 For a fleet and its worker ids this writes, into one new directory:
 
-- ``nats-server.conf``: the fleet's accounts (:mod:`lorabus.accounts`: the
+- ``nats-server.conf``: the fleet's accounts (:mod:`lorabus.security.accounts`: the
   coordinators beside the fleet's streams, every other identity in an
   account of its own that imports what it needs), one user per identity
   (coordinator, orchestrator, auditor, operator, one agent per worker), each
-  with exactly its role's permissions (:mod:`lorabus.roles`); with TLS, the
+  with exactly its role's permissions (:mod:`lorabus.security.roles`); with TLS, the
   server's certificate, and client certificates required;
 - per identity, a folder (mode 0700) with its secret (mode 0600) and
   ``lorabus.env``, the ``LORABUS_*`` variables that make a ``lorabus``
@@ -46,12 +46,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from lorabus.accounts import Account, FleetAccounts, fleet_accounts, js_api_prefix
-from lorabus.auth_jwt import JwtAuthority
-from lorabus.bus_options import ENV, ENV_FILE, inbox_prefix_for, public_key_of
-from lorabus.roles import Permissions, Role, identity_name, permissions
+from lorabus.bus.options import ENV, ENV_FILE, inbox_prefix_for, public_key_of
 from lorabus.schemas import Subjects, check_token
-from lorabus.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, new_signing_seed
+from lorabus.security.accounts import Account, FleetAccounts, fleet_accounts, js_api_prefix
+from lorabus.security.auth_jwt import JwtAuthority
+from lorabus.security.roles import Permissions, Role, identity_name, permissions
+from lorabus.security.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, new_signing_seed
 
 SERVER_CONF = "nats-server.conf"
 SEED_FILE = "nkey.seed"

@@ -25,7 +25,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from lorabus.clock import now
+from lorabus.runtime.clock import now
 from lorabus.schemas import BadPayload, Heartbeat, MemberStatus, Subjects, heartbeat_decoder
 
 log = logging.getLogger(__name__)

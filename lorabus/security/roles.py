@@ -35,7 +35,7 @@ request goes: whoever answers (JetStream, or the coordinator) publishes to
 the reply subject the requester chose, with the answerer's rights. So only
 the coordinators live in the fleet's account, beside its streams and
 buckets; every other role has an account of its own (one per agent) and
-reaches the fleet's services through imports (:mod:`lorabus.accounts`).
+reaches the fleet's services through imports (:mod:`lorabus.security.accounts`).
 Across accounts the server replaces each reply subject with one of its own
 (``_R_...``) and carries the answer back into the requester's account: a
 request can no longer aim an answer at a fleet subject. Those roles reach
@@ -186,7 +186,7 @@ def object_writes(subjects: Subjects, api: str) -> tuple[str, ...]:
     account), and the reads it makes first. No purge nor delete, and the
     store's stream refuses rollup headers and a second message on any
     subject: a publish there adds an object, never removes or replaces one
-    (lorabus.adapter_objects)."""
+    (lorabus.adapters.store)."""
     return (*object_reads(subjects, api), *object_subjects(subjects))
 
 

@@ -19,9 +19,9 @@ from typing import IO
 
 import msgspec
 
-from lorabus.audit import TrailRecord, poison_text
+from lorabus.audit.tap import timeline_line
+from lorabus.audit.verify import TrailRecord, poison_text
 from lorabus.schemas import MAX_MESSAGE_BYTES, BadPayload, Reader, any_decoder
-from lorabus.tap import timeline_line
 
 MAX_LINE_BYTES = 2 * MAX_MESSAGE_BYTES
 """The longest line read: a record holds one message of at most

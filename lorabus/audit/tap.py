@@ -9,7 +9,7 @@ place is the last sequence it wrote: a tap appending to a trail file starts
 after the file's last record, so a tap that stops (or a nats-server that
 restarts) goes on where it left off, writing nothing twice. A read that
 gets no answer is tried again for as long as the bus is away
-(:func:`~lorabus.bus.until_answered`: said once, then once a minute).
+(:func:`~lorabus.bus.connect.until_answered`: said once, then once a minute).
 
 No message can stop the tap: each payload is read by the wire contract's
 reader for its subject, and one that is not a valid message (not JSON, the
@@ -44,7 +44,8 @@ from tenacity import (
     wait_exponential,
 )
 
-from lorabus.audit import (
+from lorabus.audit.render import printable
+from lorabus.audit.verify import (
     TrailRecord,
     decode_message,
     origin_of,
@@ -52,10 +53,9 @@ from lorabus.audit import (
     read_payload,
     subject_problem,
 )
-from lorabus.bus import is_transient, js_api_of, until_answered
-from lorabus.cancellation import raise_if_cancelled
+from lorabus.bus.connect import is_transient, js_api_of, until_answered
 from lorabus.errors import AuditStreamMissing, BusError
-from lorabus.render import printable
+from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.schemas import BadPayload, Subjects, tag_of, to_builtins
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import html
 import time
 from collections.abc import Callable, Sequence
 
-from lorabus.update_timeline import Bar, UpdateTimeline, WorkerRow
+from lorabus.audit.timeline import Bar, UpdateTimeline, WorkerRow
 
 _STYLE = """
 body { font: 13px/1.35 system-ui, sans-serif; margin: 16px; color: #222; }
