@@ -15,8 +15,9 @@ booted, and none of its files changed since (same names, sizes, inodes and
 modification times, recorded next to its lock: a few ``stat`` calls instead
 of reading gigabytes), so an update's prepare and load hash it once per
 node, not once per agent and step. A fetched adapter is hashed before it
-gets its name, and a half-written one never has it: the archive and the
-unpacked files live under ``.partial/`` until one ``rename``. The files are
+gets its name, and a half-written one never has it: the fetch unpacks the
+object as its chunks arrive (no archive file) into a folder under
+``.partial/``, hashing it on the way, and one ``rename`` names it. The files are
 not synced to disk first: what the kernel had not written back is lost only
 with the node (a crash or a power cut), and after a reboot no note holds,
 so the entry is hashed before it is used, and fetched again if it lost
@@ -48,7 +49,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 
 from lorabus.adapters.archive import BadArchive, Unpacker
-from lorabus.adapters.digest import adapter_digest
+from lorabus.adapters.digest import adapter_digest, adapter_files
 from lorabus.adapters.store import ChunkSink, check_digest
 from lorabus.agents.cache_holders import HolderFiles
 from lorabus.errors import DigestMismatch, FetchFailed
@@ -58,7 +59,9 @@ __all__ = ["AdapterCache", "Fetch"]
 log = logging.getLogger(__name__)
 
 Fetch = Callable[[str, ChunkSink], Awaitable[int]]
-"""Writes the stored object of a digest into a file; returns its size."""
+"""Writes the object store's adapter of a digest, chunk by chunk, into a
+sink (the cache's :class:`~lorabus.adapters.archive.Unpacker`); returns its
+size. The agent's connection gives one (``AgentBus.fetch_adapter``)."""
 
 _ENTRY = re.compile(r"^[0-9a-f]{64}$")
 _LOCK_POLL_S = (0.002, 0.02)
@@ -70,7 +73,8 @@ on every agent of the node hash it once, not once per agent and step; any
 later use hashes it again."""
 _PARTIAL_MAX_AGE_S = 300.0
 """A leftover under ``.partial/`` older than this, with its digest unlocked, is
-what a process that died mid-fetch left: prune removes it."""
+what a process that died left there (a fetch's unpacked folder, an entry
+taken out to be deleted, a holder file being written): prune removes it."""
 
 
 class _Lock:
@@ -313,7 +317,8 @@ class AdapterCache:
         return {d.removeprefix("sha256:") for d in protect | self.holders.held()}
 
     def _sweep_partial(self) -> None:
-        """Remove what fetches that died left under ``.partial/``."""
+        """Remove what processes that died left under ``.partial/`` (see
+        ``_PARTIAL_MAX_AGE_S``)."""
         if not (os.path.isdir(self._partial) and os.path.isdir(self._locks)):
             return
         old = time.time() - _PARTIAL_MAX_AGE_S
@@ -338,28 +343,17 @@ _Fingerprint = tuple[tuple[str, int, int, int], ...]
 
 
 def _fingerprint(entry: str) -> _Fingerprint | None:
-    """Each file below ``entry`` as (path, size, inode, modification time); None
-    when it cannot be read (then it is hashed, and found out)."""
+    """Each file the digest of ``entry`` covers (:func:`adapter_files`) as
+    (relative path, size, inode, modification time); None when it cannot be
+    read (then it is hashed, and found out)."""
     try:
         return tuple(
-            sorted(
-                (
-                    os.path.relpath(os.path.join(folder, name), entry),
-                    s.st_size,
-                    s.st_ino,
-                    s.st_mtime_ns,
-                )
-                for folder, _, names in os.walk(entry, onerror=_raise)
-                for name in names
-                for s in (os.lstat(os.path.join(folder, name)),)
-            )
+            (relative, s.st_size, s.st_ino, s.st_mtime_ns)
+            for relative, path in adapter_files(entry)
+            for s in (path.stat(),)
         )
-    except OSError:
+    except (OSError, ValueError):
         return None
-
-
-def _raise(error: OSError) -> None:
-    raise error
 
 
 def _digest_at(entry: str) -> str | None:

@@ -41,11 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 
 from lorabus.adapters.digest import read_adapter_digest
-from lorabus.adapters.store import ChunkSink, digest_of
-from lorabus.agents.adapter_cache import AdapterCache
+from lorabus.adapters.store import digest_of
+from lorabus.agents.adapter_cache import AdapterCache, Fetch
 from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
 from lorabus.agents.cache_holders import CacheKeeper
 from lorabus.agents.engine import EngineDriver, InPlaceReplace, SetupCheck
@@ -72,9 +71,6 @@ from lorabus.schemas import (
 )
 
 log = logging.getLogger(__name__)
-
-Fetch = Callable[[str, ChunkSink], Awaitable[int]]
-"""Writes the object store's adapter of a digest into a file; returns its size."""
 
 SETUP_RECHECK_S = 30.0
 """How often an engine without a known set-up problem is asked again: one

@@ -1,22 +1,27 @@
 """Small HTTP helpers shared by the simulator's route modules.
 
 Kept apart so that the worker, frontend and control routes answer errors and
-check bearer tokens the same way.
+check bearer tokens the same way, and the vLLM and SGLang workers list their
+models the same way.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import time
 from typing import Any
 
 from aiohttp import web
+
+from .state import SimWorker
 
 __all__ = [
     "UNAUTHORIZED",
     "error_reply",
     "is_authorized",
     "json_or_none",
+    "models_reply",
     "plain_text_reply",
 ]
 
@@ -49,3 +54,30 @@ def json_or_none(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError:
         return None
+
+
+_STARTED = int(time.time())
+"""The ``created`` of every model card: the engines give their start time."""
+
+
+def models_reply(worker: SimWorker, *, owned_by: str, **fields: Any) -> web.Response:
+    """``GET /v1/models`` as vLLM and SGLang answer it: the base model
+    (``max_model_len`` 4096), then each adapter, with its path as ``root``
+    and the base model as ``parent``; ``fields``: the engine's own, on every card."""
+    base = worker.base_model
+
+    def card(model_id: str, root: str, parent: str | None, max_len: int | None) -> dict[str, Any]:
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": _STARTED,
+            "owned_by": owned_by,
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_len,
+            **fields,
+        }
+
+    data = [card(base, base, None, 4096)]
+    data += [card(n, worker.adapter_paths.get(n, ""), base, None) for n in worker.adapters]
+    return web.json_response({"object": "list", "data": data})

@@ -49,18 +49,17 @@ not match on it (every SGLang refusal is final).
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from aiohttp import web
 
+from .http_utils import models_reply
 from .lora_source import NotAnAdapter, check_local_adapter
 from .state import SimWorker
 
 __all__ = ["ROUTES", "is_guarded", "key_for", "not_found", "unauthorized"]
 
 _PAUSE_MODES = ("abort", "retract", "in_place")
-_CREATED = int(time.time())
 #: The routes SGLang marks ``ADMIN_OPTIONAL`` among those the sim serves.
 _ADMIN_ROUTES = frozenset(
     {
@@ -191,25 +190,8 @@ async def _unload(request: web.Request, worker: SimWorker, raw: bytes) -> web.Re
     return _update(True, worker)
 
 
-def _card(
-    model_id: str, root: str, parent: str | None, max_model_len: int | None
-) -> dict[str, Any]:
-    return {
-        "id": model_id,
-        "object": "model",
-        "created": _CREATED,
-        "owned_by": "sglang",
-        "root": root,
-        "parent": parent,
-        "max_model_len": max_model_len,
-    }
-
-
 async def _models(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
-    base = worker.base_model
-    data = [_card(base, base, None, 4096)]
-    data += [_card(n, worker.adapter_paths.get(n, ""), base, None) for n in worker.adapters]
-    return web.json_response({"object": "list", "data": data})
+    return models_reply(worker, owned_by="sglang")
 
 
 async def _pause(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:

@@ -38,12 +38,12 @@ LoRA route, without ``dev_mode`` (``VLLM_SERVER_DEV_MODE``) none of
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from .http_utils import models_reply
 from .lora_source import NotAnAdapter, check_local_adapter
 from .state import SimWorker
 
@@ -51,7 +51,6 @@ __all__ = ["ROUTES", "is_guarded", "key_for", "not_found", "unauthorized"]
 
 _Handler = Callable[[web.Request, SimWorker, bytes], Awaitable[web.Response]]
 _PAUSE_MODES = ("abort", "wait", "keep")
-_CREATED = int(time.time())
 #: vLLM's AuthenticationMiddleware guards only these prefixes.
 _GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
 
@@ -200,26 +199,9 @@ async def _unload(request: web.Request, worker: SimWorker, raw: bytes) -> web.Re
     return _text(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-def _card(
-    model_id: str, root: str, parent: str | None, max_model_len: int | None
-) -> dict[str, Any]:
-    return {
-        "id": model_id,
-        "object": "model",
-        "created": _CREATED,
-        "owned_by": "vllm",
-        "root": root,
-        "parent": parent,
-        "max_model_len": max_model_len,
-        "permission": [{"object": "model_permission", "allow_sampling": True, "allow_view": True}],
-    }
-
-
 async def _models(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
-    base = worker.base_model
-    data = [_card(base, base, None, 4096)]
-    data += [_card(n, worker.adapter_paths.get(n, ""), base, None) for n in worker.adapters]
-    return web.json_response({"object": "list", "data": data})
+    permission = [{"object": "model_permission", "allow_sampling": True, "allow_view": True}]
+    return models_reply(worker, owned_by="vllm", permission=permission)
 
 
 async def _pause(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:

@@ -19,29 +19,11 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from lorabus.adapters.digest import MAX_FILES
+from lorabus.adapters.digest import MAX_FILES, adapter_files, file_header
 
 __all__ = ["AdapterChanged", "BadArchive", "Unpacker", "check_adapter_dir", "pack", "unpack"]
 
 _WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-
-
-def _files(root: Path) -> list[tuple[str, Path]]:
-    """The files the adapter digest covers, as (relative path, path), in its order."""
-    found: list[tuple[bytes, Path]] = []
-    for folder, subfolders, names in os.walk(root, onerror=_raise):
-        subfolders.sort()
-        for name in names:
-            path = Path(folder, name)
-            if path.is_file():  # a symlink to a file counts as the file, as in the digest
-                found.append((path.relative_to(root).as_posix().encode(), path))
-            if len(found) > MAX_FILES:
-                raise ValueError(f"{str(root)!r} holds more than {MAX_FILES} files")
-    return [(relative.decode(), path) for relative, path in sorted(found)]
-
-
-def _raise(error: OSError) -> None:
-    raise error
 
 
 def check_adapter_dir(directory: str | os.PathLike[str]) -> None:
@@ -51,7 +33,7 @@ def check_adapter_dir(directory: str | os.PathLike[str]) -> None:
         raise ValueError(f"{str(root)!r} is not a directory")
     if not (root / "adapter_config.json").is_file():
         raise ValueError(f"{str(root)!r} has no adapter_config.json: not a PEFT adapter")
-    files = [relative for relative, _ in _files(root)]
+    files = [relative for relative, _ in adapter_files(root)]
     for relative in files:
         if problem := _name_problem(relative):
             raise ValueError(f"{str(root)!r} holds {relative!r}, {problem}")
@@ -106,8 +88,7 @@ def pack(directory: str | os.PathLike[str], into: BinaryIO) -> str:
     the same reads, so an archive never goes out under a digest its bytes do
     not have (:mod:`lorabus.adapters.digest` defines it). AdapterChanged when
     a file changes, comes or goes meanwhile (a trainer still writing it)."""
-    root = Path(directory)
-    files = _files(root)
+    files = adapter_files(directory)
     digest = hashlib.sha256()
     with tarfile.open(fileobj=into, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for relative, path in files:
@@ -121,7 +102,7 @@ def pack(directory: str | os.PathLike[str], into: BinaryIO) -> str:
                 info.size = before.st_size
                 info.mode, info.mtime, info.uid, info.gid = 0o644, 0, 0, 0
                 info.uname = info.gname = ""
-                digest.update(relative.encode() + b"\0" + info.size.to_bytes(8, "big"))
+                digest.update(file_header(relative.encode(), info.size))
                 try:
                     tar.addfile(info, _Hashing(handle, digest))
                 except OSError as exc:
@@ -131,7 +112,7 @@ def pack(directory: str | os.PathLike[str], into: BinaryIO) -> str:
                 after = os.fstat(handle.fileno())
                 if _version(after) != _version(before) or handle.read(1):
                     raise AdapterChanged(f"{relative!r} changed while it was packed")
-    if [relative for relative, _ in _files(root)] != [relative for relative, _ in files]:
+    if [relative for relative, _ in adapter_files(directory)] != [r for r, _ in files]:
         raise AdapterChanged("its files changed while it was packed (one came or went)")
     return "sha256:" + digest.hexdigest()
 
@@ -260,25 +241,18 @@ class Unpacker:
         self._members += 1
         if self._members > MAX_FILES:
             raise BadArchive(f"the archive holds more than {MAX_FILES} members")
-        name = PurePosixPath(pax.get("path", member.name))
-        size = _pax_size(pax, member.size)
-        # tarfile parses GNU's base-256 sizes, negative and huge ones too.
-        if not 0 <= size < _MAX_MEMBER_BYTES:
-            raise BadArchive(f"archive member {str(name)!r} has a size of {size}")
-        if "\0" in str(name):
-            raise BadArchive(f"archive member {str(name)!r} has a NUL in its name")
-        if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE):
-            raise BadArchive(f"archive member {str(name)!r} is not a regular file")
-        if name.is_absolute() or ".." in name.parts or not name.parts:
-            raise BadArchive(f"archive member {str(name)!r} points outside")
-        if problem := _name_problem("/".join(name.parts)):
-            raise BadArchive(f"archive member {str(name)[:64]!r}... has {problem}")
+        name, size = _checked_member(member, pax)
         path = os.path.join(self._into, *name.parts)
         if member.type == tarfile.DIRTYPE:  # tarfile's parse made "name/" one too
             if size:
                 raise BadArchive(f"archive member {str(name)!r} is a directory with data")
             _make_dirs(path, name)
-            return
+        else:
+            self._open_member(path, name, size)
+
+    def _open_member(self, path: str, name: PurePosixPath, size: int) -> None:
+        """Create the file of a regular member, its data to follow, and take
+        it into the digest while members come in the digest's order."""
         _make_dirs(os.path.dirname(path), name)
         try:
             # O_EXCL: a second member of the same name is no adapter.
@@ -288,7 +262,7 @@ class Unpacker:
         relative = "/".join(name.parts).encode()
         if self._previous is not None and relative > self._previous:
             self._previous = relative
-            self._digest.update(relative + b"\0" + size.to_bytes(8, "big"))
+            self._digest.update(file_header(relative, size))
             self._hashing = self._digest
         else:
             self._previous = self._hashing = None  # out of order: hash the files
@@ -306,6 +280,26 @@ class Unpacker:
         if self._file is not None:
             os.close(self._file)
             self._file = None
+
+
+def _checked_member(member: tarfile.TarInfo, pax: dict[str, str]) -> tuple[PurePosixPath, int]:
+    """The name and size of an archive member (its extended header's, if it
+    had one); BadArchive unless it is a regular file or a directory, of a
+    bounded name and size, inside the target."""
+    name = PurePosixPath(pax.get("path", member.name))
+    size = _pax_size(pax, member.size)
+    # tarfile parses GNU's base-256 sizes, negative and huge ones too.
+    if not 0 <= size < _MAX_MEMBER_BYTES:
+        raise BadArchive(f"archive member {str(name)!r} has a size of {size}")
+    if "\0" in str(name):
+        raise BadArchive(f"archive member {str(name)!r} has a NUL in its name")
+    if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE):
+        raise BadArchive(f"archive member {str(name)!r} is not a regular file")
+    if name.is_absolute() or ".." in name.parts or not name.parts:
+        raise BadArchive(f"archive member {str(name)!r} points outside")
+    if problem := _name_problem("/".join(name.parts)):
+        raise BadArchive(f"archive member {str(name)[:64]!r}... has {problem}")
+    return name, size
 
 
 def _make_dirs(path: str, name: PurePosixPath) -> None:

@@ -16,12 +16,43 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["MAX_FILES", "adapter_digest", "read_adapter_digest"]
+__all__ = ["MAX_FILES", "adapter_digest", "adapter_files", "file_header", "read_adapter_digest"]
 
 MAX_FILES = 10_000
 """An adapter is a few files; a directory with more is not one (and hashing it
 all would hold an update for nothing)."""
 _CHUNK = 1 << 20
+
+
+def adapter_files(directory: str | os.PathLike[str]) -> list[tuple[str, Path]]:
+    """The files the digest covers, as (path relative to ``directory`` with
+    ``/`` separators, path), in the digest's order: the byte order of the
+    relative paths. Every regular file below ``directory`` counts, a symlink
+    to a file as that file; a symlinked directory is not entered, a broken
+    symlink is no file. The one walk of an adapter directory: the archive
+    packs and checks exactly these files (:mod:`lorabus.adapters.archive`).
+    OSError when a folder cannot be read, ValueError over MAX_FILES files."""
+    root = Path(directory)
+    found: list[tuple[bytes, Path]] = []
+    for folder, subfolders, names in os.walk(root, onerror=_raise):
+        subfolders.sort()
+        for name in names:
+            path = Path(folder, name)
+            if path.is_file():
+                found.append((path.relative_to(root).as_posix().encode(), path))
+            if len(found) > MAX_FILES:
+                raise ValueError(f"{str(root)!r} holds more than {MAX_FILES} files")
+    return [(relative.decode(), path) for relative, path in sorted(found)]
+
+
+def _raise(error: OSError) -> None:
+    raise error
+
+
+def file_header(relative: bytes, size: int) -> bytes:
+    """What the digest takes of a file before its bytes: its relative path
+    (UTF-8), a NUL byte and its size as 8 bytes big-endian."""
+    return relative + b"\0" + size.to_bytes(8, "big")
 
 
 def adapter_digest(directory: str | os.PathLike[str]) -> str:
@@ -31,20 +62,11 @@ def adapter_digest(directory: str | os.PathLike[str]) -> str:
     root = Path(directory)
     if not root.is_dir():
         raise ValueError(f"{str(root)!r} is not a directory")
-    files: list[tuple[bytes, Path]] = []
-    for folder, subfolders, names in os.walk(root, onerror=_raise):
-        subfolders.sort()
-        for name in names:
-            path = Path(folder, name)
-            if path.is_file():
-                files.append((path.relative_to(root).as_posix().encode(), path))
-            if len(files) > MAX_FILES:
-                raise ValueError(f"{str(root)!r} holds more than {MAX_FILES} files")
     digest = hashlib.sha256()
-    for relative, path in sorted(files):
+    for relative, path in adapter_files(root):
         with path.open("rb") as handle:
             size = os.fstat(handle.fileno()).st_size
-            digest.update(relative + b"\0" + size.to_bytes(8, "big"))
+            digest.update(file_header(relative.encode(), size))
             left = size
             while left > 0 and (chunk := handle.read(min(_CHUNK, left))):
                 digest.update(chunk)
@@ -52,10 +74,6 @@ def adapter_digest(directory: str | os.PathLike[str]) -> str:
             if left:
                 raise OSError(f"{str(path)!r} shrank while it was read")
     return "sha256:" + digest.hexdigest()
-
-
-def _raise(error: OSError) -> None:
-    raise error
 
 
 _reading: dict[str, asyncio.Future[str]] = {}

@@ -85,7 +85,9 @@ BUS_SCHEME = "bus:"
 
 
 class ChunkSink(Protocol):
-    """Where a fetch writes an object's bytes, in order (a file, a pipe)."""
+    """Where a fetch writes an object's bytes, in order, from a thread: an
+    agent's :class:`~lorabus.adapters.archive.Unpacker`, which unpacks them
+    as they come."""
 
     def write(self, data: bytes, /) -> int: ...
 
@@ -623,7 +625,7 @@ async def _read_chunks(
             read += 1
             if total > size:
                 raise FetchFailed(f"adapter {digest}: its chunks hold more than its {size} bytes")
-            # In a thread: a large file write can block.
+            # In a thread: unpacking writes files, which can block.
             await asyncio.to_thread(into.write, msg.data)
     if total != size:
         raise FetchFailed(f"adapter {digest} is short: {total} of {size} bytes stored")

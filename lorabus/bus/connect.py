@@ -176,41 +176,7 @@ async def _connect_once(
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
     nc = FleetConnection(options.js_api_prefix)
-    refused: asyncio.Future[BusError] = asyncio.get_running_loop().create_future()
-    refusals = 0
-    last_error: Exception | None = None
-    """What the last try of this attempt failed with, to say why it did."""
-
-    async def on_error(exc: Exception) -> None:
-        nonlocal refusals, last_error
-        final = None if nc.is_connected else _refusal(exc, redact(url))
-        if final is not None and not refused.done():
-            # nats-py would retry the same credentials forever; in a cluster,
-            # another node may still take them, so every node gets its turn.
-            refusals += 1
-            if refusals >= len(servers):
-                refused.set_result(final)
-        if is_permission_violation(exc):
-            # Refused by this identity's permissions: a set-up to fix, said by name.
-            log.error("nats (%s): %s", name, str(exc).removeprefix("nats: ").strip("'"))
-            return
-        if not nc.is_connected:
-            last_error = exc
-        # Before the first connection, failures are summed up by the errors raised below.
-        log.log(
-            logging.WARNING if nc.is_connected or nc.is_reconnecting else logging.DEBUG,
-            "nats (%s): %s",
-            name,
-            exc,
-        )
-
-    async def on_disconnect() -> None:
-        if not (nc.is_closed or nc.is_draining):
-            log.warning("nats (%s): disconnected, reconnecting", name)
-
-    async def on_reconnect() -> None:
-        log.info("nats (%s): reconnected", name)
-
+    link = _Link(nc, name, redact(url), nodes=len(servers))
     connecting = asyncio.ensure_future(
         nc.connect(
             servers=servers,
@@ -221,29 +187,14 @@ async def _connect_once(
             max_reconnect_attempts=-1,
             ping_interval=5,
             max_outstanding_pings=3,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
+            error_cb=link.on_error,
+            disconnected_cb=link.on_disconnect,
+            reconnected_cb=link.on_reconnect,
             **identity,
         )
     )
-    unreachable: BusUnreachable | None = None
     try:
-        either: set[asyncio.Future[Any]] = {connecting, refused}
-        await asyncio.wait(either, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        if refused.done() and not (connecting.done() and connecting.exception() is None):
-            raise refused.result()
-        if not connecting.done():
-            last = f" (last: {_said(last_error)})" if last_error is not None else ""
-            unreachable = BusUnreachable(
-                f"cannot reach NATS at {redact(url)} within {timeout_s:.0f}s{last}"
-            )
-        else:
-            try:
-                connecting.result()
-            except (OSError, nats.errors.Error) as exc:
-                unreachable = BusUnreachable(f"cannot reach NATS at {redact(url)}: {_said(exc)}")
-                unreachable.__cause__ = exc
+        unreachable = await link.first_connect(connecting, timeout_s)
     except BaseException:
         await _abandon(nc, connecting)
         raise
@@ -251,6 +202,73 @@ async def _connect_once(
         await _abandon(nc, connecting)
         return unreachable
     return nc
+
+
+class _Link:
+    """What one connection's callbacks see: its errors, losses and returns,
+    logged; before its first connection, the failures that end the attempt
+    (credentials or a certificate refused by every node) and the last one
+    seen, to say why it did not connect."""
+
+    def __init__(self, nc: NatsClient, name: str, where: str, *, nodes: int) -> None:
+        self._nc, self._name, self._where, self._nodes = nc, name, where, nodes
+        self._refused: asyncio.Future[BusError] = asyncio.get_running_loop().create_future()
+        self._refusals = 0
+        self._last_error: Exception | None = None
+        """What the last try of this attempt failed with, to say why it did."""
+
+    async def first_connect(
+        self, connecting: asyncio.Future[Any], timeout_s: float
+    ) -> BusUnreachable | None:
+        """Wait up to ``timeout_s`` for ``connecting``: None once connected, the
+        BusUnreachable of an attempt that trying again may mend; a refusal
+        is raised."""
+        either: set[asyncio.Future[Any]] = {connecting, self._refused}
+        await asyncio.wait(either, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if self._refused.done() and not (connecting.done() and connecting.exception() is None):
+            raise self._refused.result()
+        if not connecting.done():
+            last = f" (last: {_said(self._last_error)})" if self._last_error is not None else ""
+            return BusUnreachable(
+                f"cannot reach NATS at {self._where} within {timeout_s:.0f}s{last}"
+            )
+        try:
+            connecting.result()
+        except (OSError, nats.errors.Error) as exc:
+            unreachable = BusUnreachable(f"cannot reach NATS at {self._where}: {_said(exc)}")
+            unreachable.__cause__ = exc
+            return unreachable
+        return None
+
+    async def on_error(self, exc: Exception) -> None:
+        nc = self._nc
+        final = None if nc.is_connected else _refusal(exc, self._where)
+        if final is not None and not self._refused.done():
+            # nats-py would retry the same credentials forever; in a cluster,
+            # another node may still take them, so every node gets its turn.
+            self._refusals += 1
+            if self._refusals >= self._nodes:
+                self._refused.set_result(final)
+        if is_permission_violation(exc):
+            # Refused by this identity's permissions: a set-up to fix, said by name.
+            log.error("nats (%s): %s", self._name, str(exc).removeprefix("nats: ").strip("'"))
+            return
+        if not nc.is_connected:
+            self._last_error = exc
+        # Before the first connection, failures are summed up by the errors raised.
+        log.log(
+            logging.WARNING if nc.is_connected or nc.is_reconnecting else logging.DEBUG,
+            "nats (%s): %s",
+            self._name,
+            exc,
+        )
+
+    async def on_disconnect(self) -> None:
+        if not (self._nc.is_closed or self._nc.is_draining):
+            log.warning("nats (%s): disconnected, reconnecting", self._name)
+
+    async def on_reconnect(self) -> None:
+        log.info("nats (%s): reconnected", self._name)
 
 
 def _said(exc: BaseException) -> str:

@@ -81,17 +81,41 @@ class FleetAccounts:
 
 def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccounts:
     """The accounts of ``subjects``' fleet with agents ``worker_ids``."""
-    base = f"LORABUS_{subjects.fleet.upper().replace('-', '_')}"
-    fleet = Account(base, jetstream=True)
-    orchestrator = Account(f"{base}_ORCHESTRATOR")
-    auditor = Account(f"{base}_AUDITOR")
-    operator = Account(f"{base}_OPERATOR")
-    agents = {w: Account(f"{base}_AGENT_{w}") for w in worker_ids}
-    every = (fleet, orchestrator, auditor, operator, *agents.values())
-    by_name = {a.name: a for a in every}
+    layout = _Layout(subjects, worker_ids)
+    _share_requests(layout, subjects)
+    _share_jetstream(layout, subjects)
+    _share_agent_streams(layout, subjects)
+    of_role: dict[tuple[Role, str | None], str] = {
+        (Role.COORDINATOR, None): layout.fleet.name,
+        (Role.ORCHESTRATOR, None): layout.orchestrator.name,
+        (Role.AUDITOR, None): layout.auditor.name,
+        (Role.OPERATOR, None): layout.operator.name,
+        **{(Role.AGENT, w): a.name for w, a in layout.agents.items()},
+    }
+    return FleetAccounts(layout.by_name, of_role)
+
+
+class _Layout:
+    """A fleet's accounts while what crosses between them is added."""
+
+    def __init__(self, subjects: Subjects, worker_ids: Sequence[str]) -> None:
+        base = f"LORABUS_{subjects.fleet.upper().replace('-', '_')}"
+        self.fleet = Account(base, jetstream=True)
+        self.orchestrator = Account(f"{base}_ORCHESTRATOR")
+        self.auditor = Account(f"{base}_AUDITOR")
+        self.operator = Account(f"{base}_OPERATOR")
+        self.agents = {w: Account(f"{base}_AGENT_{w}") for w in worker_ids}
+        every = (self.fleet, self.orchestrator, self.auditor, self.operator, *self.agents.values())
+        self.by_name = {a.name: a for a in every}
 
     def share(
-        owner: Account, subject: str, to: Sequence[str], *, service: bool, streamed: bool = False
+        self,
+        owner: Account,
+        subject: str,
+        to: Sequence[str],
+        *,
+        service: bool,
+        streamed: bool = False,
     ) -> None:
         """Export ``subject`` of ``owner`` to the accounts ``to``, and import it
         there (a JetStream call under the fleet's JetStream prefix)."""
@@ -110,59 +134,65 @@ def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccoun
         js = subject.startswith(JS_API + ".")
         local = FLEET_JS_API + subject.removeprefix(JS_API) if js else ""
         for name in to:
-            imports = by_name[name].imports
+            imports = self.by_name[name].imports
             if not any(i.subject == subject and i.account == owner.name for i in imports):
                 imports.append(Import(subject, service, owner.name, local))
 
-    agent_names = [a.name for a in agents.values()]
-    listeners = [orchestrator.name, operator.name]
-    share(fleet, subjects.update_request(), [orchestrator.name], service=True)
-    share(fleet, subjects.result_request(), [orchestrator.name], service=True)
-    share(fleet, subjects.status_request(), listeners, service=True)
-    share(fleet, subjects.reset_request(), [operator.name], service=True)
+
+def _share_requests(layout: _Layout, subjects: Subjects) -> None:
+    """The coordinator's request subjects, each to the roles that may ask."""
+    fleet, orchestrator = layout.fleet, layout.orchestrator.name
+    listeners = [orchestrator, layout.operator.name]
+    layout.share(fleet, subjects.update_request(), [orchestrator], service=True)
+    layout.share(fleet, subjects.result_request(), [orchestrator], service=True)
+    layout.share(fleet, subjects.status_request(), listeners, service=True)
+    layout.share(fleet, subjects.reset_request(), [layout.operator.name], service=True)
+
+
+def _share_jetstream(layout: _Layout, subjects: Subjects) -> None:
+    """The fleet's JetStream calls each role needs, as services of the fleet's account."""
+    fleet, operator = layout.fleet, layout.operator.name
     # The operator reads them too, to list what the store keeps (lorabus adapter list).
-    readers = [*agent_names, operator.name]
+    readers = [*(a.name for a in layout.agents.values()), operator]
     for subject in kv_reads(subjects.state_bucket(), JS_API):
-        share(fleet, subject, readers, service=True)
+        layout.share(fleet, subject, readers, service=True)
     for subject in object_reads(subjects, JS_API):
         # A batch read answers with many messages: the import must let them all back.
-        share(fleet, subject, readers, service=True, streamed=".DIRECT.GET." in subject)
+        layout.share(fleet, subject, readers, service=True, streamed=".DIRECT.GET." in subject)
     # The pusher's chunks and meta record reach the store's stream in the
     # fleet's account as requests: JetStream's acks come back into its own.
     for subject in object_writes(subjects, JS_API):
-        share(fleet, subject, [orchestrator.name], service=True)
+        layout.share(fleet, subject, [layout.orchestrator.name], service=True)
     for subject in audit_reads(subjects, JS_API):
         # A batch read answers with many messages: the import must let them all back.
-        share(fleet, subject, [auditor.name], service=True, streamed=".DIRECT.GET." in subject)
+        streamed = ".DIRECT.GET." in subject
+        layout.share(fleet, subject, [layout.auditor.name], service=True, streamed=streamed)
     for subject in stream_admin(subjects, JS_API):
-        share(fleet, subject, [operator.name], service=True)
+        layout.share(fleet, subject, [operator], service=True)
 
+
+def _share_agent_streams(layout: _Layout, subjects: Subjects) -> None:
+    """Commands into each agent's account, and its acks, events and heartbeats out."""
+    fleet = layout.fleet
+    agent_names = tuple(a.name for a in layout.agents.values())
+    listeners = [layout.orchestrator.name, layout.operator.name]
     # Commands: each agent's account takes the broadcast and its own subject only.
     fleet.exports.extend(
         [
-            Export(subjects.cmd(), False, tuple(agent_names)),
-            Export(f"{subjects.cmd()}.*", False, tuple(agent_names)),
+            Export(subjects.cmd(), False, agent_names),
+            Export(f"{subjects.cmd()}.*", False, agent_names),
         ]
     )
-    for worker, agent in agents.items():
+    for worker, agent in layout.agents.items():
         agent.imports.extend(
             [
                 Import(subjects.cmd(), False, fleet.name),
                 Import(subjects.cmd_worker(worker), False, fleet.name),
             ]
         )
-        share(agent, subjects.ack(worker), [fleet.name], service=False)
-        share(agent, subjects.agent_event(worker, ">"), [fleet.name], service=False)
-        share(agent, subjects.heartbeat(worker), [fleet.name, *listeners], service=False)
-
-    of_role: dict[tuple[Role, str | None], str] = {
-        (Role.COORDINATOR, None): fleet.name,
-        (Role.ORCHESTRATOR, None): orchestrator.name,
-        (Role.AUDITOR, None): auditor.name,
-        (Role.OPERATOR, None): operator.name,
-        **{(Role.AGENT, w): a.name for w, a in agents.items()},
-    }
-    return FleetAccounts(by_name, of_role)
+        layout.share(agent, subjects.ack(worker), [fleet.name], service=False)
+        layout.share(agent, subjects.agent_event(worker, ">"), [fleet.name], service=False)
+        layout.share(agent, subjects.heartbeat(worker), [fleet.name, *listeners], service=False)
 
 
 def js_api_prefix(role: Role) -> str:

@@ -32,8 +32,6 @@ certificate's subject to its user (``verify_and_map``).
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import secrets
@@ -41,15 +39,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
 from lorabus.bus.options import ENV, ENV_FILE, inbox_prefix_for, public_key_of
 from lorabus.schemas import Subjects, check_token
 from lorabus.security.accounts import Account, FleetAccounts, fleet_accounts, js_api_prefix
 from lorabus.security.auth_jwt import JwtAuthority
+from lorabus.security.certificates import CertificateAuthority, write_secret
 from lorabus.security.roles import Permissions, Role, identity_name, permissions
 from lorabus.security.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, new_signing_seed
 
@@ -61,7 +55,6 @@ JWT_SEEDS = "jwt-keys"
 SIGNING_SEED_FILE = "command-signing.seed"
 """In the coordinator's folder: the key its commands are signed with. Every
 coordinator of the fleet (run two or more for failover) uses this one key."""
-CERTIFICATE_DAYS = 365
 CLUSTER_PORT = 6222
 ROUTE_USER = "route"
 
@@ -125,15 +118,8 @@ def write_fleet_auth(
     which must not exist yet or be empty (keys are never overwritten).
     ``jetstream_max_bytes``: the fleet account's JetStream file storage (None:
     :func:`default_jetstream_bytes`)."""
-    if method not in ("nkey", "cert", "jwt"):
-        raise ValueError(f"authentication method must be nkey, cert or jwt, not {method!r}")
-    if method == "cert" and not tls:
-        raise ValueError("cert authentication needs TLS")
-    if cluster_nodes and not tls:
-        raise ValueError("a cluster's routes need TLS: without it, anyone could join as a route")
+    _check_request(worker_ids, tls=tls, method=method, cluster_nodes=cluster_nodes)
     routes = [_route_address(node) for node in cluster_nodes]
-    if len(set(worker_ids)) != len(worker_ids) or not worker_ids:
-        raise ValueError("give one or more distinct worker ids")
     if jetstream_max_bytes is None:
         jetstream_max_bytes = default_jetstream_bytes(cluster_nodes)
     if jetstream_max_bytes < MIN_JETSTREAM_BYTES:
@@ -141,89 +127,140 @@ def write_fleet_auth(
             f"the fleet's JetStream storage must be at least {MIN_JETSTREAM_BYTES} bytes "
             f"(its streams' smallest limits and room for its buckets), got {jetstream_max_bytes}"
         )
+    directory = _new_directory(directory)
+    authority = CertificateAuthority.create(directory) if tls else None
+    server_tls = authority.issue_server(directory, hosts) if authority else None
+    cluster = _cluster_block(authority, directory, routes) if authority and routes else ""
+    layout = fleet_accounts(subjects, worker_ids)
+    writer = _IdentityWriter(directory, subjects, layout, method, authority)
+    roles = [Role.COORDINATOR, Role.ORCHESTRATOR, Role.AUDITOR, Role.OPERATOR]
+    identities = [writer.write(role) for role in roles]
+    identities += [writer.write(Role.AGENT, worker_id) for worker_id in worker_ids]
+    accounts = writer.accounts_conf(jetstream_max_bytes)
+    conf = directory / SERVER_CONF
+    write_secret(conf, (_server_conf(subjects, accounts, server_tls, method) + cluster).encode())
+    return FleetAuth(
+        directory,
+        conf,
+        {identity.name: identity for identity in identities},
+        authority.cert_file if authority is not None else None,
+        writer.signing_key,
+    )
+
+
+def _check_request(
+    worker_ids: Sequence[str], *, tls: bool, method: str, cluster_nodes: Sequence[str]
+) -> None:
+    """ValueError for a combination of options ``lorabus auth init`` refuses."""
+    if method not in ("nkey", "cert", "jwt"):
+        raise ValueError(f"authentication method must be nkey, cert or jwt, not {method!r}")
+    if method == "cert" and not tls:
+        raise ValueError("cert authentication needs TLS")
+    if cluster_nodes and not tls:
+        raise ValueError("a cluster's routes need TLS: without it, anyone could join as a route")
+    if len(set(worker_ids)) != len(worker_ids) or not worker_ids:
+        raise ValueError("give one or more distinct worker ids")
     for worker in worker_ids:
         check_token("worker id", worker)
+
+
+def _new_directory(directory: Path) -> Path:
+    """``directory``, resolved, and made (mode 0700) unless it exists empty."""
     directory = directory.resolve()
     if directory.exists() and any(directory.iterdir()):
         raise ValueError(f"{directory} is not empty: keys are never overwritten")
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
+    return directory
 
-    roles: list[tuple[Role, str | None]] = [
-        (Role.COORDINATOR, None),
-        (Role.ORCHESTRATOR, None),
-        (Role.AUDITOR, None),
-        (Role.OPERATOR, None),
-        *((Role.AGENT, worker_id) for worker_id in worker_ids),
-    ]
-    signing_seed = new_signing_seed()
-    signing_key = public_key_of(signing_seed)
-    authority = _CertificateAuthority.create(directory) if tls else None
-    server_tls = authority.issue_server(directory, hosts) if authority else None
-    cluster = _cluster_block(authority, directory, routes) if authority and routes else ""
-    identities: dict[str, Identity] = {}
-    layout = fleet_accounts(subjects, worker_ids)
-    users: dict[str, list[str]] = {name: [] for name in layout.accounts}
-    jwts = JwtAuthority.create(layout) if method == "jwt" else None
-    for role, worker_id in roles:
+
+class _IdentityWriter:
+    """Writes each identity's folder: its secret for the authentication
+    ``method`` (an nkey seed, a JWT's ``.creds``, or none with ``cert``), its
+    client certificate with TLS, the command-signing key (the coordinator) or
+    its public key (agents), and its ``lorabus.env``; and gathers the users
+    the server's configuration lists."""
+
+    def __init__(
+        self,
+        directory: Path,
+        subjects: Subjects,
+        layout: FleetAccounts,
+        method: str,
+        authority: CertificateAuthority | None,
+    ) -> None:
+        self._directory, self._subjects, self._layout = directory, subjects, layout
+        self._method, self._authority = method, authority
+        self._jwts = JwtAuthority.create(layout) if method == "jwt" else None
+        self._users: dict[str, list[str]] = {name: [] for name in layout.accounts}
+        """Account -> its users' blocks (not with JWTs: each user is in its ``.creds``)."""
+        self._signing_seed = new_signing_seed()
+        self.signing_key = public_key_of(self._signing_seed)
+
+    def write(self, role: Role, worker_id: str | None = None) -> Identity:
         name = identity_name(role, worker_id)
-        account = layout.of_role[(role, worker_id)]
-        folder = directory / name
+        folder = self._directory / name
         folder.mkdir(mode=0o700)
-        env: dict[str, str] = {}
-        if jwts is not None:
-            # The user's key is in its JWT: the inbox prefix comes from it too.
-            user = _new_user_seed()
-            prefix = inbox_prefix_for(public_key_of(user))
-            allowed = permissions(role, subjects, inbox_prefix=prefix, worker_id=worker_id)
-            _write_secret(folder / CREDS_FILE, jwts.user_creds(account, name, allowed, user))
-            env[ENV["creds_file"]] = str(folder / CREDS_FILE)
-        elif method == "nkey":
-            seed = _new_user_seed()
-            _write_secret(folder / SEED_FILE, seed + b"\n")
-            public_key = public_key_of(seed)
-            prefix = inbox_prefix_for(public_key)
-            user_key = ("nkey", public_key)
-            env[ENV["nkey_seed_file"]] = str(folder / SEED_FILE)
+        if self._jwts is not None:
+            prefix, env = self._jwt_user(self._jwts, folder, role, worker_id)
         else:
-            prefix = f"_INBOX_{name.replace('-', '_')}"
-            user_key = ("user", f"CN={name}")
-        if authority is not None:
-            cert, key = authority.issue_client(folder, name)
-            env[ENV["tls_ca_file"]] = str(authority.cert_file)
+            prefix, env, user_key = (
+                _nkey_user(folder) if self._method == "nkey" else _cert_user(name)
+            )
+            allowed = permissions(role, self._subjects, inbox_prefix=prefix, worker_id=worker_id)
+            account = self._layout.of_role[(role, worker_id)]
+            self._users[account].append(_user_block(user_key, allowed, name))
+        if self._authority is not None:
+            cert, key = self._authority.issue_client(folder, name)
+            env[ENV["tls_ca_file"]] = str(self._authority.cert_file)
             env[ENV["tls_cert_file"]], env[ENV["tls_key_file"]] = str(cert), str(key)
         env[ENV["inbox_prefix"]] = prefix
         if js_api_prefix(role):
             env[ENV["js_api_prefix"]] = js_api_prefix(role)
         if role is Role.COORDINATOR:
-            _write_secret(folder / SIGNING_SEED_FILE, signing_seed + b"\n")
+            write_secret(folder / SIGNING_SEED_FILE, self._signing_seed + b"\n")
             env[SIGNING_KEY_ENV] = str(folder / SIGNING_SEED_FILE)
         elif role is Role.AGENT:
-            env[COORDINATOR_KEYS_ENV] = signing_key
+            env[COORDINATOR_KEYS_ENV] = self.signing_key
         identity = Identity(name, role, worker_id, folder, prefix)
-        identities[name] = identity
-        if jwts is None:
-            allowed = permissions(role, subjects, inbox_prefix=prefix, worker_id=worker_id)
-            users[account].append(_user_block(user_key, allowed, name))
         _write_env(identity.env_file, env)
+        return identity
 
-    conf = directory / SERVER_CONF
-    if jwts is not None:
-        (directory / JWT_SEEDS).mkdir(mode=0o700)
-        for file_name, seed in jwts.seeds().items():
-            _write_secret(directory / JWT_SEEDS / file_name, seed + b"\n")
-        accounts = jwts.server_conf(layout, jetstream_max_bytes=jetstream_max_bytes)
-    else:
-        accounts = _accounts_conf(layout, users, jetstream_max_bytes)
-    text = _server_conf(subjects, accounts, server_tls, method) + cluster
-    _write_secret(conf, text.encode())
-    return FleetAuth(
-        directory,
-        conf,
-        identities,
-        authority.cert_file if authority is not None else None,
-        signing_key,
-    )
+    def _jwt_user(
+        self, jwts: JwtAuthority, folder: Path, role: Role, worker_id: str | None
+    ) -> tuple[str, dict[str, str]]:
+        """A user JWT in a ``.creds`` file: its inbox prefix and variables."""
+        # The user's key is in its JWT: the inbox prefix comes from it too.
+        seed = _new_user_seed()
+        prefix = inbox_prefix_for(public_key_of(seed))
+        allowed = permissions(role, self._subjects, inbox_prefix=prefix, worker_id=worker_id)
+        account, name = self._layout.of_role[(role, worker_id)], identity_name(role, worker_id)
+        write_secret(folder / CREDS_FILE, jwts.user_creds(account, name, allowed, seed))
+        return prefix, {ENV["creds_file"]: str(folder / CREDS_FILE)}
+
+    def accounts_conf(self, jetstream_max_bytes: int) -> str:
+        """The server configuration's accounts, and with JWTs the operator's and
+        accounts' seeds (in ``jwt-keys/``, to sign more users)."""
+        if self._jwts is None:
+            return _accounts_conf(self._layout, self._users, jetstream_max_bytes)
+        (self._directory / JWT_SEEDS).mkdir(mode=0o700)
+        for file_name, seed in self._jwts.seeds().items():
+            write_secret(self._directory / JWT_SEEDS / file_name, seed + b"\n")
+        return self._jwts.server_conf(self._layout, jetstream_max_bytes=jetstream_max_bytes)
+
+
+def _nkey_user(folder: Path) -> tuple[str, dict[str, str], tuple[str, str]]:
+    """A user seed in its file: the inbox prefix, the variables and the user's key."""
+    seed = _new_user_seed()
+    write_secret(folder / SEED_FILE, seed + b"\n")
+    public_key = public_key_of(seed)
+    env = {ENV["nkey_seed_file"]: str(folder / SEED_FILE)}
+    return inbox_prefix_for(public_key), env, ("nkey", public_key)
+
+
+def _cert_user(name: str) -> tuple[str, dict[str, str], tuple[str, str]]:
+    """No secret but the client certificate, whose subject the server maps to the user."""
+    return f"_INBOX_{name.replace('-', '_')}", {}, ("user", f"CN={name}")
 
 
 def _route_address(node: str) -> tuple[str, int]:
@@ -237,7 +274,7 @@ def _route_address(node: str) -> tuple[str, int]:
 
 
 def _cluster_block(
-    authority: _CertificateAuthority, directory: Path, routes: list[tuple[str, int]]
+    authority: CertificateAuthority, directory: Path, routes: list[tuple[str, int]]
 ) -> str:
     """The routes between the nodes, each authenticated twice: a certificate
     of the fleet's CA (mutual TLS) and the route user's password."""
@@ -276,24 +313,10 @@ def _new_user_seed() -> bytes:
     return bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
 
 
-def _write_secret(path: Path, data: bytes) -> None:
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "wb") as file:
-        file.write(data)
-
-
-def _write_public(path: Path, data: bytes) -> None:
-    """A certificate: 0644 at most, whatever the umask (a plain write asks for
-    0666, which umask 000 leaves writable by anyone)."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(descriptor, "wb") as file:
-        file.write(data)
-
-
 def _write_env(path: Path, env: dict[str, str]) -> None:
     lines = ["# lorabus connects as this identity with these variables (no secrets here)."]
     lines += [f"{name}={value}" for name, value in sorted(env.items())]
-    _write_secret(path, ("\n".join(lines) + "\n").encode())
+    write_secret(path, ("\n".join(lines) + "\n").encode())
 
 
 def _quoted(values: Sequence[str]) -> str:
@@ -383,118 +406,3 @@ def _server_conf(
         ]
     parts.append(accounts)
     return "\n".join(parts) + "\n"
-
-
-class _CertificateAuthority:
-    """A CA of one fleet, for its server and client certificates."""
-
-    def __init__(
-        self, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, cert_file: Path
-    ) -> None:
-        self._key = key
-        self._cert = cert
-        self.cert_file = cert_file
-
-    @classmethod
-    def create(cls, directory: Path) -> _CertificateAuthority:
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lorabus fleet CA")])
-        cert = (
-            _builder(name, name, key.public_key())
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .sign(key, hashes.SHA256())
-        )
-        cert_file = directory / "ca.pem"
-        _write_public(cert_file, cert.public_bytes(serialization.Encoding.PEM))
-        _write_secret(directory / "ca-key.pem", _pem_key(key))
-        return cls(key, cert, cert_file)
-
-    def issue_server(self, directory: Path, hosts: Sequence[str]) -> tuple[Path, Path, Path]:
-        folder = directory / "server"
-        folder.mkdir(mode=0o700)
-        cert, key = self._issue(
-            folder, "server", hosts[0], [ExtendedKeyUsageOID.SERVER_AUTH], _general_names(hosts)
-        )
-        return cert, key, self.cert_file
-
-    def issue_client(self, folder: Path, name: str) -> tuple[Path, Path]:
-        return self._issue(folder, "client", name, [ExtendedKeyUsageOID.CLIENT_AUTH], [])
-
-    def issue_route(self, directory: Path, hosts: Sequence[str]) -> tuple[Path, Path]:
-        """One certificate for every node's routes: a route both dials and
-        answers, so it is a client and a server certificate at once."""
-        return self._issue(
-            directory / "server",
-            "route",
-            "lorabus route",
-            [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
-            _general_names(hosts),
-        )
-
-    def _issue(
-        self,
-        folder: Path,
-        stem: str,
-        common_name: str,
-        usage: list[x509.ObjectIdentifier],
-        names: list[x509.GeneralName],
-    ) -> tuple[Path, Path]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-        builder = _builder(subject, self._cert.subject, key.public_key()).add_extension(
-            x509.ExtendedKeyUsage(usage), critical=False
-        )
-        if names:
-            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-        cert = builder.sign(self._key, hashes.SHA256())
-        cert_file, key_file = folder / f"{stem}-cert.pem", folder / f"{stem}-key.pem"
-        _write_public(cert_file, cert.public_bytes(serialization.Encoding.PEM))
-        _write_secret(key_file, _pem_key(key))
-        return cert_file, key_file
-
-
-def _general_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
-    names: list[x509.GeneralName] = []
-    for host in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            names.append(x509.DNSName(host))
-    return names
-
-
-def _builder(
-    subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey
-) -> x509.CertificateBuilder:
-    now = datetime.datetime.now(datetime.UTC)
-    return (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer)
-        .public_key(public_key)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=CERTIFICATE_DAYS))
-    )
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )

@@ -88,70 +88,86 @@ def permissions(
     inbox = (f"{inbox_prefix}.>",)
     match role:
         case Role.COORDINATOR:
-            return Permissions(
-                publish=(
-                    subjects.cmd(),
-                    f"{subjects.cmd()}.*",
-                    subjects.coordinator_event(">"),
-                    *kv_reads(subjects.state_bucket(), JS_API),
-                    *kv_reads(subjects.results_bucket(), JS_API),
-                    # A new leader checks the streams' settings (coordinator/streams.py).
-                    f"{JS_API}.STREAM.INFO.{subjects.audit_stream()}",
-                    # Admission looks for the object an update names; the
-                    # leader deletes those nothing keeps (coordinator/adapter_store.py).
-                    *object_deletes(subjects, JS_API),
-                    f"$KV.{subjects.state_bucket()}.>",
-                    f"$KV.{subjects.results_bucket()}.>",
-                ),
-                subscribe=(
-                    subjects.heartbeat_any(),
-                    subjects.ack_any(),
-                    subjects.update_request(),
-                    subjects.status_request(),
-                    subjects.result_request(),
-                    subjects.reset_request(),
-                    *inbox,
-                ),
-                allow_responses=True,
-            )
+            return _coordinator(subjects, inbox)
         case Role.AGENT:
             if worker_id is None:
                 raise ValueError("an agent's permissions name its worker")
-            return Permissions(
-                publish=(
-                    subjects.ack(worker_id),
-                    subjects.heartbeat(worker_id),
-                    subjects.agent_event(worker_id, ">"),
-                    *kv_reads(subjects.state_bucket(), FLEET_JS_API),
-                    *object_reads(subjects, FLEET_JS_API),
-                ),
-                subscribe=(subjects.cmd(), subjects.cmd_worker(worker_id), *inbox),
-            )
+            return _agent(subjects, worker_id, inbox)
         case Role.ORCHESTRATOR:
-            return Permissions(
-                publish=(
-                    subjects.update_request(),
-                    subjects.status_request(),
-                    subjects.result_request(),
-                    *object_writes(subjects, FLEET_JS_API),
-                ),
-                subscribe=(*_heartbeats(subjects), *inbox),
-            )
+            return _orchestrator(subjects, inbox)
         case Role.AUDITOR:
             return Permissions(publish=audit_reads(subjects, FLEET_JS_API), subscribe=inbox)
         case Role.OPERATOR:
-            return Permissions(
-                publish=(
-                    *stream_admin(subjects, FLEET_JS_API),
-                    # What the store holds and what keeps it (lorabus adapter list).
-                    *kv_reads(subjects.state_bucket(), FLEET_JS_API),
-                    *object_reads(subjects, FLEET_JS_API),
-                    subjects.reset_request(),
-                    subjects.status_request(),
-                ),
-                subscribe=(*_heartbeats(subjects), *inbox),
-            )
+            return _operator(subjects, inbox)
     raise ValueError(f"unknown role {role!r}")
+
+
+def _coordinator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
+    return Permissions(
+        publish=(
+            subjects.cmd(),
+            f"{subjects.cmd()}.*",
+            subjects.coordinator_event(">"),
+            *kv_reads(subjects.state_bucket(), JS_API),
+            *kv_reads(subjects.results_bucket(), JS_API),
+            # A new leader checks the streams' settings (coordinator/streams.py).
+            f"{JS_API}.STREAM.INFO.{subjects.audit_stream()}",
+            # Admission looks for the object an update names; the
+            # leader deletes those nothing keeps (coordinator/adapter_store.py).
+            *object_deletes(subjects, JS_API),
+            f"$KV.{subjects.state_bucket()}.>",
+            f"$KV.{subjects.results_bucket()}.>",
+        ),
+        subscribe=(
+            subjects.heartbeat_any(),
+            subjects.ack_any(),
+            subjects.update_request(),
+            subjects.status_request(),
+            subjects.result_request(),
+            subjects.reset_request(),
+            *inbox,
+        ),
+        allow_responses=True,
+    )
+
+
+def _agent(subjects: Subjects, worker_id: str, inbox: tuple[str, ...]) -> Permissions:
+    return Permissions(
+        publish=(
+            subjects.ack(worker_id),
+            subjects.heartbeat(worker_id),
+            subjects.agent_event(worker_id, ">"),
+            *kv_reads(subjects.state_bucket(), FLEET_JS_API),
+            *object_reads(subjects, FLEET_JS_API),
+        ),
+        subscribe=(subjects.cmd(), subjects.cmd_worker(worker_id), *inbox),
+    )
+
+
+def _orchestrator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
+    return Permissions(
+        publish=(
+            subjects.update_request(),
+            subjects.status_request(),
+            subjects.result_request(),
+            *object_writes(subjects, FLEET_JS_API),
+        ),
+        subscribe=(*_heartbeats(subjects), *inbox),
+    )
+
+
+def _operator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
+    return Permissions(
+        publish=(
+            *stream_admin(subjects, FLEET_JS_API),
+            # What the store holds and what keeps it (lorabus adapter list).
+            *kv_reads(subjects.state_bucket(), FLEET_JS_API),
+            *object_reads(subjects, FLEET_JS_API),
+            subjects.reset_request(),
+            subjects.status_request(),
+        ),
+        subscribe=(*_heartbeats(subjects), *inbox),
+    )
 
 
 _STREAM_ADMIN = ("CREATE", "INFO")
