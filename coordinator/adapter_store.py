@@ -15,9 +15,10 @@ stay, at every moment (the invariant ``lorabus chaos`` checks):
 - the update in flight (its path, and the commit it carries), read from the
   state bucket too;
 - every request this leader admitted and has not finished (queued or
-  running), and every request it is admitting (while admission looks for
-  its object; it joins the queue the moment the look ends). A digest being
-  deleted is refused to admission meanwhile, as not stored.
+  running), and every request it is admitting: from admission's look for
+  its object until the request has joined the queue or been refused
+  (:meth:`AdapterStore.admitting`). A digest being deleted is refused to
+  admission meanwhile, as not stored.
 
 Everything else may go. The versions a commit let go of (its ``dropped``)
 are deleted right after it by the leader that wrote it, which knows the
@@ -40,9 +41,10 @@ term.
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Mapping, Set
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Set
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
@@ -65,6 +67,8 @@ from lorabus.schemas import CommittedRecord, InflightRecord, ResetRecord, Stored
 log = logging.getLogger(__name__)
 
 _LOOK_TIMEOUT_S = 5.0
+"""The longest admission looks for one request's object: a slow look holds
+its own request, and those behind it, no longer."""
 SWEEP_EVERY_S = 600.0
 """At most one sweep for orphans this often (or every ``orphan_after_s``)."""
 TAKEOVER_GRACE_S = 15.0
@@ -91,9 +95,9 @@ class AdapterStore:
         self._clock = clock
         self.orphan_after_s = orphan_after_s
         self.sweep_every_s = min(orphan_after_s, SWEEP_EVERY_S)
-        self._looking: Counter[str] = Counter()
-        """Digests admission is looking for now: a request on its way into
-        the queue, whose object must not be deleted under it."""
+        self._admitting: Counter[str] = Counter()
+        """Digests of requests admission is taking in (:meth:`admitting`),
+        on their way into the queue: their objects must not be deleted under them."""
         self._deleting: set[str] = set()
         self._next_sweep = clock()
         self.pending: set[str] = set()
@@ -127,30 +131,45 @@ class AdapterStore:
         self._next_sweep = at + self.sweep_every_s
         return True
 
-    def looked_for(self) -> set[str]:
-        """The digests admission is looking for now."""
-        return set(self._looking)
+    def being_admitted(self) -> set[str]:
+        """The digests of the requests admission is taking in now."""
+        return set(self._admitting)
+
+    @contextlib.contextmanager
+    def admitting(self, digest: str | None) -> Iterator[None]:
+        """While this is held, deletions spare ``digest`` (None: nothing to
+        spare): admission holds it for a request from before it looks for its
+        object until the request has joined the queue (where the book's held
+        paths keep it) or been refused, whatever it awaits meanwhile."""
+        if digest is None:
+            yield
+            return
+        self._admitting[digest] += 1
+        try:
+            yield
+        finally:
+            self._admitting[digest] -= 1
+            if not self._admitting[digest]:
+                del self._admitting[digest]
 
     async def check_stored(self, digest: str) -> None:
-        """Raise BadRequest unless the store holds an object under ``digest``.
-        Nothing deletes it while this looks (the caller queues the request
-        as soon as this returns, with nothing awaited in between)."""
+        """Raise BadRequest unless the store holds an object under ``digest``,
+        looked for under a deadline of its own. Nothing deletes it while this
+        looks; from then on the caller holds :meth:`admitting` for it."""
         if digest in self._deleting:
             raise BadRequest(
                 f"adapter {digest} is being deleted from the fleet's object store (no "
                 "update keeps it): push it again (lorabus adapter push DIR), then ask"
             )
-        self._looking[digest] += 1
-        try:
-            size = await object_size(self._nc, self._subjects, digest, timeout_s=_LOOK_TIMEOUT_S)
-        except (TimeoutError, BusError) as exc:
-            raise BadRequest(
-                f"could not look for adapter {digest} in the fleet's object store: {exc}"
-            ) from exc
-        finally:
-            self._looking[digest] -= 1
-            if not self._looking[digest]:
-                del self._looking[digest]
+        with self.admitting(digest):
+            try:
+                size = await object_size(
+                    self._nc, self._subjects, digest, timeout_s=_LOOK_TIMEOUT_S
+                )
+            except (TimeoutError, BusError) as exc:
+                raise BadRequest(
+                    f"could not look for adapter {digest} in the fleet's object store: {exc}"
+                ) from exc
         if size is None:
             raise BadRequest(
                 f"adapter {digest} is not in the fleet's object store: push it first "
@@ -286,12 +305,17 @@ async def delete_unkept(
     kept = await kept_by_records(records)
     deleted: list[str] = []
 
+    def spared(digest: str) -> bool:
+        return digest in kept or digest in in_use() or digest in objects.being_admitted()
+
     async def may_go(digest: str) -> bool:
-        if digest in kept or digest in in_use() | objects.looked_for():
+        if spared(digest):
             return False
         if not await leading():
             raise BusError("no longer leading: the deletion stops")
-        return True
+        # Asked again: a request may have come for it while that was asked.
+        # From here to the deletion's start nothing is awaited.
+        return not spared(digest)
 
     def old(at: float | None) -> bool:
         return at is not None and wall_now - at > objects.orphan_after_s

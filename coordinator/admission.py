@@ -14,8 +14,20 @@ id (its first result, or ``bad_request`` for other content; see
 ``book.py``), superseded by a queued one, or one past a full queue
 (``busy``). So junk costs a pause only if it is a valid update, and at most
 ``--max-queued`` of those wait ahead of any request; an orchestrator's
-credentials still allow that many, each a pause of the fleet. Requests join
-the book in the order they arrived, though their look-ups run at once.
+credentials still allow that many, each a pause of the fleet.
+
+What a request needs from outside the book is looked up as it arrives, at
+once with other requests' look-ups, each under a deadline of its own: its
+stored result and the adapter's committed record (for an id this term does
+not know), its path checked, and the object it names in the fleet's store.
+The requests of one adapter then join the book in the order they arrived,
+each once the one before it has joined, on what the book holds at that
+moment (its committed version, a queued request it supersedes or repeats).
+So look-ups never add up, and a slow one holds only its own request and
+those of its adapter that arrived after it, until it ends or its deadline
+passes (``adapter_store.py``); other adapters' requests go by.
+From its look on until its request has joined the queue or been refused,
+the object is spared by the leader's deletions (``AdapterStore.admitting``).
 
 Nor is where a request wants its answer: before anything else, a request
 whose reply subject is no inbox (the store, the JetStream API, a command, an
@@ -31,8 +43,11 @@ The operator's reset runs between updates, under the term's lock
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 from nats.aio.client import Client as NatsClient
@@ -43,7 +58,7 @@ from lorabus.adapters.store import digest_of
 from lorabus.coordinator.book import committed_result, failed_result
 from lorabus.coordinator.bus import reply_refusal
 from lorabus.coordinator.fit import fit_result, fit_status
-from lorabus.coordinator.plan import check_request_off_loop, is_committed
+from lorabus.coordinator.plan import CheckedRequest, check_request_off_loop, is_committed
 from lorabus.coordinator.resets import reset_committed
 from lorabus.coordinator.signals import StoreUnavailable
 from lorabus.coordinator.store import or_none, quietly
@@ -57,6 +72,7 @@ from lorabus.schemas import (
     ErrorCode,
     ErrorInfo,
     FleetStatus,
+    Reader,
     ResetRequest,
     ResetResult,
     UpdateRequest,
@@ -70,6 +86,22 @@ from lorabus.schemas import (
 log = logging.getLogger(__name__)
 
 _Serve = Callable[[Msg], Awaitable[None]]
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class _LookedUp:
+    """What a request's admission learned before its turn to join the book."""
+
+    stored: UpdateResult | None
+    """The id's result in the results bucket (looked for only when this term
+    did not know the id: a predecessor may have finished or rolled it back)."""
+    committed: CommittedRecord | None
+    """The adapter's committed record as stored (likewise)."""
+    checked: CheckedRequest | ErrorInfo
+    """The request as checked, or why it is invalid as given."""
+    not_stored: ErrorInfo | None = None
+    """Why the object it names cannot be had from the store, if so."""
 
 
 class Admission:
@@ -80,8 +112,9 @@ class Admission:
         self._status = status
         self._own_inbox = own_inbox
         """This coordinator's inbox prefix, where no request may have its answer sent."""
-        self._last_joined: asyncio.Event | None = None
-        """Set once the latest update request to arrive has joined the book."""
+        self._last_joined: dict[str, asyncio.Event] = {}
+        """Adapter -> set once the latest request for it to arrive has joined
+        the book (removed once it has)."""
         self._answering: dict[tuple[str, str], asyncio.Task[None]] = {}
         """(reply subject, update id) -> the task that will answer it."""
 
@@ -118,15 +151,8 @@ class Admission:
     # -- update -------------------------------------------------------------------
 
     async def _on_update(self, msg: Msg) -> None:
-        try:
-            request = update_request_decoder.decode(msg.data)
-        except BadPayload as exc:
-            error = f"malformed update request: {exc}"[:1024]
-            await self.term.reports.bad_request(msg, error)
-            info = BadRequest(error).info()
-            await self._reply(
-                msg, UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info)
-            )
+        request = await self._decoded(msg, "update", update_request_decoder, _result_refused)
+        if request is None:
             return
         key = (msg.reply, request.update_id)
         if msg.reply and key in self._answering:
@@ -134,8 +160,9 @@ class Admission:
             # reaches it. More would also break a server's one-response-per-
             # request permission (allow_responses) of a secured coordinator.
             return
-        previous, self._last_joined = self._last_joined, asyncio.Event()
-        reply = self.term.replies.start(self._answer(msg, request, previous, self._last_joined))
+        previous = self._last_joined.get(request.adapter)
+        joined = self._last_joined[request.adapter] = asyncio.Event()
+        reply = self.term.replies.start(self._answer(msg, request, previous, joined))
         if msg.reply:
             self._answering[key] = reply
             reply.add_done_callback(lambda _: self._answering.pop(key, None))
@@ -147,21 +174,16 @@ class Admission:
         previous: asyncio.Event | None,
         joined: asyncio.Event,
     ) -> None:
-        """Reply with the request's result. Look-ups run at once, but requests
-        join the book in the order they arrived: each waits for the one before."""
+        """Reply with the request's result. Its look-ups run at once with other
+        requests', but the requests of one adapter join the book in the order
+        they arrived: each waits for the one before it (``previous``), and
+        says when it has joined."""
         term = self.term
         try:
-            stored: UpdateResult | None = None
-            committed: CommittedRecord | None = None
-            if not term.book.knows(request.update_id):
-                # A predecessor may have finished (or rolled back) this update.
-                stored, committed = await asyncio.gather(
-                    _stored_result(term, request.update_id),
-                    or_none(term.committed(request.adapter)),
-                )
-            if previous is not None:
-                await previous.wait()
-            future = await self._admit(request, stored, committed)
+            async with self._looked_up(request) as looked_up:
+                if previous is not None:
+                    await previous.wait()
+                future = self._admit(request, looked_up)
         except Exception as exc:
             log.exception("epoch=%d update=%s could not be admitted", term.epoch, request.update_id)
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
@@ -169,6 +191,8 @@ class Admission:
             return
         finally:
             joined.set()
+            if self._last_joined.get(request.adapter) is joined:
+                del self._last_joined[request.adapter]
         await self._save_settled()
         if future.done():
             await self._reply(msg, future.result())
@@ -177,27 +201,57 @@ class Admission:
         with term.replies.answering(request.update_id):
             await self._reply(msg, await asyncio.shield(future))
 
-    async def _admit(
-        self, request: UpdateRequest, stored: UpdateResult | None, committed: CommittedRecord | None
-    ) -> asyncio.Future[UpdateResult]:
+    @contextlib.asynccontextmanager
+    async def _looked_up(self, request: UpdateRequest) -> AsyncIterator[_LookedUp]:
+        """What admitting ``request`` needs from outside the book, each look
+        under its own deadline. The object it names is spared by the
+        leader's deletions from before its look until this block ends (the
+        request joined the book or was refused), whatever is awaited inside."""
+        term = self.term
+        stored: UpdateResult | None = None
+        committed: CommittedRecord | None = None
+        if not term.book.knows(request.update_id):
+            stored, committed = await asyncio.gather(
+                _stored_result(term, request.update_id),
+                or_none(term.committed(request.adapter)),
+            )
+        try:
+            checked = await check_request_off_loop(request, term.config)
+        except LorabusError as exc:
+            yield _LookedUp(stored, committed, exc.info())
+            return
+        pushed = digest_of(checked.path)
+        with term.adapters.admitting(pushed):
+            not_stored = None
+            if pushed is not None:
+                try:
+                    await term.adapters.check_stored(pushed)
+                except LorabusError as exc:
+                    not_stored = exc.info()
+            yield _LookedUp(stored, committed, checked, not_stored)
+
+    def _admit(self, request: UpdateRequest, looked_up: _LookedUp) -> asyncio.Future[UpdateResult]:
         """The future result of ``request``, answered at once unless it must
-        run: the request is checked here, once, and its version against what
-        is committed now (planned when it runs: the committed state may have
-        moved on by then)."""
+        run, decided at its turn on what the book holds then (nothing is
+        awaited here): the request was checked once, on arrival, and its
+        version is checked against what is committed now (planned when it
+        runs: the committed state may have moved on by then)."""
         book = self.term.book
-        known = book.look_up(request, stored=stored, committed=committed)
+        known = book.look_up(request, stored=looked_up.stored, committed=looked_up.committed)
         if known is not None:
             return known
-        committed = book.committed.get(request.adapter) or committed
+        checked = looked_up.checked
+        if isinstance(checked, ErrorInfo):  # invalid as given
+            return book.settle(request, failed_result(request, checked))
+        committed = book.committed.get(request.adapter) or looked_up.committed
         try:
-            checked = await check_request_off_loop(request, self.term.config)
             version = checked.version(committed)
-            if committed is not None and is_committed(committed, version, checked.path):
-                return book.settle(request, committed_result(request, committed))
-            if (pushed := digest_of(checked.path)) is not None:
-                await self.term.adapters.check_stored(pushed)
         except LorabusError as exc:
             return book.settle(request, failed_result(request, exc.info()))
+        if committed is not None and is_committed(committed, version, checked.path):
+            return book.settle(request, committed_result(request.update_id, committed))
+        if looked_up.not_stored is not None:
+            return book.settle(request, failed_result(request, looked_up.not_stored))
         return book.enqueue(checked)
 
     async def _save_settled(self) -> None:
@@ -211,17 +265,9 @@ class Admission:
     # -- result, status, reset ------------------------------------------------------
 
     async def _on_result(self, msg: Msg) -> None:
-        try:
-            request = result_request_decoder.decode(msg.data)
-        except BadPayload as exc:
-            error = f"malformed result request: {exc}"[:1024]
-            await self.term.reports.bad_request(msg, error)
-            info = BadRequest(error).info()
-            await self._reply(
-                msg, UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=info)
-            )
-            return
-        self.term.replies.start(self._answer_result(msg, request.update_id))
+        request = await self._decoded(msg, "result", result_request_decoder, _result_refused)
+        if request is not None:
+            self.term.replies.start(self._answer_result(msg, request.update_id))
 
     async def _answer_result(self, msg: Msg, update_id: str) -> None:
         """The id's outcome: this term's, else the results bucket's, else unknown
@@ -249,16 +295,9 @@ class Admission:
         await self._reply(msg, self._status())
 
     async def _on_reset(self, msg: Msg) -> None:
-        try:
-            request = reset_request_decoder.decode(msg.data)
-        except BadPayload as exc:
-            error = f"malformed reset request: {exc}"[:1024]
-            await self.term.reports.bad_request(msg, error)
-            await self._reply(
-                msg, ResetResult(adapter="", ok=False, error=BadRequest(error).info())
-            )
-            return
-        self.term.replies.start(self._answer_reset(msg, request))
+        request = await self._decoded(msg, "reset", reset_request_decoder, _reset_refused)
+        if request is not None:
+            self.term.replies.start(self._answer_reset(msg, request))
 
     async def _answer_reset(self, msg: Msg, request: ResetRequest) -> None:
         term = self.term
@@ -272,6 +311,23 @@ class Admission:
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
             result = ResetResult(adapter=request.adapter, ok=False, error=error)
         await self._reply(msg, result)
+
+    async def _decoded(
+        self,
+        msg: Msg,
+        kind: str,
+        reader: Reader[_R],
+        refusal: Callable[[ErrorInfo], msgspec.Struct],
+    ) -> _R | None:
+        """The request in ``msg``; None once one that does not decode has been
+        reported (``bad_message``) and answered ``bad_request`` (``refusal``)."""
+        try:
+            return reader.decode(msg.data)
+        except BadPayload as exc:
+            error = f"malformed {kind} request: {exc}"[:1024]
+            await self.term.reports.bad_request(msg, error)
+            await self._reply(msg, refusal(BadRequest(error).info()))
+            return None
 
     async def _reply(self, msg: Msg, message: msgspec.Struct) -> None:
         """Answer ``msg``. A result or a status too large for one message goes
@@ -295,3 +351,12 @@ async def _stored_result(term: Term, update_id: str) -> UpdateResult | None:
     except BadPayload as exc:
         log.warning("the stored result of update %s does not decode, ignored: %s", update_id, exc)
         return None
+
+
+def _result_refused(error: ErrorInfo) -> UpdateResult:
+    """The answer to an update or result request that names no update."""
+    return UpdateResult(update_id="", status=FAILED, adapter="", version=None, error=error)
+
+
+def _reset_refused(error: ErrorInfo) -> ResetResult:
+    return ResetResult(adapter="", ok=False, error=error)

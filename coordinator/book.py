@@ -69,15 +69,20 @@ _REMEMBERED_REQUESTS = 1024
 repeated id is checked against its whole content while the term lasts."""
 
 
-def committed_result(request: UpdateRequest, committed: CommittedRecord) -> UpdateResult:
-    """The answer to a request for exactly what is committed."""
+def committed_result(
+    update_id: str, committed: CommittedRecord, *, ran: bool = False
+) -> UpdateResult:
+    """The result ``committed`` stands for: with ``ran``, that of the update
+    that made it (the digest its members agreed on included); else the
+    answer to a request for exactly what is committed, which ran nothing."""
     return UpdateResult(
-        update_id=request.update_id,
+        update_id=update_id,
         status=COMMITTED,
         adapter=committed.served_name,
         version=committed.version,
         rank_map=committed.rank_map,
         path=committed.path,
+        digest=committed.digest if ran else "",
     )
 
 

@@ -266,17 +266,26 @@ async def announce_term(term: Term) -> None:
     committed = term.book.latest
     if committed is None:
         return
-    notice = CommittedNotice(
-        update_id=f"term-{term.epoch}",
+    notice = committed_notice(term, committed, update_id=f"term-{term.epoch}")
+    await announce(term, notice)  # if lost, agents learn the epoch from a command
+
+
+def committed_notice(
+    term: Term, committed: CommittedRecord, *, update_id: str, retire: Sequence[str] = ()
+) -> CommittedNotice:
+    """The notice that tells every agent of ``committed`` under this term's
+    epoch; ``retire``: the served names each agent unloads beside it."""
+    return CommittedNotice(
+        update_id=update_id,
         budget_s=0.0,
         epoch=term.epoch,
         served_name=committed.served_name,
         path=committed.path,
         version=committed.version,
+        retire=sorted(retire),
         lineage=committed.lineage,
         digest=committed.digest,
     )
-    await announce(term, notice)  # if lost, agents learn the epoch from a command
 
 
 async def announce(term: Term, notice: CommittedNotice) -> None:

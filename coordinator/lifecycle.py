@@ -20,10 +20,11 @@ import asyncio
 import logging
 
 from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.deadline import LIVENESS_TICK_S, first_resend_gap
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.outcomes import RunOutcome
-from lorabus.coordinator.phases import LIVENESS_TICK_S, Commands, first_resend_gap
+from lorabus.coordinator.phases import Commands
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import CommandBus, Frontend, Journal
 from lorabus.coordinator.update_run import UpdateRun

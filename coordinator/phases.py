@@ -11,7 +11,10 @@ and members that have not acked get the command again on their own subject,
 naming them, with a doubling interval (core NATS may have dropped it). No
 message lists the membership (only the workers left out), so what each
 agent reads stays about the same at any fleet size. Members that stop
-heartbeating are given up on at once rather than at the deadline.
+heartbeating are given up on at once rather than at the deadline. When a
+phase wakes, gives members up, sends again or ends (and how a stall of this
+process is kept from passing for its members' silence) is the rule of
+``deadline.py``, a pure function of the clock; here is the I/O it decides.
 
 What a phase ended with is one :class:`PhaseOutcome`; what the update does
 about it is ``update_run.py``'s.
@@ -30,6 +33,7 @@ import msgspec
 
 from lorabus.adapters.store import digest_of
 from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.deadline import PhaseDeadline
 from lorabus.coordinator.gather import PhaseGather
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
@@ -56,15 +60,6 @@ from lorabus.schemas import (
 log = logging.getLogger(__name__)
 
 _C = TypeVar("_C", PrepareCommand, PauseCommand, LoadCommand, ResumeCommand, UnloadCommand)
-_FIRST_RESEND_S = 1.0
-"""A re-send only helps a member whose command was lost, and each costs a
-signed publish per member still busy: engines answer a load in seconds, not
-in this. So the first one waits an eighth of the phase's deadline, at least
-this long (3.75 s of a 30 s phase), and the gap doubles after each. A member
-that (re)joined after its command was sent (an agent starting, one cut off
-from the bus for a beat) likely missed it: it gets it again at once."""
-_FIRST_RESEND_SHARE = 1 / 8
-LIVENESS_TICK_S = 0.25
 
 
 class PhaseOutcome(msgspec.Struct, kw_only=True):
@@ -314,71 +309,41 @@ class Commands:
         by_name: list[str],
         how: Gathering,
     ) -> PhaseOutcome:
+        """Send ``command`` (unless ``how.sent``) and gather the acks of
+        ``expected``. When to wake, give members up, send again or end is
+        the rule of ``deadline.py``; this does the waiting, the looks at the
+        membership and the sends."""
         phase = phase_of(command)
-        timeout_s = command.budget_s
         gather = how.opened or self.bus.acks.expect(
             command.update_id, phase, expected, first_ok, command.epoch
         )
         started = now()
-        deadline = started + timeout_s
-        resend_gap = first_resend_gap(timeout_s)
-        next_resend = started + resend_gap
+        times = PhaseDeadline.starting(started, command.budget_s)
         sent_at = dict.fromkeys(expected, started)
         looked_at = (-1, 0.0)  # membership generation, and quiet until when
-        look_from = started  # no look at the membership before (after a stall)
-        overtime = False  # the deadline was moved once, past a stall
         try:
-            if not how.sent and command.cohort and len(by_name) < len(expected):
-                await self.bus.broadcast(command)
-            named = [] if how.sent else by_name if command.cohort else expected
-            if named:
-                by_names = msgspec.structs.replace(command, cohort=False, excluded=[])
-                await self._send_to_each(by_names, named)
+            if not how.sent:
+                await self._send_first(command, expected, by_name)
             while not gather.complete:
                 raise_if_cancelled()
                 at = now()
-                if at >= deadline:
+                planned = times.next_wake(at)
+                if planned is None or await gather.wait(planned - at):
                     break
-                planned = max(at, min(deadline, next_resend, at + LIVENESS_TICK_S))
-                if await gather.wait(planned - at):
-                    break
-                if now() - planned > LIVENESS_TICK_S:
-                    # This process stalled (a long garbage collection, a
-                    # starved CPU): what members sent meanwhile is not read
-                    # yet. Look a tick later rather than give them up for
-                    # our own silence.
-                    look_from = now() + LIVENESS_TICK_S
-                    if deadline < look_from and not overtime:
-                        # The deadline passed in the stall, or comes before
-                        # the acks that came meanwhile can be read: read
-                        # them (a tick, once) before calling anyone missing.
-                        overtime, deadline = True, look_from
-                        continue
-                if now() < look_from or self.membership.still_quiet(*looked_at):
-                    rejoined: list[str] = []  # nothing changed that a look could see
-                else:
+                at = now()
+                times, wake = times.woke(planned, at)
+                rejoined: list[str] = []
+                # A look sees nothing new while the membership stays quiet.
+                if wake.give_up_gone and not self.membership.still_quiet(*looked_at):
                     generation = self.membership.generation
                     gone, rejoined, quiet_until = self.membership.triage(gather.waiting, sent_at)
                     looked_at = (generation, quiet_until)
                     gather.give_up_on(gone)
-                at = now()
-                if at >= deadline or not gather.waiting:
-                    continue
-                if at >= next_resend:
-                    again_to = sorted(gather.waiting)
-                    resend_gap *= 2
-                    next_resend = at + resend_gap
-                else:
-                    again_to = sorted(rejoined)
-                if how.resend_if is not None:
-                    again_to = [w for w in again_to if how.resend_if(w)]
-                if again_to:
-                    # By name: a restarted agent has forgotten which pauses it took.
-                    again = msgspec.structs.replace(
-                        command, cohort=False, excluded=[], budget_s=deadline - at
-                    )
-                    await self._send_to_each(again, again_to)
-                    sent_at.update(dict.fromkeys(again_to, at))
+                if wake.end:
+                    break
+                again_to = sorted(gather.waiting if wake.resend_all else rejoined)
+                sent = await self._send_again(command, again_to, how, times.deadline - at)
+                sent_at.update(dict.fromkeys(sent, at))
         finally:
             self.bus.acks.close(gather)
         return PhaseOutcome(
@@ -387,8 +352,32 @@ class Commands:
             missing=sorted(gather.waiting),
             lost=sorted(gather.lost),
             duration_s=now() - max(started, how.counted_from()),
-            timeout_s=timeout_s,
+            timeout_s=command.budget_s,
         )
+
+    async def _send_first(
+        self, command: PhasedCommand, expected: list[str], by_name: list[str]
+    ) -> None:
+        """A cohort command as one broadcast to ``expected`` less ``by_name``
+        and by name to ``by_name``; any other command by name to each."""
+        if command.cohort and len(by_name) < len(expected):
+            await self.bus.broadcast(command)
+        named = by_name if command.cohort else expected
+        if named:
+            by_names = msgspec.structs.replace(command, cohort=False, excluded=[])
+            await self._send_to_each(by_names, named)
+
+    async def _send_again(
+        self, command: PhasedCommand, worker_ids: list[str], how: Gathering, budget_s: float
+    ) -> list[str]:
+        """``command`` again to those of ``worker_ids`` that ``how.resend_if``
+        lets have it, with ``budget_s`` left; return them. By name: a
+        restarted agent has forgotten which pauses it took."""
+        again_to = [w for w in worker_ids if how.resend_if is None or how.resend_if(w)]
+        if again_to:
+            again = msgspec.structs.replace(command, cohort=False, excluded=[], budget_s=budget_s)
+            await self._send_to_each(again, again_to)
+        return again_to
 
     async def _send_to_each(self, command: PhasedCommand, worker_ids: list[str]) -> None:
         """Each member on its own subject, named alone: a broadcast naming N
@@ -409,7 +398,3 @@ class Commands:
                 worker_id,
                 msgspec.structs.replace(command, targets=[worker_id], instance=instance),
             )
-
-
-def first_resend_gap(timeout_s: float) -> float:
-    return max(_FIRST_RESEND_S, timeout_s * _FIRST_RESEND_SHARE)

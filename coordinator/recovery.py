@@ -38,6 +38,7 @@ from typing import TypeVar
 
 import msgspec
 
+from lorabus.coordinator.book import committed_result
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.signals import LeadershipLost, LostRace, SteppedAside, StoreUnavailable
 from lorabus.coordinator.store import COMMITTED as COMMITTED_KEY
@@ -50,7 +51,6 @@ from lorabus.coordinator.store import (
 )
 from lorabus.coordinator.term import Term
 from lorabus.schemas import (
-    COMMITTED,
     FAILED,
     BadPayload,
     CommittedRecord,
@@ -219,15 +219,7 @@ async def _record_commit(
             term.epoch,
             in_flight.update_id,
         )
-        result = UpdateResult(
-            update_id=in_flight.update_id,
-            status=COMMITTED,
-            adapter=committed.served_name,
-            version=committed.version,
-            rank_map=committed.rank_map,
-            path=committed.path,
-            digest=committed.digest,
-        )
+        result = committed_result(in_flight.update_id, committed, ran=True)
         # Ahead of the writes: stopped between them, a successor writes
         # the result again, and the trail still has the update's end.
         await term.bus.emit(term.finished(result))

@@ -32,7 +32,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
@@ -69,9 +70,22 @@ from lorabus.security.signing import CommandSigner
 log = logging.getLogger(__name__)
 
 ALERT_CHECK_S = 1.0
+"""How often the leader looks for members that need a person's look."""
 _SWEEP_TICK_S = 1.0
 """The shortest wait between two looks whether a sweep of the store is due."""
-"""How often the leader looks for members that need a person's look."""
+
+
+@dataclass(frozen=True)
+class _Followed:
+    """What a coordinator sets up once, to follow the fleet and to lead it:
+    every term's parts are made from these."""
+
+    bus: CoordinatorBus
+    reports: Reports
+    store: FleetStore
+    election: LeaderElection
+    adapters: AdapterStore
+    frontend: Frontend
 
 
 class Coordinator:
@@ -109,6 +123,47 @@ class Coordinator:
         """
         self._max_payload = lambda: nc.max_payload
         self.metrics.bus_connected.set_function(lambda: nc.is_connected)
+        async with self._frontend_client() as frontend:
+            followed = await self._follow(nc, frontend)
+            subs = await followed.bus.follow()
+            try:
+                # NATS may be away right now (restarting, say): wait for it.
+                await wait_flushed(
+                    nc, who=f"coordinator {self.holder} of fleet {self.config.fleet}"
+                )
+                if ready is not None:
+                    ready.set()
+                log.info(
+                    "coordinator %s ready on fleet %s: following heartbeats, leading when "
+                    "it can (event loop: %s)",
+                    self.holder,
+                    self.config.fleet,
+                    running_loop_name(),
+                )
+                await self._lead_when_elected(nc, followed)
+            finally:
+                await _unsubscribe(subs)
+
+    @contextlib.asynccontextmanager
+    async def _frontend_client(self) -> AsyncIterator[Frontend]:
+        """The frontend the verify phase asks: the one given, else an HTTP
+        client of ``config.frontend_url``, closed at the end."""
+        if self._frontend is not None:
+            yield self._frontend
+            return
+        owned = FrontendClient(
+            self.config.frontend_url,
+            headers=self.config.headers,
+            timeout_s=self.config.http_timeout_s,
+        )
+        try:
+            yield owned
+        finally:
+            await owned.aclose()
+
+    async def _follow(self, nc: NatsClient, frontend: Frontend) -> _Followed:
+        """The bus, the stores and the election this coordinator follows the
+        fleet with, and leads it with when elected."""
         bus = CoordinatorBus(
             nc,
             self.subjects,
@@ -118,6 +173,7 @@ class Coordinator:
             epoch=lambda: self.epoch,
             signer=self.signer,
         )
+        self._acks = bus.acks
         reports = Reports(bus, self.subjects, lambda: self.epoch)
         # JetStream can take a while (a cluster electing its meta leader, a
         # server restarting), so keep trying with a growing pause.
@@ -135,63 +191,44 @@ class Coordinator:
             ),
         )
         adapters = AdapterStore(nc, self.subjects, orphan_after_s=self.config.orphan_after_s)
-        owned: FrontendClient | None = None
-        frontend = self._frontend
-        if frontend is None:
-            frontend = owned = FrontendClient(
-                self.config.frontend_url,
-                headers=self.config.headers,
-                timeout_s=self.config.http_timeout_s,
+        return _Followed(bus, reports, store, election, adapters, frontend)
+
+    async def _lead_when_elected(self, nc: NatsClient, followed: _Followed) -> None:
+        """Campaign, lead one term, and again, until cancelled."""
+        while True:
+            raise_if_cancelled()
+            self.epoch = await followed.election.campaign()
+            term = self._new_term(followed)
+            self.book = term.book
+            runner = UpdateRunner(
+                self.config,
+                self.membership,
+                followed.frontend,
+                followed.bus,
+                followed.store,
+                self.metrics,
+                epoch=self.epoch,
             )
-        self._acks = bus.acks
-        subs = await bus.follow()
-        try:
-            # NATS may be away right now (restarting, say): wait for it.
-            await wait_flushed(nc, who=f"coordinator {self.holder} of fleet {self.config.fleet}")
-            if ready is not None:
-                ready.set()
-            log.info(
-                "coordinator %s ready on fleet %s: following heartbeats, leading when it "
-                "can (event loop: %s)",
-                self.holder,
-                self.config.fleet,
-                running_loop_name(),
-            )
-            while True:
-                raise_if_cancelled()
-                self.epoch = await election.campaign()
-                term = Term(
-                    epoch=self.epoch,
-                    holder=self.holder,
-                    config=self.config,
-                    store=store,
-                    bus=bus,
-                    membership=self.membership,
-                    metrics=self.metrics,
-                    reports=reports,
-                    leading=self.leading,
-                    max_payload=self._max_payload,
-                    adapters=adapters,
-                )
-                self.book = term.book
-                runner = UpdateRunner(
-                    self.config,
-                    self.membership,
-                    frontend,
-                    bus,
-                    store,
-                    self.metrics,
-                    epoch=self.epoch,
-                )
-                # A task of its own per term: Python 3.11's TaskGroup cancels the
-                # task it runs in to abort the term, and never uncancels it (fixed
-                # in 3.12). That count stays on the term's task, so this one counts
-                # only a stop, also one that comes while a term steps down.
-                await asyncio.create_task(self._term(nc, term, runner, election))
-        finally:
-            await _unsubscribe(subs)
-            if owned is not None:
-                await owned.aclose()
+            # A task of its own per term: Python 3.11's TaskGroup cancels the
+            # task it runs in to abort the term, and never uncancels it (fixed
+            # in 3.12). That count stays on the term's task, so this one counts
+            # only a stop, also one that comes while a term steps down.
+            await asyncio.create_task(self._term(nc, term, runner, followed.election))
+
+    def _new_term(self, followed: _Followed) -> Term:
+        return Term(
+            epoch=self.epoch,
+            holder=self.holder,
+            config=self.config,
+            store=followed.store,
+            bus=followed.bus,
+            membership=self.membership,
+            metrics=self.metrics,
+            reports=followed.reports,
+            leading=self.leading,
+            max_payload=self._max_payload,
+            adapters=followed.adapters,
+        )
 
     def status(self) -> FleetStatus:
         return fleet_status(

@@ -26,17 +26,21 @@ every member first (prepare), so no pause window holds a transfer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Iterator
+from dataclasses import dataclass
 
 import msgspec
 
 from lorabus.adapters.store import digest_of
+from lorabus.coordinator.deadline import first_resend_gap
 from lorabus.coordinator.digests import digest_problem
-from lorabus.coordinator.gather import PhaseGather
+from lorabus.coordinator.gather import AckRouter, PhaseGather
 from lorabus.coordinator.inflight import InflightJournal
 from lorabus.coordinator.outcomes import Carried, Loaded, RunOutcome, Window, run_result
-from lorabus.coordinator.phases import Commands, Gathering, PhaseOutcome, first_resend_gap
+from lorabus.coordinator.phases import Commands, Gathering, PhaseOutcome
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import Frontend, Journal
 from lorabus.coordinator.quorum import QuorumPolicy
@@ -50,7 +54,6 @@ from lorabus.schemas import (
     LoadCommand,
     LoadSpec,
     Phase,
-    PhasedCommand,
     RankMap,
     ResumeCommand,
     UnloadCommand,
@@ -76,7 +79,9 @@ class UpdateRun:
         self.members: dict[str, int] = {}
         """The membership snapshot the update runs on: worker id -> world size."""
         self.durations: dict[str, float] = {}
-        """Seconds spent in each phase that ran."""
+        """Seconds spent in each phase that ran: a phase on the bus as it
+        measured itself (:meth:`_timed`), the quorum and the verify as timed
+        here (:meth:`_timing`)."""
         self.quorum = QuorumPolicy(self.config)
         self._in_flight = InflightJournal(journal, plan, commands.epoch)
         self._targets: list[str] = []
@@ -98,19 +103,17 @@ class UpdateRun:
         return RunOutcome(result, journalled)
 
     async def _run(self) -> UpdateResult:
-        started = now()
         try:
-            self.members = await self.commands.membership.wait_quorum(
-                self.config.expected_world_size,
-                self.config.quorum_timeout_s,
-                needed=self.quorum.needed_world_size,
-                grace_s=self.config.quorum_grace_s,
-            )
+            with self._timing(Phase.QUORUM, metered=False):
+                self.members = await self.commands.membership.wait_quorum(
+                    self.config.expected_world_size,
+                    self.config.quorum_timeout_s,
+                    needed=self.quorum.needed_world_size,
+                    grace_s=self.config.quorum_grace_s,
+                )
         except QuorumNotReached as exc:
-            self.durations[Phase.QUORUM] = now() - started
             quorum_error = ErrorInfo(code=ErrorCode.QUORUM_TIMEOUT, message=str(exc))
             return self._failed(quorum_error, {}, None)
-        self.durations[Phase.QUORUM] = now() - started
         await self.commands.bus.emit(
             UpdateStarted(
                 ts=time.time(),
@@ -135,8 +138,9 @@ class UpdateRun:
         """Every member fetches the adapter into its node's cache, before any
         engine is paused; the failed result, or None to go on (without those
         that failed, where the quorum allows)."""
-        prepared = await self.commands.prepare(self.plan.update_id, self._targets, self.plan.path)
-        self.durations[prepared.phase] = prepared.duration_s
+        prepared = await self._timed(
+            self.commands.prepare(self.plan.update_id, self._targets, self.plan.path)
+        )
         going_on = self.quorum.going_on(prepared, self._targets, self.members)
         if going_on is None:
             return self._failed(prepared.summary(), prepared.worker_errors(), None)
@@ -153,11 +157,9 @@ class UpdateRun:
         try:
             window = await self._pause_load_verify(targets)
         finally:
+            resume_all = self.commands.cohort(ResumeCommand, self.plan.update_id, targets, targets)
             try:
-                resume = await self._phase(
-                    self.commands.cohort(ResumeCommand, self.plan.update_id, targets, targets),
-                    targets,
-                )
+                resume = await self._timed(self.commands.phase(resume_all, targets))
             finally:
                 renewing.cancel()
                 await asyncio.gather(renewing, return_exceptions=True)
@@ -258,69 +260,29 @@ class UpdateRun:
         # starts with the pause.
         budget_s = self.config.phase_timeout_s
         load_command = msgspec.structs.replace(load_command, budget_s=2 * budget_s)
-        first_loaded = asyncio.Event()
-        acks, update_id, epoch = self.commands.bus.acks, self.plan.update_id, self.commands.epoch
-        load_gather = acks.expect(update_id, Phase.LOAD, targets, first_loaded, epoch)
-        # Opened last, so the status shows the pause while it lasts.
-        pause_gather = acks.expect(update_id, Phase.PAUSE, targets, None, epoch)
-        pause_ended: list[float] = []
-
-        def took_the_pause(worker_id: str) -> bool:
-            """A load is sent again only to a member whose pause held: one whose
-            pause failed, or which has not taken it, must not load (an agent of
-            wire version 2 would)."""
-            ack = pause_gather.acks.get(worker_id)
-            return ack is not None and ack.ok
-
+        acks = self.commands.bus.acks
+        carrying = _Carrying.open(acks, self.plan.update_id, targets, self.commands.epoch)
         loading = asyncio.create_task(
-            self._load(
-                load_command,
-                targets,
-                first_loaded,
-                Gathering(
-                    opened=load_gather,
-                    sent=True,
-                    resend_if=took_the_pause,
-                    # The load phase is the time it adds after the fleet's pause.
-                    counted_from=lambda: pause_ended[0] if pause_ended else now(),
-                ),
-            )
+            self._load(load_command, targets, carrying.first_loaded, carrying.load_gathering())
         )
         try:
-            # Half the pause's first re-send gap: a pause acked with a load
-            # that is still running then gets its own ack before any re-send.
-            hold_s = min(first_resend_gap(budget_s), budget_s) / 2
-            spec = msgspec.structs.replace(
-                load_command.spec(), budget_s=budget_s, ack_hold_s=hold_s
+            pause = await self._pause(
+                targets, then_load=_carried_load(load_command, budget_s), opened=carrying.pause
             )
-            pause = await self._pause(targets, then_load=spec, opened=pause_gather)
-            pause_ended.append(now())
+            carrying.pause_ended = now()
             paused = self.quorum.going_on(pause, targets, self.members)
             if paused is None:
-                known = PhaseOutcome(
-                    phase=Phase.LOAD,
-                    acks=dict(load_gather.acks),
-                    missing=sorted(load_gather.waiting),
-                    lost=sorted(load_gather.lost),
-                    duration_s=0.0,
-                    timeout_s=load_command.budget_s,
-                )
-                return Carried(pause.summary(), [], pause.worker_errors(), Loaded(known, False))
+                so_far = Loaded(carrying.loads_so_far(load_command.budget_s), False)
+                return Carried(pause.summary(), [], pause.worker_errors(), so_far)
             kept = set(paused)
-            load_gather.drop(w for w in targets if w not in kept)
-            # A pause that landed after all (its ack late or lost) runs the load
-            # it carried: such members are withdrawn from too if this fails. So
-            # is one whose pause was acked as failed with its outcome unknown
-            # (the engine maybe paused): its agent refuses the load, but which
-            # of the two the coordinator heard first is a race, and unloading
-            # a name an engine lacks succeeds.
-            self._may_have_loaded.update(pause.missing + pause.lost)
-            self._may_have_loaded.update(w for w, a in pause.acks.items() if a.paused and not a.ok)
+            carrying.load.drop(w for w in targets if w not in kept)
+            # Withdrawn from too, if the update fails.
+            self._may_have_loaded.update(_may_have_landed(pause))
             loaded = await loading
         finally:
             loading.cancel()
-            acks.close(pause_gather)
-            acks.close(load_gather)
+            acks.close(carrying.pause)
+            acks.close(carrying.load)
             await asyncio.gather(loading, return_exceptions=True)
         among = Loaded(loaded.outcome.among(paused), loaded.listed)
         return Carried(None, paused, pause.worker_errors(), among)
@@ -333,11 +295,9 @@ class UpdateRun:
         opened: PhaseGather | None = None,
     ) -> PhaseOutcome:
         await self._in_flight.record(Phase.PAUSE, self.members)
-        pause = await self.commands.pause(
-            self.plan.update_id, targets, then_load=then_load, opened=opened
+        return await self._timed(
+            self.commands.pause(self.plan.update_id, targets, then_load=then_load, opened=opened)
         )
-        self.durations[pause.phase] = pause.duration_s
-        return pause
 
     async def _load(
         self,
@@ -355,7 +315,9 @@ class UpdateRun:
         looking = asyncio.create_task(self._listed_once(first_loaded, command.served_name))
         try:
             await self._in_flight.record(Phase.LOAD, self.members)
-            load = await self._phase(command, expected, first_ok=first_loaded, gather=gathering)
+            load = await self._timed(
+                self.commands.phase(command, expected, first_ok=first_loaded, gather=gathering)
+            )
         finally:
             # A look still under way is dropped: verify looks again, in full.
             listed = (
@@ -381,9 +343,8 @@ class UpdateRun:
     ) -> ErrorInfo | None:
         """Every serving member's read-back names the new version, and the
         frontend lists it (``listed``: it already did during the load)."""
-        started = now()
         served_name = self.plan.served_name
-        try:
+        with self._timing(Phase.VERIFY):
             unlisted = [w for w in serving if served_name not in load.acks[w].adapters]
             if unlisted:
                 return ErrorInfo(
@@ -397,11 +358,6 @@ class UpdateRun:
             except FrontendUnverified as exc:
                 return ErrorInfo(code=ErrorCode.VERIFY_TIMEOUT, message=str(exc))
             return None
-        finally:
-            self.durations[Phase.VERIFY] = now() - started
-            self.commands.metrics.phase_seconds.labels(Phase.VERIFY).observe(
-                self.durations[Phase.VERIFY]
-            )
 
     async def _withdraw_uncommitted(self, load: PhaseOutcome | None) -> None:
         """Unload a version that failed to commit where it did load, so no
@@ -418,25 +374,31 @@ class UpdateRun:
         if not targets:
             return
         names = [plan.served_name]
-        outcome = await self._phase(
-            self.commands.named(UnloadCommand, plan.update_id, targets, names=names), targets
-        )
+        unload = self.commands.named(UnloadCommand, plan.update_id, targets, names=names)
+        outcome = await self._timed(self.commands.phase(unload, targets))
         if not outcome.ok:
             log.warning(
                 "update=%s unloading %s: %s", plan.update_id, names, outcome.summary().message
             )
 
-    async def _phase(
-        self,
-        command: PhasedCommand,
-        expected: list[str],
-        *,
-        first_ok: asyncio.Event | None = None,
-        gather: Gathering | None = None,
-    ) -> PhaseOutcome:
-        outcome = await self.commands.phase(command, expected, first_ok=first_ok, gather=gather)
+    async def _timed(self, phase: Awaitable[PhaseOutcome]) -> PhaseOutcome:
+        """A phase on the bus, its time recorded as the phase measured it (a
+        load the pause carried: from the fleet's pause on)."""
+        outcome = await phase
         self.durations[outcome.phase] = outcome.duration_s
         return outcome
+
+    @contextlib.contextmanager
+    def _timing(self, phase: Phase, *, metered: bool = True) -> Iterator[None]:
+        """Time a phase that runs here rather than on the bus, and observe it
+        in the phase metric as the bus phases are, unless not ``metered``."""
+        started = now()
+        try:
+            yield
+        finally:
+            self.durations[phase] = now() - started
+            if metered:
+                self.commands.metrics.phase_seconds.labels(phase).observe(self.durations[phase])
 
     def _failed(
         self, error: ErrorInfo, errors: dict[str, ErrorInfo], load: PhaseOutcome | None
@@ -468,3 +430,70 @@ class UpdateRun:
             error=error,
             rank_map=rank_map,
         )
+
+
+@dataclass
+class _Carrying:
+    """The acks of a pause and of the load it carries, gathered at once."""
+
+    pause: PhaseGather
+    load: PhaseGather
+    first_loaded: asyncio.Event
+    """Set at the first successful load: the frontend may be asked from then on."""
+    pause_ended: float | None = None
+    """When the fleet's pause ended (monotonic), once it has."""
+
+    @classmethod
+    def open(cls, acks: AckRouter, update_id: str, targets: list[str], epoch: int) -> _Carrying:
+        first_loaded = asyncio.Event()
+        load = acks.expect(update_id, Phase.LOAD, targets, first_loaded, epoch)
+        # Opened last, so the status shows the pause while it lasts.
+        pause = acks.expect(update_id, Phase.PAUSE, targets, None, epoch)
+        return cls(pause, load, first_loaded)
+
+    def load_gathering(self) -> Gathering:
+        """How the carried load is gathered: on the gather opened for it, sent
+        already (only re-sends follow), its time what it adds after the pause."""
+        return Gathering(
+            opened=self.load,
+            sent=True,
+            resend_if=self.took_the_pause,
+            counted_from=lambda: self.pause_ended if self.pause_ended is not None else now(),
+        )
+
+    def took_the_pause(self, worker_id: str) -> bool:
+        """A load is sent again only to a member whose pause held: one whose
+        pause failed, or which has not taken it, must not load (an agent of
+        wire version 2 would)."""
+        ack = self.pause.acks.get(worker_id)
+        return ack is not None and ack.ok
+
+    def loads_so_far(self, timeout_s: float) -> PhaseOutcome:
+        """The loads as known when the pause failed the update (not waited for)."""
+        return PhaseOutcome(
+            phase=Phase.LOAD,
+            acks=dict(self.load.acks),
+            missing=sorted(self.load.waiting),
+            lost=sorted(self.load.lost),
+            duration_s=0.0,
+            timeout_s=timeout_s,
+        )
+
+
+def _carried_load(load_command: LoadCommand, budget_s: float) -> LoadSpec:
+    """The load a pause of ``budget_s`` carries. Its ack may be held half the
+    pause's first re-send gap: a pause acked with a load that is still
+    running then gets its own ack before any re-send."""
+    hold_s = min(first_resend_gap(budget_s), budget_s) / 2
+    return msgspec.structs.replace(load_command.spec(), budget_s=budget_s, ack_hold_s=hold_s)
+
+
+def _may_have_landed(pause: PhaseOutcome) -> set[str]:
+    """Members whose pause may have landed unanswered, and with it run the
+    load it carried: a pause that landed after all (its ack late or lost),
+    or one acked as failed with its outcome unknown (the engine maybe
+    paused). The agent of the latter refuses the load, but which of the two
+    the coordinator heard first is a race, and unloading a name an engine
+    lacks succeeds."""
+    unsure = {w for w, ack in pause.acks.items() if ack.paused and not ack.ok}
+    return set(pause.missing) | set(pause.lost) | unsure

@@ -21,16 +21,17 @@ from typing import NoReturn
 from lorabus.adapters.store import digest_of
 from lorabus.coordinator.adapter_store import kept_beside
 from lorabus.coordinator.book import committed_result, failed_result
-from lorabus.coordinator.commit import Executed, conclude, deposed_result
+from lorabus.coordinator.commit import Executed, committed_notice, conclude, deposed_result
 from lorabus.coordinator.lifecycle import UpdateRunner
-from lorabus.coordinator.plan import CheckedRequest, is_committed, retired_names
+from lorabus.coordinator.outcomes import RunOutcome
+from lorabus.coordinator.plan import CheckedRequest, UpdatePlan, is_committed, retired_names
 from lorabus.coordinator.resets import lineage, reset_unknown
 from lorabus.coordinator.store import CorruptRecord
 from lorabus.coordinator.term import Term
 from lorabus.errors import LorabusError
 from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.runtime.clock import now
-from lorabus.schemas import CommittedNotice, CommittedRecord, ErrorCode, ErrorInfo, ResetRecord
+from lorabus.schemas import CommittedRecord, ErrorCode, ErrorInfo, RankMap, ResetRecord
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,10 @@ async def _execute(term: Term, runner: UpdateRunner, checked: CheckedRequest) ->
     comes back with its record and notice, for :func:`conclude`."""
     request = checked.request
     try:
-        try:
-            committed = await term.committed(request.adapter)
-        except CorruptRecord as corrupt:
-            await reset_unknown(term, request.adapter, corrupt)
-            committed = None
+        committed = await _committed_now(term, request.adapter)
         plan = checked.plan(committed, await lineage(term, request.adapter, committed))
         if committed is not None and is_committed(committed, plan.version, plan.path):
-            return Executed(committed_result(request, committed))
+            return Executed(committed_result(request.update_id, committed))
         ran = await runner.run(plan)
         result = ran.result
         if not await term.still_leading():
@@ -67,44 +64,57 @@ async def _execute(term: Term, runner: UpdateRunner, checked: CheckedRequest) ->
             return Executed(deposed_result(term, request, committing), journalled=ran.journalled)
         if not result.committed or result.rank_map is None:
             return Executed(result, journalled=ran.journalled)
-        kept, dropped = kept_beside(
-            digest_of(plan.path),
-            committed,
-            await _reset_of(term, plan.adapter) if committed is None else None,
-            keep=term.config.keep,
-        )
-        record = CommittedRecord(
-            adapter=plan.adapter,
-            version=plan.version,
-            path=plan.path,
-            served_name=plan.served_name,
-            rank_map=result.rank_map,
-            lineage=plan.lineage,
-            digest=result.digest,
-            kept=kept,
-            dropped=dropped,
-        )
-        # Versions of the adapter beyond ``keep``, among those the engines hold.
-        loaded = {name for worker in result.workers.values() for name in worker.adapters}
-        retire = [] if plan.replace else retired_names(plan.adapter, loaded, term.config.keep)
-        notice = CommittedNotice(
-            update_id=plan.update_id,
-            budget_s=0.0,
-            epoch=term.epoch,
-            served_name=plan.served_name,
-            path=plan.path,
-            version=plan.version,
-            retire=sorted(retire),
-            lineage=plan.lineage,
-            digest=result.digest,
-        )
-        return Executed(result, record, notice, journalled=ran.journalled)
+        return await _commit_of(term, plan, ran, committed, result.rank_map)
     except LorabusError as exc:
         return Executed(failed_result(request, exc.info()))
     except Exception as exc:
         log.exception("update=%s crashed", request.update_id)
         crashed = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
         return Executed(failed_result(request, crashed))
+
+
+async def _committed_now(term: Term, adapter: str) -> CommittedRecord | None:
+    """What is committed for ``adapter`` now; one whose commit point does not
+    decode is reset to a new lineage first, and then nothing is."""
+    try:
+        return await term.committed(adapter)
+    except CorruptRecord as corrupt:
+        await reset_unknown(term, adapter, corrupt)
+        return None
+
+
+async def _commit_of(
+    term: Term,
+    plan: UpdatePlan,
+    ran: RunOutcome,
+    committed: CommittedRecord | None,
+    rank_map: RankMap,
+) -> Executed:
+    """A committed run's record (the versions it keeps beside it from the
+    adapter store, and those it lets go of) and its notice, which retires
+    the adapter's versions beyond ``keep`` among those the engines hold."""
+    result = ran.result
+    kept, dropped = kept_beside(
+        digest_of(plan.path),
+        committed,
+        await _reset_of(term, plan.adapter) if committed is None else None,
+        keep=term.config.keep,
+    )
+    record = CommittedRecord(
+        adapter=plan.adapter,
+        version=plan.version,
+        path=plan.path,
+        served_name=plan.served_name,
+        rank_map=rank_map,
+        lineage=plan.lineage,
+        digest=result.digest,
+        kept=kept,
+        dropped=dropped,
+    )
+    loaded = {name for worker in result.workers.values() for name in worker.adapters}
+    retire = [] if plan.replace else retired_names(plan.adapter, loaded, term.config.keep)
+    notice = committed_notice(term, record, update_id=plan.update_id, retire=retire)
+    return Executed(result, record, notice, journalled=ran.journalled)
 
 
 async def _reset_of(term: Term, adapter: str) -> ResetRecord | None:

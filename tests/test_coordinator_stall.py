@@ -2,7 +2,14 @@
 starved CPU) does not give members up for its own silence: what they sent
 meanwhile is read a moment later, and the update commits. A real
 nats-server, the real coordinator and agents in this process, which the
-test blocks outright."""
+test blocks outright.
+
+The end-to-end proof of the deadline rule (``coordinator/deadline.py``),
+whose every case ``test_phase_deadline.py`` runs on a made-up clock and in
+memory under looptime. What only these show: that what a stall holds up
+(the heartbeats in the first test, an ack in the second) really waits in
+the connection, and is read within the tick the rule gives it.
+"""
 
 from __future__ import annotations
 
