@@ -94,6 +94,14 @@ async def test_a_trail_becomes_a_page_with_a_row_per_worker_and_the_failed_one_m
         live = await run_lorabus(
             "audit", "timeline", "--live", *common, "--out", str(tmp_path / "live.html")
         )
+        live_first = await run_lorabus(
+            "audit", "timeline", "--live", *common, "--update", committed.update_id,
+            "--out", str(tmp_path / "live-first.html"),
+        )  # fmt: skip
+        live_unknown = await run_lorabus(
+            "audit", "timeline", "--live", *common, "--update", "nope",
+            "--out", str(tmp_path / "nope.html"),
+        )  # fmt: skip
     drawn = await run_lorabus(
         "audit", "timeline", str(trail), "--last", "2", "--out", str(page_path)
     )
@@ -102,6 +110,15 @@ async def test_a_trail_becomes_a_page_with_a_row_per_worker_and_the_failed_one_m
     assert tapped.returncode == 0, tapped
     assert drawn.returncode == 0 and "2 update(s) drawn" in drawn.stdout, drawn
     assert live.returncode == 0, live
+    assert set(_parse((tmp_path / "live.html").read_text()).sections) == {failed.update_id}
+    assert live_first.returncode == 0 and "1 update(s) drawn" in live_first.stdout, live_first
+    first_rows = _parse((tmp_path / "live-first.html").read_text()).sections
+    assert set(first_rows) == {committed.update_id}
+    assert set(first_rows[committed.update_id]) == set(WORKERS), first_rows
+    assert live_unknown.returncode == 1 and "no update nope" in live_unknown.stderr, live_unknown
+    assert f"2 update(s); the latest: {committed.update_id}, {failed.update_id}" in (
+        live_unknown.stderr
+    )
     page = _parse(page_path.read_text())
     assert page.external == []
     ok_rows, failed_rows = page.sections[committed.update_id], page.sections[failed.update_id]

@@ -1,5 +1,6 @@
-"""Human-readable text for results, rank maps, fleet status and the audit trail
-(CLI output only).
+"""Human-readable text for results, rank maps, fleet status and what the
+agents' heartbeats show (CLI output only; a trail record's line is
+:func:`lorabus.audit.tap.timeline_line`).
 
 Text that came off the wire (subjects, worker ids, error messages) goes
 through :func:`printable` before it reaches a terminal.

@@ -2,9 +2,11 @@
 
 The coordinator (or ``lorabus provision``) creates the stream; the tap only
 reads it, a batch of stored messages at a time by sequence (JetStream's
-direct get), and polls for more when it has caught up. It creates no
-consumer: a consumer's deliver subject would let whoever may create one have
-JetStream publish stored commands wherever it names (docs/security.md). Its
+direct get, through :class:`StreamReader`, which also finds the last or the
+next record on a subject), and polls for more when it has caught up. It
+creates no consumer: a consumer's deliver subject would let whoever may
+create one have JetStream publish stored commands wherever it names
+(docs/security.md). Its
 place is the last sequence it wrote: a tap appending to a trail file starts
 after the file's last record, so a tap that stops (or a nats-server that
 restarts) goes on where it left off, writing nothing twice. A read that
@@ -29,7 +31,7 @@ import datetime as dt
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -60,7 +62,10 @@ from lorabus.schemas import BadPayload, Subjects, tag_of, to_builtins
 
 log = logging.getLogger(__name__)
 
-_BATCH = 256
+_T = TypeVar("_T")
+
+BATCH = 256
+"""The most records one direct get answers with."""
 _BATCH_MAX_BYTES = 4 * 1024 * 1024
 """A batch stops at this many bytes, so that messages of up to a MiB each
 arrive within the deadline of each message on a slow link."""
@@ -105,60 +110,74 @@ def _stored_at(stamp: str) -> float:
     return when.timestamp() + (int(fraction.ljust(6, "0")) / 1e6 if fraction else 0.0)
 
 
-class Tap:
-    def __init__(
-        self,
-        nc: NatsClient,
-        subjects: Subjects,
-        *,
-        start_seq: int | None = None,
-        start_time: dt.datetime | None = None,
-        after_seq: int = 0,
-    ) -> None:
-        """``after_seq`` skips records up to that sequence (already written)."""
+class StreamReader:
+    """The audit stream, read by direct gets: a batch of stored records from a
+    sequence or a time, the next records or the last one on a subject, and the
+    sequences the stream holds. It creates no consumer. A read that gets no
+    answer is tried again while the bus is away; ``records_read`` counts the
+    records it returned."""
+
+    def __init__(self, nc: NatsClient, subjects: Subjects, *, who: str = "") -> None:
         self.nc = nc
         self.subjects = subjects
-        self.start_seq = start_seq
-        self.start_time = start_time
-        self.last_seq = after_seq
+        self.who = who or f"reader of fleet {subjects.fleet}"
+        self.records_read = 0
 
-    async def run(self, sink: Sink, *, follow: bool) -> int:
-        """Write records to ``sink`` until caught up (or, following, until cancelled)."""
-        js = self.nc.jetstream()
-        await self._until_stream(js, self.subjects.audit_stream(), follow)
-        written = 0
-        start: dict[str, object] = {"seq": max(self.last_seq + 1, self.start_seq or 1)}
-        if self.start_time is not None and not self.last_seq:
-            start = {"start_time": self.start_time.astimezone(dt.UTC).isoformat()}
-        while True:
-            raise_if_cancelled()
-            # The bus may be away (a restart): the next read starts where we are.
-            batch = await until_answered(
-                partial(self._read, start),
-                who=f"tap of fleet {self.subjects.fleet}",
-                doing=f"reading the audit stream {self.subjects.audit_stream()}",
-                retry=retry_if_exception(is_transient),
-            )
-            for msg in batch:
-                record = to_record(msg, self.subjects)
-                if record.seq > self.last_seq:
-                    await sink(record)
-                    self.last_seq = record.seq
-                    written += 1
-            if batch:
-                start = {"seq": self.last_seq + 1}
-            elif not follow:
-                return written
-            else:
-                await asyncio.sleep(_CAUGHT_UP_POLL_S)
+    async def stored(self) -> range:
+        """The sequences the stream holds (empty: none); AuditStreamMissing
+        when the fleet has no audit stream."""
+        stream = self.subjects.audit_stream()
 
-    async def _read(self, start: dict[str, object]) -> list[Msg]:
-        """Up to ``_BATCH`` stored messages from ``start`` on (none: caught up)."""
+        async def info() -> Any:
+            try:
+                return await self.nc.jetstream().stream_info(stream)
+            except nats.js.errors.NotFoundError as exc:
+                raise AuditStreamMissing(
+                    f"fleet {self.subjects.fleet!r} has no audit stream {stream!r} yet: "
+                    "a coordinator (or lorabus provision) creates it"
+                ) from exc
+
+        state = (await self._answered(info)).state
+        return range(state.first_seq, state.last_seq + 1) if state.messages else range(0)
+
+    async def batch(self, start: dict[str, object], limit: int = BATCH) -> list[TrailRecord]:
+        """Up to ``limit`` records from ``start`` (``{"seq": N}`` or
+        ``{"start_time": ...}``) on; none: caught up."""
+        return await self._get({**start, "batch": limit})
+
+    async def next_on(self, subject: str, seq: int, limit: int) -> list[TrailRecord]:
+        """Up to ``limit`` records on ``subject`` from sequence ``seq`` on."""
+        return await self._get({"next_by_subj": subject, "seq": seq, "batch": limit})
+
+    async def last_on(self, subject: str, up_to_seq: int) -> TrailRecord | None:
+        """The last record on ``subject`` at or before sequence ``up_to_seq``."""
+        if up_to_seq < 1:  # 0 would ask for no bound at all
+            return None
+        found = await self._get({"multi_last": [subject], "up_to_seq": up_to_seq, "batch": 1})
+        return found[0] if found else None
+
+    async def _get(self, request: dict[str, object]) -> list[TrailRecord]:
+        msgs = await self._answered(partial(self._direct_get, request))
+        records = [to_record(msg, self.subjects) for msg in msgs]
+        self.records_read += len(records)
+        return records
+
+    async def _answered(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        # The bus may be away (a restart): the read is tried again once it answers.
+        return await until_answered(
+            call,
+            who=self.who,
+            doing=f"reading the audit stream {self.subjects.audit_stream()}",
+            retry=retry_if_exception(is_transient),
+        )
+
+    async def _direct_get(self, request: dict[str, object]) -> list[Msg]:
+        """The stored messages a direct get answers ``request`` with."""
         api = f"{js_api_of(self.nc)}.DIRECT.GET.{self.subjects.audit_stream()}"
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         try:
-            request = {**start, "batch": _BATCH, "max_bytes": _BATCH_MAX_BYTES}
+            request = {**request, "max_bytes": _BATCH_MAX_BYTES}
             await self.nc.publish(api, msgspec.json.encode(request), reply=inbox)
             found: list[Msg] = []
             while True:
@@ -185,20 +204,54 @@ class Tap:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def _until_stream(self, js: Any, stream: str, follow: bool) -> None:
-        """Return once ``stream`` exists. A tap that follows waits for it (started
-        beside a fleet, it may come up before the coordinator or the operator's
-        set-up has created it, or before JetStream answers); a replay raises
-        AuditStreamMissing at once."""
-        if not follow:
-            try:
-                await js.stream_info(stream)
-            except nats.js.errors.NotFoundError as exc:
-                raise AuditStreamMissing(
-                    f"fleet {self.subjects.fleet!r} has no audit stream {stream!r} yet: "
-                    "a coordinator (or lorabus provision) creates it"
-                ) from exc
-            return
+
+class Tap:
+    def __init__(
+        self,
+        nc: NatsClient,
+        subjects: Subjects,
+        *,
+        start_seq: int | None = None,
+        start_time: dt.datetime | None = None,
+        after_seq: int = 0,
+    ) -> None:
+        """``after_seq`` skips records up to that sequence (already written)."""
+        self.nc = nc
+        self.subjects = subjects
+        self.start_seq = start_seq
+        self.start_time = start_time
+        self.last_seq = after_seq
+
+    async def run(self, sink: Sink, *, follow: bool) -> int:
+        """Write records to ``sink`` until caught up (or, following, until cancelled)."""
+        reader = StreamReader(self.nc, self.subjects, who=f"tap of fleet {self.subjects.fleet}")
+        if follow:
+            await self._until_stream(self.nc.jetstream(), self.subjects.audit_stream())
+        else:
+            await reader.stored()  # a replay says at once that there is no stream
+        written = 0
+        start: dict[str, object] = {"seq": max(self.last_seq + 1, self.start_seq or 1)}
+        if self.start_time is not None and not self.last_seq:
+            start = {"start_time": self.start_time.astimezone(dt.UTC).isoformat()}
+        while True:
+            raise_if_cancelled()
+            batch = await reader.batch(start)
+            for record in batch:
+                if record.seq > self.last_seq:
+                    await sink(record)
+                    self.last_seq = record.seq
+                    written += 1
+            if batch:
+                start = {"seq": self.last_seq + 1}
+            elif not follow:
+                return written
+            else:
+                await asyncio.sleep(_CAUGHT_UP_POLL_S)
+
+    async def _until_stream(self, js: Any, stream: str) -> None:
+        """Return once ``stream`` exists: a tap that follows waits for it
+        (started beside a fleet, it may come up before the coordinator or the
+        operator's set-up has created it, or before JetStream answers)."""
         said = False
 
         def say_once(state: RetryCallState) -> None:

@@ -29,7 +29,7 @@ record that is not what lorabus writes is skipped, never raised.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +180,42 @@ class UpdateTimeline:
         return rows
 
 
+@dataclass(frozen=True)
+class Selection:
+    """The updates asked for, out of those a trail shows."""
+
+    timelines: list[UpdateTimeline]
+    """Those asked for, in the order asked (``--last``: the trail's); none
+    when any is unknown."""
+    unknown: list[str]
+    """Ids asked for that the trail does not show."""
+    shown: list[str]
+    """The ids of the updates the trail shows, in its order (for saying what
+    it holds when an id is unknown)."""
+    poison: int = 0
+    """Poison records read (left out)."""
+
+
+def select(
+    timelines: Sequence[UpdateTimeline],
+    update_ids: Sequence[str],
+    last: int,
+    *,
+    shown: Sequence[str] | None = None,
+    poison: int = 0,
+) -> Selection:
+    """``update_ids`` out of ``timelines`` (any unknown: none), or without ids
+    the last ``last`` of them. ``shown``: every update the trail shows (by
+    default those of ``timelines``)."""
+    ids = [t.update_id for t in timelines] if shown is None else list(shown)
+    if not update_ids:
+        return Selection(list(timelines[-last:]), [], ids, poison)
+    known = {t.update_id: t for t in timelines}
+    unknown = [u for u in update_ids if u not in known]
+    chosen = [] if unknown else [known[u] for u in update_ids]
+    return Selection(chosen, unknown, ids, poison)
+
+
 _DRAWN_EVENTS = frozenset({"update_started", "phase_finished", "update_finished"})
 """With acks, what a timeline is drawn from. Commands are left out: some carry
 an update id that names no update (a term's ``committed`` notice, a refusal)."""
@@ -219,6 +255,10 @@ class _OpenPauses:
         if left:
             self._open[worker_id] = left
 
+    def held(self) -> dict[str, set[str]]:
+        """worker -> the updates whose pause of its engine is still open."""
+        return {w: {update_id for update_id, _, _ in opened} for w, opened in self._open.items()}
+
     def close_at_end(self, trail_end: float) -> None:
         """Whatever is still open was never resumed: it runs to the trail's end."""
         for opened in self._open.values():
@@ -229,32 +269,81 @@ class _OpenPauses:
 
 def build_timelines(records: Iterable[TrailRecord]) -> list[UpdateTimeline]:
     """Every update the trail shows, in the order it first shows each."""
-    timelines: dict[str, UpdateTimeline] = {}
-    pauses = _OpenPauses()
-    trail_end: float | None = None
+    builder = TimelineBuilder()
     for record in records:
+        builder.take(record)
+    return builder.timelines()
+
+
+class TimelineBuilder:
+    """Timelines built from records taken one at a time, in stream order,
+    keeping nothing of a record but what it adds to them. ``draw`` says which
+    updates to draw (by default every one); the acks of the others still end
+    pauses, as a resume of any update resumes an engine."""
+
+    def __init__(self, draw: Container[str] | None = None) -> None:
+        self._draw = draw
+        self._timelines: dict[str, UpdateTimeline] = {}
+        self._pauses = _OpenPauses()
+        self.trail_end: float | None = None
+        """The latest time of a record taken."""
+        self.poison = 0
+        """Poison records taken (left out)."""
+
+    def take(self, record: TrailRecord) -> None:
+        """The next record of the trail."""
+        self.poison += bool(record.poison)
         if not math.isfinite(record.ts):
-            continue
-        trail_end = record.ts if trail_end is None else max(trail_end, record.ts)
-        message = record.message
-        update_id = message.get("update_id")
-        if record.poison:
-            continue
-        if record.kind == "event" and message.get("type") in _RESUMING_EVENTS:
-            _take_agent_resume(pauses, message, record.ts)
-            continue
-        drawn = record.kind == "ack" or message.get("type") in _DRAWN_EVENTS
-        if not drawn or not isinstance(update_id, str) or not update_id:
-            continue
-        timeline = timelines.get(update_id)
+            return
+        self.trail_end = record.ts if self.trail_end is None else max(self.trail_end, record.ts)
+        update_id = _drawn_update(record)
+        if update_id is None or (self._draw is not None and update_id not in self._draw):
+            self.end_pauses(record)
+            return
+        timeline = self._timelines.get(update_id)
         if timeline is None:
-            timeline = timelines[update_id] = UpdateTimeline(update_id=update_id)
-        _take(timeline, pauses, record.kind, message, record.ts)
-    if trail_end is not None:
-        pauses.close_at_end(trail_end)
-    for timeline in timelines.values():
-        timeline.trail_end = trail_end
-    return list(timelines.values())
+            timeline = self._timelines[update_id] = UpdateTimeline(update_id=update_id)
+        _take(timeline, self._pauses, record.kind, record.message, record.ts)
+
+    def end_pauses(self, record: TrailRecord) -> None:
+        """Only what ``record`` ends of the open pauses: an ok resume ack, or an
+        agent's own resume (a record read to learn when an engine resumed)."""
+        message = record.message
+        if record.poison or not math.isfinite(record.ts):
+            return
+        if record.kind == "event" and message.get("type") in _RESUMING_EVENTS:
+            _take_agent_resume(self._pauses, message, record.ts)
+        elif record.kind == "ack" and _drawn_update(record) is not None:
+            _take_resume_ack(self._pauses, message, record.ts)
+
+    def open_pauses(self) -> dict[str, set[str]]:
+        """The workers whose engine no record taken has resumed yet, each with
+        the updates that paused it."""
+        return self._pauses.held()
+
+    def timelines(self, trail_end: float | None = None) -> list[UpdateTimeline]:
+        """The updates drawn, in the order the records first show each. What is
+        still open runs to ``trail_end`` (the trail's end; by default the last
+        record taken)."""
+        ends = [t for t in (trail_end, self.trail_end) if t is not None]
+        end = max(ends) if ends else None
+        if end is not None:
+            self._pauses.close_at_end(end)
+        for timeline in self._timelines.values():
+            timeline.trail_end = end
+        return list(self._timelines.values())
+
+
+def _drawn_update(record: TrailRecord) -> str | None:
+    """The update a record draws in (an ack, or an update's own event), if any."""
+    message = record.message
+    if record.poison:
+        return None
+    if record.kind == "event" and message.get("type") in _RESUMING_EVENTS:
+        return None
+    update_id = message.get("update_id")
+    drawn = record.kind == "ack" or message.get("type") in _DRAWN_EVENTS
+    return update_id if drawn and isinstance(update_id, str) and update_id else None
 
 
 def _take(
@@ -328,8 +417,15 @@ def _take_ack(
     _first_of_phase(row, Bar(phase, start, ts, ok, error))
     if phase == "pause" and ok:
         pauses.open(timeline.update_id, row, ts)
-    elif phase == "resume" and ok:
-        this = timeline.update_id
+    _take_resume_ack(pauses, message, ts)
+
+
+def _take_resume_ack(pauses: _OpenPauses, message: Mapping[str, Any], ts: float) -> None:
+    """An ok resume ack resumes its worker's engine, whichever update paused it."""
+    worker_id, this = message.get("worker_id"), message.get("update_id")
+    if message.get("phase") != "resume" or message.get("ok") is not True:
+        return
+    if isinstance(worker_id, str) and isinstance(this, str):
         pauses.resume(
             worker_id,
             ts,

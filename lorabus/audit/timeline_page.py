@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import html
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from lorabus.audit.timeline import Bar, UpdateTimeline, WorkerRow
 
@@ -78,35 +78,10 @@ def render_page(
 
 
 def _section(timeline: UpdateTimeline, order: str) -> str:
-    t0, t1 = timeline.span
-    span = max(t1 - t0, 1e-3)
-
-    def place(start: float, end: float) -> str:
-        left = (start - t0) / span * 100
-        width = max(end - start, 0.0) / span * 100
-        return f"left:{left:.3f}%;width:{width:.3f}%"
-
-    def bar(b: Bar) -> str:
-        title = f"{b.label} {_ms(b.duration_s)}" + (f": {b.error}" if b.error else "")
-        state = "" if b.ok else " not-ok"
-        return (
-            f'<div class="bar phase-{_e(_phase_class(b.phase))}{state}" '
-            f'style="{place(b.start, b.end)}" title="{_e(title)}"></div>'
-        )
-
+    scale = _Scale(timeline)
     slowest = timeline.slowest
     slowest_id = slowest[0] if slowest else None
-    a0, a1 = timeline.active_span
-    took = f"took {_ms(a1 - a0)}"
-    in_flight = ""
-    if timeline.unfinished and timeline.started is not None and timeline.trail_end is not None:
-        ran = max(timeline.trail_end - timeline.started, 0.0)
-        took = f"still in flight when the trail ends, {_ms(ran)} after its start"
-        in_flight = (
-            f'<div class="window open unfinished" '
-            f'style="{place(timeline.started, timeline.started + ran)}" '
-            f'title="{_e(f"no result in the trail: {took}")}"></div>'
-        )
+    took, in_flight = _took(timeline, scale)
     rows = [
         '<div class="row head"><div class="label"><span class="id">worker</span>'
         '<span class="ws">size</span><span class="rank">rank</span>phases</div>'
@@ -114,12 +89,61 @@ def _section(timeline: UpdateTimeline, order: str) -> str:
         '<div class="row coordinator"><div class="label"><span class="id">coordinator</span>'
         '</div><div class="track">'
         + in_flight
-        + "".join(bar(b) for b in timeline.coordinator)
+        + "".join(scale.bar(b) for b in timeline.coordinator)
         + "</div></div>",
     ]
     for row in timeline.rows(order):
-        rows.append(_worker_row(row, bar, place, row.worker_id == slowest_id))
-    pause = timeline.pause_window
+        rows.append(_worker_row(row, scale, row.worker_id == slowest_id))
+    ticks = "".join(f"<span>{_ms(scale.width * k / 4)}</span>" for k in range(5))
+    return (
+        f'<section class="update" id="update-{_e(timeline.update_id)}">'
+        f"<h2>update {_e(timeline.update_id)}</h2>"
+        f'<p class="summary">{" · ".join(_facts(timeline, took))}</p>{_problems(timeline)}'
+        f'<div class="axis">{ticks}</div>'
+        f'<div class="rows">{"".join(rows)}</div></section>'
+    )
+
+
+class _Scale:
+    """Where an instant of an update falls on its rows: a share of its span."""
+
+    def __init__(self, timeline: UpdateTimeline) -> None:
+        self.t0, t1 = timeline.span
+        self.width = max(t1 - self.t0, 1e-3)
+
+    def place(self, start: float, end: float) -> str:
+        left = (start - self.t0) / self.width * 100
+        width = max(end - start, 0.0) / self.width * 100
+        return f"left:{left:.3f}%;width:{width:.3f}%"
+
+    def bar(self, b: Bar) -> str:
+        title = f"{b.label} {_ms(b.duration_s)}" + (f": {b.error}" if b.error else "")
+        state = "" if b.ok else " not-ok"
+        return (
+            f'<div class="bar phase-{_e(_phase_class(b.phase))}{state}" '
+            f'style="{self.place(b.start, b.end)}" title="{_e(title)}"></div>'
+        )
+
+
+def _took(timeline: UpdateTimeline, scale: _Scale) -> tuple[str, str]:
+    """How long the update took, and the band of one still in flight when
+    the trail ends ("" when it ended)."""
+    a0, a1 = timeline.active_span
+    took = f"took {_ms(a1 - a0)}"
+    if not timeline.unfinished or timeline.started is None or timeline.trail_end is None:
+        return took, ""
+    ran = max(timeline.trail_end - timeline.started, 0.0)
+    took = f"still in flight when the trail ends, {_ms(ran)} after its start"
+    band = (
+        f'<div class="window open unfinished" '
+        f'style="{scale.place(timeline.started, timeline.started + ran)}" '
+        f'title="{_e(f"no result in the trail: {took}")}"></div>'
+    )
+    return took, band
+
+
+def _facts(timeline: UpdateTimeline, took: str) -> list[str]:
+    """The update's summary line, part by part."""
     facts = [
         f"<b>{_e(timeline.status or 'no result in the trail')}</b>",
         f"adapter {_e(timeline.adapter)}"
@@ -130,18 +154,24 @@ def _section(timeline: UpdateTimeline, order: str) -> str:
     if timeline.started is not None:
         with contextlib.suppress(OverflowError, OSError, ValueError):  # a time of no calendar
             facts.append(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timeline.started)))
-    unresumed = timeline.unresumed
+    pause = timeline.pause_window
     if pause is not None:
-        to_end = " (to the end of the trail)" if unresumed else ""
+        to_end = " (to the end of the trail)" if timeline.unresumed else ""
         facts.append(f"engines paused for {_ms(pause[1] - pause[0])}{to_end}")
+    slowest = timeline.slowest
     if slowest is not None:
         facts.append(
             f"slowest: {_e(slowest[0])}, {_e(slowest[1].label)} {_ms(slowest[1].duration_s)}"
         )
-    failed = timeline.failed
+    return facts
+
+
+def _problems(timeline: UpdateTimeline) -> str:
+    """The update's error, its engines never resumed and its failed members."""
     problems = ""
     if timeline.error:
         problems += f'<p class="failed-text">{_e(timeline.error)}</p>'
+    unresumed = timeline.unresumed
     if unresumed:
         named = ", ".join(r.worker_id for r in unresumed[:_LISTED])
         more = f" and {len(unresumed) - _LISTED} more" if len(unresumed) > _LISTED else ""
@@ -149,6 +179,7 @@ def _section(timeline: UpdateTimeline, order: str) -> str:
             f'<p class="failed-text">engine(s) never resumed: {_e(named)}{more} '
             "(paused to the end of the trail)</p>"
         )
+    failed = timeline.failed
     if failed:
         items = "".join(f"<li>{_e(r.worker_id)}: {_e(r.error)}</li>" for r in failed[:_LISTED])
         more = f"<li>and {len(failed) - _LISTED} more</li>" if len(failed) > _LISTED else ""
@@ -156,22 +187,10 @@ def _section(timeline: UpdateTimeline, order: str) -> str:
             f'<p class="failed-text">failed member(s): {len(failed)}</p>'
             f'<ul class="failed-list">{items}{more}</ul>'
         )
-    ticks = "".join(f"<span>{_ms(span * k / 4)}</span>" for k in range(5))
-    return (
-        f'<section class="update" id="update-{_e(timeline.update_id)}">'
-        f"<h2>update {_e(timeline.update_id)}</h2>"
-        f'<p class="summary">{" · ".join(facts)}</p>{problems}'
-        f'<div class="axis">{ticks}</div>'
-        f'<div class="rows">{"".join(rows)}</div></section>'
-    )
+    return problems
 
 
-def _worker_row(
-    row: WorkerRow,
-    bar: Callable[[Bar], str],
-    place: Callable[[float, float], str],
-    slowest: bool,
-) -> str:
+def _worker_row(row: WorkerRow, scale: _Scale, slowest: bool) -> str:
     error = row.error
     badges = ""
     if slowest:
@@ -182,7 +201,7 @@ def _worker_row(
     window = row.pause
     if window is not None and window.resumed:
         band = (
-            f'<div class="window" style="{place(window.start, window.end)}" '
+            f'<div class="window" style="{scale.place(window.start, window.end)}" '
             f'title="{_e(f"engine paused {_ms(window.duration_s)}, until {window.resumed_by}")}">'
             "</div>"
         )
@@ -192,7 +211,7 @@ def _worker_row(
             f"{_ms(window.duration_s)} after its pause"
         )
         band = (
-            f'<div class="window open" style="{place(window.start, window.end)}" '
+            f'<div class="window open" style="{scale.place(window.start, window.end)}" '
             f'title="{_e(never)}"></div>'
         )
         badges += f'<span class="badge unresumed" title="{_e(never)}">never resumed</span>'
@@ -206,7 +225,7 @@ def _worker_row(
     return (
         f'<div class="{css}" data-worker="{_e(row.worker_id)}">'
         f'<div class="label" title="{_e(row.worker_id)}">{label}</div>'
-        f'<div class="track">{band}{"".join(bar(b) for b in row.bars)}</div></div>'
+        f'<div class="track">{band}{"".join(scale.bar(b) for b in row.bars)}</div></div>'
     )
 
 

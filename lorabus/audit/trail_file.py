@@ -1,13 +1,14 @@
 """Audit trails on disk: one JSON object per line, as ``lorabus tap --out`` writes.
 
-Writing appends and flushes each line before the tap acknowledges it, so a
-record is either on disk or will be delivered again; reading back the last
-sequence lets a restarted tap skip what the file already holds.
+Writing appends and flushes each line before the tap reads on, so a record
+is either on disk or read again: a restarted tap starts after the last
+sequence the file holds, skipping what it already has.
 
 Reading trusts the file no more than the wire: each line is decoded by a
 bounded reader, and a line that is no trail record (not JSON, the wrong
 shape, nesting too deep, too long) is reported with its line number, and
-reading goes on.
+reading goes on. A trail is read whole (:func:`read_trail`) or a line at a
+time (:func:`trail_items`, which keeps nothing).
 """
 
 from __future__ import annotations
@@ -56,19 +57,29 @@ class Trail(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def read_trail(path: str | Path) -> Trail:
-    records = []
-    bad_lines = []
+    records: list[TrailRecord] = []
+    bad_lines: list[BadLine] = []
+    for item in trail_items(path):
+        if isinstance(item, BadLine):
+            bad_lines.append(item)
+        else:
+            records.append(item)
+    return Trail(records=records, bad_lines=bad_lines)
+
+
+def trail_items(path: str | Path) -> Iterator[TrailRecord | BadLine]:
+    """Each line of a trail file, read when asked for: a record, or a line
+    that is none (an empty line is skipped)."""
     with open(path, "rb") as lines:
         for number, line in _numbered_lines(lines):
             if not line.strip():
                 continue
             try:
-                records.append(_reader.decode(line))
+                yield _reader.decode(line)
             except BadPayload as exc:
                 seq, subject = _claims(line)
                 error = poison_text(f"not a trail record: {exc}", line)
-                bad_lines.append(BadLine(number=number, error=error, seq=seq, subject=subject))
-    return Trail(records=records, bad_lines=bad_lines)
+                yield BadLine(number=number, error=error, seq=seq, subject=subject)
 
 
 def _claims(line: bytes) -> tuple[int | None, str | None]:

@@ -1,5 +1,6 @@
 """The operator's commands: ``lorabus auth init`` (identities and the server's
-configuration), ``lorabus provision`` (the KV buckets and the audit stream)
+configuration), ``lorabus provision`` (the KV buckets, the adapter store and
+the audit stream)
 and ``lorabus reset`` (an adapter's committed state)."""
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import datetime
 import sys
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import click
 
@@ -17,7 +19,12 @@ from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subj
 from lorabus.schemas import Subjects
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsClient
+
+    from lorabus.audit.timeline import Selection
     from lorabus.audit.verify import TrailRecord
+
+_T = TypeVar("_T")
 
 
 @click.command()
@@ -108,10 +115,7 @@ def audit_verify(
     from lorabus.audit.trail_file import read_trail
     from lorabus.audit.verify import Violation, verify
 
-    if live == (trail is not None):
-        raise click.UsageError("give either a TRAIL file or --live")
-    if live and not nats_url:
-        raise click.UsageError("--live needs --nats (or $LORABUS_NATS_URL)")
+    _one_source(trail, live, nats_url)
     subjects = subjects_of(fleet)
 
     async def check() -> int:
@@ -125,7 +129,7 @@ def audit_verify(
             ]
         else:
             assert nats_url is not None
-            records = await _live_records(Bus(nats_url, bus), subjects)
+            records = await _on_stream(Bus(nats_url, bus), subjects, _every_record)
         violations += verify(records, prefix=subjects.prefix)
         for violation in violations:
             shown = f" (records {violation.seqs})" if violation.seqs else ""
@@ -140,21 +144,37 @@ def audit_verify(
     sys.exit(run(check))
 
 
-async def _live_records(target: Bus, subjects: Subjects) -> list[TrailRecord]:
+def _one_source(trail: str | None, live: bool, nats_url: str | None) -> None:
+    """A TRAIL file or ``--live`` (with a bus to read), not both, not neither."""
+    if live == (trail is not None):
+        raise click.UsageError("give either a TRAIL file or --live")
+    if live and not nats_url:
+        raise click.UsageError("--live needs --nats (or $LORABUS_NATS_URL)")
+
+
+async def _on_stream(
+    target: Bus, subjects: Subjects, read: Callable[[NatsClient, Subjects], Awaitable[_T]]
+) -> _T:
+    """What ``read`` makes of the fleet's audit stream, on a connection of its own."""
+    from lorabus.bus.connect import close
+
+    nc = await target.connect(f"lorabus-audit-{subjects.fleet}")
+    try:
+        return await read(nc, subjects)
+    finally:
+        await close(nc)
+
+
+async def _every_record(nc: NatsClient, subjects: Subjects) -> list[TrailRecord]:
     """The fleet's audit stream as it is now."""
     from lorabus.audit.tap import Tap
-    from lorabus.bus.connect import close
 
     records: list[TrailRecord] = []
 
     async def keep(record: TrailRecord) -> None:
         records.append(record)
 
-    nc = await target.connect(f"lorabus-audit-{subjects.fleet}")
-    try:
-        await Tap(nc, subjects).run(keep, follow=False)
-    finally:
-        await close(nc)
+    await Tap(nc, subjects).run(keep, follow=False)
     return records
 
 
@@ -207,60 +227,65 @@ def audit_timeline(
     that failed marked. The page needs nothing from the network. Exits 1 when
     the trail holds no update, or not the one asked for.
     """
-    from lorabus.audit.render import printable
-    from lorabus.audit.timeline import build_timelines
-    from lorabus.audit.timeline_page import render_page
-    from lorabus.audit.trail_file import read_trail
+    from lorabus.audit.timeline_sources import from_file
 
-    if live == (trail is not None):
-        raise click.UsageError("give either a TRAIL file or --live")
-    if live and not nats_url:
-        raise click.UsageError("--live needs --nats (or $LORABUS_NATS_URL)")
+    _one_source(trail, live, nats_url)
     subjects = subjects_of(fleet)
 
     async def draw() -> int:
-        notes: list[str] = []
         if trail is not None:
-            read = read_trail(trail)
-            records = read.records
-            if read.bad_lines:
-                notes.append(f"{len(read.bad_lines)} line(s) of the trail are no record: left out")
+            selection, bad_lines = await asyncio.to_thread(from_file, trail, update_ids, last)
         else:
             assert nats_url is not None
-            records = await _live_records(Bus(nats_url, bus), subjects)
-        poison = sum(1 for r in records if r.poison)
-        if poison:
-            notes.append(f"{poison} poison record(s) (no valid message): left out")
-        timelines = build_timelines(records)
+            read = partial(_updates_in_stream, update_ids=update_ids, last=last)
+            selection, bad_lines = await _on_stream(Bus(nats_url, bus), subjects, read), 0
         where = trail or f"the audit stream of fleet {fleet}"
-        if update_ids:
-            known = {t.update_id: t for t in timelines}
-            unknown = [u for u in update_ids if u not in known]
-            if unknown:
-                latest = ", ".join(t.update_id for t in timelines[-5:]) or "none"
-                click.echo(
-                    printable(
-                        f"error: no update {', '.join(unknown)} in {where} "
-                        f"({len(timelines)} update(s); the latest: {latest})"
-                    ),
-                    err=True,
-                )
-                return EXIT_FAILED
-            timelines = [known[u] for u in update_ids]
-        else:
-            timelines = timelines[-last:]
-        for note in notes:
-            click.echo(f"warning: {note}", err=True)
-        if not timelines:
-            click.echo(printable(f"error: {where} holds no update"), err=True)
-            return EXIT_FAILED
-        page = render_page(timelines, order=order, notes=notes)
-        try:
-            await asyncio.to_thread(Path(out_path).write_text, page)
-        except OSError as exc:
-            click.echo(printable(f"error: cannot write {out_path}: {exc}"), err=True)
-            return EXIT_FAILED
-        click.echo(printable(f"timeline: {len(timelines)} update(s) drawn in {out_path}"))
-        return 0
+        return await _draw(selection, bad_lines, where, order, out_path)
 
     sys.exit(run(draw))
+
+
+async def _updates_in_stream(
+    nc: NatsClient, subjects: Subjects, *, update_ids: Sequence[str], last: int
+) -> Selection:
+    """The updates asked for, reading the stream from where they start."""
+    from lorabus.audit.tap import StreamReader
+    from lorabus.audit.timeline_sources import from_stream
+
+    reader = StreamReader(nc, subjects, who=f"audit timeline of fleet {subjects.fleet}")
+    return await from_stream(reader, update_ids, last)
+
+
+async def _draw(selection: Selection, bad_lines: int, where: str, order: str, out_path: str) -> int:
+    """Write the page of ``selection``, or say why there is none; the exit code."""
+    from lorabus.audit.render import printable
+    from lorabus.audit.timeline_page import render_page
+
+    notes: list[str] = []
+    if bad_lines:
+        notes.append(f"{bad_lines} line(s) of the trail are no record: left out")
+    if selection.poison:
+        notes.append(f"{selection.poison} poison record(s) (no valid message): left out")
+    if selection.unknown:
+        latest = ", ".join(selection.shown[-5:]) or "none"
+        click.echo(
+            printable(
+                f"error: no update {', '.join(selection.unknown)} in {where} "
+                f"({len(selection.shown)} update(s); the latest: {latest})"
+            ),
+            err=True,
+        )
+        return EXIT_FAILED
+    for note in notes:
+        click.echo(f"warning: {note}", err=True)
+    if not selection.timelines:
+        click.echo(printable(f"error: {where} holds no update"), err=True)
+        return EXIT_FAILED
+    page = render_page(selection.timelines, order=order, notes=notes)
+    try:
+        await asyncio.to_thread(Path(out_path).write_text, page)
+    except OSError as exc:
+        click.echo(printable(f"error: cannot write {out_path}: {exc}"), err=True)
+        return EXIT_FAILED
+    click.echo(printable(f"timeline: {len(selection.timelines)} update(s) drawn in {out_path}"))
+    return 0

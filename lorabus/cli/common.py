@@ -1,5 +1,6 @@
-"""What every group of commands shares: bus options, auth headers, integer
-lists, and running a command's coroutine until it ends or a signal stops it."""
+"""What every group of commands shares: bus options, the fleet option and its
+subjects, auth headers, integer lists, and running a command's coroutine
+until it ends or a signal stops it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import typing
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import click
 
@@ -36,7 +37,8 @@ tasks and threads without a bound."""
 
 def bus_options(*, required: bool = True) -> Callable[[_F], _F]:
     """``--nats`` and how to connect as this process's identity (``--creds``,
-    ``--nkey``, ``--nats-user``, TLS, ``--inbox-prefix``, ``--insecure``), each
+    ``--nkey``, ``--nats-user``, TLS, ``--inbox-prefix``, ``--js-api-prefix``,
+    ``--insecure``), each
     with its ``LORABUS_*`` variable; the command gets ``nats_url`` and
     ``bus: BusOptions``. Passwords and tokens come from the environment only."""
 
@@ -81,97 +83,89 @@ def _checked_nats_urls(ctx: click.Context, param: click.Parameter, value: str | 
     return value
 
 
-_BUS_FIELDS = (
-    "creds_file",
-    "nkey_seed_file",
-    "user",
-    "tls_ca_file",
-    "tls_cert_file",
-    "tls_key_file",
-    "inbox_prefix",
-    "js_api_prefix",
-    "insecure",
+class _BusFlag(NamedTuple):
+    """An option of how to connect: its name, the ``BusOptions`` field it
+    sets (read from that field's ``LORABUS_*`` variable too), and its help."""
+
+    name: str
+    field: str
+    help: str
+    file: bool = False
+    """Names a file, which must exist."""
+
+
+_BUS_FLAGS = (
+    _BusFlag(
+        "--creds",
+        "creds_file",
+        "A .creds file (user JWT and nkey seed) of an operator-managed account.",
+        file=True,
+    ),
+    _BusFlag(
+        "--nkey",
+        "nkey_seed_file",
+        "A file holding this identity's nkey seed (as lorabus auth init writes).",
+        file=True,
+    ),
+    _BusFlag("--nats-user", "user", f"A NATS user; its password is read from ${PASSWORD_ENV}."),
+    _BusFlag(
+        "--tls-ca",
+        "tls_ca_file",
+        "The CA of the server's certificate (turns TLS on).",
+        file=True,
+    ),
+    _BusFlag(
+        "--tls-cert",
+        "tls_cert_file",
+        "A client certificate, for mutual TLS (with --tls-key).",
+        file=True,
+    ),
+    _BusFlag("--tls-key", "tls_key_file", "The client certificate's key.", file=True),
+    _BusFlag(
+        "--inbox-prefix",
+        "inbox_prefix",
+        "Where this identity's replies arrive (default: from its nkey, else _INBOX).",
+    ),
+    _BusFlag(
+        "--js-api-prefix",
+        "js_api_prefix",
+        "Where this identity's account has the fleet's JetStream API "
+        "(lorabus auth init sets it; default $JS.API).",
+    ),
+    _BusFlag(
+        "--insecure",
+        "insecure",
+        "Allow credentials over plain nats://, or none, to a host that is not loopback.",
+    ),
 )
+_BUS_FIELDS = tuple(flag.field for flag in _BUS_FLAGS)
 
 
 def _bus_option_list(required: bool) -> list[Callable[[Any], Any]]:
+    """``--nats``, then an option per :data:`_BUS_FLAGS` (``--insecure`` a flag)."""
+    nats = click.option(
+        "--nats",
+        "nats_url",
+        envvar="LORABUS_NATS_URL",
+        required=required,
+        show_envvar=True,
+        callback=_checked_nats_urls,
+        help="NATS server URL (a comma-separated list for the nodes of a cluster).",
+    )
     file = click.Path(exists=True, dir_okay=False)
     return [
-        click.option(
-            "--nats",
-            "nats_url",
-            envvar="LORABUS_NATS_URL",
-            required=required,
-            show_envvar=True,
-            callback=_checked_nats_urls,
-            help="NATS server URL (a comma-separated list for the nodes of a cluster).",
-        ),
-        click.option(
-            "--creds",
-            "creds_file",
-            type=file,
-            envvar=ENV["creds_file"],
-            show_envvar=True,
-            help="A .creds file (user JWT and nkey seed) of an operator-managed account.",
-        ),
-        click.option(
-            "--nkey",
-            "nkey_seed_file",
-            type=file,
-            envvar=ENV["nkey_seed_file"],
-            show_envvar=True,
-            help="A file holding this identity's nkey seed (as lorabus auth init writes).",
-        ),
-        click.option(
-            "--nats-user",
-            "user",
-            envvar=ENV["user"],
-            show_envvar=True,
-            help=f"A NATS user; its password is read from ${PASSWORD_ENV}.",
-        ),
-        click.option(
-            "--tls-ca",
-            "tls_ca_file",
-            type=file,
-            envvar=ENV["tls_ca_file"],
-            show_envvar=True,
-            help="The CA of the server's certificate (turns TLS on).",
-        ),
-        click.option(
-            "--tls-cert",
-            "tls_cert_file",
-            type=file,
-            envvar=ENV["tls_cert_file"],
-            show_envvar=True,
-            help="A client certificate, for mutual TLS (with --tls-key).",
-        ),
-        click.option(
-            "--tls-key",
-            "tls_key_file",
-            type=file,
-            envvar=ENV["tls_key_file"],
-            show_envvar=True,
-            help="The client certificate's key.",
-        ),
-        click.option(
-            "--inbox-prefix",
-            envvar=ENV["inbox_prefix"],
-            show_envvar=True,
-            help="Where this identity's replies arrive (default: from its nkey, else _INBOX).",
-        ),
-        click.option(
-            "--js-api-prefix",
-            envvar=ENV["js_api_prefix"],
-            show_envvar=True,
-            help="Where this identity's account has the fleet's JetStream API "
-            "(lorabus auth init sets it; default $JS.API).",
-        ),
-        click.option(
-            "--insecure",
-            is_flag=True,
-            envvar=ENV["insecure"],
-            show_envvar=True,
-            help="Allow credentials over plain nats://, or none, to a host that is not loopback.",
+        nats,
+        *(
+            click.option(
+                flag.name,
+                flag.field,
+                type=file if flag.file else None,
+                is_flag=flag.field == "insecure",
+                envvar=ENV[flag.field],
+                show_envvar=True,
+                help=flag.help,
+            )
+            for flag in _BUS_FLAGS
         ),
     ]
 

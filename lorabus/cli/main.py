@@ -1,7 +1,8 @@
 """The ``lorabus`` command group.
 
 Exit codes: 0 success (an update committed), 1 failure (an update failed, a
-service died, a lorabus error), 2 bad usage (click's convention).
+service died, a lorabus error), 2 bad usage (click's convention), 130
+stopped by SIGTERM or SIGINT.
 """
 
 from __future__ import annotations

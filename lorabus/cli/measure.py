@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -21,7 +21,12 @@ from lorabus.cli.extras import require_sim_extra
 from lorabus.testbed.bench.config import CONNECTIONS, FULL, MODES, QUICK, SERIES, WindowCase
 from lorabus.testbed.chaos.config import ChaosConfig, FleetSettings
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 _CHAOS = ChaosConfig()
+_C = TypeVar("_C", bound="DataclassInstance")
+_R = TypeVar("_R")
 
 
 def _csv(values: Sequence[object]) -> str:
@@ -48,6 +53,31 @@ def _window_text(case: WindowCase | None) -> str:
     if case is None:
         return "off"
     return f"{case.n}:{case.load_latency_s:g}:{case.load_jitter_s:g}"
+
+
+def _with_changes(config: _C, given: Mapping[str, Any], **fixed: Any) -> _C:
+    """``config`` with the options ``given`` (None: not given, the config's
+    value stays) and ``fixed``; a value the config refuses is a usage error."""
+    changes = {name: value for name, value in given.items() if value is not None}
+    try:
+        return dataclasses.replace(config, **changes, **fixed)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _report_of(measure: Callable[[], Awaitable[_R]]) -> _R:
+    """The report of the run ``measure`` makes; a run that ends without one
+    (stopped by a signal, or an error it said) exits with its code."""
+    reports: list[_R] = []
+
+    async def go() -> int:
+        reports.append(await measure())
+        return 0
+
+    code = run(go)
+    if not reports:
+        sys.exit(code)
+    return reports[0]
 
 
 _DIST = FULL.distribution
@@ -185,53 +215,43 @@ def bench(
     """Measure updates: lorabus (null and HTTP engines), direct HTTP, and the bare bus;
     with --series distribution, adapters over the bus beside path mode and an HTTP pull."""
     require_sim_extra()
-    from lorabus.testbed.bench import BenchReport, report_json, table
+    from lorabus.testbed.bench import report_json, table
     from lorabus.testbed.bench.runner import run_bench
 
-    given: dict[str, Any] = {
-        "sizes": tuple(sizes) if sizes else None,
-        "updates": updates,
-        "world_sizes": tuple(world_sizes) if world_sizes else None,
-        "load_latency_s": load_latency,
-        "load_jitter_s": load_jitter,
-        "series": _names(series),
-        "modes": _names(modes),
-        "connections": _names(connections) or (("own",) if secure else None),
-        "secure": secure or None,
-        "agent_procs": agent_procs,
-        "heartbeat_s": heartbeat_s,
-        "keep": keep,
-        "run_dir": Path(run_dir) if run_dir else None,
-    }
-    changes = {name: value for name, value in given.items() if value is not None}
-    if window_case is not None:
-        changes["window_case"] = None if window_case == "off" else window_case
-    distribution: dict[str, Any] = {
-        "sizes": tuple(dist_sizes) if dist_sizes else None,
-        "adapter_mb": tuple(adapter_mb) if adapter_mb else None,
-        "agents_per_node": agents_per_node,
-        "updates": dist_updates,
-    }
     profile = QUICK if quick else FULL
-    try:
-        changes["distribution"] = dataclasses.replace(
-            profile.distribution,
-            **{name: value for name, value in distribution.items() if value is not None},
-        )
-        config = dataclasses.replace(profile, **changes)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-
-    reports: list[BenchReport] = []
-
-    async def go() -> int:
-        reports.append(await run_bench(config, out=lambda line: click.echo(line, err=True)))
-        return 0
-
-    code = run(go)
-    if not reports:
-        sys.exit(code)
-    report = reports[0]
+    distribution = _with_changes(
+        profile.distribution,
+        {
+            "sizes": tuple(dist_sizes) if dist_sizes else None,
+            "adapter_mb": tuple(adapter_mb) if adapter_mb else None,
+            "agents_per_node": agents_per_node,
+            "updates": dist_updates,
+        },
+    )
+    window: dict[str, Any] = {}
+    if window_case is not None:  # "off" turns the profile's window case off
+        window["window_case"] = None if window_case == "off" else window_case
+    config = _with_changes(
+        profile,
+        {
+            "sizes": tuple(sizes) if sizes else None,
+            "updates": updates,
+            "world_sizes": tuple(world_sizes) if world_sizes else None,
+            "load_latency_s": load_latency,
+            "load_jitter_s": load_jitter,
+            "series": _names(series),
+            "modes": _names(modes),
+            "connections": _names(connections) or (("own",) if secure else None),
+            "secure": secure or None,
+            "agent_procs": agent_procs,
+            "heartbeat_s": heartbeat_s,
+            "keep": keep,
+            "run_dir": Path(run_dir) if run_dir else None,
+        },
+        distribution=distribution,
+        **window,
+    )
+    report = _report_of(lambda: run_bench(config, out=lambda line: click.echo(line, err=True)))
     for line in table(report):
         click.echo(line)
     if out_path:
@@ -304,7 +324,7 @@ def chaos(
 ) -> None:
     """Run updates while a seeded schedule kills, stops and slows the fleet; check invariants."""
     require_sim_extra()
-    from lorabus.testbed.chaos import ChaosReport, report_json
+    from lorabus.testbed.chaos import report_json
     from lorabus.testbed.chaos.runner import run_chaos
 
     if duration is not None and faults is not None:
@@ -316,33 +336,21 @@ def chaos(
         # Its own connection's warnings while the nats-server restarts on purpose.
         logging.getLogger("lorabus.bus.connect").setLevel(logging.ERROR)
     sizes = world_sizes or list(_CHAOS.world_sizes)
-    count = workers or len(sizes)
-    given: dict[str, Any] = {
-        "duration_s": duration,
-        "faults": faults,
-        "seed": seed,
-        "mean_gap_s": fault_gap,
-        "adapters": adapters,
-        "run_dir": Path(run_dir) if run_dir else None,
-    }
-    world_sizes = [sizes[i % len(sizes)] for i in range(count)]
-    config = dataclasses.replace(
+    world_sizes = [sizes[i % len(sizes)] for i in range(workers or len(sizes))]
+    config = _with_changes(
         _CHAOS,
+        {
+            "duration_s": duration,
+            "faults": faults,
+            "seed": seed,
+            "mean_gap_s": fault_gap,
+            "adapters": adapters,
+            "run_dir": Path(run_dir) if run_dir else None,
+        },
         world_sizes=world_sizes,
         fleet=FleetSettings(world_sizes, nats_nodes=3) if nats_cluster else None,
-        **{name: value for name, value in given.items() if value is not None},
     )
-
-    reports: list[ChaosReport] = []
-
-    async def go() -> int:
-        reports.append(await run_chaos(config, out=click.echo))
-        return 0
-
-    code = run(go)
-    if not reports:
-        sys.exit(code)
-    report = reports[0]
+    report = _report_of(lambda: run_chaos(config, out=click.echo))
     for violation in report.violations:
         click.echo(str(violation))
     if not report.ok:

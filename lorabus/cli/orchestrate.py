@@ -1,4 +1,5 @@
-"""What an orchestrator or an operator asks a fleet: ``update``, ``status``, ``schema``."""
+"""What an orchestrator or an operator asks a fleet: ``update``, ``result``,
+``status``, ``schema``, ``adapter push`` and ``adapter list``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from lorabus.schemas import DIGEST_PATTERN, UPDATE_ID_PATTERN, UpdateMode
 if TYPE_CHECKING:
     from lorabus.audit.heartbeat_view import HeartbeatListener
     from lorabus.client import UpdateClient
+    from lorabus.schemas import UpdateResult
 
 PROGRESS_INTERVAL_S = 1.0
 """How often ``lorabus update`` asks where its update stands (at a terminal)."""
@@ -134,17 +136,12 @@ def update(
     from lorabus.schemas import FAILED, UpdateResult, to_builtins
 
     subjects_of(fleet)
-    if path is not None and source is not None:
-        raise click.UsageError("give --path or --source, not both")
-    if path is None and source is None and digest in (None, "auto"):
-        raise click.UsageError(
-            "give --path (a shared directory), --source DIR, or --digest sha256:... of an "
-            "adapter pushed with lorabus adapter push"
-        )
-    if source is not None and digest == "auto":
-        digest = None  # the push computes it
+    digest = _digest_to_send(path, source, digest)
     # Chosen here, so that an interrupted wait can say which update to ask about.
     the_id = update_id or uuid.uuid4().hex
+    # Progress is for a person at a terminal: scripts read stdout (the result)
+    # and must not get stderr chatter with it.
+    show_progress = not as_json and sys.stdout.isatty()
 
     async def request() -> int:
         deadline = asyncio.get_running_loop().time() + timeout
@@ -153,29 +150,18 @@ def update(
                 nats_url, fleet, options=bus, connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout)
             ) as client:
                 left = max(0.1, deadline - asyncio.get_running_loop().time())
-                # Progress is for a person at a terminal: scripts read stdout
-                # (the result) and must not get stderr chatter with it.
-                progress = (
-                    asyncio.create_task(_show_progress(client, the_id))
-                    if not as_json and sys.stdout.isatty()
-                    else None
+                result = await _update_showing_progress(
+                    client,
+                    show_progress,
+                    adapter,
+                    path,
+                    version=version,
+                    update_id=the_id,
+                    timeout_s=left,
+                    digest=digest,
+                    mode=mode,
+                    source=source,
                 )
-                try:
-                    result = await client.update(
-                        adapter,
-                        path,
-                        version=version,
-                        update_id=the_id,
-                        timeout_s=left,
-                        digest=await _digest_of(path) if digest == "auto" and path else digest,
-                        mode=mode,
-                        source=source,
-                    )
-                finally:
-                    if progress is not None:
-                        progress.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await progress
         except LorabusError as exc:
             if not as_json:
                 raise
@@ -197,6 +183,55 @@ def update(
         return 0 if result.committed else EXIT_FAILED
 
     sys.exit(run(request))
+
+
+def _digest_to_send(path: str | None, source: str | None, digest: str | None) -> str | None:
+    """``--digest`` as the request carries it ("auto": hashed when sent),
+    once ``--path``, ``--source`` and ``--digest`` name one adapter."""
+    if path is not None and source is not None:
+        raise click.UsageError("give --path or --source, not both")
+    if path is None and source is None and digest in (None, "auto"):
+        raise click.UsageError(
+            "give --path (a shared directory), --source DIR, or --digest sha256:... of an "
+            "adapter pushed with lorabus adapter push"
+        )
+    if source is not None and digest == "auto":
+        return None  # the push computes it
+    return digest
+
+
+async def _update_showing_progress(
+    client: UpdateClient,
+    show_progress: bool,
+    adapter: str,
+    path: str | None,
+    *,
+    version: int | None,
+    update_id: str,
+    timeout_s: float,
+    digest: str | None,
+    mode: str | None,
+    source: str | None,
+) -> UpdateResult:
+    """``client.update()``, with where it stands shown on stderr meanwhile
+    (if ``show_progress``); ``--digest auto`` is hashed from ``path`` first."""
+    progress = asyncio.create_task(_show_progress(client, update_id)) if show_progress else None
+    try:
+        return await client.update(
+            adapter,
+            path,
+            version=version,
+            update_id=update_id,
+            timeout_s=timeout_s,
+            digest=await _digest_of(path) if digest == "auto" and path else digest,
+            mode=mode,
+            source=source,
+        )
+    finally:
+        if progress is not None:
+            progress.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await progress
 
 
 @click.group()
