@@ -23,6 +23,7 @@ from typing import BinaryIO, cast
 import pytest
 from adapter_dirs import write_adapter
 from nats.aio.client import Client as NatsClient
+from store_helpers import store_connection
 
 from lorabus.adapters import archive as adapter_archive
 from lorabus.adapters import store as adapter_objects
@@ -55,14 +56,8 @@ def subjects(fleet_name: str) -> Subjects:
 @pytest.fixture
 async def nc(nats_url: str, subjects: Subjects) -> AsyncIterator[NatsClient]:
     """A connection to a fleet whose adapter store exists, as provision makes it."""
-    connection = await connect(nats_url, name="test-adapter-objects")
-    js = connection.jetstream()
-    try:
-        await js.add_stream(store_config(subjects))
+    async with store_connection(nats_url, subjects) as connection:
         yield connection
-        await js.delete_stream(stream_of(subjects))  # the session's server keeps no 64 MB
-    finally:
-        await close(connection)
 
 
 def stream_of(subjects: Subjects) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from adapter_dirs import write_adapter
+from store_helpers import leave_a_claimed_commit
 
 from lorabus.adapters.store import bus_path, object_size, push_adapter
 from lorabus.bus.connect import close, connect
@@ -29,8 +30,6 @@ from lorabus.coordinator.store import CorruptRecord, FleetStore
 from lorabus.errors import BadRequest
 from lorabus.schemas import (
     CommittedRecord,
-    InflightRecord,
-    Phase,
     ResetRecord,
     StoredVersion,
     Subjects,
@@ -111,21 +110,7 @@ async def test_a_commit_a_successor_finished_keeps_its_adapter_through_another_c
     try:
         store = await FleetStore.open(nc, _config(fleet_name))  # provisions the fleet
         policy, _ = await push_adapter(nc, subjects, _write_adapter(tmp_path / "p", b"p" * 4096))
-        committing = _committed(1, policy, [])
-        await store.write_inflight(
-            InflightRecord(
-                update_id="policy-1",
-                epoch=1,
-                phase=Phase.LOAD,
-                adapter="policy",
-                served_name="policy-v1",
-                version=1,
-                members=MEMBERS,
-                path=bus_path(policy),
-                committing=committing,
-            )
-        )
-        await store.commit(committing)
+        await leave_a_claimed_commit(store, _committed(1, policy, []), MEMBERS)
     finally:
         await close(nc)
 

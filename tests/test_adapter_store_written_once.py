@@ -20,11 +20,11 @@ import pytest
 from adapter_dirs import write_adapter
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from store_helpers import store_connection
 
 from lorabus.adapters import store as adapter_objects
 from lorabus.adapters.archive import BadArchive
-from lorabus.adapters.store import fetch_object, object_size, push_adapter, store_config
-from lorabus.bus.connect import close, connect
+from lorabus.adapters.store import fetch_object, object_size, push_adapter
 from lorabus.errors import BusError, FetchFailed
 from lorabus.schemas import Subjects
 
@@ -38,14 +38,8 @@ def subjects(fleet_name: str) -> Subjects:
 
 @pytest.fixture
 async def nc(nats_url: str, subjects: Subjects) -> AsyncIterator[NatsClient]:
-    connection = await connect(nats_url, name="test-written-once")
-    js = connection.jetstream()
-    try:
-        await js.add_stream(store_config(subjects, max_bytes=4 * MB))
+    async with store_connection(nats_url, subjects, max_bytes=4 * MB) as connection:
         yield connection
-        await js.delete_stream(f"OBJ_{subjects.adapter_store()}")
-    finally:
-        await close(connection)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import nats.js.errors
 import pytest
 from adapter_dirs import write_adapter
 from nats.aio.client import Client as NatsClient
+from store_helpers import leave_a_claimed_commit
 
 from lorabus.adapters import store as adapter_objects
 from lorabus.adapters.digest import adapter_digest
@@ -31,7 +32,7 @@ from lorabus.coordinator.adapter_store import AdapterStore, delete_unkept
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BusError
-from lorabus.schemas import CommittedRecord, InflightRecord, Phase, Subjects, build_rank_map
+from lorabus.schemas import CommittedRecord, Subjects, build_rank_map
 from lorabus.testbed.stack import EmbeddedStack
 
 MEMBERS = {"w000": 1}
@@ -263,20 +264,7 @@ async def test_a_successor_leaves_what_a_recovered_commit_dropped_to_its_first_s
             digest=v2,
             dropped=[v1],
         )
-        await store.write_inflight(
-            InflightRecord(
-                update_id="policy-2",
-                epoch=1,
-                phase=Phase.LOAD,
-                adapter="policy",
-                served_name="policy-v2",
-                version=2,
-                members=MEMBERS,
-                path=bus_path(v2),
-                committing=committing,
-            )
-        )
-        await store.commit(committing)
+        await leave_a_claimed_commit(store, committing, MEMBERS)
     finally:
         await close(nc)
 
