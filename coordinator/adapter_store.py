@@ -62,7 +62,7 @@ from lorabus.adapters.store import (
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BadRequest, BusError
 from lorabus.runtime.clock import now
-from lorabus.schemas import CommittedRecord, InflightRecord, ResetRecord, StoredVersion, Subjects
+from lorabus.schemas import CommittedRecord, InflightRecord, KeptVersion, ResetRecord, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -196,30 +196,41 @@ class AdapterStore:
 
 
 def kept_beside(
-    digest: str | None,
+    served_name: str,
+    path: str,
     previous: CommittedRecord | None,
     reset: ResetRecord | None,
     *,
     keep: int,
-) -> tuple[list[StoredVersion], list[str]]:
-    """For a new commit of an adapter (``digest``: its object, None for a path
-    on a filesystem): the earlier versions it keeps beside it, newest first,
-    so that with it they are the adapter's ``keep`` newest commits, and the
-    digests it lets go of. ``previous``: the adapter's commit point before
-    it; where there is none, what its ``reset`` kept."""
-    earlier: list[StoredVersion] = []
+) -> tuple[list[KeptVersion], list[str]]:
+    """For a new commit of an adapter, served as ``served_name`` from
+    ``path``: the earlier versions it keeps beside it, newest first, so that
+    with it they are the adapter's ``keep`` newest commits (engines serve
+    them all), and the object store digests it lets go of. ``previous``:
+    the adapter's commit point before it; where there is none, what its
+    ``reset`` kept. A version served under the new one's name (fixed naming:
+    reloaded in place) is not kept beside it."""
+    earlier: list[KeptVersion] = []
     if previous is not None:
-        if (was := digest_of(previous.path)) is not None:
-            earlier.append(StoredVersion(version=previous.version, digest=was))
+        earlier.append(
+            KeptVersion(
+                version=previous.version,
+                served_name=previous.served_name,
+                path=previous.path,
+                digest=previous.digest,
+            )
+        )
         earlier += previous.kept
     elif reset is not None:
         earlier = list(reset.kept)
-    unique: list[StoredVersion] = []
+    unique: list[KeptVersion] = []
     for version in earlier:
-        if version.digest != digest and all(v.digest != version.digest for v in unique):
+        names = {v.served_name for v in unique} | {served_name}
+        if version.served_name not in names:
             unique.append(version)
     kept = unique[: max(keep, 1) - 1]
-    dropped = sorted({v.digest for v in unique} - {v.digest for v in kept})
+    still = {digest_of(v.path) for v in kept} | {digest_of(path)}
+    dropped = sorted({d for v in earlier if (d := digest_of(v.path)) is not None} - still)
     return kept, dropped
 
 
@@ -241,11 +252,11 @@ def keepers(
     for adapter, record in sorted(committed.items()):
         keep(digest_of(record.path), f"{adapter} v{record.version} committed")
         for version in record.kept:
-            keep(version.digest, f"{adapter} v{version.version} kept")
+            keep(digest_of(version.path), f"{adapter} v{version.version} kept")
     for adapter, reset in sorted(resets.items()):
         if adapter not in committed:
             for version in reset.kept:
-                keep(version.digest, f"{adapter} v{version.version} kept by its reset")
+                keep(digest_of(version.path), f"{adapter} v{version.version} kept by its reset")
     if in_flight is not None:
         keep(digest_of(in_flight.path), f"update {in_flight.update_id} in flight")
         if in_flight.committing is not None:

@@ -24,10 +24,10 @@ from lorabus.errors import BadRequest
 from lorabus.schemas import (
     CommittedRecord,
     CommittedReset,
+    KeptVersion,
     ResetRecord,
     ResetRequest,
     ResetResult,
-    StoredVersion,
 )
 
 log = logging.getLogger(__name__)
@@ -133,13 +133,13 @@ async def _reset(
     )
 
 
-def _kept_by(committed: CommittedRecord | None, *, keep: int) -> list[StoredVersion]:
+def _kept_by(committed: CommittedRecord | None, *, keep: int) -> list[KeptVersion]:
     """What the removed commit kept in the object store, itself first: a reset
     forgets a version, never the bytes (a later commit may be the same)."""
     if committed is None:
         return []
     # The versions a next commit would keep beside it, with one more place.
-    return kept_beside(None, committed, None, keep=keep + 1)[0]
+    return kept_beside("", "", committed, None, keep=keep + 1)[0]
 
 
 async def _reset_lineage(term: Term, adapter: str) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from typing import NoReturn
 
-from lorabus.adapters.store import digest_of
 from lorabus.coordinator.adapter_store import kept_beside
 from lorabus.coordinator.book import committed_result, failed_result
 from lorabus.coordinator.commit import Executed, committed_notice, conclude, deposed_result
@@ -95,7 +94,8 @@ async def _commit_of(
     the adapter's versions beyond ``keep`` among those the engines hold."""
     result = ran.result
     kept, dropped = kept_beside(
-        digest_of(plan.path),
+        plan.served_name,
+        plan.path,
         committed,
         await _reset_of(term, plan.adapter) if committed is None else None,
         keep=term.config.keep,

@@ -69,9 +69,9 @@ from lorabus.schemas.rankmap import RankEntry, RankMap, build_rank_map
 from lorabus.schemas.records import (
     CommittedRecord,
     InflightRecord,
+    KeptVersion,
     LeaderRecord,
     ResetRecord,
-    StoredVersion,
 )
 from lorabus.schemas.reports import Ack, Heartbeat, acks_in
 from lorabus.schemas.requests import (
@@ -79,6 +79,7 @@ from lorabus.schemas.requests import (
     FAILED,
     PENDING,
     UNKNOWN,
+    AdapterStatus,
     FleetStatus,
     MemberStatus,
     Naming,
@@ -110,6 +111,7 @@ __all__ = [
     "WIRE_VERSION",
     "WORKER_ID_PATTERN",
     "Ack",
+    "AdapterStatus",
     "Addressing",
     "BadMessage",
     "BadPayload",
@@ -126,6 +128,7 @@ __all__ = [
     "FleetStatus",
     "Heartbeat",
     "InflightRecord",
+    "KeptVersion",
     "LeaderElected",
     "LeaderRecord",
     "LeaseExpired",
@@ -151,7 +154,6 @@ __all__ = [
     "ResultRequest",
     "ResumeCommand",
     "StatusRequest",
-    "StoredVersion",
     "Subjects",
     "UnloadCommand",
     "UpdateFinished",

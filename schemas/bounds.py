@@ -42,3 +42,6 @@ Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
 Interval = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
 WorkerIds = Annotated[list[WorkerId], msgspec.Meta(max_length=MAX_NAMES)]
 Names = Annotated[list[Name], msgspec.Meta(max_length=MAX_NAMES)]
+MAX_KEEP = 64
+"""The most versions of one adapter a request may ask engines to keep."""
+Keep = Annotated[int, msgspec.Meta(ge=1, le=MAX_KEEP)]

@@ -25,6 +25,7 @@ from lorabus.schemas.bounds import (
     Version,
     WorkerIds,
 )
+from lorabus.schemas.records import KeptVersion
 from lorabus.schemas.wire import Phase, _Message, tag_of
 
 
@@ -163,6 +164,11 @@ class CommittedNotice(_Command, frozen=True, kw_only=True, tag="committed"):
     """The content digest the members saw when it was committed ("" when none
     could read the directory): an agent reloading it refuses a directory that
     now holds other bytes (``digest_mismatch``)."""
+    adapter: Name = ""
+    """The adapter it commits ("": a version-6 coordinator's, which names none)."""
+    kept: list[KeptVersion] = []
+    """The adapter's earlier versions kept beside it, newest first: with it,
+    what every engine serves for the adapter."""
 
 
 Command = (

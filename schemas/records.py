@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lorabus.schemas.bounds import Epoch, Version
+from lorabus.schemas.bounds import Epoch, Name, Path, SeenDigest, Version
 from lorabus.schemas.rankmap import RankMap
 from lorabus.schemas.wire import Phase
 
@@ -22,11 +22,16 @@ class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
     """The public key this leader signs its commands with ("": it does not sign)."""
 
 
-class StoredVersion(msgspec.Struct, frozen=True, kw_only=True):
-    """A committed version of an adapter whose bytes are in the fleet's object store."""
+class KeptVersion(msgspec.Struct, frozen=True, kw_only=True):
+    """An earlier committed version of an adapter that engines keep serving
+    beside the committed one, and the fleet's object store keeps (``path``
+    a ``bus:`` path) or a shared filesystem holds."""
 
     version: Version
-    digest: str
+    served_name: Name
+    path: Path
+    digest: SeenDigest = ""
+    """The content digest the members saw when it was committed."""
 
 
 class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,13 +44,16 @@ class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
     """The adapter's lineage when this was committed (see ``ResetRequest``)."""
     digest: str = ""
     """The content digest the members saw (see ``UpdateResult.digest``)."""
-    kept: list[StoredVersion] = []
-    """The adapter's earlier versions from the fleet's object store kept beside
-    this one (its ``keep`` newest commits), newest first: with the committed
-    one, what the store must hold for the adapter (coordinator/adapter_store.py)."""
+    kept: list[KeptVersion] = []
+    """The adapter's earlier versions kept beside this one (with it, its
+    ``keep`` newest commits), newest first: what every engine serves for the
+    adapter besides it (agents converge on it), and, for those from the
+    object store, what the store must hold (coordinator/adapter_store.py)."""
     dropped: list[str] = []
     """The object store digests this commit let go of (fallen out of ``kept``):
     deleted once it is written, unless something else still names them."""
+    committed_at: float = 0.0
+    """When it was committed (Unix time, the leader's clock; 0: not said)."""
 
 
 class ResetRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,9 +66,9 @@ class ResetRecord(msgspec.Struct, frozen=True, kw_only=True):
     previous_path: str
     reason: str
     ts: float
-    kept: list[StoredVersion] = []
-    """The versions from the object store that the removed commit kept (itself
-    first): still kept, until the adapter's next commit keeps them beside it."""
+    kept: list[KeptVersion] = []
+    """The versions the removed commit kept (itself first): still kept in the
+    object store, until the adapter's next commit keeps them beside it."""
 
 
 class InflightRecord(msgspec.Struct, frozen=True, kw_only=True):

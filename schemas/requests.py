@@ -16,6 +16,7 @@ import msgspec
 from lorabus.schemas.bounds import (
     Digest,
     Epoch,
+    Keep,
     Name,
     Names,
     Path,
@@ -23,6 +24,7 @@ from lorabus.schemas.bounds import (
     UpdateId,
     Version,
     WorkerId,
+    WorkerIds,
     WorldSize,
 )
 from lorabus.schemas.errors import ErrorInfo
@@ -57,6 +59,10 @@ class UpdateRequest(_Message, frozen=True, kw_only=True, tag="update_request"):
     at ``path`` (None: members must agree among themselves)."""
     mode: UpdateMode | None = None
     """``pause`` or ``live``; None: the coordinator's ``--mode``."""
+    keep: Keep | None = None
+    """How many of the adapter's newest versions, this one among them, every
+    engine serves (async RL with staleness K: K + 1); None: the
+    coordinator's ``--keep``."""
 
 
 class UpdateStatus(enum.StrEnum):
@@ -180,6 +186,23 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     ignores (unsealed, or not decoding), and why."""
 
 
+class AdapterStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One adapter as the fleet serves it: its committed version, those kept
+    beside it, and which live members hold each."""
+
+    adapter: Name
+    served_name: Name
+    version: Version
+    path: Path
+    digest: SeenDigest = ""
+    committed_at: float = 0.0
+    """When it was committed (Unix time; 0: not said)."""
+    holders: WorkerIds = []
+    """The live members whose engine lists ``served_name``."""
+    kept: Names = []
+    """The served names of the versions kept beside it, newest first."""
+
+
 class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     fleet: str
     expected_world_size: int
@@ -202,9 +225,13 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     """Worker ids a second live agent claimed (it was refused)."""
     trimmed: Names = []
     """What was left out so that the status fits the bus's message size limit:
-    ``adapters`` (each member's adapter list), then ``phase_members`` (the
-    ``acked`` and ``waiting`` lists), then ``rank_map`` (each member still
-    shows its rank offset). Empty: the whole status."""
+    ``adapters`` (each member's adapter list), then ``holders`` (each
+    adapter's holders), then ``phase_members`` (the ``acked`` and ``waiting``
+    lists), then ``rank_map`` (each member still shows its rank offset).
+    Empty: the whole status."""
+    adapters: list[AdapterStatus] = []
+    """Every adapter the fleet has committed, by name (``committed_adapter``
+    and ``committed_version`` are the latest commit's, of any adapter)."""
 
 
 class WorkerIdConflict(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,7 +18,7 @@ import enum
 
 import msgspec
 
-WIRE_VERSION = 6
+WIRE_VERSION = 7
 """2: commands address a pause's cohort and committed notices reach every
 agent; a version-1 agent acts only on commands that name it, so in an
 upgrade the agents go first and the coordinators last.
@@ -36,7 +36,13 @@ a version-4 coordinator, so in an upgrade the agents still go first.
 6: an adapter may come from the fleet's object store (a ``bus:<digest>``
 path), which agents fetch in a ``prepare`` phase before any engine is
 paused; a version-5 agent refuses such a path, so the agents go first
-again, and requesters use ``bus:`` paths only once every agent runs 6."""
+again, and requesters use ``bus:`` paths only once every agent runs 6.
+7: agents converge on every adapter's committed version and the versions
+kept beside it (``CommittedRecord.kept``, read from KV, and a committed
+notice's ``adapter`` and ``kept``); a version-6 agent converges on the
+newest commit only. A request may ask for its adapter's ``keep``, and a
+status lists every adapter (``FleetStatus.adapters``); a version-6 peer
+ignores both."""
 
 INSTANCE_BOUND_SINCE = 5
 """The wire version from which a command sent by name carries ``instance``."""

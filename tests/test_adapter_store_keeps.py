@@ -30,8 +30,8 @@ from lorabus.coordinator.store import CorruptRecord, FleetStore
 from lorabus.errors import BadRequest
 from lorabus.schemas import (
     CommittedRecord,
+    KeptVersion,
     ResetRecord,
-    StoredVersion,
     Subjects,
     build_rank_map,
 )
@@ -41,7 +41,7 @@ MEMBERS = {"w000": 1, "w001": 2}
 D = ["sha256:" + f"{n:x}" * 64 for n in range(1, 6)]
 
 
-def _committed(version: int, digest: str, kept: list[StoredVersion]) -> CommittedRecord:
+def _committed(version: int, digest: str, kept: list[KeptVersion]) -> CommittedRecord:
     return CommittedRecord(
         adapter="policy",
         version=version,
@@ -53,19 +53,29 @@ def _committed(version: int, digest: str, kept: list[StoredVersion]) -> Committe
     )
 
 
-def test_a_commit_keeps_the_newest_versions_beside_it_and_drops_the_rest() -> None:
-    v2 = _committed(2, D[1], [StoredVersion(version=1, digest=D[0])])
-    assert kept_beside(D[2], v2, None, keep=2) == ([StoredVersion(version=2, digest=D[1])], [D[0]])
-    assert kept_beside(D[2], v2, None, keep=3) == (
-        [StoredVersion(version=2, digest=D[1]), StoredVersion(version=1, digest=D[0])],
-        [],
+def _kept(version: int, digest: str) -> KeptVersion:
+    return KeptVersion(
+        version=version, served_name=f"policy-v{version}", path=bus_path(digest), digest=digest
     )
-    # The same bytes again: kept as the commit itself, not twice, not dropped.
-    assert kept_beside(D[0], v2, None, keep=2) == ([StoredVersion(version=2, digest=D[1])], [])
-    # A commit from a filesystem path keeps the versions the store holds.
-    assert kept_beside(None, v2, None, keep=2) == ([StoredVersion(version=2, digest=D[1])], [D[0]])
+
+
+def test_a_commit_keeps_the_newest_versions_beside_it_and_drops_the_rest() -> None:
+    v2 = _committed(2, D[1], [_kept(1, D[0])])
+
+    def beside(version: int, path: str, keep: int) -> tuple[list[KeptVersion], list[str]]:
+        return kept_beside(f"policy-v{version}", path, v2, None, keep=keep)
+
+    assert beside(3, bus_path(D[2]), keep=2) == ([_kept(2, D[1])], [D[0]])
+    assert beside(3, bus_path(D[2]), keep=3) == ([_kept(2, D[1]), _kept(1, D[0])], [])
+    # The same bytes again as a new version: the commit's object, not dropped.
+    assert beside(3, bus_path(D[0]), keep=2) == ([_kept(2, D[1])], [])
+    # A commit from a filesystem path keeps its earlier versions all the same.
+    assert beside(3, "/adapters/step_3", keep=2) == ([_kept(2, D[1])], [D[0]])
     # keep 1: nothing beside the commit.
-    assert kept_beside(D[2], v2, None, keep=1) == ([], [D[0], D[1]])
+    assert beside(3, bus_path(D[2]), keep=1) == ([], [D[0], D[1]])
+    # Fixed naming reloads one name in place: no version is kept beside it.
+    fixed = kept_beside("policy-v2", bus_path(D[2]), v2, None, keep=2)
+    assert fixed == ([_kept(1, D[0])], [D[1]])
     # After a reset: what the reset kept, until this commit keeps it beside it.
     reset = ResetRecord(
         adapter="policy",
@@ -74,13 +84,13 @@ def test_a_commit_keeps_the_newest_versions_beside_it_and_drops_the_rest() -> No
         previous_path=bus_path(D[1]),
         reason="test",
         ts=0.0,
-        kept=[StoredVersion(version=2, digest=D[1]), StoredVersion(version=1, digest=D[0])],
+        kept=[_kept(2, D[1]), _kept(1, D[0])],
     )
-    assert kept_beside(D[2], None, reset, keep=2) == (
-        [StoredVersion(version=2, digest=D[1])],
+    assert kept_beside("policy-r1-v1", bus_path(D[2]), None, reset, keep=2) == (
+        [_kept(2, D[1])],
         [D[0]],
     )
-    assert kept_beside(D[2], None, None, keep=2) == ([], [])
+    assert kept_beside("policy-v3", bus_path(D[2]), None, None, keep=2) == ([], [])
 
 
 async def _leading() -> bool:

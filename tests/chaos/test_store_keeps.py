@@ -15,9 +15,9 @@ from lorabus.schemas import (
     ErrorCode,
     ErrorInfo,
     InflightRecord,
+    KeptVersion,
     Phase,
     ResetRecord,
-    StoredVersion,
     UpdateResult,
     build_rank_map,
 )
@@ -40,7 +40,9 @@ def commit_point(
         served_name=f"policy-v{version}",
         rank_map=build_rank_map({"a": 1}),
         digest=digest,
-        kept=[StoredVersion(version=v, digest=d) for v, d in kept],
+        kept=[
+            KeptVersion(version=v, served_name=f"policy-v{v}", path=bus_path(d)) for v, d in kept
+        ],
     )
 
 
@@ -225,7 +227,7 @@ def test_records_name_what_they_keep_and_a_path_on_a_filesystem_names_nothing() 
         previous_path=bus_path(D1),
         reason="bogus",
         ts=0.0,
-        kept=[StoredVersion(version=3, digest=D1)],
+        kept=[KeptVersion(version=3, served_name="policy-v3", path=bus_path(D1))],
     )
     on_disk = CommittedRecord(
         adapter="disk",

@@ -12,7 +12,7 @@ from lorabus.adapters.store import bus_path, delete_object, push_adapter
 from lorabus.bus.connect import close, connect
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.store import FleetStore
-from lorabus.schemas import CommittedRecord, StoredVersion, Subjects, build_rank_map
+from lorabus.schemas import CommittedRecord, KeptVersion, Subjects, build_rank_map
 from lorabus.testbed.chaos import Timeline
 from lorabus.testbed.chaos.invariants import check_store_keeps
 from lorabus.testbed.chaos.store_watch import StoreWatcher
@@ -39,7 +39,7 @@ async def test_an_object_deleted_while_a_commit_point_keeps_it_is_caught(
                 served_name="policy-v2",
                 rank_map=build_rank_map({"a": 1}),
                 digest=committed,
-                kept=[StoredVersion(version=1, digest=kept)],
+                kept=[KeptVersion(version=1, served_name="policy-v1", path=bus_path(kept))],
             )
         )
         watcher = StoreWatcher(nc, subjects, records, timeline, every_s=0.5)

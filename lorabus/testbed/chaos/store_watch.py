@@ -66,13 +66,13 @@ def record_names(
         point = f"the commit point of {adapter} v{record.version} ({_fingerprint(record)})"
         keep(f"{adapter} v{record.version}, committed by {point}", _digest(record.path))
         for kept in record.kept:
-            keep(f"{adapter} v{kept.version}, kept by {point}", kept.digest)
+            keep(f"{adapter} v{kept.version}, kept by {point}", _digest(kept.path))
     for adapter, reset in sorted(resets.items()):
         if adapter in committed:
             continue  # its commit point keeps what it still keeps of the reset's
         of = f"the reset of {adapter} to lineage {reset.lineage} ({_fingerprint(reset)})"
         for kept in reset.kept:
-            keep(f"{adapter} v{kept.version}, kept by {of}", kept.digest)
+            keep(f"{adapter} v{kept.version}, kept by {of}", _digest(kept.path))
     if in_flight is not None:
         update = (
             f"update {in_flight.update_id} in flight ({in_flight.adapter} v{in_flight.version})"
@@ -86,7 +86,7 @@ def record_names(
                 _digest(carried.path),
             )
             for kept in carried.kept:
-                keep(f"{carried.adapter} v{kept.version}, kept by {commit}", kept.digest)
+                keep(f"{carried.adapter} v{kept.version}, kept by {commit}", _digest(kept.path))
     return {name: frozenset(digests) for name, digests in names.items()}
 
 
