@@ -162,7 +162,8 @@ class Agent:
 
     @property
     def ready(self) -> bool:
-        """Whether the engine holds what the fleet has committed, as far as this
+        """Whether the engine holds everything the fleet has committed (every
+        adapter's committed version and those kept beside it), as far as this
         agent knows (before it runs, it knows of nothing committed)."""
         return self._convergence is None or self._convergence.ready
 
@@ -220,7 +221,7 @@ class Agent:
             )
             tasks.create_task(self.lease.watch(partial(self._on_lease_expired, parts)))
             # Converge before the first heartbeat, so the coordinator never
-            # counts this worker while its engine lacks the committed adapter.
+            # counts this worker while its engine lacks what the fleet serves.
             parts.convergence.reconcile_if_needed()
             await parts.convergence.wait_reconciled()
             await parts.heartbeats.beat()
@@ -327,6 +328,13 @@ class Agent:
                 # paused); the next commit names these versions again.
                 log.debug("worker=%s put off retiring for a pause", self.worker_id)
                 continue
+            if work.internal == "reconcile" and isinstance(command, LoadCommand):
+                if not parts.convergence.still_missing(command):
+                    # An update loaded it meanwhile, or a notice retired it.
+                    parts.convergence.skipped(command)
+                    if not parts.convergence.reconciling:
+                        await parts.heartbeats.beat()
+                    continue
             if work.internal:
                 ack = await parts.queue.run_internal(work)
                 await self._after_internal(parts, work, ack)

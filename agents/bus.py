@@ -88,6 +88,17 @@ class AgentBus:
         """The fleet's state bucket in KV (the leader record, the committed state)."""
         return await self._nc.jetstream().key_value(self._subjects.state_bucket())
 
+    async def state_keys(self, pattern: str) -> list[str]:
+        """The state bucket's keys that match ``pattern`` (deleted ones too: a
+        delete leaves a marker), from its stream's info: listing keys through
+        nats-py creates a consumer, which an agent may not (lorabus.security.roles)."""
+        bucket = self._subjects.state_bucket()
+        prefix = f"$KV.{bucket}."
+        info = await self._nc.jetstream().stream_info(
+            f"KV_{bucket}", subjects_filter=prefix + pattern
+        )
+        return sorted(subject.removeprefix(prefix) for subject in info.state.subjects or {})
+
     async def fetch_adapter(self, digest: str, into: ChunkSink) -> int:
         """Write the object store's adapter ``digest`` into ``into``; its size."""
         return await fetch_object(

@@ -31,9 +31,9 @@ says what and how to fix it, and the agent reports its worker not ready.
 
 An engine may also drop adapters on its own to make room for a load (SGLang
 with ``--max-loaded-loras`` unloads the least recently used one). A load
-after which the engine no longer lists the committed adapter, which it
-listed before, fails, saying so: the update that caused it reports it, and
-the agent, now lacking the committed adapter, is not ready until it has
+after which the engine no longer lists an adapter's committed version, which
+it listed before, fails, saying so: the update that caused it reports it, and
+the agent, now lacking what the fleet serves, is not ready until it has
 loaded it again (:mod:`~lorabus.agents.convergence`).
 """
 
@@ -128,9 +128,12 @@ class CommandExecutor:
         """The name a load from the cache is loading now."""
         if cache_keeper is not None:
             self._from_cache, self._prepared = cache_keeper.held_here()
-        self.committed_name = ""
-        """The served name the fleet has committed, as the agent last learnt it
-        ("": none): a load must not make the engine drop it."""
+        self.committed_names: frozenset[str] = frozenset()
+        """Each adapter's committed served name, as the agent last learnt them:
+        a load must not make the engine drop one."""
+        self.dropped_committed: list[str] = []
+        """The committed names the last command's load made the engine drop
+        (it fails, saying so)."""
         self.setup_problem = ""
         """What keeps the engine from taking LoRA updates and how to fix it, as
         the driver last found ("": nothing known)."""
@@ -188,6 +191,7 @@ class CommandExecutor:
         started = now()
         error: ErrorInfo | None = None
         self._seen_digest = ""
+        self.dropped_committed = []
         try:
             async with asyncio.timeout(max(budget_s, 0.0)):
                 await self._run(command, budget_s, retire=retire)
@@ -407,8 +411,7 @@ class CommandExecutor:
             )
 
     async def _load(self, name: str, path: str, *, replace: bool, budget_s: float) -> None:
-        committed = self.committed_name
-        held = committed != name and committed in self.adapters
+        held = sorted(n for n in self.committed_names if n != name and n in self.adapters)
         in_place = replace and name in await self.driver.list_adapters()
         if in_place and not isinstance(self.driver, InPlaceReplace):
             # Dynamo answers "already loaded" for a name it has and keeps the
@@ -428,12 +431,13 @@ class CommandExecutor:
                 f"the engine of {self.worker_id} accepted adapter {name!r} but its "
                 f"adapter list does not show it: {self.adapters}"
             )
-        if held and committed not in self.adapters:
+        dropped = self.dropped_committed = [n for n in held if n not in self.adapters]
+        if dropped:
             raise EngineError(
                 f"after loading {name!r} the engine of {self.worker_id} no longer lists the "
-                f"committed {committed!r}, which it listed before: it drops adapters to make "
-                "room (SGLang's --max-loaded-loras): let it hold the versions the fleet keeps "
-                f"and one more; it lists {self.adapters}"
+                f"committed {', '.join(map(repr, dropped))}, which it listed before: it drops "
+                "adapters to make room (SGLang's --max-loaded-loras): let it hold the versions "
+                f"the fleet keeps and one more; it lists {self.adapters}"
             )
 
     async def _unload_to_replace(self, name: str) -> None:

@@ -4,12 +4,12 @@ A heartbeat goes out every interval (unless an ack said it all already: see
 :mod:`lorabus.agents.beats`), and at once after the agent's own work
 (reconciling, a lease running out) and whenever a check changed what it says.
 Liveness must not depend on how fast the engine answers, so the checks run in
-a loop of their own: the fleet's state in KV is read again after a reconnect
-and about once a minute, and the engine's list after every interval without
-commands (an engine restart loses adapters), with the engine's set-up while
-it has a problem (:meth:`~lorabus.agents.executor.CommandExecutor.refresh`),
-so a worker whose engine is restarted with the missing flag is ready within
-a beat.
+a loop of their own: the fleet's state in KV (every adapter's commit point) is
+read again after a reconnect and about once a minute, and the engine's list
+after every interval without commands (an engine restart loses adapters),
+with the engine's set-up while it has a problem
+(:meth:`~lorabus.agents.executor.CommandExecutor.refresh`), so a worker whose
+engine is restarted with the missing flag is ready within a beat.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from lorabus.agents.fencing import Fencing
 from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.runtime.clock import now
 from lorabus.schemas import Heartbeat, ResumeCommand
+from lorabus.schemas.reports import MISSING_SHOWN
 
 LATE_PAUSE = "late_pause"
 """The internal work that undoes a pause that may have landed after its resume."""
@@ -112,8 +113,8 @@ class Heartbeats:
             quiet_s = now() - self._executor.last_contact
             if self._queue.empty() and not self._executor.paused and quiet_s >= self._interval_s:
                 # An engine restart loses adapters: noticing it is what lets
-                # the agent reload the committed one. While commands keep the
-                # engine busy, the check waits for a quiet interval.
+                # the agent reload what the fleet serves. While commands keep
+                # the engine busy, the check waits for a quiet interval.
                 seen = self._reported()
                 with contextlib.suppress(Exception):
                     await self._executor.refresh()
@@ -122,12 +123,13 @@ class Heartbeats:
                     # Tell the coordinator now; the heartbeat loop beats on its own.
                     await self.beat()
 
-    def _reported(self) -> tuple[list[str], bool, str]:
+    def _reported(self) -> tuple[list[str], bool, str, list[str]]:
         """What a heartbeat says of the engine that a check can change."""
         return (
             list(self._executor.adapters),
             self._convergence.settled,
             self._convergence.unready_reason(),
+            [w.served_name for w in self._convergence.missing()],
         )
 
     def _heartbeat(self) -> Heartbeat:
@@ -146,4 +148,5 @@ class Heartbeats:
             instance=self._instance,
             unready_reason=self._convergence.unready_reason(),
             unreadable_state=self._fencing.unreadable_state(),
+            missing=[w.served_name for w in self._convergence.missing()][:MISSING_SHOWN],
         )

@@ -229,9 +229,15 @@ def kept_beside(
         if version.served_name not in names:
             unique.append(version)
     kept = unique[: max(keep, 1) - 1]
-    still = {digest_of(v.path) for v in kept} | {digest_of(path)}
-    dropped = sorted({d for v in earlier if (d := digest_of(v.path)) is not None} - still)
+    still = {object_of(v) for v in kept} | {digest_of(path)}
+    dropped = sorted({d for v in earlier if (d := object_of(v)) is not None} - still)
     return kept, dropped
+
+
+def object_of(version: KeptVersion) -> str | None:
+    """The digest of a kept version's object in the store (None: from a
+    filesystem). A version-6 record names it by ``digest`` alone."""
+    return digest_of(version.path) if version.path else (version.digest or None)
 
 
 def keepers(
@@ -252,11 +258,11 @@ def keepers(
     for adapter, record in sorted(committed.items()):
         keep(digest_of(record.path), f"{adapter} v{record.version} committed")
         for version in record.kept:
-            keep(digest_of(version.path), f"{adapter} v{version.version} kept")
+            keep(object_of(version), f"{adapter} v{version.version} kept")
     for adapter, reset in sorted(resets.items()):
         if adapter not in committed:
             for version in reset.kept:
-                keep(digest_of(version.path), f"{adapter} v{version.version} kept by its reset")
+                keep(object_of(version), f"{adapter} v{version.version} kept by its reset")
     if in_flight is not None:
         keep(digest_of(in_flight.path), f"update {in_flight.update_id} in flight")
         if in_flight.committing is not None:

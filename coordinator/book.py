@@ -24,6 +24,11 @@ not kept: the id stays the first request's. The same content means:
   N or named none and was run as N (known once it has run: until then it
   waits for that).
 
+How the update runs is not part of it: a repeated id with another ``mode``,
+``digest`` or ``keep`` gets the first result, as the first request ran it
+(asked again after a failover, the request may come from a requester that
+changed its defaults meanwhile; it still names the same update).
+
 Where the first request is no longer known (after a failover, or once it has
 left memory) the id's result from the results bucket stands for it: the
 result names the adapter (or its served name) and the version it ran as, and
@@ -46,6 +51,7 @@ import asyncio
 import posixpath
 import re
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from lorabus.coordinator.plan import CheckedRequest
 from lorabus.errors import BadRequest, Busy
@@ -265,6 +271,16 @@ class UpdateBook:
         self.committed[committed.adapter] = committed
         self.latest = committed
         self.lineages[committed.adapter] = committed.lineage
+
+    def learn(self, points: Iterable[CommittedRecord]) -> None:
+        """Adapters' commit points as stored when this term began, for those
+        this term has not committed or reset since: the status lists every
+        adapter, and a request is checked against its commit point, without
+        a read. The latest commit stays the one recovery found."""
+        for point in points:
+            if point.adapter not in self.committed and point.adapter not in self.lineages:
+                self.committed[point.adapter] = point
+                self.lineages[point.adapter] = point.lineage
 
     def reset(self, adapter: str, lineage: int) -> None:
         """An operator reset ``adapter``'s committed state: nothing of it is

@@ -274,7 +274,9 @@ def committed_notice(
     term: Term, committed: CommittedRecord, *, update_id: str, retire: Sequence[str] = ()
 ) -> CommittedNotice:
     """The notice that tells every agent of ``committed`` under this term's
-    epoch; ``retire``: the served names each agent unloads beside it."""
+    epoch, with the versions of its adapter kept beside it (with it, what
+    every engine serves of the adapter); ``retire``: the adapter's other
+    served names each agent unloads where its engine holds them."""
     return CommittedNotice(
         update_id=update_id,
         budget_s=0.0,
@@ -285,6 +287,8 @@ def committed_notice(
         retire=sorted(retire),
         lineage=committed.lineage,
         digest=committed.digest,
+        adapter=committed.adapter,
+        kept=committed.kept,
     )
 
 

@@ -61,7 +61,8 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     quorum_timeout_s: float = 30.0
     """Deadline for live agents' world sizes to reach the expected sum."""
     keep: int = 2
-    """Versions of an adapter kept loaded after a commit (versioned naming)."""
+    """Versions of an adapter kept loaded after its commit, the committed one
+    among them (versioned naming), unless the request says (``keep``)."""
     orphan_after_s: float = 3600.0
     """An object of the adapter store that no commit keeps and no queued
     request names is deleted at a commit once it is older than this."""

@@ -9,7 +9,9 @@ come, and the result could not be stored. So what a reader can do without
 goes first, step by step, and the message names what it left out
 (``trimmed``). A result never loses its status, its rank map or the entry of
 a worker that failed: without them it would say less than the truth. A
-status loses its rank map last, as each member's row still has its offset.
+status loses each member's adapter list first, then each adapter's holders
+(every adapter's commit stays), and its rank map last, as each member's row
+still has its offset.
 """
 
 from __future__ import annotations
@@ -65,15 +67,21 @@ def _trimmed_results(result: UpdateResult) -> Iterator[UpdateResult]:
 def _trimmed_statuses(status: FleetStatus) -> Iterator[FleetStatus]:
     yield status
     members = [msgspec.structs.replace(m, adapters=[]) for m in status.members]
-    yield msgspec.structs.replace(status, members=members, trimmed=["adapters"])
-    without_phase = msgspec.structs.replace(
-        status, members=members, acked=[], waiting=[], trimmed=["adapters", "phase_members"]
+    smaller = msgspec.structs.replace(status, members=members, trimmed=["adapters"])
+    yield smaller
+    if any(a.holders for a in status.adapters):
+        # Each adapter still says what is committed, not which members hold it.
+        adapters = [msgspec.structs.replace(a, holders=[]) for a in status.adapters]
+        smaller = msgspec.structs.replace(
+            smaller, adapters=adapters, trimmed=[*smaller.trimmed, "holders"]
+        )
+        yield smaller
+    smaller = msgspec.structs.replace(
+        smaller, acked=[], waiting=[], trimmed=[*smaller.trimmed, "phase_members"]
     )
-    yield without_phase
+    yield smaller
     # Each member's row carries its rank offset: the map says it twice.
-    yield msgspec.structs.replace(
-        without_phase, rank_map=None, trimmed=[*without_phase.trimmed, "rank_map"]
-    )
+    yield msgspec.structs.replace(smaller, rank_map=None, trimmed=[*smaller.trimmed, "rank_map"])
 
 
 def _cut(error: ErrorInfo | None) -> ErrorInfo | None:

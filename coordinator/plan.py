@@ -4,14 +4,17 @@ Everything here is pure but one look at the filesystem, so the rules a request
 must meet are tested without a bus: name syntax, an absolute path (under the
 configured roots) or an object of the fleet's store (``bus:<digest>``), a
 version not older than the committed one, and the served name for the
-naming policy.
+naming policy, and how many of the adapter's versions engines keep serving
+after its commit (the request's ``keep``, else the coordinator's ``--keep``;
+:func:`retired_names` is what the retire step then unloads).
 
 A request is checked once, as it arrives (:func:`check_request`): what holds
-whatever is committed (its name, its path, its mode). The rest depends on
-the committed state, which may move while the request waits in the queue (a
-version of none means one past the committed one when it runs), so the plan
-is made once, when it runs (:meth:`CheckedRequest.plan`); on arrival only its
-version is checked against what is committed then (:meth:`CheckedRequest.version`).
+whatever is committed (its name, its path, its mode, its keep). The rest
+depends on the committed state, which may move while the request waits in
+the queue (a version of none means one past the committed one when it runs),
+so the plan is made once, when it runs (:meth:`CheckedRequest.plan`); on
+arrival only its version is checked against what is committed then
+(:meth:`CheckedRequest.version`).
 
 The roots check resolves symlinks where it can: if the path exists on the
 coordinator's host, its real path must lie under one of the roots' real
@@ -29,6 +32,7 @@ import asyncio
 import os
 import posixpath
 import re
+from collections.abc import Collection, Iterable
 
 import msgspec
 
@@ -36,6 +40,7 @@ from lorabus.adapters.store import digest_of
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.errors import BadRequest, StaleVersion
 from lorabus.schemas import CommittedRecord, Naming, UpdateMode, UpdateRequest
+from lorabus.schemas.bounds import MAX_KEEP
 
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
 _LINEAGE_SUFFIX = re.compile(r"-r\d+\Z")
@@ -54,6 +59,9 @@ class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
     """The content digest every member must see at ``path`` (None: they must agree)."""
     live: bool = False
     """Load and verify without pausing any engine (``UpdateMode.LIVE``)."""
+    keep: int
+    """How many of the adapter's newest versions, this one among them, engines
+    serve once it commits (``CheckedRequest.keep``)."""
 
 
 class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,6 +74,10 @@ class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Load and verify without pausing any engine (``UpdateMode.LIVE``)."""
     replace: bool
     """Fixed naming: the load replaces what the adapter's own name serves."""
+    keep: int
+    """How many of the adapter's newest versions, this one among them, engines
+    serve once it commits: the request's ``keep``, else the coordinator's
+    ``--keep``. Not part of what an update id names (``book.py``)."""
 
     @property
     def update_id(self) -> str:
@@ -99,12 +111,14 @@ class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
             lineage=lineage,
             digest=request.digest or digest_of(self.path),
             live=self.live,
+            keep=self.keep,
         )
 
 
 def check_request(request: UpdateRequest, config: CoordinatorConfig) -> CheckedRequest:
     """Check what ``request`` must meet whatever is committed: its update id
-    and adapter name, its path (under the roots), its mode for the naming."""
+    and adapter name, its path (under the roots), its mode and its keep for
+    the naming."""
     if not request.update_id or len(request.update_id) > 128:
         raise BadRequest("update_id must be 1-128 characters")
     if not _NAME.match(request.adapter) or ".." in request.adapter or "//" in request.adapter:
@@ -124,8 +138,20 @@ def check_request(request: UpdateRequest, config: CoordinatorConfig) -> CheckedR
             "live mode needs versioned naming: this coordinator serves fixed names, "
             "which cannot be replaced while engines serve them"
         )
+    replace = config.naming is not Naming.VERSIONED
+    if request.keep is not None and not 1 <= request.keep <= MAX_KEEP:
+        raise BadRequest(f"keep must be 1 to {MAX_KEEP}, got {request.keep}")
+    if replace and request.keep is not None and request.keep > 1:
+        raise BadRequest(
+            f"keep {request.keep} needs versioned naming: this coordinator serves fixed "
+            "names, one version of each adapter"
+        )
     return CheckedRequest(
-        request=request, path=path, live=live, replace=config.naming is not Naming.VERSIONED
+        request=request,
+        path=path,
+        live=live,
+        replace=replace,
+        keep=config.keep if request.keep is None else request.keep,
     )
 
 
@@ -161,19 +187,19 @@ def is_committed(committed: CommittedRecord, version: int, path: str) -> bool:
     return (committed.version, committed.path) == (version, path)
 
 
-def retired_names(adapter: str, loaded: set[str], keep: int) -> list[str]:
-    """Versioned names of ``adapter`` beyond the newest ``keep``, to unload;
-    every version of an earlier lineage is older than any of a later one."""
+def retired_names(adapter: str, loaded: Iterable[str], served: Collection[str]) -> list[str]:
+    """What the retire step of a commit of ``adapter`` unloads: its versioned
+    names among ``loaded`` (what the engines hold) that are not ``served``
+    (the committed served name and those kept beside it), oldest first, by
+    (lineage, version). Names of other adapters never match, so no commit
+    retires another adapter's committed or kept versions."""
     pattern = re.compile(rf"^{re.escape(adapter)}-(?:r(\d+)-)?v(\d+)\Z")
     versions = sorted(
-        (
-            (int(m.group(1) or 0), int(m.group(2)), name)
-            for name in loaded
-            if (m := pattern.match(name))
-        ),
-        reverse=True,
+        (int(m.group(1) or 0), int(m.group(2)), name)
+        for name in set(loaded)
+        if name not in served and (m := pattern.match(name))
     )
-    return [name for _, _, name in versions[keep:]]
+    return [name for _, _, name in versions]
 
 
 def _checked_source(request: UpdateRequest, roots: list[str]) -> str:

@@ -25,7 +25,9 @@ Then, for the update found in flight:
 - the in-flight record itself does not decode: every live member is resumed.
 
 Then the in-flight record is removed, if nobody wrote it since. A record of the store that does not
-decode is reported (``bad_message``) with what is done about it.
+decode is reported (``bad_message``) with what is done about it. Last, the
+term's book learns every adapter's commit point, so that its status lists
+every adapter, also those its predecessors committed.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ does not decode."""
 
 async def recover(term: Term, runner: UpdateRunner) -> str | None:
     """Load the committed state; finish or roll back an update a predecessor
-    left in flight, and return its id."""
+    left in flight, and return its id; then learn every adapter's commit
+    point."""
     reported = False
     for _ in range(_TAKE_OVER_TRIES):
         found = await _read_left_state(term)
@@ -85,13 +88,16 @@ async def recover(term: Term, runner: UpdateRunner) -> str | None:
         if found.committed is not None:
             term.book.commit(found.committed)
         try:
-            return await _take_over(term, runner, found)
+            recovered = await _take_over(term, runner, found)
         except _Raced:
             log.warning(
                 "epoch=%d the update in flight changed while this term took it over "
                 "(its predecessor claimed its commit): reading it again",
                 term.epoch,
             )
+            continue
+        await _learn_commit_points(term)
+        return recovered
     raise SteppedAside(
         f"the update in flight changed under {_TAKE_OVER_TRIES} take-overs: stepping aside"
     )
@@ -138,6 +144,32 @@ async def _take_over(term: Term, runner: UpdateRunner, found: _LeftState) -> str
             await _roll_back(term, runner, in_flight)
     await _clear(term, revision)
     return in_flight.update_id
+
+
+async def _learn_commit_points(term: Term) -> None:
+    """Every adapter's commit point into the book, once what was in flight
+    is settled: the status lists every adapter committed before this term.
+    Read once: the status is not worth a term, and a listing that fails
+    leaves it the adapters this term commits and the latest one. One that
+    does not decode is left out (its adapter is reset at its next update,
+    and reported then)."""
+    try:
+        points, corrupt = await term.store.read_commit_points()
+    except StoreUnavailable as exc:
+        log.warning(
+            "epoch=%d could not read every adapter's commit point; the status lists "
+            "those this term commits: %s",
+            term.epoch,
+            exc,
+        )
+        return
+    term.book.learn(points.values())
+    if corrupt:
+        log.warning(
+            "epoch=%d commit points that do not decode, left out of the status: %s",
+            term.epoch,
+            ", ".join(c.key for c in corrupt),
+        )
 
 
 class _Raced(Exception):

@@ -104,7 +104,7 @@ async def _reset(
             previous_path=previous_path,
             reason=reason,
             ts=time.time(),
-            kept=_kept_by(committed, keep=term.config.keep),
+            kept=_kept_by(committed),
         )
     )
     term.book.reset(adapter, new)
@@ -133,13 +133,15 @@ async def _reset(
     )
 
 
-def _kept_by(committed: CommittedRecord | None, *, keep: int) -> list[KeptVersion]:
-    """What the removed commit kept in the object store, itself first: a reset
-    forgets a version, never the bytes (a later commit may be the same)."""
+def _kept_by(committed: CommittedRecord | None) -> list[KeptVersion]:
+    """What the removed commit kept, itself first, all of it (its request may
+    have asked for more than ``--keep``): a reset forgets a version, never
+    the bytes (a later commit may be the same), and engines keep what they
+    hold until the adapter's next commit retires it."""
     if committed is None:
         return []
-    # The versions a next commit would keep beside it, with one more place.
-    return kept_beside("", "", committed, None, keep=keep + 1)[0]
+    # The versions a next commit would keep beside it, with room for all.
+    return kept_beside("", "", committed, None, keep=len(committed.kept) + 2)[0]
 
 
 async def _reset_lineage(term: Term, adapter: str) -> int:

@@ -2,21 +2,32 @@
 
 What ``lorabus status`` shows: the live members with their engines' state
 and their place in the latest commit's rank map (with nothing committed, in
-a rank map of the live members), the latest commit, the update in flight
-and, while it runs, which members have acked its phase, and any worker id
-that a second live agent claims. Read from memory alone (the membership,
-the term's book, the open ack gather), so it costs no round trip.
+a rank map of the live members), the latest commit, every adapter's commit
+(the versions kept beside it, and which live members hold it: those whose
+heartbeat lists its served name), the update in flight and, while it runs,
+which members have acked its phase, and any worker id that a second live
+agent claims. Read from memory alone (the membership, the term's book, which
+learned every adapter's commit point when the term began, the open ack
+gather), so it costs no round trip.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from lorabus.coordinator.book import UpdateBook
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.gather import AckRouter
-from lorabus.coordinator.membership import Membership
-from lorabus.schemas import FleetStatus, MemberStatus, WorkerIdConflict, build_rank_map
+from lorabus.coordinator.membership import Member, Membership
+from lorabus.schemas import (
+    AdapterStatus,
+    CommittedRecord,
+    FleetStatus,
+    MemberStatus,
+    WorkerIdConflict,
+    build_rank_map,
+)
 
 
 def fleet_status(
@@ -47,6 +58,7 @@ def fleet_status(
             rank_offset=offsets.get(wid),
             ready=m.heartbeat.ready,
             unready_reason=m.heartbeat.unready_reason,
+            missing=m.heartbeat.missing,
             unreadable_state=m.heartbeat.unreadable_state,
         )
         for wid, m in sorted(live.items())
@@ -71,8 +83,36 @@ def fleet_status(
             )
             for contender, age_s in membership.conflicts()
         ],
+        adapters=_adapters(book.committed, live),
         **_phase_progress(book, acks),
     )
+
+
+def _adapters(
+    committed: Mapping[str, CommittedRecord], live: Mapping[str, Member]
+) -> list[AdapterStatus]:
+    """Each committed adapter, by name, with the live members that hold its
+    committed version (one pass over the members' lists: a thousand
+    members of a few dozen adapters each)."""
+    adapter_of = {record.served_name: adapter for adapter, record in committed.items()}
+    holders: dict[str, list[str]] = {adapter: [] for adapter in committed}
+    for wid, member in sorted(live.items()):
+        for name in set(member.heartbeat.adapters):
+            if (adapter := adapter_of.get(name)) is not None:
+                holders[adapter].append(wid)
+    return [
+        AdapterStatus(
+            adapter=adapter,
+            served_name=record.served_name,
+            version=record.version,
+            path=record.path,
+            digest=record.digest,
+            committed_at=record.committed_at,
+            holders=holders[adapter],
+            kept=[version.served_name for version in record.kept],
+        )
+        for adapter, record in sorted(committed.items())
+    ]
 
 
 def _phase_progress(book: UpdateBook, acks: AckRouter | None) -> dict[str, Any]:

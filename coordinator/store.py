@@ -196,16 +196,39 @@ class FleetStore:
         }
         return committed, resets
 
+    async def read_commit_points(
+        self,
+    ) -> tuple[dict[str, CommittedRecord], list[CorruptRecord]]:
+        """Every adapter's commit point that decodes, by adapter, and the
+        errors of those that do not (left out here: a caller that must not
+        guess reads :meth:`read_adapter_records`). StoreUnavailable when the
+        keys, or a record, cannot be read."""
+        points: dict[str, CommittedRecord] = {}
+        corrupt: list[CorruptRecord] = []
+        for key in await self._keys(f"{COMMITTED}.>"):
+            try:
+                record = (await self._read(self._state, key, CommittedRecord))[0]
+            except CorruptRecord as exc:
+                corrupt.append(exc)
+                continue
+            if record is not None:  # None: removed by a reset
+                points[key.removeprefix(f"{COMMITTED}.")] = record
+        return points, corrupt
+
     async def _keys(self, pattern: str) -> list[str]:
         """The state bucket's keys that match ``pattern``, from its stream's
         info: nats-py's ``keys()`` creates a consumer, which the coordinator's
         role may not (lorabus.security.roles)."""
-        prefix = f"$KV.{self._state._name}."
+        try:
+            # nats-py's KeyValue keeps these private: a binding without them
+            # (another nats-py, a test double) cannot list, which is no crash.
+            js, stream, name = self._state._js, self._state._stream, self._state._name
+        except AttributeError as exc:
+            raise StoreUnavailable(f"cannot list the keys {pattern}: {exc}") from exc
+        prefix = f"$KV.{name}."
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S):
-                info = await self._state._js.stream_info(
-                    self._state._stream, subjects_filter=prefix + pattern
-                )
+                info = await js.stream_info(stream, subjects_filter=prefix + pattern)
         except (TimeoutError, nats.errors.Error) as exc:
             raise StoreUnavailable(f"cannot list the keys {pattern}: {exc!r}") from exc
         return sorted(subject.removeprefix(prefix) for subject in info.state.subjects or {})

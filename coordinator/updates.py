@@ -16,6 +16,7 @@ update's.
 from __future__ import annotations
 
 import logging
+import time
 from typing import NoReturn
 
 from lorabus.coordinator.adapter_store import kept_beside
@@ -89,16 +90,17 @@ async def _commit_of(
     committed: CommittedRecord | None,
     rank_map: RankMap,
 ) -> Executed:
-    """A committed run's record (the versions it keeps beside it from the
-    adapter store, and those it lets go of) and its notice, which retires
-    the adapter's versions beyond ``keep`` among those the engines hold."""
+    """A committed run's record (the adapter's versions it keeps beside it,
+    ``plan.keep`` in all with it, and the object store digests it lets go
+    of) and its notice, which retires the adapter's other versions among
+    those the engines hold."""
     result = ran.result
     kept, dropped = kept_beside(
         plan.served_name,
         plan.path,
         committed,
         await _reset_of(term, plan.adapter) if committed is None else None,
-        keep=term.config.keep,
+        keep=plan.keep,
     )
     record = CommittedRecord(
         adapter=plan.adapter,
@@ -110,9 +112,13 @@ async def _commit_of(
         digest=result.digest,
         kept=kept,
         dropped=dropped,
+        committed_at=time.time(),
     )
-    loaded = {name for worker in result.workers.values() for name in worker.adapters}
-    retire = [] if plan.replace else retired_names(plan.adapter, loaded, term.config.keep)
+    retire: list[str] = []
+    if not plan.replace:
+        loaded = {name for worker in result.workers.values() for name in worker.adapters}
+        served = {plan.served_name, *(version.served_name for version in kept)}
+        retire = retired_names(plan.adapter, loaded, served)
     notice = committed_notice(term, record, update_id=plan.update_id, retire=retire)
     return Executed(result, record, notice, journalled=ran.journalled)
 

@@ -17,7 +17,9 @@ With lorabus all of that is one request: the coordinator pauses under a
 lease, loads and reads back on every member, checks the frontend, resumes,
 and answers with the served name to sample from and the rank map built from
 each worker's real world size. :class:`PolicyPublisher` is what an
-orchestrator keeps per run.
+orchestrator keeps per run; an asynchronous one, whose rollouts may sample
+from a policy up to K steps old, gives ``max_staleness=K`` and every engine
+keeps serving the K + 1 newest steps.
 """
 
 from __future__ import annotations
@@ -31,10 +33,19 @@ class PolicyPublisher:
     """Publishes each trainer step's adapter to the fleet, and says what to
     sample from and when the weight-broadcast group must be rebuilt."""
 
-    def __init__(self, client: UpdateClient, *, adapter: str, run_id: str) -> None:
+    def __init__(
+        self,
+        client: UpdateClient,
+        *,
+        adapter: str,
+        run_id: str,
+        max_staleness: int | None = None,
+    ) -> None:
         self.client = client
         self.adapter = adapter
         self.run_id = run_id
+        self.keep = None if max_staleness is None else max_staleness + 1
+        """How many steps every engine serves (None: the coordinator's ``--keep``)."""
         self.served_name: str | None = None
         """What rollout requests name as their model once a step is published."""
         self.rank_map: RankMap | None = None
@@ -58,6 +69,7 @@ class PolicyPublisher:
             version=step,
             update_id=f"{self.run_id}-step-{step}",
             digest=digest,
+            keep=self.keep,
         )
         if not result.committed:
             assert result.error is not None

@@ -67,6 +67,7 @@ from lorabus.schemas import (
     fleet_status_decoder,
     update_result_decoder,
 )
+from lorabus.schemas.bounds import MAX_KEEP
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,7 @@ class UpdateClient:
         digest: str | None = None,
         mode: UpdateMode | str | None = None,
         source: str | os.PathLike[str] | None = None,
+        keep: int | None = None,
     ) -> UpdateResult:
         """Request an update and wait for its result (committed or failed).
 
@@ -204,6 +206,13 @@ class UpdateClient:
         without pausing any engine: they keep serving the previous version
         until requests name the result's served name; ``pause`` pauses the
         fleet around the load; None leaves it to the coordinator's ``--mode``.
+
+        ``keep`` (1 to 64): how many of the adapter's newest versions, this one
+        among them, every engine serves once it commits (for async RL with
+        staleness K, K + 1); the others of the adapter are unloaded, and no
+        other adapter's. None leaves it to the coordinator's ``--keep``. It is
+        not part of what ``update_id`` names: asked again with another
+        ``keep``, an update id gets its first result.
 
         A request can reach a leader that dies before it answers (killed,
         frozen, cut off), or that stops leading and answers ``not_leader``;
@@ -223,6 +232,8 @@ class UpdateClient:
         later. Raises :class:`~lorabus.errors.MalformedReply` when the reply
         does not decode.
         """
+        if keep is not None and not 1 <= keep <= MAX_KEEP:
+            raise BadRequest(f"keep must be 1 to {MAX_KEEP}, got {keep}")
         if path is None:
             if source is not None:
                 pushed = await self.push_adapter(source)
@@ -241,6 +252,7 @@ class UpdateClient:
             version=version,
             digest=digest,
             mode=None if mode is None else UpdateMode(mode),
+            keep=keep,
         )
         subject = self.subjects.update_request()
         started = now()
@@ -312,6 +324,10 @@ class UpdateClient:
         return None
 
     async def status(self, *, timeout_s: float = STATUS_TIMEOUT_S) -> FleetStatus:
+        """The fleet as its leader sees it: the live members, the latest commit,
+        every adapter's commit (``adapters``: served name, version, digest,
+        when, the versions kept beside it and which live members hold it),
+        the update in flight. Raises NoCoordinator when nobody answers."""
         try:
             reply = await self._request(self.subjects.status_request(), StatusRequest(), timeout_s)
         except (nats.errors.NoRespondersError, TimeoutError) as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lorabus.schemas.bounds import Epoch, Name, Path, SeenDigest, Version
+from lorabus.schemas.bounds import Epoch, Name, SeenDigest, Text, Version
 from lorabus.schemas.rankmap import RankMap
 from lorabus.schemas.wire import Phase
 
@@ -28,10 +28,14 @@ class KeptVersion(msgspec.Struct, frozen=True, kw_only=True):
     a ``bus:`` path) or a shared filesystem holds."""
 
     version: Version
-    served_name: Name
-    path: Path
+    served_name: Name = ""
+    """("": written by a version-6 coordinator, which kept only the object
+    store's versions, by ``digest``: engines are not asked to serve it.)"""
+    path: Text = ""
+    """("": likewise; its object is ``bus:<digest>``.)"""
     digest: SeenDigest = ""
-    """The content digest the members saw when it was committed."""
+    """The content digest the members saw when it was committed (for a
+    version-6 record, the object's in the fleet's store)."""
 
 
 class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):

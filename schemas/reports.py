@@ -77,6 +77,15 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
     decode at this agent's latest read of each, and why ("": every record it
     read decoded). The agent ignores such a record: it keeps the epoch and the
     committed state it knew, and waits for a writer to replace it."""
+    missing: Names = []
+    """The served names of the fleet's committed state (every adapter's
+    committed version and those kept beside it) that the engine lacks, as
+    the agent last looked (at most ``MISSING_SHOWN``): why it is not ready
+    while it converges, before ``unready_reason`` says it will not on its own."""
+
+
+MISSING_SHOWN = 64
+"""The most missing served names a heartbeat names."""
 
 
 def acks_in(ack: Ack) -> list[Ack]:

@@ -184,6 +184,8 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     unreadable_state: str = ""
     """From its last heartbeat: the fleet state records in KV its agent
     ignores (unsealed, or not decoding), and why."""
+    missing: Names = []
+    """From its last heartbeat: the committed served names its engine lacks."""
 
 
 class AdapterStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,7 +16,9 @@ what lorabus relies on):
   wildcards ``*`` (one token) and ``>`` (one or more tail tokens);
 - JetStream: ``add_stream``/``update_stream``/``stream_info`` keep the
   stream's config (so ``provision`` and the term's stream checks run as
-  written), and ``key_value`` binds to a bucket whose stream ``KV_<bucket>``
+  written), ``stream_info`` of a bucket's stream with ``subjects_filter``
+  lists the keys that match (deleted ones too: a delete leaves a marker),
+  and ``key_value`` binds to a bucket whose stream ``KV_<bucket>``
   exists (else ``BucketNotFoundError``);
 - KV: ``get``/``put``/``create``/``update(last=)``/``delete``, one revision
   sequence per bucket, delete markers (a deleted key's ``get`` raises
@@ -227,8 +229,14 @@ class MemoryNats:
 
 
 @dataclass
+class _StreamState:
+    subjects: dict[str, int] | None = None
+
+
+@dataclass
 class _StreamInfo:
     config: StreamConfig
+    state: _StreamState = field(default_factory=_StreamState)
 
 
 class MemoryJetStream:
@@ -254,11 +262,16 @@ class MemoryJetStream:
         self._server.streams[str(config.name)] = config
         return _StreamInfo(config)
 
-    async def stream_info(self, name: str) -> _StreamInfo:
+    async def stream_info(self, name: str, subjects_filter: str | None = None) -> _StreamInfo:
         self._check()
         if name not in self._server.streams:
             raise nats.js.errors.NotFoundError
-        return _StreamInfo(self._server.streams[name])
+        info = _StreamInfo(self._server.streams[name])
+        bucket = self._server.buckets.get(name.removeprefix("KV_"))
+        if subjects_filter and name.startswith("KV_") and bucket is not None:
+            subjects = (f"$KV.{bucket.bucket}.{key}" for key in bucket._data.entries)
+            info.state.subjects = {s: 1 for s in subjects if subject_matches(subjects_filter, s)}
+        return info
 
     async def key_value(self, bucket: str) -> MemoryKeyValue:
         self._check()

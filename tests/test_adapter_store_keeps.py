@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 from adapter_dirs import write_adapter
 from store_helpers import leave_a_claimed_commit
@@ -24,7 +25,7 @@ from store_helpers import leave_a_claimed_commit
 from lorabus.adapters.store import bus_path, object_size, push_adapter
 from lorabus.bus.connect import close, connect
 from lorabus.coordinator import adapter_store
-from lorabus.coordinator.adapter_store import AdapterStore, delete_unkept, kept_beside
+from lorabus.coordinator.adapter_store import AdapterStore, delete_unkept, keepers, kept_beside
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.store import CorruptRecord, FleetStore
 from lorabus.errors import BadRequest
@@ -288,3 +289,23 @@ async def test_an_object_admission_is_looking_for_is_not_deleted_under_it(
             await close(nc)
 
     assert spared == []
+
+
+def test_a_commit_point_of_wire_version_6_still_keeps_its_stored_versions() -> None:
+    """Version 6 kept only the object store's versions, by digest: such a
+    record decodes, and what it kept stays in the store (engines are not
+    asked to serve it: it has no served name)."""
+    old = msgspec.json.encode(
+        {
+            "adapter": "policy",
+            "version": 2,
+            "path": bus_path(D[1]),
+            "served_name": "policy-v2",
+            "rank_map": msgspec.to_builtins(build_rank_map(MEMBERS)),
+            "kept": [{"version": 1, "digest": D[0]}],
+        }
+    )
+    record = msgspec.json.decode(old, type=CommittedRecord)
+
+    assert record.kept == [KeptVersion(version=1, digest=D[0])]
+    assert set(keepers({"policy": record}, {}, None)) == {D[0], D[1]}

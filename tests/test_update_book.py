@@ -36,7 +36,7 @@ def _queued(
 def _checked(request: UpdateRequest) -> CheckedRequest:
     """A request as the coordinator queues it, checked on arrival."""
     path = posixpath.normpath(request.path)
-    return CheckedRequest(request=request, path=path, live=False, replace=False)
+    return CheckedRequest(request=request, path=path, live=False, replace=False, keep=2)
 
 
 def _result(update_id: str, version: int = 1) -> UpdateResult:

@@ -118,25 +118,49 @@ def test_an_older_version_is_stale_and_the_same_version_needs_the_same_path() ->
         check_request(_request(version=5, path="/ckpt/other"), CONFIG).plan(_committed(5))
 
 
-def test_retired_names_keep_the_newest_versions_of_that_adapter_only() -> None:
+def test_retired_names_are_the_adapters_versions_neither_committed_nor_kept() -> None:
     loaded = {"policy-v1", "policy-v2", "policy-v10", "other-v1", "policy", "policy-vx"}
 
-    assert sorted(retired_names("policy", loaded, keep=2)) == ["policy-v1"]
-    assert sorted(retired_names("policy", loaded, keep=1)) == ["policy-v1", "policy-v2"]
+    assert retired_names("policy", loaded, {"policy-v10", "policy-v2"}) == ["policy-v1"]
+    assert retired_names("policy", loaded, {"policy-v10"}) == ["policy-v1", "policy-v2"]
+    # A version the engines hold that no commit keeps (a failed update's, say)
+    # goes too, however new: what is served is what the commit keeps.
+    assert retired_names("policy", loaded, {"policy-v2", "policy-v1"}) == ["policy-v10"]
+    # Another adapter's names never: not even those it keeps.
+    assert retired_names("other", loaded, {"other-v2"}) == ["other-v1"]
 
 
-def test_after_a_reset_names_carry_the_lineage_and_every_earlier_one_retires_first() -> None:
+def test_after_a_reset_names_carry_the_lineage_and_earlier_ones_retire_unless_kept() -> None:
     loaded = {"policy-v9000", "policy-v9001", "policy-r1-v2", "policy-r2-v1", "policy-r2-v2"}
 
     assert check_request(_request(version=3), CONFIG).plan(None, lineage=2).served_name == (
         "policy-r2-v3"
     )
     assert check_request(_request(version=3), CONFIG).plan(None).served_name == "policy-v3"
-    assert retired_names("policy", loaded, keep=2) == [
-        "policy-r1-v2",
-        "policy-v9001",
+    assert retired_names("policy", loaded, {"policy-r2-v2", "policy-r2-v1"}) == [
         "policy-v9000",
+        "policy-v9001",
+        "policy-r1-v2",
     ]
+
+
+def test_keep_comes_from_the_request_else_the_coordinator() -> None:
+    assert check_request(_request(), CONFIG).plan(None).keep == CONFIG.keep
+    assert check_request(_request(keep=3), CONFIG).plan(None).keep == 3
+    assert check_request(_request(keep=1), CONFIG).plan(None).keep == 1
+    with pytest.raises(BadRequest, match="keep must be 1 to 64"):
+        check_request(_request(keep=0), CONFIG)
+    with pytest.raises(BadRequest, match="keep must be 1 to 64"):
+        check_request(_request(keep=65), CONFIG)
+
+
+def test_a_request_to_keep_versions_needs_versioned_naming() -> None:
+    config = CoordinatorConfig(
+        fleet="f", frontend_url="http://x", expected_world_size=1, naming=Naming.FIXED
+    )
+    with pytest.raises(BadRequest, match="keep 3 needs versioned naming"):
+        check_request(_request(keep=3), config)
+    assert check_request(_request(keep=1), config).plan(None).keep == 1
 
 
 def test_an_adapter_name_that_ends_like_a_lineage_is_refused() -> None:

@@ -8,6 +8,7 @@ through :func:`printable` before it reaches a terminal.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -104,7 +105,55 @@ def rank_map_text(rank_map: RankMap, indent: str = "") -> str:
     return "\n".join(printable(line) for line in lines)
 
 
-def status_text(status: FleetStatus) -> str:
+def age_text(seconds: float) -> str:
+    """A duration as a person reads an age: ``45s``, ``12m``, ``3h``, ``2d``."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
+
+
+HOLDERS_SHOWN = 8
+"""Worker ids an adapter's line names at most: at a thousand members, the
+count says it, and the few that lack it are named instead."""
+
+
+def adapters_text(status: FleetStatus, *, now: float) -> list[str]:
+    """A line per committed adapter: its served name, version, digest (short),
+    when it was committed (``now``: the Unix time to count from), which live
+    members hold it, and the versions kept beside it."""
+    if not status.adapters:
+        return []
+    lines = [f"adapters ({len(status.adapters)}):"]
+    live = [m.worker_id for m in status.members]
+    for a in status.adapters:
+        digest = a.digest[: len("sha256:") + 12] if a.digest else "no digest"
+        when = f"committed {age_text(now - a.committed_at)} ago" if a.committed_at else ""
+        line = f"  {a.adapter}: {a.served_name} (version {a.version}, {digest})"
+        line += f"{', ' + when if when else ''}; {_holders_text(a.holders, live, status.trimmed)}"
+        if a.kept:
+            line += f"; kept beside it: {', '.join(a.kept)}"
+        lines.append(line)
+    return lines
+
+
+def _holders_text(holders: Sequence[str], live: Sequence[str], trimmed: Sequence[str]) -> str:
+    if "holders" in trimmed:
+        return "holders left out (message size limit)"
+    if live and len(holders) == len(live):
+        return f"held by all {len(live)} live members"
+    held = f"held by {len(holders)} of {len(live)} live members"
+    if 0 < len(holders) <= HOLDERS_SHOWN:
+        return f"{held}: {', '.join(holders)}"
+    lacking = sorted(set(live) - set(holders))
+    if lacking and len(lacking) <= HOLDERS_SHOWN:
+        return f"{held} (not by {', '.join(lacking)})"
+    return held
+
+
+def status_text(status: FleetStatus, *, now: float | None = None) -> str:
+    """The fleet's status for a terminal (``now``: the Unix time that the
+    commits' ages count from; the system clock's by default)."""
     committed = (
         f"{status.committed_adapter} (version {status.committed_version})"
         if status.committed_adapter
@@ -126,6 +175,7 @@ def status_text(status: FleetStatus) -> str:
         lines.append(f"update in flight: {status.in_flight}{progress}")
     if status.trimmed:
         lines.append(_trimmed_note(status.trimmed))
+    lines.extend(adapters_text(status, now=time.time() if now is None else now))
     lines.extend(_member_table(status.members))
     lines.extend(member_warnings(status.members, update_in_flight=status.in_flight is not None))
     for c in status.conflicts:
@@ -152,6 +202,14 @@ def heartbeat_view_text(view: HeartbeatView) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
+def _missing_text(missing: Sequence[str]) -> str:
+    if not missing:
+        return "its agent has not brought the engine to the committed state"
+    shown = ", ".join(printable(name) for name in missing[:4])
+    more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+    return f"its engine lacks {shown}{more}: its agent is loading them"
+
+
 def member_warnings(members: Sequence[MemberStatus], *, update_in_flight: bool) -> list[str]:
     """One ``WARNING`` line per member that needs a look: an engine paused while no
     update is in flight (nobody will resume it but its agent's pause lease), an
@@ -166,7 +224,7 @@ def member_warnings(members: Sequence[MemberStatus], *, update_in_flight: bool) 
                 "when its pause lease ends; until then it serves nothing)"
             )
         if not m.ready:
-            why = m.unready_reason or "its agent has not brought the engine to the committed state"
+            why = m.unready_reason or _missing_text(m.missing)
             lines.append(f"WARNING: {m.worker_id} is not ready ({why})")
         if m.unreadable_state:
             lines.append(

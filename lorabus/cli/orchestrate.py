@@ -17,6 +17,7 @@ from lorabus.bus.options import BusOptions
 from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.client import PUSH_TIMEOUT_S, UPDATE_TIMEOUT_S
 from lorabus.schemas import DIGEST_PATTERN, UPDATE_ID_PATTERN, UpdateMode
+from lorabus.schemas.bounds import MAX_KEEP
 
 if TYPE_CHECKING:
     from lorabus.audit.heartbeat_view import HeartbeatListener
@@ -108,6 +109,14 @@ async def _digest_of(path: str) -> str:
     help="live: load the new version beside the served one without pausing any "
     "engine; pause: pause the fleet around the load. Default: the coordinator's --mode.",
 )
+@click.option(
+    "--keep",
+    type=click.IntRange(min=1, max=MAX_KEEP),
+    default=None,
+    help="How many of the adapter's newest versions, this one among them, every engine "
+    "serves once it commits (async RL with staleness K: K+1); the adapter's other "
+    "versions are unloaded. Default: the coordinator's --keep.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def update(
     nats_url: str,
@@ -121,6 +130,7 @@ def update(
     timeout: float,
     digest: str | None,
     mode: str | None,
+    keep: int | None,
     as_json: bool,
 ) -> None:
     """Request an update and wait for its result (exit 0 committed, 1 failed: refused,
@@ -161,6 +171,7 @@ def update(
                     digest=digest,
                     mode=mode,
                     source=source,
+                    keep=keep,
                 )
         except LorabusError as exc:
             if not as_json:
@@ -212,6 +223,7 @@ async def _update_showing_progress(
     digest: str | None,
     mode: str | None,
     source: str | None,
+    keep: int | None,
 ) -> UpdateResult:
     """``client.update()``, with where it stands shown on stderr meanwhile
     (if ``show_progress``); ``--digest auto`` is hashed from ``path`` first."""
@@ -226,6 +238,7 @@ async def _update_showing_progress(
             digest=await _digest_of(path) if digest == "auto" and path else digest,
             mode=mode,
             source=source,
+            keep=keep,
         )
     finally:
         if progress is not None:
@@ -276,6 +289,7 @@ def list_adapters(nats_url: str, bus: BusOptions, fleet: str, as_json: bool) -> 
     as the operator's); the leader deletes one nothing keeps once it is
     older than its --orphan-after. Also the leftovers of pushes that stopped."""
     from lorabus.adapters.store import store_contents
+    from lorabus.audit.render import age_text
     from lorabus.bus.connect import Bus, close
     from lorabus.coordinator.adapter_store import kept_by_records, listing
     from lorabus.coordinator.signals import StoreUnavailable
@@ -303,7 +317,7 @@ def list_adapters(nats_url: str, bus: BusOptions, fleet: str, as_json: bool) -> 
         now = time.time()
         for item in listed:
             why = "; ".join(item.kept_by) or ("nothing keeps it" if kept is not None else "")
-            age = "" if item.stored_at is None else f"stored {_ago(now - item.stored_at)} ago"
+            age = "" if item.stored_at is None else f"stored {age_text(now - item.stored_at)} ago"
             click.echo(f"{item.digest}  {item.size / 1e6:9.1f} MB  {age:<18} {why}".rstrip())
         click.echo(
             f"{len(listed)} object(s), {sum(o.size for o in listed) / 1e6:.1f} MB; leftovers: "
@@ -313,13 +327,6 @@ def list_adapters(nats_url: str, bus: BusOptions, fleet: str, as_json: bool) -> 
         return 0
 
     sys.exit(run(list_))
-
-
-def _ago(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
-    return f"{max(seconds, 0):.0f}s"
 
 
 async def _show_progress(client: UpdateClient, update_id: str) -> None:
@@ -359,6 +366,10 @@ def status(
     nats_url: str, bus: BusOptions, fleet: str, as_json: bool, watch: bool, interval: float
 ) -> None:
     """Show members, world sizes, rank offsets, paused state, adapters, the update in flight.
+
+    Each committed adapter gets a line: its served name, version, digest, how
+    long ago it was committed, which live members hold it (counted when there
+    are many) and the versions kept beside it.
 
     When no coordinator answers, shows what the agents' heartbeats say instead
     (members, world sizes, paused, ready, adapters), saying so on the first
