@@ -44,7 +44,7 @@ import base64
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Set
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
@@ -243,11 +243,11 @@ def object_of(version: KeptVersion) -> str | None:
 def keepers(
     committed: Mapping[str, CommittedRecord],
     resets: Mapping[str, ResetRecord],
-    in_flight: InflightRecord | None,
+    in_flight: Iterable[InflightRecord] = (),
 ) -> dict[str, list[str]]:
     """What keeps each digest in the store, by digest: every adapter's
     commit point (its version and those kept beside it; where a reset
-    removed it, what the reset kept) and the update in flight. The one rule
+    removed it, what the reset kept) and every update in flight. The one rule
     of what must stay, for the deletion and for ``lorabus adapter list``."""
     kept: dict[str, list[str]] = {}
 
@@ -263,11 +263,11 @@ def keepers(
         if adapter not in committed:
             for version in reset.kept:
                 keep(object_of(version), f"{adapter} v{version.version} kept by its reset")
-    if in_flight is not None:
-        keep(digest_of(in_flight.path), f"update {in_flight.update_id} in flight")
-        if in_flight.committing is not None:
-            for digest in keepers({in_flight.adapter: in_flight.committing}, {}, None):
-                keep(digest, f"update {in_flight.update_id} committing")
+    for update in in_flight:
+        keep(digest_of(update.path), f"update {update.update_id} in flight")
+        if update.committing is not None:
+            for digest in keepers({update.adapter: update.committing}, {}):
+                keep(digest, f"update {update.update_id} committing")
     return kept
 
 
@@ -275,7 +275,7 @@ async def kept_by_records(records: FleetStore) -> dict[str, list[str]]:
     """:func:`keepers` of the state bucket's records as they are now.
     StoreUnavailable (CorruptRecord among them) when one cannot be read."""
     committed, resets = await records.read_adapter_records()
-    return keepers(committed, resets, await records.read_inflight())
+    return keepers(committed, resets, await records.read_inflights())
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,13 @@
 """The coordinator's book of updates: the queue, the results, the committed state.
 
-One update runs at a time per fleet. Requests wait in arrival order, at most
-``max_queued`` of them behind the one running: one more is answered ``busy``
-at once and not kept, so the same request may simply come again. A request
+Updates of different adapters run at once, those of one adapter one at a
+time: :meth:`UpdateBook.next_request` hands out, in arrival order, the first
+queued request whose adapter has no update running, while fewer than
+``max_running`` run, and a pause-mode one only while no other pause-mode
+update runs (each pauses the whole fleet; a live one pauses nothing).
+Requests wait at most ``max_queued`` per adapter and ``max_queued_total`` in
+all: one more is answered ``busy``, saying which bound is full, at once and
+not kept, so the same request may simply come again. A request
 naming a version of an adapter answers the queued requests for older versions
 of it ``superseded`` at once, and is itself answered ``superseded`` at once if
 a newer one is already queued (an RL trainer only wants its newest step
@@ -53,6 +58,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.plan import CheckedRequest
 from lorabus.errors import BadRequest, Busy
 from lorabus.schemas import (
@@ -73,6 +79,15 @@ result the bucket did not take is kept here for the whole term instead."""
 _REMEMBERED_REQUESTS = 1024
 """First requests kept beyond their results (at most about 4.5 kB each), so a
 repeated id is checked against its whole content while the term lasts."""
+
+
+def book_of(config: CoordinatorConfig) -> UpdateBook:
+    """A term's book, with the coordinator's bounds."""
+    return UpdateBook(
+        max_queued=config.max_queued,
+        max_queued_total=config.max_queued_total,
+        max_running=config.max_concurrent,
+    )
 
 
 def committed_result(
@@ -104,32 +119,49 @@ def failed_result(request: UpdateRequest, error: ErrorInfo) -> UpdateResult:
 
 
 class UpdateBook:
-    def __init__(self, *, max_queued: int = 16) -> None:
+    def __init__(
+        self, *, max_queued: int = 16, max_queued_total: int = 256, max_running: int = 1
+    ) -> None:
         self.max_queued = max_queued
+        """Requests that may wait per adapter."""
+        self.max_queued_total = max_queued_total
+        """Requests that may wait in all, whatever their adapters: a bound on
+        a flood of adapter names."""
+        self.max_running = max_running
+        """Updates that may run at once (of different adapters)."""
         self.committed: dict[str, CommittedRecord] = {}
         self.latest: CommittedRecord | None = None
         self.lineages: dict[str, int] = {}
         """Each adapter's lineage, where this term has learned it."""
-        self.running: str | None = None
-        self._running_path = ""
+        self._running: dict[str, CheckedRequest] = {}
+        """The updates running, by adapter, in the order they started."""
         self._results: OrderedDict[str, UpdateResult] = OrderedDict()
         self._unpersisted: dict[str, UpdateResult] = {}
         self._requests: OrderedDict[str, UpdateRequest] = OrderedDict()
         self._pending: dict[str, tuple[UpdateRequest, asyncio.Future[UpdateResult]]] = {}
         self._queue: list[CheckedRequest] = []
-        self._queued = asyncio.Event()
+        self._changed = asyncio.Event()
+        """Set when a request joins the queue or an update ends: one may start."""
         self._settled: list[UpdateResult] = []
         self._closed_with: ErrorInfo | None = None
 
     @property
     def queued(self) -> int:
-        """Requests waiting behind the one running."""
+        """Requests waiting to run, of every adapter."""
         return len(self._queue)
 
+    @property
+    def running(self) -> str | None:
+        """The id of the update running longest, if one runs."""
+        return next((checked.update_id for checked in self._running.values()), None)
+
+    def running_updates(self) -> list[CheckedRequest]:
+        """The updates running, in the order they started."""
+        return list(self._running.values())
+
     def held_paths(self) -> list[str]:
-        """The adapter paths of the request running and those queued behind it."""
-        running = [self._running_path] if self.running is not None else []
-        return running + [queued.request.path for queued in self._queue]
+        """The adapter paths of the requests running and of those queued."""
+        return [checked.request.path for checked in [*self._running.values(), *self._queue]]
 
     def outcome(self, update_id: str) -> UpdateResult | None:
         """The id's result if this term has it; ``pending`` while it is queued
@@ -212,17 +244,29 @@ class UpdateBook:
         for older in [queued for queued in self._queue if _supersedes(request, queued.request)]:
             self._queue.remove(older)
             self._settle(older.request, _superseded(older.request, by=request))
-        if len(self._queue) >= self.max_queued:
-            busy = Busy(
-                f"{len(self._queue)} update requests already wait behind the one running "
-                f"(the coordinator's --max-queued); nothing was queued: ask again later"
-            )
-            return _done(failed_result(request, busy.info()))
+        full = self._full(request.adapter)
+        if full is not None:
+            return _done(failed_result(request, Busy(full).info()))
         future: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
         self._pending[request.update_id] = (request, future)
         self._queue.append(checked)
-        self._queued.set()
+        self._changed.set()
         return future
+
+    def _full(self, adapter: str) -> str | None:
+        """Why one more request of ``adapter`` may not wait, if a bound is full."""
+        if len(self._queue) >= self.max_queued_total:
+            return (
+                f"{len(self._queue)} update requests already wait, of every adapter "
+                "(the coordinator's --max-queued-total); nothing was queued: ask again later"
+            )
+        waiting = sum(1 for queued in self._queue if queued.adapter == adapter)
+        if waiting >= self.max_queued:
+            return (
+                f"{waiting} update requests of {adapter!r} already wait (the "
+                "coordinator's --max-queued, per adapter); nothing was queued: ask again later"
+            )
+        return None
 
     def settle(self, request: UpdateRequest, result: UpdateResult) -> asyncio.Future[UpdateResult]:
         """Answer a request of a new id with ``result`` without running it (a
@@ -241,21 +285,37 @@ class UpdateBook:
         self._unpersisted.pop(update_id, None)
 
     async def next_request(self) -> CheckedRequest:
-        """Wait for the next request to run."""
-        while not self._queue:
-            self._queued.clear()
-            await self._queued.wait()
-        checked = self._queue.pop(0)
-        self.running, self._running_path = checked.update_id, checked.request.path
+        """Wait for the next request that may start (see the module
+        docstring), and count it running until :meth:`finish`."""
+        while (checked := self._startable()) is None:
+            self._changed.clear()
+            await self._changed.wait()
+        self._queue.remove(checked)
+        self._running[checked.adapter] = checked
         return checked
+
+    def _startable(self) -> CheckedRequest | None:
+        if len(self._running) >= self.max_running:
+            return None
+        pausing = any(not running.live for running in self._running.values())
+        passed: set[str] = set()  # an adapter's requests start in the order they came
+        for checked in self._queue:
+            if checked.adapter in passed or checked.adapter in self._running:
+                continue
+            if checked.live or not pausing:
+                return checked
+            passed.add(checked.adapter)
+        return None
 
     def finish(
         self, request: UpdateRequest, result: UpdateResult, *, persisted: bool = True
     ) -> None:
         """Answer ``request``; ``persisted``: the results bucket holds ``result``."""
         update_id = request.update_id
-        if self.running == update_id:
-            self.running = None
+        running = self._running.get(request.adapter)
+        if running is not None and running.update_id == update_id:
+            del self._running[request.adapter]
+            self._changed.set()
         if not persisted:
             self._unpersisted[update_id] = result
         self._remember(result)

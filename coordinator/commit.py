@@ -47,7 +47,7 @@ from lorabus.coordinator.book import failed_result
 from lorabus.coordinator.fit import fit_result
 from lorabus.coordinator.inflight import Journalled
 from lorabus.coordinator.signals import LeadershipLost, LostRace, SteppedAside, StoreUnavailable
-from lorabus.coordinator.store import quietly, until_stored
+from lorabus.coordinator.store import inflight_key, quietly, until_stored
 from lorabus.coordinator.term import Term
 from lorabus.errors import BusError
 from lorabus.runtime.clock import now
@@ -153,6 +153,7 @@ async def _claim_commit(
     compare-and-set: the claimed record, or None when a successor took the
     update over first."""
     claim = msgspec.structs.replace(journalled.record, committing=committed)
+    key = inflight_key(claim.adapter)
 
     async def swap() -> Journalled | None:
         revision = journalled.revision
@@ -160,16 +161,16 @@ async def _claim_commit(
             # A write failed: what is stored is read. None there is taken as
             # never stored (a successor's clear after its roll-back would look
             # the same; that needs this failure and a freeze at once).
-            found, revision = await term.store.read_inflight_entry()
+            found, revision = await term.store.read_inflight_entry(key)
             if found is not None and found not in (journalled.record, claim):
                 return None
             if found == claim:
                 return Journalled(claim, revision)
         try:
-            return Journalled(claim, await term.store.swap_inflight(claim, revision))
+            return Journalled(claim, await term.store.swap_inflight(key, claim, revision))
         except LostRace:
             # Ours, if an earlier try landed unanswered; else a successor's.
-            found, revision = await term.store.read_inflight_entry()
+            found, revision = await term.store.read_inflight_entry(key)
             return Journalled(claim, revision) if found == claim else None
 
     try:
@@ -191,12 +192,13 @@ async def _clear_inflight(term: Term, journalled: Journalled) -> None:
     """Remove the update's in-flight record, unless somebody wrote it since
     (a successor's own update, which must stay for its own successor)."""
     revision = journalled.revision
+    key = inflight_key(journalled.record.adapter)
     try:
         if revision is None:
-            found, revision = await term.store.read_inflight_entry()
+            found, revision = await term.store.read_inflight_entry(key)
             if found != journalled.record:
                 return
-        await term.store.clear_inflight(revision)
+        await term.store.clear_inflight(key, revision)
     except LostRace as exc:
         log.info("epoch=%d in-flight record left as found: %s", term.epoch, exc)
     except StoreUnavailable as exc:

@@ -90,7 +90,12 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     """An nkey seed file: sign every command with it and name its public key in
     the leader record ("": commands go unsigned)."""
     max_queued: int = 16
-    """Update requests that may wait behind the one running; more are answered ``busy``."""
+    """Update requests of one adapter that may wait; more are answered ``busy``."""
+    max_queued_total: int = 256
+    """Update requests that may wait in all, of every adapter; more are answered ``busy``."""
+    max_concurrent: int = 16
+    """Updates of different adapters that may run at once (one of them at
+    most in pause mode: each pauses the whole fleet)."""
     min_heartbeat_s: float = 0.05
     max_heartbeat_s: float = 60.0
     """Heartbeat periods outside this range are dropped as bad messages: a huge
@@ -113,8 +118,9 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
                 raise ValueError(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0")
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum must be 'all' or a fraction in (0, 1], got {self.quorum}")
-        if self.max_queued < 1:
-            raise ValueError("max queued must be >= 1")
+        for name in ("max_queued", "max_queued_total", "max_concurrent"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', ' ')} must be >= 1")
         if not 0 < self.min_heartbeat_s <= self.max_heartbeat_s:
             raise ValueError("heartbeat range must satisfy 0 < min <= max")
         if self.mode is UpdateMode.LIVE and self.naming is not Naming.VERSIONED:

@@ -100,9 +100,9 @@ class AckRouter:
         self._open[gather.key] = gather
         return gather
 
-    def latest(self) -> PhaseGather | None:
-        """The phase gathered most recently opened, if one is still open."""
-        return next(reversed(self._open.values()), None)
+    def latest(self, update_id: str) -> PhaseGather | None:
+        """The phase of ``update_id`` most recently opened, if one is still open."""
+        return next((g for g in reversed(self._open.values()) if g.update_id == update_id), None)
 
     def close(self, gather: PhaseGather) -> None:
         self._open.pop(gather.key, None)

@@ -6,7 +6,9 @@ evidence that there is none: rolling back on it would withdraw a version
 whose requester was told it committed). It serves nothing meanwhile, and
 after a lease of failed reads it steps aside, so that a standby may try.
 
-Then, for the update found in flight:
+Then, for each update found in flight (one record per adapter, as updates
+of different adapters run at once; ``inflight`` is a version-6 leader's
+single record), all at once:
 
 - its commit point is stored: it committed (its requester may not have been
   told yet). Its result and the fleet's latest record are written, those
@@ -24,7 +26,7 @@ Then, for the update found in flight:
   unknown, so every member is resumed, nothing withdrawn, nothing recorded;
 - the in-flight record itself does not decode: every live member is resumed.
 
-Then the in-flight record is removed, if nobody wrote it since. A record of the store that does not
+Then each in-flight record is removed, if nobody wrote it since. A record of the store that does not
 decode is reported (``bad_message``) with what is done about it. Last, the
 term's book learns every adapter's commit point, so that its status lists
 every adapter, also those its predecessors committed.
@@ -32,6 +34,7 @@ every adapter, also those its predecessors committed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -43,7 +46,6 @@ import msgspec
 from lorabus.coordinator.book import committed_result
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.signals import LeadershipLost, LostRace, SteppedAside, StoreUnavailable
-from lorabus.coordinator.store import COMMITTED as COMMITTED_KEY
 from lorabus.coordinator.store import (
     INFLIGHT,
     CorruptRecord,
@@ -74,46 +76,54 @@ _REMEDIES = {
 does not decode."""
 
 
-async def recover(term: Term, runner: UpdateRunner) -> str | None:
-    """Load the committed state; finish or roll back an update a predecessor
-    left in flight, and return its id; then learn every adapter's commit
-    point."""
+async def recover(term: Term, runner: UpdateRunner) -> list[str]:
+    """Load the committed state; finish or roll back every update a
+    predecessor left in flight, and return their ids; then learn every
+    adapter's commit point."""
     reported = False
     for _ in range(_TAKE_OVER_TRIES):
         found = await _read_left_state(term)
         if not reported:
             reported = True
             for corrupt in found.corrupt:
-                await term.reports.corrupt(corrupt, remedy=_REMEDIES[corrupt.key == INFLIGHT])
+                await term.reports.corrupt(corrupt, remedy=_REMEDIES[_is_inflight(corrupt.key)])
         if found.committed is not None:
             term.book.commit(found.committed)
-        try:
-            recovered = await _take_over(term, runner, found)
-        except _Raced:
+        taken = await asyncio.gather(
+            *(_take_over(term, runner, flight) for flight in found.flights),
+            return_exceptions=True,
+        )
+        for outcome in taken:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, _Raced):
+                raise outcome
+        if any(isinstance(outcome, _Raced) for outcome in taken):
             log.warning(
-                "epoch=%d the update in flight changed while this term took it over "
-                "(its predecessor claimed its commit): reading it again",
+                "epoch=%d an update in flight changed while this term took it over "
+                "(its predecessor claimed its commit): reading them again",
                 term.epoch,
             )
             continue
         await _learn_commit_points(term)
-        return recovered
+        return [update_id for update_id in taken if isinstance(update_id, str)]
     raise SteppedAside(
-        f"the update in flight changed under {_TAKE_OVER_TRIES} take-overs: stepping aside"
+        f"the updates in flight changed under {_TAKE_OVER_TRIES} take-overs: stepping aside"
     )
 
 
-async def _take_over(term: Term, runner: UpdateRunner, found: _LeftState) -> str | None:
-    """Finish or roll back what ``found`` holds in flight; raises _Raced when
-    its predecessor wrote the record meanwhile (the caller reads it again)."""
+def _is_inflight(key: str) -> bool:
+    return key == INFLIGHT or key.startswith(f"{INFLIGHT}.")
+
+
+async def _take_over(term: Term, runner: UpdateRunner, found: _LeftFlight) -> str | None:
+    """Finish or roll back the update ``found`` holds; raises _Raced when its
+    predecessor wrote the record meanwhile (the caller reads it again)."""
     in_flight, recorded, commit_point = found.in_flight, found.result, found.commit_point
-    if found.in_flight_unknown:
-        await _resume_everyone(term, runner)
-        await _clear(term, found.in_flight_revision)
-        return None
     if in_flight is None:
+        # It does not decode: an update of unknown content.
+        await _resume_everyone(term, runner)
+        await _clear(term, found.key, found.revision)
         return None
-    revision = found.in_flight_revision
+    revision = found.revision
     if in_flight.committing is not None and not _records_commit_of(commit_point, in_flight):
         # Its predecessor claimed the commit and may have stopped before
         # the commit point: it is written here, never rolled back.
@@ -132,7 +142,7 @@ async def _take_over(term: Term, runner: UpdateRunner, found: _LeftState) -> str
     elif recorded is None:
         # Taken over first, so that a predecessor frozen past its lease, all
         # its acks in hand, can no longer claim the commit once it wakes.
-        taken = await _mark_taken_over(term, in_flight, revision)
+        taken = await _mark_taken_over(term, found.key, in_flight, revision)
         if taken is None:
             raise _Raced
         revision = taken
@@ -142,7 +152,7 @@ async def _take_over(term: Term, runner: UpdateRunner, found: _LeftState) -> str
             await _resume_everyone(term, runner, in_flight)
         else:
             await _roll_back(term, runner, in_flight)
-    await _clear(term, revision)
+    await _clear(term, found.key, revision)
     return in_flight.update_id
 
 
@@ -176,7 +186,9 @@ class _Raced(Exception):
     """A take-over lost its compare-and-set to the predecessor."""
 
 
-async def _mark_taken_over(term: Term, in_flight: InflightRecord, revision: int) -> int | None:
+async def _mark_taken_over(
+    term: Term, key: str, in_flight: InflightRecord, revision: int
+) -> int | None:
     """Rewrite the in-flight record as taken over by this term, by
     compare-and-set: its new revision, or None when somebody wrote it first."""
     if in_flight.taken_over_by == term.epoch:
@@ -184,7 +196,7 @@ async def _mark_taken_over(term: Term, in_flight: InflightRecord, revision: int)
     mine = msgspec.structs.replace(in_flight, taken_over_by=term.epoch)
     try:
         return await until_stored(
-            partial(term.store.swap_inflight, mine, revision), for_s=term.config.leader_lease_s
+            partial(term.store.swap_inflight, key, mine, revision), for_s=term.config.leader_lease_s
         )
     except LostRace:
         return None
@@ -210,10 +222,10 @@ async def _store_commit_point(
         ) from exc
 
 
-async def _clear(term: Term, revision: int) -> None:
-    """Remove the in-flight record if it is still revision ``revision``."""
+async def _clear(term: Term, key: str, revision: int) -> None:
+    """Remove the in-flight record under ``key`` if it is still revision ``revision``."""
     try:
-        await term.store.clear_inflight(revision)
+        await term.store.clear_inflight(key, revision)
     except LostRace as exc:
         log.info("epoch=%d in-flight record left as found: %s", term.epoch, exc)
     except StoreUnavailable as exc:
@@ -333,36 +345,36 @@ def _records_commit_of(committed: CommittedRecord | None, in_flight: InflightRec
 
 
 @dataclass(frozen=True)
+class _LeftFlight:
+    """One update in flight as a new leader finds it."""
+
+    key: str
+    in_flight: InflightRecord | None
+    """None: the record does not decode (an update of unknown content)."""
+    revision: int
+    """The revision the record was read at: what this term takes over, and
+    clears, by compare-and-set."""
+    result: UpdateResult | None = None
+    """Its stored result."""
+    commit_point: CommittedRecord | None = None
+    """The committed record of its adapter."""
+    commit_point_unknown: bool = False
+    """Its adapter's commit point did not decode: whether it committed is unknown."""
+
+
+@dataclass(frozen=True)
 class _LeftState:
     """The fleet's records as a new leader finds them."""
 
     committed: CommittedRecord | None
     """The latest commit: the adapter's own record (the commit point), as the
     fleet's latest record is written after it and may lag or be missing."""
-    in_flight: InflightRecord | None
-    in_flight_revision: int
-    """The revision the in-flight record was read at: what this term takes
-    over, and clears, by compare-and-set."""
-    result: UpdateResult | None
-    """The stored result of the update in flight."""
-    commit_point: CommittedRecord | None
-    """The committed record of the in-flight update's adapter."""
+    flights: tuple[_LeftFlight, ...]
+    """Every update in flight."""
     corrupt: tuple[CorruptRecord, ...] = ()
     """Records that did not decode, each read as absent: the latest record (or
-    its adapter's commit point: then neither is taken for committed), the
-    in-flight record, the in-flight adapter's commit point."""
-
-    @property
-    def in_flight_unknown(self) -> bool:
-        return any(c.key == INFLIGHT for c in self.corrupt)
-
-    @property
-    def commit_point_unknown(self) -> bool:
-        """The in-flight adapter's commit point did not decode: whether its
-        update committed is unknown."""
-        return self.in_flight is not None and any(
-            c.key == f"{COMMITTED_KEY}.{self.in_flight.adapter}" for c in self.corrupt
-        )
+    its adapter's commit point: then neither is taken for committed), an
+    in-flight record, an in-flight adapter's commit point."""
 
     @classmethod
     async def read(cls, store: FleetStore) -> _LeftState:
@@ -374,8 +386,7 @@ class _LeftState:
             try:
                 return await read
             except CorruptRecord as exc:
-                if all(c.key != exc.key for c in corrupt):
-                    corrupt.append(exc)
+                _note(corrupt, exc)
                 return None
 
         latest = await readable(store.read_committed())
@@ -385,21 +396,49 @@ class _LeftState:
                 latest = None  # its adapter is reset when it is next updated
             elif own is not None:
                 latest = own
-        try:
-            in_flight, revision = await store.read_inflight_entry()
-        except CorruptRecord as exc:
-            corrupt.append(exc)
-            in_flight, revision = None, exc.revision
-        if in_flight is None:
-            return cls(latest, None, revision, None, None, tuple(corrupt))
-        try:
-            # Unsealed or garbled, it is no result (and is reported): the
-            # commit point, not a stored answer, says whether it committed.
-            result = await readable(store.read_result(in_flight.update_id))
-        except BadPayload as exc:
-            log.warning(
-                "the stored result of %s does not decode, ignored: %s", in_flight.update_id, exc
-            )
-            result = None
-        commit_point = await readable(store.read_committed(in_flight.adapter))
-        return cls(latest, in_flight, revision, result, commit_point, tuple(corrupt))
+        flights = []
+        for key in await store.inflight_keys():
+            try:
+                in_flight, revision = await store.read_inflight_entry(key)
+            except CorruptRecord as exc:
+                _note(corrupt, exc)
+                flights.append(_LeftFlight(key, None, exc.revision))
+                continue
+            if in_flight is not None:
+                flights.append(await _left_flight(store, key, in_flight, revision, corrupt))
+        return cls(latest, tuple(flights), tuple(corrupt))
+
+
+async def _left_flight(
+    store: FleetStore,
+    key: str,
+    in_flight: InflightRecord,
+    revision: int,
+    corrupt: list[CorruptRecord],
+) -> _LeftFlight:
+    """What a new leader needs of one update in flight: its stored result and
+    its adapter's commit point (each read as absent, and noted in
+    ``corrupt``, when it does not decode)."""
+    try:
+        # Unsealed or garbled, it is no result (and is reported): the
+        # commit point, not a stored answer, says whether it committed.
+        result = await store.read_result(in_flight.update_id)
+    except CorruptRecord as exc:
+        _note(corrupt, exc)
+        result = None
+    except BadPayload as exc:
+        log.warning(
+            "the stored result of %s does not decode, ignored: %s", in_flight.update_id, exc
+        )
+        result = None
+    try:
+        commit_point = await store.read_committed(in_flight.adapter)
+    except CorruptRecord as exc:
+        _note(corrupt, exc)
+        return _LeftFlight(key, in_flight, revision, result, None, commit_point_unknown=True)
+    return _LeftFlight(key, in_flight, revision, result, commit_point)
+
+
+def _note(corrupt: list[CorruptRecord], exc: CorruptRecord) -> None:
+    if all(c.key != exc.key for c in corrupt):
+        corrupt.append(exc)

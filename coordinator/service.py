@@ -42,7 +42,7 @@ from lorabus.bus.connect import wait_flushed
 from lorabus.coordinator.adapter_store import AdapterStore
 from lorabus.coordinator.admission import Admission
 from lorabus.coordinator.alerts import MemberAlerts
-from lorabus.coordinator.book import UpdateBook
+from lorabus.coordinator.book import book_of
 from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.commit import announce_term, housekeep
 from lorabus.coordinator.config import CoordinatorConfig
@@ -104,7 +104,7 @@ class Coordinator:
         )
         self.alerts = MemberAlerts()
         self.metrics = CoordinatorMetrics(self.membership, self.alerts)
-        self.book = UpdateBook(max_queued=config.max_queued)
+        self.book = book_of(config)
         """The current (or last) term's book."""
         self.epoch = 0
         """The current (or last) term's epoch."""
@@ -268,7 +268,7 @@ class Coordinator:
                     source="coordinator",
                     holder=self.holder,
                     epoch=term.epoch,
-                    recovered=recovered,
+                    recovered=", ".join(recovered) or None,
                 )
             )
             admission = Admission(term, status=self.status, own_inbox=self._own_inbox)

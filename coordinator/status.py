@@ -4,7 +4,8 @@ What ``lorabus status`` shows: the live members with their engines' state
 and their place in the latest commit's rank map (with nothing committed, in
 a rank map of the live members), the latest commit, every adapter's commit
 (the versions kept beside it, and which live members hold it: those whose
-heartbeat lists its served name), the update in flight and, while it runs,
+heartbeat lists its served name), every update running (those of different
+adapters run at once) with its phase and, for the one running longest,
 which members have acked its phase, and any worker id that a second live
 agent claims. Read from memory alone (the membership, the term's book, which
 learned every adapter's commit point when the term began, the open ack
@@ -18,13 +19,15 @@ from typing import Any
 
 from lorabus.coordinator.book import UpdateBook
 from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.coordinator.gather import AckRouter
+from lorabus.coordinator.gather import AckRouter, PhaseGather
 from lorabus.coordinator.membership import Member, Membership
+from lorabus.coordinator.plan import CheckedRequest
 from lorabus.schemas import (
     AdapterStatus,
     CommittedRecord,
     FleetStatus,
     MemberStatus,
+    RunningUpdate,
     WorkerIdConflict,
     build_rank_map,
 )
@@ -83,6 +86,17 @@ def fleet_status(
             )
             for contender, age_s in membership.conflicts()
         ],
+        running=[
+            RunningUpdate(
+                update_id=checked.update_id,
+                adapter=checked.adapter,
+                live=checked.live,
+                phase=str(gather.phase)
+                if (gather := _gather_of(acks, checked.update_id))
+                else None,
+            )
+            for checked in book.running_updates()
+        ],
         adapters=_adapters(book.committed, live),
         **_phase_progress(book, acks),
     )
@@ -115,9 +129,23 @@ def _adapters(
     ]
 
 
+def _running(checked: CheckedRequest, gather: PhaseGather | None) -> RunningUpdate:
+    return RunningUpdate(
+        update_id=checked.update_id,
+        adapter=checked.adapter,
+        live=checked.live,
+        phase=str(gather.phase) if gather is not None else None,
+    )
+
+
+def _gather_of(acks: AckRouter | None, update_id: str) -> PhaseGather | None:
+    return acks.latest(update_id) if acks is not None else None
+
+
 def _phase_progress(book: UpdateBook, acks: AckRouter | None) -> dict[str, Any]:
-    gather = acks.latest() if acks is not None else None
-    if gather is None or gather.update_id != book.running:
+    """The phase of the update running longest, and who has acked it."""
+    gather = _gather_of(acks, book.running) if book.running is not None else None
+    if gather is None:
         return {}
     return {
         "in_flight_phase": str(gather.phase),

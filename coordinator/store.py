@@ -73,6 +73,12 @@ INFLIGHT = "inflight"
 RESET = "reset"
 
 
+def inflight_key(adapter: str) -> str:
+    """Where the update of ``adapter`` in flight is recorded: a key per
+    adapter, as updates of different adapters run at once."""
+    return f"{INFLIGHT}.{adapter}"
+
+
 class CorruptRecord(StoreUnavailable):
     """Raised when a key holds a record that does not decode (written by a
     leaked credential, a bug, a disk): ``key``, its ``revision``, and an
@@ -249,43 +255,56 @@ class FleetStore:
         if latest is not None and latest.adapter == record.adapter:
             await self._delete(self._state, COMMITTED)
 
-    async def read_inflight(self) -> InflightRecord | None:
-        return (await self.read_inflight_entry())[0]
+    async def inflight_keys(self) -> list[str]:
+        """The keys of the updates in flight: one per adapter
+        (``inflight.<adapter>``), and ``inflight`` where a version-6 leader
+        left its one record. StoreUnavailable when they cannot be listed."""
+        return await self._keys(INFLIGHT) + await self._keys(f"{INFLIGHT}.>")
 
-    async def read_inflight_entry(self) -> tuple[InflightRecord | None, int]:
-        """The in-flight record and its revision (that of its deletion when
-        there is none, 0 when there never was one)."""
-        return await self._read(self._state, INFLIGHT, InflightRecord)
+    async def read_inflights(self) -> list[InflightRecord]:
+        """Every update in flight, as stored now (CorruptRecord when one does
+        not decode)."""
+        entries = [await self.read_inflight_entry(key) for key in await self.inflight_keys()]
+        return [record for record, _ in entries if record is not None]
+
+    async def read_inflight_entry(self, key: str) -> tuple[InflightRecord | None, int]:
+        """The in-flight record under ``key`` and its revision (that of its
+        deletion when there is none, 0 when there never was one)."""
+        return await self._read(self._state, key, InflightRecord)
 
     async def write_inflight(self, record: InflightRecord) -> int:
-        """Write the record whatever is there; return its revision."""
-        return await self._put(self._state, INFLIGHT, msgspec.json.encode(record))
+        """Write the record under its adapter's key, whatever is there; return
+        its revision."""
+        return await self._put(
+            self._state, inflight_key(record.adapter), msgspec.json.encode(record)
+        )
 
     async def record(self, in_flight: InflightRecord) -> int:
         """The lifecycle's journal: the update in flight, for a successor."""
         return await self.write_inflight(in_flight)
 
-    async def swap_inflight(self, record: InflightRecord, last_revision: int) -> int:
-        """Compare-and-set the in-flight record over revision ``last_revision``
-        (0: only where there is none); return its new revision, or raise
-        LostRace when somebody wrote it since."""
-        return await self._swap(INFLIGHT, "the in-flight record", record, last_revision)
+    async def swap_inflight(self, key: str, record: InflightRecord, last_revision: int) -> int:
+        """Compare-and-set the in-flight record under ``key`` over revision
+        ``last_revision`` (0: only where there is none); return its new
+        revision, or raise LostRace when somebody wrote it since."""
+        return await self._swap(key, "the in-flight record", record, last_revision)
 
-    async def clear_inflight(self, last_revision: int) -> None:
-        """Delete the in-flight record if it is still revision ``last_revision``;
-        LostRace when somebody wrote it since (it is theirs now)."""
+    async def clear_inflight(self, key: str, last_revision: int) -> None:
+        """Delete the in-flight record under ``key`` if it is still revision
+        ``last_revision``; LostRace when somebody wrote it since (it is
+        theirs now)."""
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S):
-                await self._state.delete(INFLIGHT, last=last_revision)
+                await self._state.delete(key, last=last_revision)
         except nats.js.errors.APIError as exc:
             wrong_last = isinstance(exc, nats.js.errors.KeyWrongLastSequenceError)
             if wrong_last or exc.err_code in _WRONG_LAST_SEQUENCE:
                 raise LostRace(
-                    f"the in-flight record changed under revision {last_revision}"
+                    f"the in-flight record {key} changed under revision {last_revision}"
                 ) from exc
-            raise StoreUnavailable(f"cannot delete the in-flight record: {exc!r}") from exc
+            raise StoreUnavailable(f"cannot delete the in-flight record {key}: {exc!r}") from exc
         except (TimeoutError, nats.errors.Error) as exc:
-            raise StoreUnavailable(f"cannot delete the in-flight record: {exc!r}") from exc
+            raise StoreUnavailable(f"cannot delete the in-flight record {key}: {exc!r}") from exc
 
     # -- results ----------------------------------------------------------------
 

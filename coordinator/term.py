@@ -3,7 +3,8 @@
 A coordinator leads in terms, one at a time (``service.py``). A term has its
 epoch, which every command, event and log line carries; its book (the queue,
 the results, the committed state as this term knows it, ``book.py``); the
-lock that runs its updates and resets one at a time; and the tasks that send
+locks that run each adapter's updates and resets one at a time, and its
+commits and the store's sweeps one at a time; and the tasks that send
 its replies (:class:`Replies`). Recovery, request admission, the update loop
 and the commit (``recovery.py``, ``admission.py``, ``updates.py``,
 ``commit.py``, ``resets.py``) each receive the :class:`Term` rather than
@@ -18,11 +19,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 from lorabus.coordinator.adapter_store import AdapterStore
-from lorabus.coordinator.book import UpdateBook
+from lorabus.coordinator.book import book_of
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
@@ -128,11 +129,31 @@ class Term:
         self.adapters = adapters
         """The fleet's object store of adapters (``bus:`` paths)."""
         adapters.took_office(successor=epoch > 1)
-        self.book = UpdateBook(max_queued=config.max_queued)
+        self.book = book_of(config)
         self.serial = asyncio.Lock()
-        """Held by each update while it runs and by each reset: a reset never
-        lands in the middle of an update."""
+        """Held by each update while it ends (its writes, answer and
+        announcement, ``commit.py``), by each reset and by the store's sweep:
+        a sweep never reads the records between a commit's writes."""
+        self._adapter_turns: dict[str, tuple[asyncio.Lock, int]] = {}
         self.replies = Replies()
+
+    @contextlib.asynccontextmanager
+    async def adapter_turn(self, adapter: str) -> AsyncIterator[None]:
+        """Held by each update of ``adapter`` from its plan to its end, and by
+        each reset of it: a reset never lands in the middle of an update, and
+        an adapter's updates plan on what the one before committed. The lock
+        is forgotten once nobody holds or awaits it."""
+        lock, users = self._adapter_turns.get(adapter, (asyncio.Lock(), 0))
+        self._adapter_turns[adapter] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._adapter_turns[adapter]
+            if users == 1:
+                del self._adapter_turns[adapter]
+            else:
+                self._adapter_turns[adapter] = (lock, users - 1)
 
     async def end(self) -> None:
         """Answer everyone still waiting, and let the replies go out."""

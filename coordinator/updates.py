@@ -1,11 +1,20 @@
-"""The leader's update loop: one request at a time, from the book to its end.
+"""The leader's update loop: each request from the book to its end.
+
+The book hands out the requests that may start (updates of different
+adapters at once, up to ``--max-concurrent``, one adapter's one at a time,
+``book.py``); each runs as a task of the loop, which owns them: a term that
+ends cancels every update it runs, and its successor finishes or rolls back
+each from its in-flight record (``recovery.py``). A failure of one
+adapter's update is its own result and touches no other update.
 
 Each request was checked as it arrived (``admission.py``); here it is planned
 against what is committed when its turn comes (the committed state may have
 moved while it waited, and a request without a version runs as one past the
 committed one then), run (``lifecycle.py``), and concluded: written,
-answered, announced (``commit.py``). An update holds the term's lock while
-it runs and ends, so an operator's reset never lands in the middle of one.
+answered, announced (``commit.py``). An update holds its adapter's turn while it
+runs and ends, so an operator's reset of the adapter never lands in the
+middle of one, and the term's lock while it ends, so the store's sweep
+never reads the records between a commit's writes.
 
 An adapter whose commit point does not decode is reset to a new lineage
 first (``resets.py``). A term deposed while its update ran answers
@@ -15,6 +24,7 @@ update's.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import NoReturn
@@ -26,6 +36,7 @@ from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.outcomes import RunOutcome
 from lorabus.coordinator.plan import CheckedRequest, UpdatePlan, is_committed, retired_names
 from lorabus.coordinator.resets import lineage, reset_unknown
+from lorabus.coordinator.signals import LeadershipLost, SteppedAside
 from lorabus.coordinator.store import CorruptRecord
 from lorabus.coordinator.term import Term
 from lorabus.errors import LorabusError
@@ -37,13 +48,38 @@ log = logging.getLogger(__name__)
 
 
 async def run_updates(term: Term, runner: UpdateRunner) -> NoReturn:
-    while True:
-        raise_if_cancelled()
-        checked = await term.book.next_request()
+    try:
+        async with asyncio.TaskGroup() as updates:
+            while True:
+                raise_if_cancelled()
+                checked = await term.book.next_request()
+                updates.create_task(_run_one(term, runner, checked))
+    except* LeadershipLost as ended:
+        # One update found the term deposed, or could not store its commit:
+        # the term ends as the update loop would have ended on its own.
+        raise _first(ended) from None
+    raise AssertionError("the update loop ended")  # for the type checker: it never does
+
+
+async def _run_one(term: Term, runner: UpdateRunner, checked: CheckedRequest) -> None:
+    async with term.adapter_turn(checked.adapter):
         started = now()
+        executed = await _execute(term, runner, checked)
         async with term.serial:
-            executed = await _execute(term, runner, checked)
             await conclude(term, checked.request, executed, started)
+
+
+def _first(group: BaseExceptionGroup[LeadershipLost]) -> LeadershipLost:
+    """The first leaf of ``group``: a stepped-aside term steps aside, else it is deposed."""
+    leaves: list[LeadershipLost] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        error = pending.pop(0)
+        if isinstance(error, BaseExceptionGroup):
+            pending[:0] = list(error.exceptions)
+        else:
+            leaves.append(error)  # type: ignore[arg-type]
+    return next((e for e in leaves if isinstance(e, SteppedAside)), leaves[0])
 
 
 async def _execute(term: Term, runner: UpdateRunner, checked: CheckedRequest) -> Executed:

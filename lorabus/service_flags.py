@@ -204,7 +204,19 @@ COORDINATOR_FLAGS = (
     Flag(
         "max_queued",
         "--max-queued",
-        "Update requests that may wait behind the running one; more are answered busy.",
+        "Update requests of one adapter that may wait; more are answered busy.",
+        int,
+    ),
+    Flag(
+        "max_queued_total",
+        "--max-queued-total",
+        "Update requests that may wait in all, of every adapter; more are answered busy.",
+        int,
+    ),
+    Flag(
+        "max_concurrent",
+        "--max-concurrent",
+        "Updates of different adapters that may run at once (at most one of them in pause mode).",
         int,
     ),
     Flag("naming", "--naming", "Served names.", click.Choice([n.value for n in Naming])),

@@ -148,7 +148,8 @@ class LeaderElected(_Event, frozen=True, kw_only=True, tag="leader_elected"):
     holder: str
     epoch: Epoch
     recovered: str | None = None
-    """The update id found in flight and rolled back, if any."""
+    """The update ids found in flight and finished or rolled back, if any,
+    separated by ", " (updates of different adapters run at once)."""
 
 
 Event = (

@@ -188,6 +188,17 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     """From its last heartbeat: the committed served names its engine lacks."""
 
 
+class RunningUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """An update the leader runs now."""
+
+    update_id: UpdateId
+    adapter: Name
+    live: bool = False
+    """It pauses nothing (``UpdateMode.LIVE``)."""
+    phase: str | None = None
+    """The phase whose acks it gathers now (None: between phases)."""
+
+
 class AdapterStatus(msgspec.Struct, frozen=True, kw_only=True):
     """One adapter as the fleet serves it: its committed version, those kept
     beside it, and which live members hold each."""
@@ -214,11 +225,12 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     committed_version: Version | None = None
     rank_map: RankMap | None = None
     in_flight: str | None = None
-    """The update id being run now, if any."""
+    """The id of the update running longest, if any (``running`` lists every
+    update running: those of different adapters run at once)."""
     epoch: Epoch = 0
     leader: str = ""
     in_flight_phase: str | None = None
-    """The phase the update in flight is in."""
+    """The phase the ``in_flight`` update is in."""
     acked: list[str] = []
     """Members that have acked that phase so far."""
     waiting: list[str] = []
@@ -231,6 +243,8 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     adapter's holders), then ``phase_members`` (the ``acked`` and ``waiting``
     lists), then ``rank_map`` (each member still shows its rank offset).
     Empty: the whole status."""
+    running: list[RunningUpdate] = []
+    """Every update running, in the order they started."""
     adapters: list[AdapterStatus] = []
     """Every adapter the fleet has committed, by name (``committed_adapter``
     and ``committed_version`` are the latest commit's, of any adapter)."""

@@ -303,6 +303,21 @@ class MemoryKeyValue:
         view._conn = conn
         return view
 
+    # What nats-py's KeyValue keeps privately, and lorabus lists keys with.
+    @property
+    def _js(self) -> MemoryJetStream:
+        if self._conn is None:
+            raise AttributeError("an unbound bucket lists nothing")
+        return self._conn.jetstream()
+
+    @property
+    def _stream(self) -> str:
+        return f"KV_{self.bucket}"
+
+    @property
+    def _name(self) -> str:
+        return self.bucket
+
     def history(self, key: str) -> list[KeyValue.Entry]:
         """Every write of ``key``, oldest first, delete markers included."""
         return [entry for entry in self._data.written if entry.key == key]

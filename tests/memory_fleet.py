@@ -56,6 +56,8 @@ class MemoryEngine:
     """Runs at the start of every load (a hang, a crash of the worker)."""
     on_pause: Callable[[], Awaitable[None]] | None = None
     """Runs at the start of every pause (a hang)."""
+    refused: tuple[str, ...] = ()
+    """Served names whose load fails, by prefix (one adapter's versions)."""
     calls: list[str] = field(default_factory=list)
     """What the engine was asked, in order: "pause", "resume", "load", "unload"."""
 
@@ -75,7 +77,7 @@ class MemoryEngine:
         self.calls.append("load")
         if self.on_load is not None:
             await self.on_load()
-        if self.fail_load:
+        if self.fail_load or name.startswith(self.refused or ("\0",)):
             raise EngineError(f"cannot load {name}")
         if name not in self.adapters:
             self.adapters.append(name)
@@ -96,12 +98,23 @@ class ListingFrontend:
         self.engines = engines
         self.first_look: list[str] | None = None
         """Who held the model when the frontend was first asked."""
+        self.holds: dict[str, asyncio.Event] = {}
+        """Models, by prefix, that the frontend does not list until their event is set."""
+        self.asked: list[str] = []
+        """Every model asked for, in order."""
 
     async def wait_listed(self, model: str, timeout_s: float) -> float:
         loop = asyncio.get_running_loop()
         started = loop.time()
         if self.first_look is None:
             self.first_look = sorted(w for w, e in self.engines.items() if model in e.adapters)
+        self.asked.append(model)
+        for prefix, released in self.holds.items():
+            if model.startswith(prefix):
+                try:
+                    await asyncio.wait_for(released.wait(), timeout_s)
+                except TimeoutError:
+                    raise FrontendUnverified(f"{model!r} held past {timeout_s:.1f}s") from None
         while not any(model in engine.adapters for engine in self.engines.values()):
             if loop.time() - started >= timeout_s:
                 raise FrontendUnverified(f"{model!r} not listed within {timeout_s:.1f}s")

@@ -51,3 +51,10 @@ async def leave_a_claimed_commit(
         )
     )
     await store.commit(committing)
+
+
+async def in_flight_of(store: FleetStore) -> InflightRecord | None:
+    """The one update in flight, or None (a test with one adapter)."""
+    records = await store.read_inflights()
+    assert len(records) <= 1, f"more than one update in flight: {records}"
+    return records[0] if records else None

@@ -308,4 +308,4 @@ def test_a_commit_point_of_wire_version_6_still_keeps_its_stored_versions() -> N
     record = msgspec.json.decode(old, type=CommittedRecord)
 
     assert record.kept == [KeptVersion(version=1, digest=D[0])]
-    assert set(keepers({"policy": record}, {}, None)) == {D[0], D[1]}
+    assert set(keepers({"policy": record}, {})) == {D[0], D[1]}

@@ -83,8 +83,8 @@ class _NoRecords:
     ) -> tuple[dict[str, CommittedRecord], dict[str, ResetRecord]]:
         return {}, {}
 
-    async def read_inflight(self) -> InflightRecord | None:
-        return None
+    async def read_inflights(self) -> list[InflightRecord]:
+        return []
 
 
 async def _leading() -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from memory_fleet import InMemoryFleet
+from store_helpers import in_flight_of
 
 from lorabus.coordinator.store import FleetStore
 from lorabus.coordinator.term import Term
@@ -190,7 +191,7 @@ async def test_a_leader_frozen_before_its_commit_does_not_commit_over_the_roll_b
         link.cut()
         await _until(lambda: standby.leading.is_set())
         async with asyncio.timeout(60):
-            while (await store.read_inflight()) is not None:  # noqa: ASYNC110
+            while (await in_flight_of(store)) is not None:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         link.heal()
         return leading
@@ -213,6 +214,6 @@ async def test_a_leader_frozen_before_its_commit_does_not_commit_over_the_roll_b
     assert answer.status == "failed" and answer.error is not None, answer
     assert answer.error.code == ErrorCode.FAILOVER, answer
     assert await store.read_committed("policy") is None
-    assert await store.read_inflight() is None
+    assert await in_flight_of(store) is None
     assert not any("policy-v1" in engine.adapters for engine in fleet.engines.values())
     assert not any(engine.paused for engine in fleet.engines.values())

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
+from store_helpers import in_flight_of
 
 from lorabus.bus.connect import close, connect
 from lorabus.coordinator.config import CoordinatorConfig
@@ -125,7 +126,7 @@ async def test_a_commit_whose_leader_died_before_answering_is_recorded_in_full(
         async with _reading(nats_url, fleet_name) as store:
             latest = await store.read_committed()
             recorded = await store.read_result("step-7")
-            in_flight = await store.read_inflight()
+            in_flight = await in_flight_of(store)
 
     assert answer.committed, answer.error
     assert latest == COMMITTED_7, latest
@@ -173,7 +174,7 @@ async def test_a_commit_the_store_refuses_for_a_lease_is_left_to_the_next_term(
         async with _reading(nats_url, fleet_name) as store:
             recorded = await store.read_result("step-1")
             own = await store.read_committed("policy")
-            in_flight = await store.read_inflight()
+            in_flight = await in_flight_of(store)
             leader = (await store.read_leader())[0]
         held = {w.worker_id: list(w.adapters) for w in stack.sim.workers.values()}
         paused = [w.worker_id for w in stack.sim.workers.values() if w.paused]
@@ -239,7 +240,7 @@ async def test_a_commit_is_answered_once_a_result_that_failed_at_first_is_stored
         first = await stack.client.update("policy", make_adapter(1), version=1, update_id="step-1")
         async with _reading(nats_url, fleet_name) as store:
             recorded = await store.read_result("step-1")
-            left = await store.read_inflight()
+            left = await in_flight_of(store)
             second = await stack.client.update(
                 "policy", make_adapter(2), version=2, update_id="step-2"
             )
@@ -271,10 +272,10 @@ async def test_a_leader_that_cannot_read_what_was_left_gives_the_fleet_to_a_stan
             blind.add(id(store))
         return store
 
-    async def read_inflight_entry(store: FleetStore) -> tuple[InflightRecord | None, int]:
+    async def read_inflight_entry(store: FleetStore, key: str) -> tuple[InflightRecord | None, int]:
         if id(store) in blind:
             raise StoreUnavailable("read_inflight: TimeoutError()")
-        return await reading(store)
+        return await reading(store, key)
 
     monkeypatch.setattr(FleetStore, "open", classmethod(open_))
     monkeypatch.setattr(FleetStore, "read_inflight_entry", read_inflight_entry)
@@ -301,7 +302,7 @@ async def test_a_leader_that_cannot_read_what_was_left_gives_the_fleet_to_a_stan
         assert leader.holder == "a"
         serving.append(asyncio.create_task(coordinator("b").run(nc_b)))
         async with asyncio.timeout(30):
-            while await store.read_inflight() is not None:  # noqa: ASYNC110
+            while await in_flight_of(store) is not None:  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
         leader = (await store.read_leader())[0]
         rolled_back = await store.read_result("step-7")
@@ -336,7 +337,7 @@ async def test_a_recovered_commit_whose_result_failed_at_first_is_stored_before_
         await stack.client.status(timeout_s=5)  # answered once recovery is done
         async with _reading(nats_url, fleet_name) as store:
             recorded = await store.read_result("step-7")
-            left = await store.read_inflight()
+            left = await in_flight_of(store)
             later = await stack.client.update(
                 "policy", make_adapter(8), version=8, update_id="step-8"
             )
@@ -402,7 +403,7 @@ async def test_a_state_record_that_does_not_decode_is_neither_obeyed_nor_fatal(
         async with make_stack(list(MEMBERS.values())) as stack:
             assert stack.client is not None and stack.coordinator is not None
             answer = await stack.client.update("policy", make_adapter(7), version=7)
-            left = await store.read_inflight()  # decodes: the garbage is gone
+            left = await in_flight_of(store)  # decodes: the garbage is gone
     finally:
         await close(nc)
 
@@ -436,7 +437,7 @@ async def test_a_later_commit_stays_the_latest_record(
         status = await stack.client.status(timeout_s=5)
         async with _reading(nats_url, fleet_name) as store:
             latest = await store.read_committed()
-            in_flight = await store.read_inflight()
+            in_flight = await in_flight_of(store)
 
     assert answer.committed, answer.error
     assert latest == later, latest

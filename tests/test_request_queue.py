@@ -75,7 +75,9 @@ async def _hold_in_a_load(
 async def test_past_max_queued_a_request_is_answered_busy_at_once_and_may_come_again(
     open_fleet: OpenFleet,
 ) -> None:
-    fleet = await open_fleet(max_queued=2)
+    # One update at a time, so that other adapters' requests queue (the bound
+    # per adapter is the book's, tests/test_update_book.py).
+    fleet = await open_fleet(max_queued_total=2, max_concurrent=1)
     client = fleet.client()
     path = _adapter(1)
     held = await _hold_in_a_load(fleet, client, "policy", path, 1)
@@ -101,6 +103,7 @@ async def test_past_max_queued_a_request_is_answered_busy_at_once_and_may_come_a
 
     assert _code(busy) == ErrorCode.BUSY, busy
     assert busy.error is not None and "ask again later" in busy.error.message
+    assert "--max-queued-total" in busy.error.message
     assert all(r.committed for r in results), results
     assert re_asked_result == results[1], "a queued request asked again is no new request"
     assert busy_again.committed, "busy kept nothing: the same id ran when asked again"

@@ -146,18 +146,89 @@ async def test_a_stored_result_stands_for_a_first_request_the_book_never_saw() -
     assert no_version is not None and no_version.result() == stored
 
 
-async def test_past_max_queued_a_request_is_answered_busy_and_not_kept() -> None:
-    book = UpdateBook(max_queued=2)
-    await _run_one(book)
+async def test_past_max_queued_total_a_request_is_answered_busy_and_not_kept() -> None:
+    book = UpdateBook(max_queued_total=2)
+    running = await _run_one(book)
     queued = [book.submit(_queued(f"a{i}", adapter=f"a{i}", version=1)) for i in range(2)]
     refused = book.submit(_queued("late", adapter="late", version=1))
 
     assert _code(refused) == ErrorCode.BUSY
+    error = refused.result().error
+    assert error is not None and "--max-queued-total" in error.message
     assert not any(f.done() for f in queued)
     assert not book.knows("late"), "busy is no result: the id may come again"
     assert book.submit(_queued("a0", adapter="a0", version=1)) is queued[0], "re-asks are free"
+    book.finish(running.request, _result("running"))
     await book.next_request()
     assert not book.submit(_queued("late", adapter="late", version=1)).done()
+
+
+async def test_past_max_queued_of_one_adapter_only_that_adapter_is_busy() -> None:
+    """The bound per adapter: a trainer that floods its own adapter fills its
+    own queue, not the fleet's."""
+    book = UpdateBook(max_queued=2, max_queued_total=10)
+    await _run_one(book)
+    mine = [book.submit(_queued(f"p{i}", version=None, path=f"/a/{i}")) for i in range(2)]
+    refused = book.submit(_queued("p-late", version=None, path="/a/late"))
+    other = book.submit(_queued("o1", adapter="other", version=1))
+
+    assert _code(refused) == ErrorCode.BUSY
+    error = refused.result().error
+    assert error is not None and "'policy'" in error.message and "per adapter" in error.message
+    assert not any(f.done() for f in [*mine, other]), "other adapters still queue"
+
+
+async def test_updates_of_different_adapters_start_together_and_one_adapters_in_order() -> None:
+    book = UpdateBook(max_running=3)
+    for update_id, adapter in [("p1", "policy"), ("p2", "policy"), ("o1", "other")]:
+        request = _request(update_id, adapter=adapter, version=None, path=f"/a/{update_id}")
+        book.submit(
+            CheckedRequest(request=request, path=request.path, live=True, replace=False, keep=2)
+        )
+
+    first = await book.next_request()
+    second = await asyncio.wait_for(book.next_request(), 1.0)
+    assert (first.update_id, second.update_id) == ("p1", "o1"), "p2 waits for p1, o1 does not"
+    assert [c.update_id for c in book.running_updates()] == ["p1", "o1"]
+    assert sorted(book.held_paths()) == ["/a/o1", "/a/p1", "/a/p2"]
+
+    waiting = asyncio.ensure_future(book.next_request())
+    await asyncio.sleep(0)
+    assert not waiting.done(), "policy's next update starts only once p1 ends"
+    book.finish(first.request, _result("p1"))
+    assert (await asyncio.wait_for(waiting, 1.0)).update_id == "p2"
+
+
+async def test_at_most_max_running_run_and_one_pause_at_a_time() -> None:
+    book = UpdateBook(max_running=2)
+    paused = [
+        CheckedRequest(
+            request=_request(f"x{i}", adapter=f"x{i}", version=1),
+            path="/a",
+            live=False,
+            replace=False,
+            keep=2,
+        )
+        for i in range(2)
+    ]
+    live = CheckedRequest(
+        request=_request("l1", adapter="l", version=1), path="/a", live=True, replace=False, keep=2
+    )
+    for checked in [*paused, live]:
+        book.submit(checked)
+
+    assert (await book.next_request()).update_id == "x0"
+    assert (await asyncio.wait_for(book.next_request(), 1.0)).update_id == "l1", (
+        "a pause-mode update waits while another pauses the fleet; a live one goes by"
+    )
+    third = asyncio.ensure_future(book.next_request())
+    await asyncio.sleep(0)
+    assert not third.done(), "two run already: max_running"
+    book.finish(live.request, _result("l1"))
+    await asyncio.sleep(0)
+    assert not third.done(), "x1 still waits for x0's pause to end"
+    book.finish(paused[0].request, _result("x0"))
+    assert (await asyncio.wait_for(third, 1.0)).update_id == "x1"
 
 
 async def test_supersession_is_answered_on_arrival_both_ways() -> None:
@@ -175,10 +246,10 @@ async def test_supersession_is_answered_on_arrival_both_ways() -> None:
     assert book.take_settled() == []
 
 
-async def _run_one(book: UpdateBook) -> None:
+async def _run_one(book: UpdateBook) -> CheckedRequest:
     """Make the book busy with a running update, so that others queue."""
     book.submit(_queued("running", adapter="running", version=1))
-    await book.next_request()
+    return await book.next_request()
 
 
 async def test_a_stored_result_carries_its_path_once_the_version_is_no_longer_committed() -> None:

@@ -82,7 +82,7 @@ async def test_a_commit_is_recorded_in_full_before_its_answer_and_announced_afte
                         order.append(seen[msg.subject])
                     elif msg.subject.startswith(f"{results}."):
                         order.append("result")  # no other update ran
-                    elif msg.subject == f"{state}.inflight":
+                    elif msg.subject == f"{state}.inflight.policy":
                         cleared = (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE")
                         if cleared:
                             order.append("in flight cleared")

@@ -72,7 +72,7 @@ def _inflight_records(fleet: InMemoryFleet) -> list[InflightRecord]:
     bucket = fleet.server.buckets[fleet.subjects.state_bucket()]
     return [
         msgspec.json.decode(entry.value, type=InflightRecord)
-        for entry in bucket.history("inflight")
+        for entry in bucket.history("inflight.policy")
         if entry.value
     ]
 

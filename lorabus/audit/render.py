@@ -69,7 +69,7 @@ def update_progress_text(update_id: str, status: FleetStatus | None) -> str:
     elif status.in_flight is None:
         line = "waiting for a coordinator to run it"
     elif status.in_flight != update_id:
-        line = f"queued behind update {status.in_flight}"
+        line = _beside_others(update_id, status)
     elif status.in_flight_phase is None:
         line = (
             f"quorum: live world size {status.live_world_size} of "
@@ -83,6 +83,17 @@ def update_progress_text(update_id: str, status: FleetStatus | None) -> str:
         if status.waiting:
             line += "; waiting for " + _names(status.waiting)
     return printable(f"update {update_id}: {line}")
+
+
+def _beside_others(update_id: str, status: FleetStatus) -> str:
+    """Where an update stands that is not the one running longest: running
+    beside it (another adapter's), or queued."""
+    running = {update.update_id: update for update in status.running}
+    if update_id in running:
+        phase = running[update_id].phase or "quorum"
+        return f"{phase} (beside {len(running) - 1} other update(s) running)"
+    ids = list(running) or [status.in_flight or ""]
+    return f"queued behind update {_names(ids)}"
 
 
 def _names(names: Sequence[str], shown: int = 8) -> str:
@@ -173,6 +184,13 @@ def status_text(status: FleetStatus, *, now: float | None = None) -> str:
             waiting = f" (waiting for {', '.join(status.waiting)})" if status.waiting else ""
             progress = f": {status.in_flight_phase}, {len(status.acked)}/{total} acked{waiting}"
         lines.append(f"update in flight: {status.in_flight}{progress}")
+        others = [
+            f"{update.update_id} ({update.adapter}, {update.phase or 'quorum'})"
+            for update in status.running
+            if update.update_id != status.in_flight
+        ]
+        if others:
+            lines.append(f"also running: {_names(others)}")
     if status.trimmed:
         lines.append(_trimmed_note(status.trimmed))
     lines.extend(adapters_text(status, now=time.time() if now is None else now))

@@ -80,7 +80,7 @@ def sample(
 def names(
     *, committed: CommittedRecord | None = None, flight: InflightRecord | None = None
 ) -> dict[str, frozenset[str]]:
-    return record_names({"policy": committed} if committed else {}, {}, flight)
+    return record_names({"policy": committed} if committed else {}, {}, [flight] if flight else [])
 
 
 def request(
@@ -238,7 +238,7 @@ def test_records_name_what_they_keep_and_a_path_on_a_filesystem_names_nothing() 
         digest=D2,
     )
 
-    found = record_names({"policy": point, "disk": on_disk}, {"other": reset}, flight)
+    found = record_names({"policy": point, "disk": on_disk}, {"other": reset}, [flight])
     by_digest: dict[str, list[str]] = {}
     for name, digests in found.items():
         for digest in digests:
@@ -254,4 +254,4 @@ def test_records_name_what_they_keep_and_a_path_on_a_filesystem_names_nothing() 
     assert not any("disk" in n for n in found)
     assert "update u7 in flight (policy v6)" in by_digest[D3]
     # A reset's kept versions count only while its adapter has no commit point.
-    assert not any("reset" in n for n in record_names({"other": point}, {"other": reset}, None))
+    assert not any("reset" in n for n in record_names({"other": point}, {"other": reset}))

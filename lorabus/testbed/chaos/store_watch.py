@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Iterable
 
 import msgspec
 import nats.errors
@@ -49,13 +50,13 @@ _LIST_TIMEOUT_S = 5.0
 def record_names(
     committed: dict[str, CommittedRecord],
     resets: dict[str, ResetRecord],
-    in_flight: InflightRecord | None,
+    in_flight: Iterable[InflightRecord] = (),
 ) -> dict[str, frozenset[str]]:
     """What each record keeps in the store, by a name of the record that is
     the same in two reads only if the record is: each adapter's committed
     version and the versions kept beside it, the versions a reset kept (while
-    its adapter has no commit point), and the update in flight (its adapter,
-    and the commit it carries)."""
+    its adapter has no commit point), and every update in flight (its
+    adapter, and the commit it carries)."""
     names: dict[str, set[str]] = {}
 
     def keep(name: str, path_or_digest: str | None) -> None:
@@ -73,12 +74,10 @@ def record_names(
         of = f"the reset of {adapter} to lineage {reset.lineage} ({_fingerprint(reset)})"
         for kept in reset.kept:
             keep(f"{adapter} v{kept.version}, kept by {of}", _digest(kept.path))
-    if in_flight is not None:
-        update = (
-            f"update {in_flight.update_id} in flight ({in_flight.adapter} v{in_flight.version})"
-        )
-        keep(update, _digest(in_flight.path))
-        carried = in_flight.committing
+    for flight in in_flight:
+        update = f"update {flight.update_id} in flight ({flight.adapter} v{flight.version})"
+        keep(update, _digest(flight.path))
+        carried = flight.committing
         if carried is not None:
             commit = f"the commit of {carried.adapter} v{carried.version} that {update} carries"
             keep(
@@ -107,7 +106,7 @@ async def read_names(records: FleetStore) -> dict[str, frozenset[str]]:
     """What the state bucket's records keep now (:func:`record_names`).
     StoreUnavailable when one cannot be read."""
     committed, resets = await records.read_adapter_records()
-    return record_names(committed, resets, await records.read_inflight())
+    return record_names(committed, resets, await records.read_inflights())
 
 
 class StoreWatcher:
