@@ -167,23 +167,33 @@ class CommandQueue:
         # A resume has its whole budget whenever it runs: time spent queued
         # behind a load must not fail it and leave the engine paused.
         waited = 0.0 if isinstance(command, ResumeCommand) else now() - received
-        ack = await self._executor.execute(command, command.budget_s - waited)
+        holding = self._shared(command)
+        ack = await self._executor.execute(
+            command, command.budget_s - waited, shared_pause=bool(holding)
+        )
         self._queued.discard(key)
         self._acks[key] = ack
         while len(self._acks) > _REMEMBERED_ACKS:
             self._acks.popitem(last=False)
         match command:
             case PauseCommand(lease_s=lease_s) if ack.ok or self._executor.maybe_paused:
-                self._lease.arm(command.update_id, self.lease_length(lease_s))
+                lease_s = self.lease_length(lease_s)
+                self._lease.arm(command.update_id, lease_s, command.shared_with, command.epoch)
+            case ResumeCommand() if ack.ok and holding and self._executor.paused:
+                self._lease.release(command.update_id)
             case ResumeCommand() if ack.ok and not self._executor.maybe_paused:
                 self._lease.release()
         if isinstance(command, ResumeCommand) and log.isEnabledFor(logging.INFO):
             # One line per update: its end, as this engine saw it.
+            if holding and ack.ok:
+                outcome = f"resume held: the pause of {', '.join(holding)} holds the engine"
+            else:
+                outcome = "resumed" if ack.ok else f"resume failed: {ack.error}"
             log.info(
                 "worker=%s update=%s %s; engine serves %s",
                 self._worker_id,
                 command.update_id,
-                "resumed" if ack.ok else f"resume failed: {ack.error}",
+                outcome,
                 ", ".join(self._executor.adapters) or "no adapter",
             )
             # After an unanswered pause the lease runs on past the resume:
@@ -194,6 +204,19 @@ class CommandQueue:
         if publish:
             await self._bus.publish_ack(ack)
         return ack
+
+    def _shared(self, command: PhasedCommand) -> list[str]:
+        """The other updates of ``command``'s round that hold the engine paused
+        now: a pause of the round need not ask the engine again, and a resume
+        leaves it paused for them (the last one's resumes it)."""
+        match command:
+            case ResumeCommand():
+                return self._lease.held_by_others(command.update_id, command.epoch)
+            case PauseCommand(shared_with=shared_with) if shared_with:
+                mates = set(shared_with)
+                holding = self._lease.held_by_others(command.update_id, command.epoch)
+                return [u for u in holding if u in mates]
+        return []
 
     def _unpaused_for(self, load: LoadCommand) -> ErrorInfo | None:
         """Why a load meant for an engine its update's pause paused cannot run

@@ -72,6 +72,10 @@ from lorabus.schemas import (
 
 log = logging.getLogger(__name__)
 
+PREPARED_KEPT = 16
+"""Prepared digests held for their loads to come: as many updates as a
+coordinator runs at once by default (``--max-concurrent``)."""
+
 SETUP_RECHECK_S = 30.0
 """How often an engine without a known set-up problem is asked again: one
 restarted without a flag shows within this (or at its first failed command)."""
@@ -122,12 +126,15 @@ class CommandExecutor:
         self._from_cache: dict[str, set[str]] = {}
         """Served name -> digests of the cache the engine may serve under it
         (a predecessor's record at first: its engine serves on)."""
-        self._prepared: set[str] = set()
-        """Digests fetched for a load to come."""
+        self._prepared: dict[str, None] = {}
+        """Digests fetched for a load to come, oldest first: those of the last
+        ``PREPARED_KEPT`` prepares (updates of different adapters prepare at
+        once; one whose load never comes is let go after as many more)."""
         self._loading = ""
         """The name a load from the cache is loading now."""
         if cache_keeper is not None:
-            self._from_cache, self._prepared = cache_keeper.held_here()
+            self._from_cache, prepared = cache_keeper.held_here()
+            self._prepared = dict.fromkeys(sorted(prepared))
         self.committed_names: frozenset[str] = frozenset()
         """Each adapter's committed served name, as the agent last learnt them:
         a load must not make the engine drop one."""
@@ -180,13 +187,20 @@ class CommandExecutor:
         return bool(self.setup_problem) or checked is None or now() - checked >= SETUP_RECHECK_S
 
     async def execute(
-        self, command: PhasedCommand, budget_s: float, *, retire: bool = False
+        self,
+        command: PhasedCommand,
+        budget_s: float,
+        *,
+        retire: bool = False,
+        shared_pause: bool = False,
     ) -> Ack:
         """Run ``command`` within ``budget_s`` seconds and return its ack.
 
         ``retire``: an unload of versions the last read-back listed, done with
         one call per name and no read-back (the engine's list is refreshed
-        only if a call fails).
+        only if a call fails). ``shared_pause``: another update of its round
+        holds the engine paused, so a pause of a paused engine does not ask it
+        again, and a resume leaves it paused; both succeed.
         """
         started = now()
         error: ErrorInfo | None = None
@@ -194,7 +208,7 @@ class CommandExecutor:
         self.dropped_committed = []
         try:
             async with asyncio.timeout(max(budget_s, 0.0)):
-                await self._run(command, budget_s, retire=retire)
+                await self._run(command, budget_s, retire=retire, shared_pause=shared_pause)
         except TimeoutError:
             error = ErrorInfo(
                 code=ErrorCode.PHASE_TIMEOUT,
@@ -261,12 +275,19 @@ class CommandExecutor:
             epoch=command.epoch,
         )
 
-    async def _run(self, command: PhasedCommand, budget_s: float, *, retire: bool) -> None:
+    async def _run(
+        self, command: PhasedCommand, budget_s: float, *, retire: bool, shared_pause: bool
+    ) -> None:
         match command:
             case PrepareCommand(digest=digest):
-                self._prepared = {digest}  # the last prepare's: the load to come
+                self._prepared.pop(digest, None)
+                self._prepared[digest] = None  # newest last
+                for oldest in list(self._prepared)[:-PREPARED_KEPT]:
+                    del self._prepared[oldest]
                 self._hold()
                 await self._from_store(digest, budget_s)
+            case PauseCommand() | ResumeCommand() if shared_pause and self.paused:
+                pass  # another update of its round holds the engine paused
             case PauseCommand():
                 try:
                     await self.driver.pause()
@@ -343,7 +364,7 @@ class CommandExecutor:
         finally:
             self._loading = ""
         self._from_cache[name] = {digest}
-        self._prepared.discard(digest)
+        self._prepared.pop(digest, None)
 
     def _hold(self) -> None:
         """Tell the cache keeper what the engine may serve from the cache and
@@ -355,7 +376,7 @@ class CommandExecutor:
         if self._listed:
             listed = set(self._adapters) | {self._loading}
             self._from_cache = {n: d for n, d in self._from_cache.items() if n in listed}
-        self.cache_keeper.hold(self._from_cache, self._prepared)
+        self.cache_keeper.hold(self._from_cache, list(self._prepared))
 
     def _check_names(self, names: list[str]) -> None:
         """Refuse the command if a name could leave its place in an engine URL."""

@@ -3,8 +3,12 @@
 Updates of different adapters run at once, those of one adapter one at a
 time: :meth:`UpdateBook.next_request` hands out, in arrival order, the first
 queued request whose adapter has no update running, while fewer than
-``max_running`` run, and a pause-mode one only while no other pause-mode
-update runs (each pauses the whole fleet; a live one pauses nothing).
+``max_running`` run. Pause-mode updates run in rounds, as each pauses the
+whole fleet: when none runs, the pause-mode requests queued then (one per
+adapter) form a round, which starts together and shares one pause of the
+fleet (each names the others, :meth:`UpdateBook.round_of`); later ones wait
+for the next round, once the whole round has ended, so the engines resume
+between rounds. A live update pauses nothing and runs beside them.
 Requests wait at most ``max_queued`` per adapter and ``max_queued_total`` in
 all: one more is answered ``busy``, saying which bound is full, at once and
 not kept, so the same request may simply come again. A request
@@ -135,6 +139,8 @@ class UpdateBook:
         """Each adapter's lineage, where this term has learned it."""
         self._running: dict[str, CheckedRequest] = {}
         """The updates running, by adapter, in the order they started."""
+        self._round: list[str] = []
+        """The ids of the pause-mode round that runs (or ran last)."""
         self._results: OrderedDict[str, UpdateResult] = OrderedDict()
         self._unpersisted: dict[str, UpdateResult] = {}
         self._requests: OrderedDict[str, UpdateRequest] = OrderedDict()
@@ -290,22 +296,47 @@ class UpdateBook:
         while (checked := self._startable()) is None:
             self._changed.clear()
             await self._changed.wait()
+        if not checked.live and not self._pausing():
+            self._round = self._next_round()
         self._queue.remove(checked)
         self._running[checked.adapter] = checked
         return checked
 
+    def round_of(self, update_id: str) -> list[str]:
+        """The other updates of ``update_id``'s pause-mode round: its pause is
+        shared with theirs."""
+        if update_id not in self._round:
+            return []
+        return [other for other in self._round if other != update_id]
+
+    def _pausing(self) -> bool:
+        return any(not running.live for running in self._running.values())
+
     def _startable(self) -> CheckedRequest | None:
         if len(self._running) >= self.max_running:
             return None
-        pausing = any(not running.live for running in self._running.values())
+        pausing = self._pausing()
         passed: set[str] = set()  # an adapter's requests start in the order they came
         for checked in self._queue:
             if checked.adapter in passed or checked.adapter in self._running:
                 continue
-            if checked.live or not pausing:
+            if checked.live or not pausing or checked.update_id in self._round:
                 return checked
             passed.add(checked.adapter)
         return None
+
+    def _next_round(self) -> list[str]:
+        """The pause-mode requests that start together now: the first queued
+        request of each adapter with none running, where it is a pause-mode
+        one, as many as may run."""
+        seen = set(self._running)
+        members: list[str] = []
+        for checked in self._queue:
+            if checked.adapter not in seen:
+                seen.add(checked.adapter)
+                if not checked.live:
+                    members.append(checked.update_id)
+        return members[: self.max_running - len(self._running)]
 
     def finish(
         self, request: UpdateRequest, result: UpdateResult, *, persisted: bool = True

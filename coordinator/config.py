@@ -94,8 +94,8 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     max_queued_total: int = 256
     """Update requests that may wait in all, of every adapter; more are answered ``busy``."""
     max_concurrent: int = 16
-    """Updates of different adapters that may run at once (one of them at
-    most in pause mode: each pauses the whole fleet)."""
+    """Updates of different adapters that may run at once (pause-mode ones
+    in rounds that share one pause of the fleet, ``book.py``)."""
     min_heartbeat_s: float = 0.05
     max_heartbeat_s: float = 60.0
     """Heartbeat periods outside this range are dropped as bad messages: a huge

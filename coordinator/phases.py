@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -195,10 +195,12 @@ class Commands:
         *,
         then_load: LoadSpec | None = None,
         opened: PhaseGather | None = None,
+        shared_with: Sequence[str] = (),
     ) -> PhaseOutcome:
         """One broadcast to the targets that took a pause of this term, by name
         to the others; each carries the load ``then_load``, if any
-        (``opened``: the pause's gather, opened by the caller).
+        (``opened``: the pause's gather, opened by the caller), and names the
+        updates it shares the pause with (``shared_with``).
 
         An agent takes a broadcast pause only once a pause of that term named
         it, so only workers this coordinator counted act on one, and the
@@ -224,6 +226,7 @@ class Commands:
             sorted(self._named_this_term | named),
             lease_s=self.config.pause_lease_s,
             then_load=then_load,
+            shared_with=list(shared_with),
         )
         pause = await self.phase(command, targets, by_name=by_name, gather=Gathering(opened=opened))
         for worker_id, ack in pause.acks.items():

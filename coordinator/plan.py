@@ -62,6 +62,8 @@ class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
     keep: int
     """How many of the adapter's newest versions, this one among them, engines
     serve once it commits (``CheckedRequest.keep``)."""
+    shared_with: list[str] = []
+    """The other updates of its pause-mode round, whose pause it shares (``book.py``)."""
 
 
 class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -296,7 +296,13 @@ class UpdateRun:
     ) -> PhaseOutcome:
         await self._in_flight.record(Phase.PAUSE, self.members)
         return await self._timed(
-            self.commands.pause(self.plan.update_id, targets, then_load=then_load, opened=opened)
+            self.commands.pause(
+                self.plan.update_id,
+                targets,
+                then_load=then_load,
+                opened=opened,
+                shared_with=self.plan.shared_with,
+            )
         )
 
     async def _load(

@@ -29,6 +29,8 @@ import logging
 import time
 from typing import NoReturn
 
+import msgspec
+
 from lorabus.coordinator.adapter_store import kept_beside
 from lorabus.coordinator.book import committed_result, failed_result
 from lorabus.coordinator.commit import Executed, committed_notice, conclude, deposed_result
@@ -88,7 +90,10 @@ async def _execute(term: Term, runner: UpdateRunner, checked: CheckedRequest) ->
     request = checked.request
     try:
         committed = await _committed_now(term, request.adapter)
-        plan = checked.plan(committed, await lineage(term, request.adapter, committed))
+        plan = msgspec.structs.replace(
+            checked.plan(committed, await lineage(term, request.adapter, committed)),
+            shared_with=term.book.round_of(request.update_id),
+        )
         if committed is not None and is_committed(committed, plan.version, plan.path):
             return Executed(committed_result(request.update_id, committed))
         ran = await runner.run(plan)

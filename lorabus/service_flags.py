@@ -216,7 +216,8 @@ COORDINATOR_FLAGS = (
     Flag(
         "max_concurrent",
         "--max-concurrent",
-        "Updates of different adapters that may run at once (at most one of them in pause mode).",
+        "Updates of different adapters that may run at once (pause-mode ones in rounds "
+        "that share one pause of the fleet).",
         int,
     ),
     Flag("naming", "--naming", "Served names.", click.Choice([n.value for n in Naming])),

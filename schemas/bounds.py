@@ -42,6 +42,9 @@ Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
 Interval = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
 WorkerIds = Annotated[list[WorkerId], msgspec.Meta(max_length=MAX_NAMES)]
 Names = Annotated[list[Name], msgspec.Meta(max_length=MAX_NAMES)]
+MAX_SHARED_PAUSE = 1024
+"""Updates one pause may be shared with (a round of pause-mode updates)."""
+UpdateIds = Annotated[list[UpdateId], msgspec.Meta(max_length=MAX_SHARED_PAUSE)]
 MAX_KEEP = 64
 """The most versions of one adapter a request may ask engines to keep."""
 Keep = Annotated[int, msgspec.Meta(ge=1, le=MAX_KEEP)]

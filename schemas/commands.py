@@ -22,6 +22,7 @@ from lorabus.schemas.bounds import (
     Seconds,
     SeenDigest,
     UpdateId,
+    UpdateIds,
     Version,
     WorkerIds,
 )
@@ -94,6 +95,11 @@ class PauseCommand(_Command, frozen=True, kw_only=True, tag="pause"):
     update. The agent acks the pause, then the load (as a :class:`LoadCommand`
     with ``after_pause``), or both in one ack (``then_load.ack_hold_s``); a
     failed pause fails the load too, and is acked at once."""
+    shared_with: UpdateIds = []
+    """The other updates of its round (pause-mode updates of other adapters
+    that started with it): the agent keeps its engine paused until each of
+    them, and this one, has resumed it, or its lease has run out; a pause
+    drops every hold it does not share with."""
 
 
 class LoadCommand(_Command, frozen=True, kw_only=True, tag="load"):

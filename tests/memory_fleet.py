@@ -109,7 +109,7 @@ class ListingFrontend:
         if self.first_look is None:
             self.first_look = sorted(w for w, e in self.engines.items() if model in e.adapters)
         self.asked.append(model)
-        for prefix, released in self.holds.items():
+        for prefix, released in list(self.holds.items()):
             if model.startswith(prefix):
                 try:
                     await asyncio.wait_for(released.wait(), timeout_s)

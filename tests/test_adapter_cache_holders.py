@@ -25,6 +25,7 @@ from lorabus.adapters.store import bus_path
 from lorabus.agents import CommandExecutor
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.cache_holders import HOLDER_MAX_AGE_S, CacheKeeper
+from lorabus.agents.executor import PREPARED_KEPT
 from lorabus.schemas import LoadCommand, PauseCommand, PrepareCommand
 
 DAY_S = 24 * 3600.0
@@ -173,20 +174,22 @@ async def test_an_entry_is_held_before_its_load_fetches_it_and_while_the_engine_
     assert prune(cache_dir) == [old]
 
 
-async def test_a_prepared_adapter_is_held_for_the_load_to_come(
+async def test_prepared_adapters_are_held_for_their_loads_to_come(
     store: Store, cache_dir: Path
 ) -> None:
-    """Until the next prepare: an update that failed before its load holds one
-    adapter a little longer, never more."""
-    first, second = store.add(b"first"), store.add(b"second")
+    """Updates of different adapters prepare at once: each prepared adapter is
+    held for its load, until as many more prepares have come as a
+    coordinator runs updates at once (an update that failed before its load
+    holds one a little longer, never for ever)."""
+    digests = [store.add(f"adapter {i}".encode()) for i in range(PREPARED_KEPT + 1)]
     executor = agent(cache_dir, store, MemoryEngine())
-    for digest in (first, second):
+    for digest in digests:
         prepare = PrepareCommand(
             update_id=digest, budget_s=10, path=bus_path(digest), digest=digest
         )
         assert (await executor.execute(prepare, 10)).ok
-        prune(cache_dir)
-        assert entries(cache_dir) == {digest}
+    prune(cache_dir)
+    assert entries(cache_dir) == set(digests[1:]), "the oldest is let go, the others held"
 
 
 async def test_an_entry_renamed_away_while_a_prune_looks_is_skipped(

@@ -20,7 +20,7 @@ from memory_fleet import InMemoryFleet
 from store_helpers import in_flight_of
 
 from lorabus.coordinator.store import FleetStore
-from lorabus.schemas import ErrorCode, UpdateMode, UpdateResult
+from lorabus.schemas import ErrorCode, PauseCommand, UpdateMode, UpdateResult
 
 pytestmark = pytest.mark.looptime
 
@@ -140,6 +140,41 @@ async def test_pause_mode_updates_of_two_adapters_never_pause_together(
         assert not engine.paused
 
 
+async def test_pause_mode_updates_queued_together_share_one_pause_of_each_engine(
+    open_fleet: OpenFleet,
+) -> None:
+    """Three tenants' pause-mode updates queue while another round runs; when
+    it ends they start as one round: each engine pauses once for all three
+    (each pause names the others), loads the three versions, and resumes
+    once the last of them has resumed it."""
+    fleet = await open_fleet(mode=UpdateMode.PAUSE)
+    release = _held(fleet, "zeta")
+    first = _update(fleet, "zeta", 1)
+    await _until(lambda: _asked_for(fleet, "zeta"))
+    tenants = [_update(fleet, adapter, 1) for adapter in ("alpha", "beta", "gamma")]
+    await _until(lambda: fleet.coordinator.book.queued == 3)
+    release.set()
+    results = await asyncio.wait_for(asyncio.gather(first, *tenants), DEADLINE_S)
+
+    assert all(result.committed for result in results), results
+    for worker_id, engine in fleet.engines.items():
+        calls = [call for call in engine.calls if call in ("pause", "resume")]
+        # zeta's round, then one pause and one resume for the three.
+        assert calls[calls.index("pause") :] == ["pause", "resume"] * 2, (worker_id, calls)
+        assert {"alpha-v1", "beta-v1", "gamma-v1"} <= set(engine.adapters)
+        assert not engine.paused
+    pauses = [
+        command
+        for _, command in fleet.commands
+        if isinstance(command, PauseCommand) and command.update_id != "zeta-1"
+    ]
+    assert {c.update_id: sorted(c.shared_with) for c in pauses} == {
+        "alpha-1": ["beta-1", "gamma-1"],
+        "beta-1": ["alpha-1", "gamma-1"],
+        "gamma-1": ["alpha-1", "beta-1"],
+    }
+
+
 async def test_a_successor_rolls_back_every_update_in_flight_and_each_requester_hears(
     open_fleet: OpenFleet,
 ) -> None:
@@ -169,3 +204,38 @@ async def test_a_successor_rolls_back_every_update_in_flight_and_each_requester_
         asyncio.gather(_update(fleet, "alpha", 2), _update(fleet, "beta", 2)), DEADLINE_S
     )
     assert all(result.committed for result in after), after
+
+
+async def test_a_successor_rolls_back_a_round_that_shares_a_pause_and_every_engine_resumes(
+    open_fleet: OpenFleet,
+) -> None:
+    """Two pause-mode updates share one pause of each engine when the leader's
+    link goes silent in their verify. The standby's resumes (of its own, later
+    term) do not wait for the dead term's holds: every engine resumes, well
+    before its pause lease runs out, and both requesters hear the roll-back."""
+    fleet = await open_fleet(mode=UpdateMode.PAUSE, leader_lease_s=2.0, pause_lease_s=300)
+    standby = await fleet.start_coordinator("c2", leader_lease_s=2.0, pause_lease_s=300)
+    release = _held(fleet, "zeta")
+    first = _update(fleet, "zeta", 1)
+    await _until(lambda: _asked_for(fleet, "zeta"))
+    for adapter in ("alpha", "beta"):
+        _held(fleet, adapter)
+    asked = [_update(fleet, adapter, 1) for adapter in ("alpha", "beta")]
+    await _until(lambda: fleet.coordinator.book.queued == 2)
+    release.set()
+    assert (await asyncio.wait_for(first, DEADLINE_S)).committed
+    await _until(lambda: _asked_for(fleet, "alpha") and _asked_for(fleet, "beta"))
+    assert all(engine.paused for engine in fleet.engines.values())
+    cut_at = asyncio.get_running_loop().time()
+    fleet.connections["coordinator"].cut()
+
+    answers = await asyncio.wait_for(asyncio.gather(*asked), DEADLINE_S)
+    for answer in answers:
+        assert answer.error is not None and answer.error.code == ErrorCode.FAILOVER, answer
+    assert standby.leading.is_set()
+    await _until(lambda: not any(engine.paused for engine in fleet.engines.values()))
+    assert asyncio.get_running_loop().time() - cut_at < 60, (
+        "resumed by its lease, not the roll-back"
+    )
+    for engine in fleet.engines.values():
+        assert not {"alpha-v1", "beta-v1"} & set(engine.adapters), engine.adapters

@@ -140,3 +140,54 @@ async def test_a_watch_cancelled_leaves_no_timer_behind() -> None:
     await asyncio.sleep(20)
     assert expiries.seen == []
     assert lease.state is LeaseState.HELD  # nobody ran it out: no timer fired
+
+
+async def test_a_shared_pause_holds_until_every_update_of_its_round_let_it_go(
+    watched: tuple[PauseLease, Expiries],
+) -> None:
+    lease, expiries = watched
+    lease.arm("a", 10, epoch=1)
+    lease.arm("b", 10, shared_with=["a", "c"], epoch=1)
+    lease.arm("c", 10, shared_with=["a", "b"], epoch=1)
+    assert lease.held_by_others("a", 1) == ["b", "c"]
+    lease.release("a")
+    lease.release("b")
+    assert lease.state is LeaseState.HELD and lease.held_by_others("c", 1) == []
+    lease.release("c")
+    assert lease.state is LeaseState.RELEASED
+    await asyncio.sleep(3600)
+    assert expiries.seen == []
+
+
+async def test_one_hold_of_a_round_that_runs_out_leaves_the_others_holding(
+    watched: tuple[PauseLease, Expiries],
+) -> None:
+    lease, expiries = watched
+    lease.arm("a", 10)
+    lease.arm("b", 10, shared_with=["a"])
+    for _ in range(3):
+        await asyncio.sleep(8)
+        lease.renew("b", 10)
+    assert expiries.seen == [] and lease.held_by_others("x") == ["b"]
+    await asyncio.sleep(11)
+    assert [update_id for update_id, _ in expiries.seen] == ["b"]
+
+
+async def test_a_pause_not_shared_drops_the_holds_before_it(
+    watched: tuple[PauseLease, Expiries],
+) -> None:
+    lease, _ = watched
+    lease.arm("a", 10)
+    lease.arm("b", 10, shared_with=["a"])
+    lease.arm("c", 10)  # its own round: a and b's resumes were lost
+    assert lease.held_by_others("c") == []
+
+
+async def test_a_later_terms_resume_does_not_wait_for_an_earlier_terms_holds(
+    watched: tuple[PauseLease, Expiries],
+) -> None:
+    lease, _ = watched
+    lease.arm("a", 10, epoch=1)
+    lease.arm("b", 10, shared_with=["a"], epoch=1)
+    assert lease.held_by_others("a", 1) == ["b"]
+    assert lease.held_by_others("unknown-2", 2) == [], "a new leader resumes the engine"

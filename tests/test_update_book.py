@@ -199,36 +199,56 @@ async def test_updates_of_different_adapters_start_together_and_one_adapters_in_
     assert (await asyncio.wait_for(waiting, 1.0)).update_id == "p2"
 
 
-async def test_at_most_max_running_run_and_one_pause_at_a_time() -> None:
-    book = UpdateBook(max_running=2)
-    paused = [
-        CheckedRequest(
-            request=_request(f"x{i}", adapter=f"x{i}", version=1),
-            path="/a",
-            live=False,
-            replace=False,
-            keep=2,
-        )
-        for i in range(2)
-    ]
+def _paused(update_id: str, adapter: str) -> CheckedRequest:
+    request = _request(update_id, adapter=adapter, version=1)
+    return CheckedRequest(request=request, path="/a", live=False, replace=False, keep=2)
+
+
+async def test_pause_mode_requests_queued_together_start_as_one_round() -> None:
+    """A round shares one pause of the fleet: each of its updates names the
+    others. One that comes during the round waits until the whole round has
+    ended, so the engines resume between rounds; a live one goes by."""
+    book = UpdateBook(max_running=8)
+    first = [_paused(f"x{i}", f"x{i}") for i in range(3)]
+    for checked in first:
+        book.submit(checked)
+
+    started = [(await book.next_request()).update_id for _ in range(3)]
+    assert started == ["x0", "x1", "x2"]
+    assert book.round_of("x1") == ["x0", "x2"]
+    late = _paused("y0", "y")
+    book.submit(late)
     live = CheckedRequest(
         request=_request("l1", adapter="l", version=1), path="/a", live=True, replace=False, keep=2
     )
-    for checked in [*paused, live]:
+    book.submit(live)
+    assert (await asyncio.wait_for(book.next_request(), 1.0)).update_id == "l1"
+    waiting = asyncio.ensure_future(book.next_request())
+    for checked in first[:2]:
+        book.finish(checked.request, _result(checked.update_id))
+    await asyncio.sleep(0)
+    assert not waiting.done(), "y0 waits for the whole round to end"
+    book.finish(first[2].request, _result("x2"))
+    assert (await asyncio.wait_for(waiting, 1.0)).update_id == "y0"
+    assert book.round_of("y0") == []
+
+
+async def test_at_most_max_running_run() -> None:
+    book = UpdateBook(max_running=2)
+    paused = [_paused(f"x{i}", f"x{i}") for i in range(3)]
+    for checked in paused:
         book.submit(checked)
 
-    assert (await book.next_request()).update_id == "x0"
-    assert (await asyncio.wait_for(book.next_request(), 1.0)).update_id == "l1", (
-        "a pause-mode update waits while another pauses the fleet; a live one goes by"
-    )
+    assert [(await book.next_request()).update_id for _ in range(2)] == ["x0", "x1"]
+    assert book.round_of("x0") == ["x1"], "a round is as large as may run"
     third = asyncio.ensure_future(book.next_request())
     await asyncio.sleep(0)
     assert not third.done(), "two run already: max_running"
-    book.finish(live.request, _result("l1"))
-    await asyncio.sleep(0)
-    assert not third.done(), "x1 still waits for x0's pause to end"
     book.finish(paused[0].request, _result("x0"))
-    assert (await asyncio.wait_for(third, 1.0)).update_id == "x1"
+    await asyncio.sleep(0)
+    assert not third.done(), "x2 is not of the round: it waits for x1 too"
+    book.finish(paused[1].request, _result("x1"))
+    assert (await asyncio.wait_for(third, 1.0)).update_id == "x2"
 
 
 async def test_supersession_is_answered_on_arrival_both_ways() -> None:
