@@ -324,9 +324,10 @@ class Agent:
             if work.internal == "retire" and (
                 self.executor.paused or self._pause_received_at > work.received
             ):
-                # The next update goes first (an engine may refuse to unload while
-                # paused); the next commit names these versions again.
+                # The update goes first (an engine may refuse to unload while
+                # paused); retiring runs again once the engine is resumed.
                 log.debug("worker=%s put off retiring for a pause", self.worker_id)
+                parts.convergence.put_off(command)
                 continue
             if work.internal == "reconcile" and isinstance(command, LoadCommand):
                 if not parts.convergence.still_missing(command):
@@ -345,6 +346,8 @@ class Agent:
                 await parts.queue.pause_then_load(command, command.then_load, work.received)
                 continue
             await parts.queue.run(command, work.received)
+            if isinstance(command, ResumeCommand) and not self.executor.paused:
+                parts.convergence.retire_put_off()
 
     async def _after_internal(self, parts: _Parts, work: Work, ack: Ack) -> None:
         if work.internal == "reconcile":

@@ -36,6 +36,7 @@ import asyncio
 import logging
 import time
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
@@ -75,6 +76,9 @@ _RECORDS_PER_DEADLINE = 64
 """Commit points read, one after the other, within one read's deadline."""
 _RECONCILE_BUDGET_S = 60.0
 _RETIRE_BUDGET_S = 10.0
+_PUT_OFF_KEPT = 64
+"""Retirements put off for pauses, kept until the engine resumes (the
+newest: each names what its commit retires)."""
 """Retiring is housekeeping: it must not hold the next pause up for long."""
 _STUCK_AFTER_FAILURES = 3
 """Failed reloads of one served name in a row after which the agent says, in
@@ -109,6 +113,8 @@ class Convergence:
         self._round: set[str] = set()
         """Served names the current round of reloads has queued."""
         self._failures: dict[str, tuple[int, str]] = {}
+        self._put_off: list[UnloadCommand] = []
+        """Retiring that waited for a pause, run once the engine is resumed."""
         """Served name -> (failed reloads in a row, why the last one failed)."""
         self._parked: dict[str, str] = {}
         """Kept versions whose reload made the engine drop a committed version
@@ -322,18 +328,33 @@ class Convergence:
     def _retire(self, notice: CommittedNotice) -> None:
         """Unload the versions the fleet no longer keeps, behind whatever is
         queued; never one the engine must serve."""
-        keep = self._desired.names()
-        names = [n for n in notice.retire if n in self._executor.adapters and n not in keep]
-        if not names:
-            return
         unload = UnloadCommand(
             update_id=notice.update_id,
             targets=[self._worker_id],
             budget_s=_RETIRE_BUDGET_S,
             epoch=notice.epoch,
-            names=names,
+            names=notice.retire,
         )
-        self._queue.put_internal(unload, "retire")
+        self._queue_retiring(unload)
+
+    def put_off(self, unload: PhasedCommand) -> None:
+        """Retiring waited for an update's pause: it runs once the engine is
+        resumed (:meth:`retire_put_off`), as another adapter's commit may
+        not name these versions again for a long time."""
+        if isinstance(unload, UnloadCommand):
+            self._put_off = [*self._put_off, unload][-_PUT_OFF_KEPT:]
+
+    def retire_put_off(self) -> None:
+        """The engine was resumed: queue the retiring put off meanwhile."""
+        put_off, self._put_off = self._put_off, []
+        for unload in put_off:
+            self._queue_retiring(unload)
+
+    def _queue_retiring(self, unload: UnloadCommand) -> None:
+        keep = self._desired.names()
+        names = [n for n in unload.names if n in self._executor.adapters and n not in keep]
+        if names:
+            self._queue.put_internal(msgspec.structs.replace(unload, names=names), "retire")
 
     async def reconciled(self, load: LoadCommand, ack: Ack) -> None:
         """A reload ended (``ack``): count a failure towards

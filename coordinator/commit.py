@@ -103,8 +103,9 @@ async def conclude(term: Term, request: UpdateRequest, executed: Executed, start
         persisted = leading and await quietly(term.store.write_result(result))
     if leading and journalled is not None:
         await _clear_inflight(term, journalled)
-    term.metrics.update_seconds.observe(now() - started)
-    term.metrics.updates.labels(result.status).inc()
+    adapter = term.metrics.adapter_label(request.adapter)
+    term.metrics.update_seconds.labels(adapter).observe(now() - started)
+    term.metrics.updates.labels(result.status, adapter).inc()
     # Before the answer: a trail read once the answer is in holds the end of
     # the update (one publish, to the audit stream only).
     await term.bus.emit(term.finished(result))

@@ -15,6 +15,12 @@ from prometheus_client.registry import Collector
 from lorabus.coordinator.alerts import MemberAlerts
 from lorabus.coordinator.membership import Membership
 
+ADAPTER_LABELS = 64
+"""Adapters with series of their own: the first this process counts; later
+ones share the label ``other``. Adapter names come from requests, so an
+orchestrator naming thousands of adapters must not make thousands of series."""
+OTHER_ADAPTERS = "other"
+
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -23,7 +29,9 @@ class CoordinatorMetrics:
         self.registry = CollectorRegistry()
         self.update_seconds = Histogram(
             "lorabus_update_duration_seconds",
-            "Whole update, request taken to result.",
+            "Whole update, request taken to result, by adapter (the first "
+            f"{ADAPTER_LABELS} adapters; later ones as {OTHER_ADAPTERS!r}).",
+            ["adapter"],
             buckets=_SECONDS,
             registry=self.registry,
         )
@@ -42,10 +50,17 @@ class CoordinatorMetrics:
         )
         self.updates = Counter(
             "lorabus_updates",
-            "Updates by outcome (committed, failed).",
-            ["outcome"],
+            "Updates by outcome (committed, failed) and adapter (the first "
+            f"{ADAPTER_LABELS} adapters; later ones as {OTHER_ADAPTERS!r}).",
+            ["outcome", "adapter"],
             registry=self.registry,
         )
+        self.updates_running = Gauge(
+            "lorabus_updates_running",
+            "Updates running now (those of different adapters run at once).",
+            registry=self.registry,
+        )
+        self._adapter_labels: set[str] = set()
         self.acks = Counter(
             "lorabus_acks",
             "Acks by phase and outcome (ok, failed, missing).",
@@ -77,6 +92,16 @@ class CoordinatorMetrics:
             registry=self.registry,
         )
         self.registry.register(_MembershipCollector(membership, alerts))
+
+    def adapter_label(self, adapter: str) -> str:
+        """``adapter`` as a label value: its own for the first
+        :data:`ADAPTER_LABELS` adapters, :data:`OTHER_ADAPTERS` after."""
+        if adapter in self._adapter_labels:
+            return adapter
+        if len(self._adapter_labels) < ADAPTER_LABELS:
+            self._adapter_labels.add(adapter)
+            return adapter
+        return OTHER_ADAPTERS
 
 
 class _MembershipCollector(Collector):

@@ -64,11 +64,15 @@ async def run_updates(term: Term, runner: UpdateRunner) -> NoReturn:
 
 
 async def _run_one(term: Term, runner: UpdateRunner, checked: CheckedRequest) -> None:
-    async with term.adapter_turn(checked.adapter):
-        started = now()
-        executed = await _execute(term, runner, checked)
-        async with term.serial:
-            await conclude(term, checked.request, executed, started)
+    term.metrics.updates_running.inc()
+    try:
+        async with term.adapter_turn(checked.adapter):
+            started = now()
+            executed = await _execute(term, runner, checked)
+            async with term.serial:
+                await conclude(term, checked.request, executed, started)
+    finally:
+        term.metrics.updates_running.dec()
 
 
 def _first(group: BaseExceptionGroup[LeadershipLost]) -> LeadershipLost:

@@ -183,6 +183,26 @@ def test_a_pause_never_resumed_is_found_with_the_record_that_shows_it() -> None:
     assert "b" in violations[0].message and violations[0].seqs == [3]
 
 
+def test_a_shared_pause_held_by_one_update_of_its_round_ends_at_the_last_resume() -> None:
+    """Two updates share one pause of ``a``: the first's resume is held (its
+    ack says the engine stays paused), the second's resumes it. With the
+    second's resume missing, its pause was never resumed."""
+    held = msgspec.structs.replace(_ack("a", Phase.RESUME, "u1"), paused=True)
+    both = [
+        _started("u1"),
+        _started("u2"),
+        _ack("a", Phase.PAUSE, "u1"),
+        _ack("a", Phase.PAUSE, "u2"),
+        held,
+    ]
+
+    ended = [_finished("u1", status="failed"), _finished("u2", status="failed")]
+    assert verify(_trail(*both, _ack("a", Phase.RESUME, "u2"), *ended)) == []
+    violations = verify(_trail(*both, *ended))
+    assert [v.rule for v in violations] == ["unresumed_pause"]
+    assert "update u2" in violations[0].message, violations
+
+
 def test_a_pause_acked_inside_a_load_ack_and_never_resumed_is_found() -> None:
     """A quick load's ack carries its pause's (``with_pause``): that engine
     paused as surely as one whose pause was acked on its own."""

@@ -239,3 +239,33 @@ async def test_a_successor_rolls_back_a_round_that_shares_a_pause_and_every_engi
     )
     for engine in fleet.engines.values():
         assert not {"alpha-v1", "beta-v1"} & set(engine.adapters), engine.adapters
+
+
+async def test_retiring_put_off_by_another_adapters_pause_runs_once_the_engine_resumes(
+    open_fleet: OpenFleet,
+) -> None:
+    """alpha's v2 commits live while beta's pause holds every engine: the
+    agents put off unloading alpha-v1 (an engine may refuse to unload while
+    paused) and do it once beta's round resumes them, not at alpha's next
+    commit, which may never come."""
+    fleet = await open_fleet(mode=UpdateMode.PAUSE, keep=1)
+    assert (await asyncio.wait_for(_update(fleet, "alpha", 1), DEADLINE_S)).committed
+    release = _held(fleet, "beta")
+    beta = _update(fleet, "beta", 1)
+    await _until(lambda: _asked_for(fleet, "beta"))
+    live = await asyncio.wait_for(
+        fleet.client().update(
+            "alpha", "/adapters/alpha/2", version=2, update_id="alpha-2", mode=UpdateMode.LIVE
+        ),
+        DEADLINE_S,
+    )
+    assert live.committed, live
+    await asyncio.sleep(1.0)
+    assert all("alpha-v1" in engine.adapters for engine in fleet.engines.values()), (
+        "retired while paused"
+    )
+    release.set()
+    assert (await asyncio.wait_for(beta, DEADLINE_S)).committed
+    await _until(lambda: not any("alpha-v1" in e.adapters for e in fleet.engines.values()))
+    for engine in fleet.engines.values():
+        assert {"alpha-v2", "beta-v1"} <= set(engine.adapters)

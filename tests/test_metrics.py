@@ -12,6 +12,9 @@ from lorabus.agents.engine import InPlaceReplace
 from lorabus.agents.metrics import AgentMetrics, instrumented
 from lorabus.agents.vllm import VllmDriver
 from lorabus.cli.metrics_http import serving
+from lorabus.coordinator.alerts import MemberAlerts
+from lorabus.coordinator.membership import Membership
+from lorabus.coordinator.metrics import ADAPTER_LABELS, OTHER_ADAPTERS, CoordinatorMetrics
 from lorabus.errors import EngineError
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.natsserver import free_port
@@ -36,8 +39,9 @@ async def test_the_coordinator_exports_updates_phases_acks_and_membership(
         with serving(stack.coordinator.metrics.registry, port, host="127.0.0.1"):
             text = await _scrape(port)
 
-    assert 'lorabus_updates_total{outcome="committed"} 1.0' in text
-    assert "lorabus_update_duration_seconds_count 1.0" in text
+    assert 'lorabus_updates_total{adapter="policy",outcome="committed"} 1.0' in text
+    assert 'lorabus_update_duration_seconds_count{adapter="policy"} 1.0' in text
+    assert "lorabus_updates_running 0.0" in text
     for phase in ("pause", "load", "verify", "resume"):
         assert f'lorabus_phase_duration_seconds_count{{phase="{phase}"}} 1.0' in text
     assert 'lorabus_acks_total{outcome="ok",phase="load"} 2.0' in text
@@ -97,3 +101,13 @@ async def test_the_timed_driver_replaces_in_place_only_where_its_driver_does(
         text = await _scrape(port)
 
     assert 'lorabus_engine_call_seconds_count{operation="replace"} 1.0' in text
+
+
+def test_adapters_past_the_bound_share_one_label() -> None:
+    """Adapter names come from requests: the series per adapter are bounded."""
+    metrics = CoordinatorMetrics(Membership(), MemberAlerts())
+    labels = [metrics.adapter_label(f"a{i}") for i in range(ADAPTER_LABELS + 10)]
+
+    assert labels[:ADAPTER_LABELS] == [f"a{i}" for i in range(ADAPTER_LABELS)]
+    assert set(labels[ADAPTER_LABELS:]) == {OTHER_ADAPTERS}
+    assert metrics.adapter_label("a0") == "a0", "one seen before keeps its own"

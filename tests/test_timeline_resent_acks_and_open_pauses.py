@@ -329,3 +329,34 @@ def test_an_update_with_a_result_is_not_drawn_in_flight() -> None:
     assert not u1.unfinished and u2.unfinished
     assert u1.span == (10.0, 10.6), "a later update's records do not stretch this one"
     assert "unfinished" not in _sections(page) and "never resumed" not in _sections(page)
+
+
+def test_a_shared_pause_is_drawn_to_each_updates_own_resume_and_overlaps_are_named() -> None:
+    """Two updates of a round share ``a``'s pause: the first's resume is held
+    (its ack says the engine stays paused for the other), so only its own
+    pause ends there; the second's resume ends the second's. Each section
+    names the update that ran beside it (every section has its own axis)."""
+    held = msgspec.structs.replace(_ack("a", Phase.RESUME, 0.1, update="u1"), paused=True)
+    other = msgspec.structs.replace(_finished("u2", {"a": 2}), adapter="other-v1")
+    trail = _trail(
+        (10.0, _started("u1", {"a": 2})),
+        (10.0, _started("u2", {"a": 2})),
+        (10.1, _ack("a", Phase.PAUSE, 0.1, update="u1")),
+        (10.2, _ack("a", Phase.PAUSE, 0.1, update="u2")),
+        (11.0, held),
+        (11.1, _finished("u1", {"a": 2})),
+        (12.0, _ack("a", Phase.RESUME, 0.1, update="u2")),
+        (12.1, other),
+        (30.0, _started("u3", {"a": 2})),
+        (30.5, _finished("u3", {"a": 2})),
+    )
+
+    u1, u2, u3 = build_timelines(trail)
+    page = render_page([u1, u2, u3])
+
+    assert u1.workers["a"].pause == PauseWindow(start=10.1, end=11.0, resumed_by="its resume")
+    assert u2.workers["a"].pause == PauseWindow(start=10.2, end=12.0, resumed_by="its resume")
+    assert not [v for v in verify(trail) if v.rule == "unresumed_pause"]
+    sections = page.split("<section")[1:]
+    assert "ran beside other-v1" in sections[0] and "ran beside policy-v1" in sections[1]
+    assert "ran beside" not in sections[2], "u3 ran alone"

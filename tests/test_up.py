@@ -165,3 +165,23 @@ async def test_up_interrupted_by_sigint_exits_and_leaves_nothing_running(
     assert not any(line.startswith("step 100:") for line in run.lines), run.output()
     leftovers = pids_marked(MARK_VAR, marker)
     assert not leftovers, f"still running after lorabus up exited:\n{_describe(leftovers)}"
+
+
+async def test_up_with_three_tenants_commits_each_trainers_steps_and_keeps_each_adapter(
+    up: StartUp, marker: str
+) -> None:
+    run = await up("--tenants", "3", "--steps", "2")
+
+    returncode = await run.finish(RUN_DEADLINE_S)
+
+    assert returncode == 0, run.output()
+    for tenant in ("tenant-1", "tenant-2", "tenant-3"):
+        steps = [line for line in run.lines if re.match(rf"{tenant} step \d: committed\b", line)]
+        assert len(steps) == 2, run.output()
+    serving = ", ".join(f"tenant-{n}-v{v}" for n in (1, 2, 3) for v in (1, 2))
+    assert any(
+        line.startswith(f"summary: 6/6 updates committed; engines now serve {serving};")
+        for line in run.lines
+    ), run.output()
+    assert re.fullmatch(r"audit: \d+ records, 0 violation\(s\)", run.lines[-1]), run.output()
+    assert not pids_marked(MARK_VAR, marker)

@@ -421,7 +421,9 @@ def _take_ack(
 
 
 def _take_resume_ack(pauses: _OpenPauses, message: Mapping[str, Any], ts: float) -> None:
-    """An ok resume ack resumes its worker's engine, whichever update paused it."""
+    """An ok resume ack resumes its worker's engine, whichever update paused
+    it; one that says the engine is still paused (another update of its round
+    holds the shared pause) ends only its own update's pause."""
     worker_id, this = message.get("worker_id"), message.get("update_id")
     if message.get("phase") != "resume" or message.get("ok") is not True:
         return
@@ -430,6 +432,7 @@ def _take_resume_ack(pauses: _OpenPauses, message: Mapping[str, Any], ts: float)
             worker_id,
             ts,
             lambda paused: "its resume" if paused == this else f"the resume of update {this}",
+            only=this if message.get("paused") is True else None,
         )
 
 

@@ -61,7 +61,7 @@ def render_page(
     timelines: Sequence[UpdateTimeline], *, order: str = "worker", notes: Sequence[str] = ()
 ) -> str:
     """The page for ``timelines``; ``notes`` are shown at the top (records left out)."""
-    sections = "\n".join(_section(t, order) for t in timelines)
+    sections = "\n".join(_section(t, order, _beside(t, timelines)) for t in timelines)
     legend = "".join(f'<span class="phase-{p}">{_e(Bar(p, 0, 0).label)}</span>' for p in _PHASES)
     shown = "".join(f'<p class="note">{_e(note)}</p>' for note in notes)
     return (
@@ -77,7 +77,19 @@ def render_page(
     )
 
 
-def _section(timeline: UpdateTimeline, order: str) -> str:
+def _beside(timeline: UpdateTimeline, timelines: Sequence[UpdateTimeline]) -> list[str]:
+    """The other updates that ran while this one did (updates of different
+    adapters run at once): each section has its own time axis, so the page
+    says which overlap. O(n^2) in the updates drawn, a few hundred at most."""
+    start, end = timeline.active_span
+    return [
+        other.served_name or other.adapter or other.update_id
+        for other in timelines
+        if other is not timeline and other.active_span[0] < end and start < other.active_span[1]
+    ]
+
+
+def _section(timeline: UpdateTimeline, order: str, beside: Sequence[str] = ()) -> str:
     scale = _Scale(timeline)
     slowest = timeline.slowest
     slowest_id = slowest[0] if slowest else None
@@ -98,7 +110,8 @@ def _section(timeline: UpdateTimeline, order: str) -> str:
     return (
         f'<section class="update" id="update-{_e(timeline.update_id)}">'
         f"<h2>update {_e(timeline.update_id)}</h2>"
-        f'<p class="summary">{" · ".join(_facts(timeline, took))}</p>{_problems(timeline)}'
+        f'<p class="summary">{" · ".join(_facts(timeline, took, beside))}</p>'
+        f"{_problems(timeline)}"
         f'<div class="axis">{ticks}</div>'
         f'<div class="rows">{"".join(rows)}</div></section>'
     )
@@ -142,7 +155,7 @@ def _took(timeline: UpdateTimeline, scale: _Scale) -> tuple[str, str]:
     return took, band
 
 
-def _facts(timeline: UpdateTimeline, took: str) -> list[str]:
+def _facts(timeline: UpdateTimeline, took: str, beside: Sequence[str] = ()) -> list[str]:
     """The update's summary line, part by part."""
     facts = [
         f"<b>{_e(timeline.status or 'no result in the trail')}</b>",
@@ -163,6 +176,11 @@ def _facts(timeline: UpdateTimeline, took: str) -> list[str]:
         facts.append(
             f"slowest: {_e(slowest[0])}, {_e(slowest[1].label)} {_ms(slowest[1].duration_s)}"
         )
+    if beside:
+        shown = ", ".join(beside[:_LISTED]) + (
+            f" and {len(beside) - _LISTED} more" if len(beside) > _LISTED else ""
+        )
+        facts.append(f"ran beside {_e(shown)}")
     return facts
 
 

@@ -6,7 +6,9 @@ and reports every place where a promise was broken, with the records that
 show it:
 
 - ``unresumed_pause``: an engine paused (ok pause ack) that neither a resume
-  ack, nor a lease expiry, nor a resume by a restarting agent followed;
+  ack, nor a lease expiry, nor a resume by a restarting agent followed (a
+  resume ack that says the engine is still paused, held by another update of
+  its round, ends only its own update's pause);
 - ``load_not_acked``: a committed update serving a member that never acked
   the load ok;
 - ``stale_epoch_acted``: an agent process acting on (acking ok) a command of
@@ -338,6 +340,10 @@ class _Checker:
         match ack.phase:
             case Phase.PAUSE if ack.ok:
                 self.open_pauses.setdefault(key, seq)
+            case Phase.RESUME if ack.ok and ack.paused:
+                # Held: another update of its round still holds the engine
+                # paused (a shared pause); only this update's pause ends.
+                self.open_pauses.pop(key, None)
             case Phase.RESUME if ack.ok:
                 # A resume of any update un-pauses the engine.
                 for open_key in [k for k in self.open_pauses if k[0] == ack.worker_id]:

@@ -36,13 +36,22 @@ def _engine_list(ctx: click.Context, param: click.Parameter, value: str) -> list
     type=click.Path(dir_okay=False, writable=True),
     help="Also draw the run's updates, a row per worker, as one HTML page here.",
 )
-def up(steps: int, world_sizes: list[int], timeline_path: str | None) -> None:
+@click.option(
+    "--tenants",
+    type=click.IntRange(min=1, max=32),
+    default=1,
+    show_default=True,
+    help="Trainers updating at once, each its own adapter (tenant-1, ...).",
+)
+def up(steps: int, world_sizes: list[int], timeline_path: str | None, tenants: int) -> None:
     """Run everything on this machine: NATS, a simulated fleet, agents, coordinator, trainer."""
     require_sim_extra()
     from lorabus.testbed.up import run_up
 
     async def demo() -> int:
-        done = await run_up(steps, world_sizes, out=click.echo, timeline_path=timeline_path)
+        done = await run_up(
+            steps, world_sizes, out=click.echo, timeline_path=timeline_path, tenants=tenants
+        )
         return 0 if done else EXIT_FAILED
 
     sys.exit(run(demo))
