@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from processes import LORABUS, child_env, run_lorabus
 
-from lorabus.audit.render import update_progress_text
-from lorabus.schemas import FleetStatus, MemberStatus
+from lorabus.audit.render import status_text, update_progress_text
+from lorabus.schemas import FleetStatus, MemberStatus, RunningUpdate
 from lorabus.testbed.stack import EmbeddedStack
 
 PROGRESS = re.compile(r"^update step-\d+: ", re.MULTILINE)
@@ -132,6 +132,26 @@ def _status(**fields: object) -> FleetStatus:
         (None, "update u1: no coordinator answers status requests right now; still asking"),
         (_status(), "update u1: waiting for a coordinator to run it"),
         (_status(in_flight="u0"), "update u1: queued behind update u0"),
+        (
+            _status(
+                in_flight="u0",
+                running=[
+                    RunningUpdate(update_id="u0", adapter="other", phase="load"),
+                    RunningUpdate(update_id="u1", adapter="policy", phase="verify"),
+                ],
+            ),
+            "update u1: verify (beside 1 other update(s) running)",
+        ),
+        (
+            _status(
+                in_flight="u0",
+                running=[
+                    RunningUpdate(update_id="u0", adapter="a"),
+                    RunningUpdate(update_id="u2", adapter="b"),
+                ],
+            ),
+            "update u1: queued behind update u0, u2",
+        ),
         (_status(in_flight="u1"), "update u1: quorum: live world size 2 of 4 (2 member(s) live)"),
         (
             _status(in_flight="u1", in_flight_phase="pause", acked=["w000"], waiting=["w001"]),
@@ -155,3 +175,14 @@ def _status(**fields: object) -> FleetStatus:
 )
 def test_progress_text(status: FleetStatus | None, expected: str) -> None:
     assert update_progress_text("u1", status).startswith(expected)
+
+
+def test_the_status_text_lists_every_update_running() -> None:
+    running = [
+        RunningUpdate(update_id="u0", adapter="policy", phase="load"),
+        RunningUpdate(update_id="u2", adapter="other", live=True),
+    ]
+    text = status_text(_status(in_flight="u0", in_flight_phase="load", running=running), now=0)
+
+    assert "update in flight: u0: load" in text
+    assert "also running: u2 (other, quorum)" in text
