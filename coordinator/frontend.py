@@ -4,10 +4,18 @@
 published the adapter, not that all did; the per-worker read-backs in the load
 acks are what prove every replica has it. Polling starts at tens of
 milliseconds because a listing usually appears right after the load.
+
+Updates of different adapters verify at once, and a frontend's listing is
+one request whatever it is asked for: every poll joins the listing request
+under way, if there is one, instead of sending its own (T tenants' verifies
+cost one stream of requests, not T; with 32 at once, separate polls queued
+for the client's connections until they timed out). A poll that joins a
+request sent before its adapter was loaded simply polls again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 
@@ -28,9 +36,21 @@ class FrontendClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=dict(headers or {}), timeout=httpx.Timeout(timeout_s)
         )
+        self._listing: asyncio.Task[set[str]] | None = None
+        """The listing request under way, which every poll joins."""
 
     async def aclose(self) -> None:
+        if self._listing is not None:
+            self._listing.cancel()
+            await asyncio.gather(self._listing, return_exceptions=True)
         await self._http.aclose()
+
+    async def shared_listing(self) -> set[str]:
+        """The models listed, from the listing request under way or a new one.
+        A poll cancelled while it waits leaves the request to the others."""
+        if self._listing is None or self._listing.done():
+            self._listing = asyncio.create_task(self.list_models())
+        return await asyncio.shield(self._listing)
 
     async def list_models(self) -> set[str]:
         response = await self._http.get("/v1/models")
@@ -45,7 +65,7 @@ class FrontendClient:
         async def listed() -> bool:
             nonlocal last_problem
             try:
-                models = await self.list_models()
+                models = await self.shared_listing()
             except (httpx.HTTPError, ValueError) as exc:
                 last_problem = f"last poll failed: {type(exc).__name__}: {exc}"
                 return False
