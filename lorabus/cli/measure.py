@@ -18,7 +18,15 @@ import click
 
 from lorabus.cli.common import EXIT_FAILED, INT_LIST, run
 from lorabus.cli.extras import require_sim_extra
-from lorabus.testbed.bench.config import CONNECTIONS, FULL, MODES, QUICK, SERIES, WindowCase
+from lorabus.testbed.bench.config import (
+    CONNECTIONS,
+    FULL,
+    MODES,
+    QUICK,
+    SERIES,
+    TENANT_MODES,
+    WindowCase,
+)
 from lorabus.testbed.chaos.config import ChaosConfig, FleetSettings
 
 if TYPE_CHECKING:
@@ -82,6 +90,8 @@ def _report_of(measure: Callable[[], Awaitable[_R]]) -> _R:
 
 _DIST = FULL.distribution
 _QUICK_DIST = QUICK.distribution
+_TENANTS = FULL.tenants
+_QUICK_TENANTS = QUICK.tenants
 
 
 @click.command()
@@ -90,12 +100,14 @@ _QUICK_DIST = QUICK.distribution
     is_flag=True,
     help="Sizes up to 256, fewer updates, own connections only, no window case; "
     f"the distribution series at N={_csv(_QUICK_DIST.sizes)} with "
-    f"{_csv(_QUICK_DIST.adapter_mb)} MB.",
+    f"{_csv(_QUICK_DIST.adapter_mb)} MB; the tenants series at N={_csv(_QUICK_TENANTS.sizes)} "
+    f"with T={_csv(_QUICK_TENANTS.tenants)}.",
 )
 @click.option(
     "--series",
-    help=f"Which of {', '.join(SERIES)} to run: the update modes size by size, and/or "
-    "an adapter of S MB to N agents over the bus beside path mode and an HTTP pull "
+    help=f"Which of {', '.join(SERIES)} to run: the update modes size by size, "
+    "an adapter of S MB to N agents over the bus beside path mode and an HTTP pull, "
+    "and/or T tenants each updating its own adapter in a loop "
     f"[default: {_csv(FULL.series)}].",
 )
 @click.option(
@@ -183,6 +195,29 @@ _QUICK_DIST = QUICK.distribution
     f"[default: {_DIST.updates}].",
 )
 @click.option(
+    "--tenants",
+    type=INT_LIST,
+    help="Tenants series: how many tenants (T) update at once "
+    f"[default: {_csv(_TENANTS.tenants)}; quick {_csv(_QUICK_TENANTS.tenants)}].",
+)
+@click.option(
+    "--tenant-sizes",
+    type=INT_LIST,
+    help="Tenants series: fleet sizes "
+    f"[default: {_csv(_TENANTS.sizes)}; quick {_csv(_QUICK_TENANTS.sizes)}].",
+)
+@click.option(
+    "--tenant-modes",
+    help=f"Tenants series: which of {', '.join(TENANT_MODES)} the coordinator runs "
+    f"[default: {_csv(_TENANTS.modes)}].",
+)
+@click.option(
+    "--tenant-seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Tenants series: the timed window of each case "
+    f"[default: {_TENANTS.seconds:g}; quick {_QUICK_TENANTS.seconds:g}].",
+)
+@click.option(
     "--out", "out_path", type=click.Path(dir_okay=False), help="Write the figures as JSON."
 )
 @click.option(
@@ -209,11 +244,16 @@ def bench(
     adapter_mb: list[int] | None,
     agents_per_node: int | None,
     dist_updates: int | None,
+    tenants: list[int] | None,
+    tenant_sizes: list[int] | None,
+    tenant_modes: str | None,
+    tenant_seconds: float | None,
     out_path: str | None,
     run_dir: str | None,
 ) -> None:
     """Measure updates: lorabus (null and HTTP engines), direct HTTP, and the bare bus;
-    with --series distribution, adapters over the bus beside path mode and an HTTP pull."""
+    with --series distribution, adapters over the bus beside path mode and an HTTP pull;
+    with --series tenants, many tenants updating their own adapters at once."""
     require_sim_extra()
     from lorabus.testbed.bench import report_json, table
     from lorabus.testbed.bench.runner import run_bench
@@ -226,6 +266,15 @@ def bench(
             "adapter_mb": tuple(adapter_mb) if adapter_mb else None,
             "agents_per_node": agents_per_node,
             "updates": dist_updates,
+        },
+    )
+    tenants_case = _with_changes(
+        profile.tenants,
+        {
+            "tenants": tuple(tenants) if tenants else None,
+            "sizes": tuple(tenant_sizes) if tenant_sizes else None,
+            "modes": _names(tenant_modes),
+            "seconds": tenant_seconds,
         },
     )
     window: dict[str, Any] = {}
@@ -249,6 +298,7 @@ def bench(
             "run_dir": Path(run_dir) if run_dir else None,
         },
         distribution=distribution,
+        tenants=tenants_case,
         **window,
     )
     report = _report_of(lambda: run_bench(config, out=lambda line: click.echo(line, err=True)))

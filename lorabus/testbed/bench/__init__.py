@@ -6,7 +6,9 @@ the Dynamo driver over HTTP; the same update done the direct-HTTP way (prime-rl'
 way, one HTTP client per worker from one process; and the bus floor, a bare
 nats-py fan-out and gather. Every measured part runs in a process of its own.
 The distribution series (``--series distribution``) gets an adapter of S MB to
-N agents over the bus, beside path mode and an HTTP pull of the same files.
+N agents over the bus, beside path mode and an HTTP pull of the same files; the
+tenants series (``--series tenants``) has T tenants update adapters of their
+own at once, in live and in pause mode.
 
 Modules: ``config`` (what to run), ``procinfo`` (CPU and memory from /proc),
 ``children`` and ``control`` (bench processes and their JSON-line protocol),
@@ -16,15 +18,24 @@ process), ``simhost`` (the simulated fleet), ``baseline`` (direct HTTP),
 ``floor`` (the bare bus), ``frontend`` (a model list for null engines),
 ``runner`` (the run: ``lorabus.testbed.bench.runner.run_bench``),
 ``distribution`` and ``httppull`` (the distribution series and its HTTP-pull
-reference), ``figures``, ``report`` and ``distreport`` (figures, tables, targets).
+reference), ``tenants`` (the tenants series), ``figures``, ``report``,
+``distreport`` and ``tenantsreport`` (figures, tables, targets).
 
 Only the modules that need no ``sim`` extra are imported here, so that the
 CLI can read ``BenchConfig``'s defaults without it.
 """
 
-from lorabus.testbed.bench.config import FULL, QUICK, BenchConfig, DistributionCase, WindowCase
+from lorabus.testbed.bench.config import (
+    FULL,
+    QUICK,
+    BenchConfig,
+    DistributionCase,
+    TenantsCase,
+    WindowCase,
+)
 from lorabus.testbed.bench.distreport import DistributionResult
 from lorabus.testbed.bench.report import BenchReport, ModeResult, Stats, report_json, table
+from lorabus.testbed.bench.tenantsreport import TenantResult
 
 __all__ = [
     "FULL",
@@ -35,6 +46,8 @@ __all__ = [
     "DistributionResult",
     "ModeResult",
     "Stats",
+    "TenantResult",
+    "TenantsCase",
     "WindowCase",
     "report_json",
     "table",

@@ -12,7 +12,9 @@ adapters from the fleet's object store in its worker's directory there
 (agents given one directory share a node's cache, as on one host).
 
 Run as ``python -m lorabus.testbed.bench.agenthost <spec>`` (see ``control.py``);
-answers ``times`` with what its engines went through since the last ask.
+answers ``times`` with what its engines went through since the last ask, and
+``transitions`` with how many times each of its engines went from running to
+paused since the last ask of that.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ async def host(spec: dict[str, Any]) -> None:
         async def handle(request: dict[str, Any]) -> dict[str, Any]:
             if request["op"] == "times":
                 return times.take()
+            if request["op"] == "transitions":
+                return {"transitions": times.take_transitions()}
             raise ValueError(f"unknown request {request['op']!r}")
 
         await serve_requests(handle)
@@ -140,7 +144,7 @@ async def _start_agents(
             )
         else:
             engine = DynamoDriver(f"{spec['sim_url']}/workers/{worker_id}")
-        driver = TimedEngine(engine, times)
+        driver = TimedEngine(engine, times, worker_id)
         drivers.append(driver)
         # Adapters from the fleet's object store go to the worker's node's cache,
         # made and checked as `lorabus agent` does at its start.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-SERIES = ("updates", "distribution")
+SERIES = ("updates", "distribution", "tenants")
 MODES = ("floor", "null", "http", "live", "baseline")
 CONNECTIONS = ("own", "shared")
 FULL_SIZES = (8, 64, 256, 1024)
@@ -51,6 +51,33 @@ class DistributionCase:
         return -(-n // self.agents_per_node)
 
 
+TENANT_MODES = ("live", "pause")
+
+
+@dataclass(frozen=True)
+class TenantsCase:
+    """The tenants series: T trainers, each updating an adapter of its own in a
+    loop, against one fleet of N workers with null engines, live and paused."""
+
+    tenants: tuple[int, ...] = (1, 8, 32)
+    sizes: tuple[int, ...] = (64, 256)
+    modes: tuple[str, ...] = TENANT_MODES
+    seconds: float = 20.0
+    """The timed window of each case (N, mode, T)."""
+    warmup: int = 2
+    """Untimed updates of each tenant first, all tenants at once."""
+
+    def __post_init__(self) -> None:
+        if not self.tenants or min(self.tenants) < 1:
+            raise ValueError("tenants must be positive")
+        if not self.sizes or min(self.sizes) < 1:
+            raise ValueError("tenant fleet sizes must be positive")
+        if not self.modes or set(self.modes) - set(TENANT_MODES):
+            raise ValueError(f"tenant modes must be among {', '.join(TENANT_MODES)}")
+        if self.seconds <= 0 or self.warmup < 0:
+            raise ValueError("tenant seconds must be > 0 and warm-ups >= 0")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     sizes: tuple[int, ...] = FULL_SIZES
@@ -85,8 +112,9 @@ class BenchConfig:
     per-role permissions, mutual TLS) and every process as its own identity."""
     label: str = "full"
     series: tuple[str, ...] = ("updates",)
-    """``updates`` (the modes above, size by size) and ``distribution``."""
+    """``updates`` (the modes above, size by size), ``distribution`` and ``tenants``."""
     distribution: DistributionCase = DistributionCase()
+    tenants: TenantsCase = TenantsCase()
 
     def __post_init__(self) -> None:
         if not self.series or set(self.series) - set(SERIES):
@@ -125,6 +153,8 @@ class BenchConfig:
                 "the distribution series runs on plain NATS (it reads the server's "
                 "monitoring endpoint and clears the adapter store between updates)"
             )
+        if self.secure and "tenants" in self.series:
+            raise ValueError("the tenants series runs on plain NATS (it taps the fleet's commands)")
 
     def updates_for(self, case: str) -> int:
         if case != "window":
@@ -158,6 +188,8 @@ QUICK = BenchConfig(
     idle_s=0.5,
     label="quick",
     distribution=DistributionCase(sizes=(8,), adapter_mb=(16,)),
+    tenants=TenantsCase(tenants=(1, 8), sizes=(64,), seconds=5.0, warmup=1),
 )
 """``lorabus bench --quick``: sizes up to 256, fewer updates, own connections only;
-the distribution series at N = 8 with a 16 MB adapter."""
+the distribution series at N = 8 with a 16 MB adapter; the tenants series at
+N = 64 with 1 and 8 tenants, 5 s each."""

@@ -6,7 +6,9 @@ checks its read-back), so an update through it costs only the control plane.
 shared by every agent of a process, when the first engine started to pause,
 when the last one finished resuming and how long the slowest load took: the
 pause window as the engines see it, on the wall clock that every process of
-the machine shares.
+the machine shares. It also counts, per worker, how many times each engine
+went from running to paused (a pause of a paused engine is no transition):
+the tenants series' pauses per round.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class EngineTimes:
         self.slowest_load_s = 0.0
         self.pauses = 0
         self.resumes = 0
+        self.transitions: dict[str, int] = {}
+        """Worker id -> running-to-paused transitions since :meth:`take_transitions`."""
 
     def _clear(self) -> None:
         self.first_pause = self.last_resume = None
@@ -88,6 +92,15 @@ class EngineTimes:
     def loaded(self, took_s: float) -> None:
         self.slowest_load_s = max(self.slowest_load_s, took_s)
 
+    def paused_from_running(self, worker_id: str) -> None:
+        self.transitions[worker_id] = self.transitions.get(worker_id, 0) + 1
+
+    def take_transitions(self) -> dict[str, int]:
+        """Each worker's running-to-paused transitions so far (workers with none
+        left out); starts counting them afresh. :meth:`take` leaves them be."""
+        taken, self.transitions = self.transitions, {}
+        return taken
+
     def take(self) -> dict[str, Any]:
         """The figures so far, as JSON; starts counting afresh."""
         figures = {
@@ -102,19 +115,26 @@ class EngineTimes:
 
 
 class TimedEngine:
-    """Delegates to ``driver`` and notes pause, resume and load times in ``times``."""
+    """Delegates to ``driver`` and notes pause, resume and load times in ``times``,
+    and ``worker_id``'s engine going from running to paused."""
 
-    def __init__(self, driver: EngineDriver, times: EngineTimes) -> None:
+    def __init__(self, driver: EngineDriver, times: EngineTimes, worker_id: str = "") -> None:
         self.driver = driver
         self.times = times
         self.kind = driver.kind
+        self.worker_id = worker_id
+        self._paused = False
 
     async def pause(self) -> None:
         self.times.paused(time.time())
         await self.driver.pause()
+        if not self._paused:
+            self._paused = True
+            self.times.paused_from_running(self.worker_id)
 
     async def resume(self) -> None:
         await self.driver.resume()
+        self._paused = False
         self.times.resumed(time.time())
 
     async def load_adapter(self, name: str, path: str, *, budget_s: float) -> None:

@@ -4,7 +4,9 @@ With null engines no simulated worker loads anything, so the simulated
 frontend would never list the adapter. This one lists the served name that
 the bench is about to request, so the coordinator's verify step still makes
 its real HTTP poll (and, as against a real frontend right after the loads,
-finds the adapter at the first poll).
+finds the adapter at the first poll). Many adapters updated at once (the
+tenants series) are each announced under their adapter's name, and each
+adapter's newest announcement stays listed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ class ListingFrontend:
     def __init__(self) -> None:
         self.base_model = "sim-base"
         self.models: list[str] = []
+        self.newest: dict[str, str] = {}
+        """Adapter -> its served name announced last (:meth:`announce_for`)."""
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -25,8 +29,12 @@ class ListingFrontend:
         """List ``model`` from now on (with the last few announced before it)."""
         self.models = [*self.models[-3:], model]
 
+    def announce_for(self, adapter: str, model: str) -> None:
+        """List ``model`` from now on in place of ``adapter``'s name announced before."""
+        self.newest[adapter] = model
+
     async def _models(self, request: web.Request) -> web.Response:
-        names = [self.base_model, *self.models]
+        names = [self.base_model, *self.models, *self.newest.values()]
         data = [{"id": m, "object": "model", "owned_by": "nvidia"} for m in names]
         return web.json_response({"object": "list", "data": data})
 

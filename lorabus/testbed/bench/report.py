@@ -4,7 +4,8 @@ Every mode measured at one fleet size is one :class:`ModeResult`; the report
 adds, per size, the ratios its targets are set in (lorabus over the direct-HTTP
 baseline, lorabus with null engines over the bus floor) and a verdict on each
 target. The distribution series, when it ran, adds its results and verdicts
-(``distreport``). It is printed as tables and written as JSON with ``--out``.
+(``distreport``), and so does the tenants series (``tenantsreport``). It is
+printed as tables and written as JSON with ``--out``.
 The verdicts describe a run; they are not assertions, and nothing fails on them.
 """
 
@@ -18,6 +19,7 @@ import msgspec
 
 from lorabus.testbed.bench.distreport import DistributionResult, distribution_table
 from lorabus.testbed.bench.figures import Stats, Target, stats_of
+from lorabus.testbed.bench.tenantsreport import TenantResult, tenants_table
 
 __all__ = [
     "BASELINE",
@@ -129,6 +131,8 @@ class BenchReport(msgspec.Struct, kw_only=True):
     notes: list[str] = []
     distribution: list[DistributionResult] = []
     """The distribution series, when it ran (``--series distribution``)."""
+    tenants: list[TenantResult] = []
+    """The tenants series, when it ran (``--series tenants``)."""
 
 
 def find(
@@ -397,6 +401,7 @@ def table(report: BenchReport) -> list[str]:
             f"* loads of {window.load_latency_s * 1000:.0f}+-{window.load_jitter_s * 1000:.0f} ms"
         )
     lines.extend(distribution_table(report.distribution))
+    lines.extend(tenants_table(report.tenants))
     disturbed = [
         f"{r.label} N={r.n} ({r.foreign_load:.0%})"
         for r in report.results

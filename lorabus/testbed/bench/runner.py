@@ -14,7 +14,8 @@ Each mode gets fresh processes and a fleet name of its own, a warm-up, then
 the timed updates; CPU and memory come from ``/proc`` of each process. The
 processes of a mode are stopped before the next starts, and every process is
 stopped when the run ends, also on errors and Ctrl-C. The distribution series
-(``distribution.py``) runs after the update modes, on processes of its own.
+(``distribution.py``) runs after the update modes, on processes of its own,
+and the tenants series (``tenants.py``) after it, on its own too.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from lorabus.testbed.bench.report import (
     size_ratios,
     stats_of,
 )
+from lorabus.testbed.bench.tenants import run_tenants
+from lorabus.testbed.bench.tenantsreport import TenantResult, judge_tenants
 from lorabus.testbed.natsserver import NatsServer
 from lorabus.testbed.trainer import write_adapter
 
@@ -85,14 +88,20 @@ async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
     unmeasured: list[str] = []
     results: list[ModeResult] = []
     distributed: list[DistributionResult] = []
+    tenants: list[TenantResult] = []
     try:
         if "updates" in config.series:
             results = await _run_updates(config, run_dir, out, unmeasured)
         if "distribution" in config.series:
             distributed = await run_distribution(config, run_dir, out, unmeasured)
+        if "tenants" in config.series:
+            tenants = await run_tenants(config, run_dir, out, unmeasured)
     finally:
         failed = (
-            bool(unmeasured) or any(r.errors for r in results) or any(r.errors for r in distributed)
+            bool(unmeasured)
+            or any(r.errors for r in results)
+            or any(r.errors for r in distributed)
+            or any(r.errors for r in tenants)
         )
         if own_dir and not failed:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -112,10 +121,11 @@ async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
         settings=_settings(config),
         results=results,
         ratios=ratios,
-        targets=targets + judge_distribution(distributed),
+        targets=targets + judge_distribution(distributed) + judge_tenants(tenants),
         unmeasured=unmeasured,
         notes=notes,
         distribution=distributed,
+        tenants=tenants,
     )
 
 
@@ -143,7 +153,7 @@ async def _run_updates(
 def _settings(config: BenchConfig) -> dict[str, Any]:
     settings = asdict(config)
     settings["run_dir"] = None
-    sizes = sorted({*config.sizes, *config.distribution.sizes})
+    sizes = sorted({*config.sizes, *config.distribution.sizes, *config.tenants.sizes})
     settings["heartbeat_s"] = {n: config.heartbeat_for(n) for n in sizes}
     return settings
 
