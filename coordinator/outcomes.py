@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from lorabus.coordinator.digests import agreed_digest
 from lorabus.coordinator.inflight import Journalled
 from lorabus.coordinator.phases import PhaseOutcome
-from lorabus.coordinator.plan import UpdatePlan
+from lorabus.coordinator.plan import UpdatePlan, own_names
 from lorabus.schemas import Ack, ErrorInfo, RankMap, UpdateResult, UpdateStatus, WorkerOutcome
 
 
@@ -70,13 +70,15 @@ def run_result(
     rank_map: RankMap | None = None,
 ) -> UpdateResult:
     """``errors``: by member; ``acks``: the load's, whose read-backs each
-    member's outcome lists."""
+    member's outcome lists, of the update's own adapter: with T tenants an
+    engine holds T adapters' versions, and a result of every engine's whole
+    list grew with T x N (400 kB at 32 tenants and 256 workers)."""
     workers = {
         wid: WorkerOutcome(
             ok=wid not in errors,
             world_size=size,
             error=errors.get(wid),
-            adapters=acks[wid].adapters if wid in acks else [],
+            adapters=own_names(plan.adapter, acks[wid].adapters) if wid in acks else [],
         )
         for wid, size in sorted(members.items())
     }

@@ -189,6 +189,13 @@ def is_committed(committed: CommittedRecord, version: int, path: str) -> bool:
     return (committed.version, committed.path) == (version, path)
 
 
+def own_names(adapter: str, names: Iterable[str]) -> list[str]:
+    """Those of ``names`` that are ``adapter``'s served names: its versioned
+    names of any lineage, and the adapter's own name (fixed naming)."""
+    pattern = re.compile(rf"^{re.escape(adapter)}(?:-(?:r\d+-)?v\d+)?\Z")
+    return [name for name in names if pattern.match(name)]
+
+
 def retired_names(adapter: str, loaded: Iterable[str], served: Collection[str]) -> list[str]:
     """What the retire step of a commit of ``adapter`` unloads: its versioned
     names among ``loaded`` (what the engines hold) that are not ``served``

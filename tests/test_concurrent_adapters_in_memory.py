@@ -79,6 +79,8 @@ async def test_another_adapters_update_commits_while_one_is_held(open_fleet: Ope
 
     assert beta.committed, beta
     assert not alpha.done(), "beta waited for nothing: alpha is still held"
+    # Each engine holds alpha's version too; a result lists its own adapter's.
+    assert {w: o.adapters for w, o in beta.workers.items()} == {w: ["beta-v1"] for w in WORLD_SIZES}
     assert [(u.update_id, u.adapter, u.live) for u in status.running] == [
         ("alpha-1", "alpha", True)
     ]

@@ -34,6 +34,8 @@ WORKERS = 8
 HELD_BEFORE = 30
 """Adapters each worker already holds: with 200-character names, each
 worker's list is about 6 KB, and the fleet's together over the limit below."""
+LONG = "policy-" + "x" * 120
+"""An adapter whose served names are long (about 130 characters)."""
 MAX_PAYLOAD = 32 * 1024
 DEADLINE_S = 10.0
 
@@ -181,12 +183,16 @@ async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trim
             [1] * WORKERS, fleet=fleet_name, nats_url=server.url, heartbeat_s=0.2, keep=1
         ) as stack:
             assert stack.client is not None and stack.sim is not None
+            # Other adapters fill each engine's list (the status must trim);
+            # versions of this adapter of an earlier lineage fill the part a
+            # result lists (its own adapter's names: the result must trim).
             held = [f"other-{i:02d}-" + "x" * 200 for i in range(HELD_BEFORE)]
+            earlier = [f"{LONG}-r9-v{i}" for i in range(HELD_BEFORE)]
             for worker in stack.sim.workers.values():
-                for name in held:
+                for name in held + earlier:
                     worker.add_adapter(name, f"/adapters/{name}")
 
-            result = await stack.client.update("policy", make_adapter(1), version=1, timeout_s=30)
+            result = await stack.client.update(LONG, make_adapter(1), version=1, timeout_s=30)
             by_id = await stack.client.result(result.update_id, timeout_s=10)
             status = await stack.client.status(timeout_s=10)
             # What a successor, or `lorabus result` a day later, reads.
@@ -199,12 +205,15 @@ async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trim
                         await asyncio.sleep(0.05)
             finally:
                 await close(nc)
-            # The version beyond --keep is still retired: the coordinator reads
-            # what the engines hold from the whole result, not the one sent.
-            second = await stack.client.update("policy", make_adapter(2), version=2, timeout_s=30)
+            # The versions beyond --keep are still retired: the coordinator
+            # reads what the engines hold from the whole result, not the one sent.
             async with asyncio.timeout(DEADLINE_S):
                 for worker in stack.sim.workers.values():
-                    await worker.wait_until(lambda w=worker: "policy-v1" not in w.adapters)
+                    await worker.wait_until(lambda w=worker: not set(earlier) & set(w.adapters))
+            second = await stack.client.update(LONG, make_adapter(2), version=2, timeout_s=30)
+            async with asyncio.timeout(DEADLINE_S):
+                for worker in stack.sim.workers.values():
+                    await worker.wait_until(lambda w=worker: f"{LONG}-v1" not in w.adapters)
 
     assert result.committed, result.error
     assert result.trimmed == ["adapters"]
@@ -213,10 +222,10 @@ async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trim
     assert result.rank_map is not None and len(result.rank_map.entries) == WORKERS
     assert "left out to fit the bus's message size limit: adapters" in result_text(result)
     assert by_id == result == stored  # the stored result is the one answered
-    assert second.committed and second.trimmed == ["adapters"], second.error
+    assert second.committed and second.trimmed == [], second.error
     for worker in stack.sim.workers.values():
-        assert "policy-v2" in worker.adapters and not worker.paused
-        assert set(held) <= set(worker.adapters)  # not versions of the policy: kept
+        assert f"{LONG}-v2" in worker.adapters and not worker.paused
+        assert set(held) <= set(worker.adapters)  # not versions of the adapter: kept
     assert status.trimmed == ["adapters"]
     assert sorted(m.worker_id for m in status.members) == sorted(stack.sim.workers)
 

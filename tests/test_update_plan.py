@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.coordinator.plan import check_request, check_request_off_loop, retired_names
+from lorabus.coordinator.plan import (
+    check_request,
+    check_request_off_loop,
+    own_names,
+    retired_names,
+)
 from lorabus.errors import BadRequest, StaleVersion
 from lorabus.schemas import CommittedRecord, Naming, UpdateRequest, build_rank_map
 from lorabus.testbed.trainer import write_adapter
@@ -128,6 +133,13 @@ def test_retired_names_are_the_adapters_versions_neither_committed_nor_kept() ->
     assert retired_names("policy", loaded, {"policy-v2", "policy-v1"}) == ["policy-v10"]
     # Another adapter's names never: not even those it keeps.
     assert retired_names("other", loaded, {"other-v2"}) == ["other-v1"]
+
+
+def test_an_adapters_own_names_are_its_versions_of_any_lineage_and_its_fixed_name() -> None:
+    held = ["policy-v1", "policy-r2-v3", "policy", "other-v1", "policy-vx", "policy2-v1", "x"]
+
+    assert own_names("policy", held) == ["policy-v1", "policy-r2-v3", "policy"]
+    assert own_names("other", held) == ["other-v1"]
 
 
 def test_after_a_reset_names_carry_the_lineage_and_earlier_ones_retire_unless_kept() -> None:
