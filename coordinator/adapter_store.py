@@ -25,8 +25,8 @@ are deleted right after it by the leader that wrote it, which knows the
 requests queued behind it. A successor that finished the commit from the
 update left in flight does not know its predecessor's queue: it leaves them
 to its first sweep, by when those requesters have asked it again. A sweep
-(a task of the term, under the term's lock, so that no update commits in
-the middle of it: at most every ``SWEEP_EVERY_S``, or ``orphan_after_s`` if
+(a task of the term, alone through ``term.records``, so that no update
+writes its commit in the middle of it: at most every ``SWEEP_EVERY_S``, or ``orphan_after_s`` if
 shorter, and a term's first one only ``TAKEOVER_GRACE_S`` after it took over
 from a predecessor) deletes those, and anything else older than
 ``orphan_after_s``: pushed and never committed, the chunks of a push that
@@ -314,8 +314,8 @@ async def delete_unkept(
     each only if no record keeps it (:func:`kept_by_records`) and no request
     ``in_use`` (queued or running) names it or is being admitted for it,
     those asked again right before each deletion, while this term is still
-    ``leading`` (asked too). The records are read once: the caller holds the
-    term's lock, so no commit lands meanwhile. The digests deleted (and,
+    ``leading`` (asked too). The records are read once: the caller goes
+    alone (``term.records.deleting``), so no commit lands meanwhile. The digests deleted (and,
     swept, the leftovers of pushes that stopped)."""
     if not dropped and not sweep:
         return []

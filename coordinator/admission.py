@@ -37,7 +37,7 @@ An update whose answer could go nowhere safe does not run: its requester
 would never learn the outcome, and a refusal costs the fleet nothing.
 
 The operator's reset of an adapter runs between its updates, in the
-adapter's turn and under the term's lock (``resets.py``).
+adapter's turn, never during a deletion from the store (``resets.py``).
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ class Admission:
     async def _answer_reset(self, msg: Msg, request: ResetRequest) -> None:
         term = self.term
         try:
-            async with term.adapter_turn(request.adapter), term.serial:
+            async with term.adapter_turn(request.adapter), term.records.writing():
                 result = await reset_committed(term, request)
         except LorabusError as exc:
             result = ResetResult(adapter=request.adapter, ok=False, error=exc.info())

@@ -81,6 +81,28 @@ async def conclude(term: Term, request: UpdateRequest, executed: Executed, start
     """Write, answer, announce (see the module docstring). Raises
     LeadershipLost once a deposed term has answered, SteppedAside when a
     commit could not be stored."""
+    # Writes of other adapters' updates go on at once; a deletion from the
+    # store never reads the records between these writes and the answer.
+    async with term.records.writing():
+        executed, leading = await _write_and_answer(term, request, executed, started)
+    if executed.notice is not None:
+        # The notice to N agents last: the answers do not queue behind it.
+        await term.replies.sent(request.update_id)
+        await announce(term, executed.notice)
+    if executed.committed is not None:
+        await retire_after(term, executed.committed)
+    if not leading:
+        # Deposed: step down now, not at the next lease renewal, so no later
+        # request gets an answer from this term.
+        raise LeadershipLost(f"epoch {term.epoch} was deposed during an update")
+
+
+async def _write_and_answer(
+    term: Term, request: UpdateRequest, executed: Executed, started: float
+) -> tuple[Executed, bool]:
+    """The writes, then the answer: what ran (a commit taken over by a
+    successor becomes a ``not_leader`` answer), and whether this term still
+    leads."""
     # One form for the store, the trail and every answer.
     result = fit_result(executed.result, term.max_payload())
     journalled = executed.journalled
@@ -119,16 +141,7 @@ async def conclude(term: Term, request: UpdateRequest, executed: Executed, start
         result.error.message if result.error else result.adapter,
     )
     term.book.finish(request, result, persisted=persisted)
-    if executed.notice is not None:
-        # The notice to N agents last: the answers do not queue behind it.
-        await term.replies.sent(request.update_id)
-        await announce(term, executed.notice)
-    if executed.committed is not None:
-        await retire_after(term, executed.committed)
-    if not leading:
-        # Deposed: step down now, not at the next lease renewal, so no later
-        # request gets an answer from this term.
-        raise LeadershipLost(f"epoch {term.epoch} was deposed during an update")
+    return executed, leading
 
 
 def deposed_result(term: Term, request: UpdateRequest, committing: str | None) -> UpdateResult:
@@ -213,7 +226,8 @@ async def retire_after(term: Term, committed: CommittedRecord) -> None:
     cost of the commit, nor of the term: what a failure leaves is swept later."""
     if not committed.dropped:
         return
-    await housekeep(term, dropped=committed.dropped, sweep=False)
+    async with term.records.deleting():
+        await housekeep(term, dropped=committed.dropped, sweep=False)
 
 
 async def housekeep(term: Term, *, dropped: Sequence[str] = (), sweep: bool) -> None:

@@ -4,7 +4,7 @@ A reset forgets what is committed for an adapter, so that any version may
 come next; its next commit belongs to the next lineage, whose served names
 (``<adapter>-r<lineage>-v<version>``) no engine can hold from before. Two
 things reset: the operator's request (``lorabus reset``, run between
-updates: ``admission.py`` takes the term's lock first), and an adapter's
+updates: ``admission.py`` takes the adapter's turn first), and an adapter's
 commit point that does not decode, whose committed version is unknown, so
 that no version can be checked against it. Both write the adapter's reset
 record before they remove anything, and both are audited as

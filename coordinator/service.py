@@ -334,14 +334,14 @@ class Coordinator:
 
     async def _sweep_store(self, term: Term) -> None:
         """For one term: sweep the adapter store whenever a sweep is due
-        (coordinator/adapter_store.py), under the term's lock, so that no
-        update commits in the middle of one. Also when no update commits: a
+        (coordinator/adapter_store.py), alone: no commit writes its records in
+        the middle of one. Also when no update commits: a
         store full of orphans refuses the pushes that updates need."""
         while True:
             await asyncio.sleep(max(term.adapters.next_sweep_in(), _SWEEP_TICK_S))
             if not self.leading.is_set() or not term.adapters.sweep_due():
                 continue  # still recovering, or a sweep came sooner
-            async with term.serial:
+            async with term.records.deleting():
                 await housekeep(term, sweep=True)
 
     def _highest_epoch_seen(self) -> int:

@@ -3,8 +3,9 @@
 A coordinator leads in terms, one at a time (``service.py``). A term has its
 epoch, which every command, event and log line carries; its book (the queue,
 the results, the committed state as this term knows it, ``book.py``); the
-locks that run each adapter's updates and resets one at a time, and its
-commits and the store's sweeps one at a time; and the tasks that send
+locks that run each adapter's updates and resets one at a time, and keep
+deletions from the adapter store apart from the records' writes
+(:class:`RecordsGate`); and the tasks that send
 its replies (:class:`Replies`). Recovery, request admission, the update loop
 and the commit (``recovery.py``, ``admission.py``, ``updates.py``,
 ``commit.py``, ``resets.py``) each receive the :class:`Term` rather than
@@ -47,6 +48,42 @@ _ANSWERS_FIRST_S = 1.0
 reply is one publish; this bounds a connection that stalls)."""
 _REPLIES_GRACE_S = 2.0
 """How long a term's last replies may take to go out once it ends."""
+
+
+class RecordsGate:
+    """Writes of the fleet's records, many at once, or one round of deletions
+    from the adapter store alone. A deletion round decides what to delete
+    from the records it reads (``adapter_store.py``): a commit that wrote its
+    records and answered between that read and a deletion would lose what it
+    keeps. Commits of different adapters write at once (each holds its own
+    keys); a round waits for those under way, and those that come after it
+    wait for it. Leaving never waits, so a cancelled holder cannot hang it."""
+
+    def __init__(self) -> None:
+        self._entry = asyncio.Lock()
+        """Held by a deletion round, and for a moment by each writer to enter:
+        FIFO, so a round waiting for it lets no later writer in before it."""
+        self._writers = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def writing(self) -> AsyncIterator[None]:
+        async with self._entry:
+            self._writers += 1
+            self._idle.clear()
+        try:
+            yield
+        finally:
+            self._writers -= 1
+            if self._writers == 0:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def deleting(self) -> AsyncIterator[None]:
+        async with self._entry:
+            await self._idle.wait()
+            yield
 
 
 class Replies:
@@ -130,10 +167,9 @@ class Term:
         """The fleet's object store of adapters (``bus:`` paths)."""
         adapters.took_office(successor=epoch > 1)
         self.book = book_of(config)
-        self.serial = asyncio.Lock()
-        """Held by each update while it ends (its writes, answer and
-        announcement, ``commit.py``), by each reset and by the store's sweep:
-        a sweep never reads the records between a commit's writes."""
+        self.records = RecordsGate()
+        """Commits and resets write the records through it, deletions from
+        the adapter store (a commit's retired objects, the sweep) go alone."""
         self._adapter_turns: dict[str, tuple[asyncio.Lock, int]] = {}
         self.replies = Replies()
 

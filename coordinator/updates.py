@@ -13,8 +13,7 @@ moved while it waited, and a request without a version runs as one past the
 committed one then), run (``lifecycle.py``), and concluded: written,
 answered, announced (``commit.py``). An update holds its adapter's turn while it
 runs and ends, so an operator's reset of the adapter never lands in the
-middle of one, and the term's lock while it ends, so the store's sweep
-never reads the records between a commit's writes.
+middle of one.
 
 An adapter whose commit point does not decode is reset to a new lineage
 first (``resets.py``). A term deposed while its update ran answers
@@ -69,8 +68,7 @@ async def _run_one(term: Term, runner: UpdateRunner, checked: CheckedRequest) ->
         async with term.adapter_turn(checked.adapter):
             started = now()
             executed = await _execute(term, runner, checked)
-            async with term.serial:
-                await conclude(term, checked.request, executed, started)
+            await conclude(term, checked.request, executed, started)
     finally:
         term.metrics.updates_running.dec()
 
@@ -124,7 +122,8 @@ async def _committed_now(term: Term, adapter: str) -> CommittedRecord | None:
     try:
         return await term.committed(adapter)
     except CorruptRecord as corrupt:
-        await reset_unknown(term, adapter, corrupt)
+        async with term.records.writing():
+            await reset_unknown(term, adapter, corrupt)
         return None
 
 
