@@ -353,6 +353,12 @@ def bench(
     f"digest (bus), or a directory every agent reads (path) [default: {_CHAOS.adapters}].",
 )
 @click.option(
+    "--tenants",
+    type=click.IntRange(min=1),
+    help="Trainers updating at once (at most 16), each its own loop on its own adapter "
+    f"(tenant-0, ...; with 1, adapter policy) [default: {_CHAOS.tenants}].",
+)
+@click.option(
     "--out", "out_path", type=click.Path(dir_okay=False), help="Write the run's figures as JSON."
 )
 @click.option(
@@ -369,6 +375,7 @@ def chaos(
     fault_gap: float | None,
     nats_cluster: bool,
     adapters: str | None,
+    tenants: int | None,
     out_path: str | None,
     run_dir: str | None,
 ) -> None:
@@ -395,6 +402,7 @@ def chaos(
             "seed": seed,
             "mean_gap_s": fault_gap,
             "adapters": adapters,
+            "tenants": tenants,
             "run_dir": Path(run_dir) if run_dir else None,
         },
         world_sizes=world_sizes,

@@ -156,3 +156,33 @@ async def test_a_cluster_run_with_nodes_cut_off_and_restarted_breaks_no_invarian
     assert set(report.faults_by_kind) == {str(k) for k in config.fault_kinds()}, story
     assert report.committed > 0, story
     assert report.attempted == report.committed + report.failed_cleanly, story
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(120)
+async def test_three_tenants_updating_at_once_break_no_invariant(tmp_path: Path) -> None:
+    """Three trainers, each its own update loop on its own adapter, under one
+    fault schedule: every invariant holds per adapter (a restarted agent
+    included: once it says ready, its engine holds every tenant's commits)."""
+    lines: list[str] = []
+    config = ChaosConfig(
+        duration_s=25.0,
+        seed=SEED,
+        world_sizes=WORLD_SIZES,
+        mean_gap_s=MEAN_GAP_S,
+        tenants=3,
+        run_dir=tmp_path / "run",
+    )
+
+    report = await run_chaos(config, out=lines.append)
+
+    story = "\n".join(lines)
+    assert report.violations == [], (
+        "\n".join(str(v) for v in report.violations) + f"\n\n{story}\nlogs: {report.run_dir}"
+    )
+    assert set(report.tenants) == {"tenant-0", "tenant-1", "tenant-2"}, story
+    for adapter, tenant in report.tenants.items():
+        assert tenant["committed"] > 0, f"{adapter}: {tenant}\n{story}"
+        assert tenant["no_terminal_result"] == 0, f"{adapter}: {tenant}\n{story}"
+    assert report.faults_by_kind.get("agent_kill", 0) > 0, story
+    assert report.observed["ready_after_restart"]["processes"] > 0, story

@@ -7,10 +7,13 @@ processes, and the faults on them), ``inject`` (applying and healing the
 schedule), ``observe`` (watching the engines and the bus), ``store_watch``
 (sampling the adapter object store against its records), ``timeline`` (what
 was seen, on one clock), ``adapters`` (each step's adapter: written, and
-pushed to the store), ``updates`` (the update loop with same-id retries),
-``invariants`` (the checks; ``store_keeps`` judges the store's samples),
-``report`` (the figures) and ``runner`` (the whole run:
-``lorabus.testbed.chaos.runner.run_chaos``).
+pushed to the store), ``updates`` (one trainer's update loop with same-id
+retries), ``tenants`` (the trainers, one loop per adapter) and ``quiet``
+(the quiet windows they share), ``invariants`` (the registry of the checks,
+which live in ``pauses``, ``serving``, ``restarts``, ``results``,
+``processes`` and ``store_keeps``, on ``verdict``'s types and ``commits``'s
+view of what was committed), ``report`` (the figures) and ``runner`` (the
+whole run: ``lorabus.testbed.chaos.runner.run_chaos``).
 
 Only the modules that need no ``sim`` extra are imported here, so that the
 CLI can read ``ChaosConfig``'s defaults without it.

@@ -14,7 +14,8 @@ orphan again for their new version (the same digest, deleted since or not),
 and a share also push an adapter nobody asks for (an orphan, for the sweep).
 A push that fails on the bus (nats-server restarting, say) is tried again
 until the step's retry bound; an orphan's is tried once. Every push is
-written into the timeline.
+written into the timeline. With several tenants, each has its own: its
+steps' and orphans' bytes differ from every other tenant's.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ _PUSH_TIMEOUT_S = 10.0
 _ORPHAN_SEED = 1_000_003
 """Seeds an orphan's tensors (``write_adapter`` seeds with seed + step): no
 step's adapter has the same bytes."""
+_TENANT_SEED = 100_000_007
+"""Apart, per tenant, the seeds of its steps' and orphans' tensors: each
+trainer's adapters have bytes of their own."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,10 @@ class StepAdapters:
         seed: int,
         reuse_chance: float,
         orphan_chance: float,
+        tenant: int = 0,
     ) -> None:
+        """``tenant``: the trainer's index (0: as a run with one trainer), which
+        seeds what it pushes and the bytes it writes."""
         self.client = client
         self.timeline = timeline
         self.root = root
@@ -74,7 +81,10 @@ class StepAdapters:
         """The newest version committed (by ``path``, its directory is kept)."""
         self._pushed: list[_Content] = []
         """Every content pushed so far, which a later step may push again."""
-        self._rng = random.Random(f"{seed}-adapters")
+        self._seed = tenant * _TENANT_SEED
+        self._rng = random.Random(
+            f"{seed}-adapters" if tenant == 0 else f"{seed}-adapters-{tenant}"
+        )
 
     async def prepare(
         self, step: int, *, give_up_at: float, variety: bool = True
@@ -83,10 +93,10 @@ class StepAdapters:
         names, or None when its push failed until ``give_up_at``; and why.
         ``variety``: a step may push earlier bytes again, and an orphan."""
         if not self.by_bus:
-            path = str(write_adapter(self.root, step))
+            path = str(write_adapter(self.root, step, seed=self._seed))
             self._prune(step)
             return path, ""
-        content, kind = _Content(step), "new"
+        content, kind = _Content(step, self._seed), "new"
         if variety and self._pushed and self._rng.random() < self.reuse_chance:
             content, kind = self._rng.choice(self._pushed), "again"
         orphan = variety and self._rng.random() < self.orphan_chance
@@ -94,7 +104,7 @@ class StepAdapters:
         if digest is None:
             return None, why
         if orphan:
-            await self._push(_Content(step, _ORPHAN_SEED), "orphan", now())
+            await self._push(_Content(step, self._seed + _ORPHAN_SEED), "orphan", now())
         return bus_path(digest), ""
 
     async def _push(

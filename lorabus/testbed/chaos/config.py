@@ -13,8 +13,13 @@ from pathlib import Path
 from typing import Literal
 
 from lorabus.client import REASK_S
-from lorabus.testbed.chaos.invariants import Bounds
 from lorabus.testbed.chaos.schedule import ALL_KINDS, CLUSTER_KINDS, FaultKind
+from lorabus.testbed.chaos.timeline import DEFAULT_ADAPTER
+from lorabus.testbed.chaos.verdict import Bounds
+
+MAX_TENANTS = 16
+"""As many as the coordinator runs updates of different adapters at once
+(``--max-concurrent``'s default)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,9 @@ class ChaosConfig:
     """Share of steps (``bus``) that also push an adapter never asked for."""
     store_sample_s: float = 0.5
     """How often (``bus``) the store is sampled against its records (``store_keeps``)."""
+    tenants: int = 1
+    """Trainers updating at once, each its own loop on its own adapter
+    (``tenant-0``, ``tenant-1``, ...; with one, ``policy``)."""
 
     def __post_init__(self) -> None:
         if self.adapters not in ("bus", "path"):
@@ -96,10 +104,18 @@ class ChaosConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.store_sample_s <= 0:
             raise ValueError(f"store_sample_s must be > 0, got {self.store_sample_s}")
+        if not 1 <= self.tenants <= MAX_TENANTS:
+            raise ValueError(f"tenants must be in [1, {MAX_TENANTS}], got {self.tenants}")
 
     @property
     def by_bus(self) -> bool:
         return self.adapters == "bus"
+
+    def adapter_names(self) -> list[str]:
+        """Each tenant's adapter, in tenant order."""
+        if self.tenants == 1:
+            return [DEFAULT_ADAPTER]
+        return [f"tenant-{i}" for i in range(self.tenants)]
 
     def fleet_settings(self) -> FleetSettings:
         settings = self.fleet or FleetSettings(world_sizes=self.world_sizes)

@@ -5,9 +5,10 @@ The engines are watched in this process, on their own change notifications
 it did. On the bus the observer listens as any tap would: events, commands
 (for the pause renewals and the epochs they carry; a command addressed to a
 pause's cohort is resolved through the pauses seen, and who took a broadcast
-pause through its acks), acks (what each agent acted on), heartbeats (for
-the epoch each agent reports having seen) and when each update was first
-seen finished. It only listens; it never publishes.
+pause through its acks; and the ``committed`` notices, for what each commit
+keeps beside it), acks (what each agent acted on), heartbeats (for the epoch
+each agent reports having seen, and what it said it was ready with) and when
+each update was first seen finished. It only listens; it never publishes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lorabus.schemas import (
     Command,
     CommandHandled,
     CommandRefused,
+    CommittedNotice,
     ErrorCode,
     LeaderElected,
     PauseCommand,
@@ -41,8 +43,8 @@ from lorabus.schemas import (
     tag_of,
 )
 from lorabus.simfleet import SimFleet, SimWorker
-from lorabus.testbed.chaos.invariants import UNANSWERED
-from lorabus.testbed.chaos.timeline import LeaseCommand, SeenCommand, Timeline, now
+from lorabus.testbed.chaos.timeline import LeaseCommand, Notice, SeenCommand, Timeline, now
+from lorabus.testbed.chaos.verdict import UNANSWERED
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,17 @@ class BusObserver:
             self.timeline.undecodable += 1
             return
         at = now()
+        if isinstance(command, CommittedNotice) and command.adapter:
+            self.timeline.notice_seen(
+                Notice(
+                    at=at,
+                    adapter=command.adapter,
+                    version=command.version,
+                    served_name=command.served_name,
+                    kept=frozenset(k.served_name for k in command.kept if k.served_name),
+                    update_id=command.update_id,
+                )
+            )
         targets = self._addressees(command)
         if isinstance(command, PauseCommand) and command.cohort:
             self._broadcast_pauses.setdefault((command.epoch, command.update_id), at)
@@ -220,6 +233,9 @@ class BusObserver:
         at = now()
         self.timeline.epoch_seen(beat.worker_id, beat.epoch_seen, at)
         self.timeline.heartbeat(beat.worker_id, beat.paused, at)
+        self.timeline.readiness(
+            beat.worker_id, beat.instance, beat.ready, frozenset(beat.adapters), at
+        )
 
 
 def _handled(ack: Ack) -> CommandHandled:

@@ -1,8 +1,8 @@
 """The figures of a chaos run: counts, latencies, what was injected and found.
 
 Built from the timeline after the run; printed as a few lines of figures
-(:meth:`ChaosReport.figure_lines`) and the summary line the CLI ends with,
-and written as JSON with ``--out``.
+(:meth:`ChaosReport.figure_lines`; with several tenants, a line per tenant)
+and the summary line the CLI ends with, and written as JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from typing import Any
 
 import msgspec
 
-from lorabus.testbed.chaos.invariants import Violation, count_by_invariant
+from lorabus.testbed.chaos.invariants import Violation, count_by_adapter, count_by_invariant
+from lorabus.testbed.chaos.restarts import restart_coverage
 from lorabus.testbed.chaos.schedule import Fault
-from lorabus.testbed.chaos.timeline import Timeline
+from lorabus.testbed.chaos.timeline import Timeline, UpdateRecord
 
 
 class ChaosReport(msgspec.Struct, kw_only=True):
@@ -49,6 +50,11 @@ class ChaosReport(msgspec.Struct, kw_only=True):
     adapter_store: dict[str, Any] = {}
     """By bus: the pushes by kind, the store's samples, and the requests
     refused because their adapter was not (or no longer) in the store."""
+    tenants: dict[str, dict[str, Any]] = {}
+    """Per tenant's adapter: its updates asked for (``attempted``),
+    ``committed``, ``failed_by_code``, ``no_terminal_result``, ``goodput``."""
+    violations_by_adapter: dict[str, int] = {}
+    """Violations per adapter they name (one naming several counts for each)."""
 
     @property
     def ok(self) -> bool:
@@ -67,6 +73,8 @@ class ChaosReport(msgspec.Struct, kw_only=True):
             + f", without a terminal result {self.no_terminal_result}; "
             f"{self.retried} needed the same id asked again; goodput {self.goodput:.0%}",
         ]
+        if len(self.tenants) > 1:
+            lines += [_tenant_line(adapter, t) for adapter, t in self.tenants.items()]
         store = self.adapter_store
         if store.get("pushes"):
             kinds = store["pushes"]
@@ -96,6 +104,39 @@ class ChaosReport(msgspec.Struct, kw_only=True):
             f"faults injected {self.faults_injected}, "
             f"invariant violations {len(self.violations)}"
         )
+
+
+def _tenant_line(adapter: str, tenant: dict[str, Any]) -> str:
+    codes = ", ".join(f"{code} {n}" for code, n in tenant["failed_by_code"].items())
+    failed = sum(tenant["failed_by_code"].values())
+    return (
+        f"tenant {adapter}: asked {tenant['attempted']}, committed {tenant['committed']}, "
+        f"failed {failed}" + (f" ({codes})" if codes else "") + ", without a terminal result "
+        f"{tenant['no_terminal_result']}; goodput {tenant['goodput']:.0%}"
+    )
+
+
+def _tenants(updates: list[UpdateRecord]) -> dict[str, dict[str, Any]]:
+    by_adapter: dict[str, list[UpdateRecord]] = {}
+    for update in updates:
+        by_adapter.setdefault(update.adapter, []).append(update)
+    figures = {}
+    for adapter, asked in sorted(by_adapter.items()):
+        results = [u.result for u in asked]
+        committed = sum(r is not None and r.committed for r in results)
+        codes = Counter(
+            str(r.error.code) if r.error else "unknown"
+            for r in results
+            if r is not None and not r.committed
+        )
+        figures[adapter] = {
+            "attempted": len(asked),
+            "committed": committed,
+            "failed_by_code": dict(sorted(codes.items())),
+            "no_terminal_result": sum(r is None for r in results),
+            "goodput": round(committed / len(asked), 4),
+        }
+    return figures
 
 
 def build_report(
@@ -140,6 +181,8 @@ def build_report(
         observed=_observed(timeline),
         run_dir=run_dir,
         adapter_store=_adapter_store(timeline),
+        tenants=_tenants(timeline.updates),
+        violations_by_adapter=count_by_adapter(violations),
     )
 
 
@@ -215,6 +258,7 @@ def _observed(timeline: Timeline) -> dict[str, Any]:
         "pauses": sum(len(spans) for spans in timeline.pauses.values()),
         "longest_pause_s": longest,
         "undecodable_messages": timeline.undecodable,
+        "ready_after_restart": restart_coverage(timeline),
         "crashes": list(timeline.crashes),
     }
 

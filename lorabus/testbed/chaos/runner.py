@@ -3,10 +3,10 @@
 The run, in order: start NATS and the simulated engines, start listening
 (engines and bus), start the coordinators and agents, wait until the fleet is
 ready, start sampling the adapter store (by bus); then for ``duration_s`` (or
-until ``faults`` faults have been injected) run the update loop while the
-injector applies the schedule; then heal every fault, ask for a recovery
-update, let the engines converge, ask again for every update id, stop
-sampling, and judge the timeline.
+until ``faults`` faults have been injected) run each tenant's update loop
+while the injector applies the schedule; then heal every fault, ask for a
+recovery update of each tenant's adapter, let the engines converge, ask
+again for every update id, stop sampling, and judge the timeline.
 Every process is stopped on the way out, also on Ctrl-C.
 """
 
@@ -32,7 +32,7 @@ from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import NoCoordinator
 from lorabus.schemas import Subjects
-from lorabus.testbed.chaos.adapters import StepAdapters
+from lorabus.testbed.chaos.commits import last_committed
 from lorabus.testbed.chaos.config import ChaosConfig
 from lorabus.testbed.chaos.fleet import ChaosFleet
 from lorabus.testbed.chaos.inject import FaultInjector
@@ -41,8 +41,8 @@ from lorabus.testbed.chaos.observe import BusObserver, EngineWatcher
 from lorabus.testbed.chaos.report import ChaosReport, build_report
 from lorabus.testbed.chaos.schedule import Fault, build_schedule
 from lorabus.testbed.chaos.store_watch import StoreWatcher
+from lorabus.testbed.chaos.tenants import Tenants
 from lorabus.testbed.chaos.timeline import Timeline, now
-from lorabus.testbed.chaos.updates import UpdateLoop
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,15 @@ async def run_chaos(config: ChaosConfig, out: Callable[[str], None] = print) -> 
         if config.faults is None
         else f"until {config.faults} faults have been injected (about {run_s:.0f}s)"
     )
+    tenants = (
+        f", {config.tenants} tenants ({', '.join(config.adapter_names())})"
+        if config.tenants > 1
+        else ""
+    )
     out(
         f"chaos: seed {config.seed}, {run_s:.0f}s, {len(worker_ids)} workers "
         f"(world sizes {', '.join(map(str, config.world_sizes))}), {planned}, "
-        f"fault gap {config.mean_gap_s:g}s; run dir {run_dir}"
+        f"fault gap {config.mean_gap_s:g}s{tenants}; run dir {run_dir}"
     )
     async with ChaosFleet(settings, run_dir, timeline, out) as fleet:
         injector = await _run(config, fleet, timeline, schedule, run_s, run_dir, out)
@@ -95,6 +100,7 @@ async def run_chaos(config: ChaosConfig, out: Callable[[str], None] = print) -> 
             "reuse_chance": config.reuse_chance,
             "orphan_chance": config.orphan_chance,
             "store_sample_s": config.store_sample_s,
+            "tenants": config.tenants,
         },
         timeline=timeline,
         schedule=schedule,
@@ -145,31 +151,19 @@ async def _run(
     observer = BusObserver(Subjects(fleet=settings.fleet), timeline)
     watcher = asyncio.create_task(EngineWatcher(fleet.sim, timeline).run(), name="engine-watcher")
     client = UpdateClient(nc, settings.fleet)
-    adapters = StepAdapters(
+    tenants = Tenants.start(
+        config,
         client,
         timeline,
         run_dir / "adapters",
-        by_bus=config.by_bus,
-        seed=config.seed,
-        reuse_chance=config.reuse_chance,
-        orphan_chance=config.orphan_chance,
-    )
-    loop = UpdateLoop(
-        client,
-        timeline,
-        adapters,
-        seed=config.seed,
         run_id=f"chaos{config.seed}-{uuid.uuid4().hex[:6]}",
-        attempt_timeout_s=config.attempt_timeout_s,
-        retry_bound_s=config.retry_bound_s,
-        idle_chance=config.idle_chance,
         idle_s=bounds.pause_lease_s + bounds.grace_s + 2.0,
         out=out,
     )
     one_call_timeout_s = config.one_call_timeout_s()
 
     async def request_once(frozen_leader: str) -> object:
-        return await loop.request_once(one_call_timeout_s, frozen_leader=frozen_leader)
+        return await tenants.request_once(one_call_timeout_s, frozen_leader=frozen_leader)
 
     injector = FaultInjector(
         fleet, schedule, client, out, request_once=request_once, stop_after=config.faults
@@ -190,7 +184,7 @@ async def _run(
         injecting = asyncio.create_task(injector.run(began), name="injector")
         try:
             # Until the run's time is up and every scheduled fault has landed.
-            await loop.run_until(began + run_s, also=injecting)
+            await tenants.run_until(began + run_s, also=injecting)
             await injecting
         finally:
             injecting.cancel()
@@ -199,14 +193,10 @@ async def _run(
         await injector.heal()
         timeline.healed_at = now()
         await fleet.wait_ready(client, deadline_s=bounds.converge_s + 10.0)
-        for _ in range(_RECOVERY_ATTEMPTS):
-            record = await loop.run_step(recovery=True)
-            if record.result is not None and record.result.committed:
-                break
+        await tenants.recover(_RECOVERY_ATTEMPTS)
         await _wait_settled(fleet, timeline, bounds.converge_s)
-        timeline.final_committed = await _committed_adapter(client)
-        for record in list(timeline.updates):
-            await loop.ask_again(record)
+        timeline.final_committed, timeline.final_adapters = await _committed(client)
+        await tenants.ask_again(list(timeline.updates))
         await _wait_settled(fleet, timeline, bounds.pause_lease_s + bounds.grace_s)
         timeline.ended_at = now()
         if sampling is not None and sampling.done():
@@ -237,21 +227,23 @@ async def _store_watcher(
 
 
 async def _wait_settled(fleet: ChaosFleet, timeline: Timeline, deadline_s: float) -> None:
-    """Poll until no engine is paused and every one lists the last commit (or the deadline)."""
-    committed = [u.result for u in timeline.updates if u.result is not None and u.result.committed]
-    name = committed[-1].adapter if committed else None
+    """Poll until no engine is paused and every one lists each adapter's last
+    commit (or the deadline)."""
+    names = {u.result.adapter for u in last_committed(timeline).values() if u.result is not None}
     deadline = now() + deadline_s
     while now() < deadline:
         workers = fleet.sim.workers.values()
-        if not any(w.paused for w in workers) and all(
-            name is None or name in w.adapters for w in workers
-        ):
+        if not any(w.paused for w in workers) and all(names <= set(w.adapters) for w in workers):
             return
         await asyncio.sleep(0.05)
 
 
-async def _committed_adapter(client: UpdateClient) -> str | None:
-    """What the leader reports as committed ("(none)"), or None if nobody answers."""
+async def _committed(client: UpdateClient) -> tuple[str | None, dict[str, str] | None]:
+    """What the leader reports as committed: the latest commit ("(none)") and
+    each adapter's served name; Nones if nobody answers."""
     with contextlib.suppress(NoCoordinator, nats.errors.Error):
-        return (await client.status(timeout_s=5.0)).committed_adapter or "(none)"
-    return None
+        status = await client.status(timeout_s=5.0)
+        return status.committed_adapter or "(none)", {
+            a.adapter: a.served_name for a in status.adapters
+        }
+    return None, None

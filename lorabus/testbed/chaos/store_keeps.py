@@ -26,6 +26,7 @@ first sample that caught it and how many did.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from lorabus.adapters.store import digest_of
@@ -47,18 +48,25 @@ ANSWERED_ON_ARRIVAL = frozenset(
 three are the requester's own, not final)."""
 
 
+_RECORD_ADAPTER = re.compile(r"^(?:update \S+ in flight \()?(\S+) v\d+")
+"""The adapter a record's name (store_watch.record_names) starts with."""
+
+
 @dataclass(frozen=True)
 class _Request:
     digest: str
     sent: float
     end: float
     name: str
+    adapter: str
 
 
-def store_lapses(timeline: Timeline) -> list[tuple[str, str]]:
+def store_lapses(timeline: Timeline) -> list[tuple[str, str, str]]:
     """Every digest a record or an admitted request kept while a listing of
-    the store did not hold it, as (digest, what happened)."""
+    the store did not hold it, as (digest, what happened, the adapter of
+    what kept it)."""
     requests = _admitted_requests(timeline)
+    adapters = {r.name: r.adapter for r in requests}
     caught: dict[tuple[str, str], list[StoreSample]] = {}
     for sample in timeline.store_samples:
         for digest, names in sorted(_kept_throughout(sample, requests).items()):
@@ -75,6 +83,8 @@ def store_lapses(timeline: Timeline) -> list[tuple[str, str]]:
             if len(samples) > 1
             else ""
         )
+        named = _RECORD_ADAPTER.match(name)
+        adapter = adapters.get(name) or (named.group(1) if named else "")
         lapses.append(
             (
                 digest,
@@ -82,6 +92,7 @@ def store_lapses(timeline: Timeline) -> list[tuple[str, str]]:
                 f"to {timeline.at(first.listed_to)} ({len(first.stored)} objects), while "
                 f"{name} kept it throughout (records read at {timeline.at(first.began)} "
                 f"and again until {timeline.at(first.ended)}){also}",
+                adapter,
             )
         )
     return lapses
@@ -118,6 +129,7 @@ def _admitted_requests(timeline: Timeline) -> list[_Request]:
                 end=end,
                 name=f"request {update.update_id} (v{update.version}, sent at "
                 f"{timeline.at(update.sent_at)}, finished at {timeline.at(end)}: {outcome})",
+                adapter=update.adapter,
             )
         )
     return requests

@@ -2,10 +2,12 @@
 
 Everything is stamped with this process's ``time.monotonic()`` when it was
 seen: engine state changes of the simulated fleet (in this process, so exact),
-messages on the bus (when they arrived here), faults (when they were applied
-and healed), update requests (when asked, sent and answered), the adapters
-pushed to the fleet's object store, and samples of that store beside the
-records that keep its objects. The record is plain data, so the invariant
+messages on the bus (when they arrived here: among them each commit's
+``committed`` notice and each heartbeat that said ready), faults (when they
+were applied and healed), update requests of every tenant (when asked, sent
+and answered, and of which adapter), the adapters pushed to the fleet's
+object store, and samples of that store beside the records that keep its
+objects. The record is plain data, so the invariant
 checker is a pure function of it and can be fed planted records in tests.
 """
 
@@ -44,6 +46,10 @@ NATS_NODE_PARTITIONED = "nats_node_partitioned"
 AGENT_CUT_OFF = "agent_cut_off"
 """An agent connected to a node while that node was cut off from the others:
 what it sends reaches only that node."""
+
+DEFAULT_ADAPTER = "policy"
+"""The adapter of a run with one trainer (``--tenants 1``), and of a record
+that names none."""
 
 #: Windows during which a worker's agent cannot act on its engine at all.
 BLOCKING = frozenset({AGENT_DOWN, AGENT_STOPPED, ENGINE_HANG})
@@ -136,6 +142,31 @@ class Push:
     """False when the store held the digest already (nothing was sent)."""
 
 
+@dataclass(frozen=True)
+class Notice:
+    """A ``committed`` notice seen on the bus: what the fleet serves of one
+    adapter once that commit is known, its version and those kept beside it."""
+
+    at: float
+    """When it was first seen (the commit point was written before it)."""
+    adapter: str
+    version: int
+    served_name: str
+    kept: frozenset[str]
+    """The served names of the versions kept beside it."""
+    update_id: str
+
+
+@dataclass(frozen=True)
+class ReadyBeat:
+    """A heartbeat that said ready: what its agent process read back from its engine."""
+
+    at: float
+    instance: str
+    """The agent process that sent it."""
+    adapters: frozenset[str]
+
+
 @dataclass
 class UpdateRecord:
     update_id: str
@@ -143,6 +174,8 @@ class UpdateRecord:
     path: str
     """What the request names: a directory, or ``bus:sha256:...`` (the store)."""
     requested_at: float
+    adapter: str = DEFAULT_ADAPTER
+    """The adapter asked for: each tenant's loop asks for its own."""
     answered_at: float | None = None
     attempts: list[str] = field(default_factory=list)
     """Per attempt: the status, or the error code of an unanswered one."""
@@ -198,6 +231,15 @@ class Timeline:
     """The update ids asked for after every fault was healed."""
     final_committed: str | None = None
     """The committed adapter the coordinator reported at the end, if it answered."""
+    final_adapters: dict[str, str] | None = None
+    """Adapter -> the served name the coordinator reported committed at the
+    end, if it answered (None: not asked, or nobody answered)."""
+    notices: dict[tuple[str, int], Notice] = field(default_factory=dict)
+    """By (adapter, version): the first ``committed`` notice seen of it."""
+    ready_beats: dict[str, list[ReadyBeat]] = field(default_factory=dict)
+    """Per worker: every heartbeat that said ready."""
+    instances: dict[str, float] = field(default_factory=dict)
+    """Agent process instance -> when its first heartbeat was seen."""
     ended_at: float | None = None
     healed_at: float | None = None
     """When every fault had been healed (the final convergence starts here)."""
@@ -289,6 +331,34 @@ class Timeline:
     def heartbeat(self, worker_id: str, paused: bool, at: float) -> None:
         self.reported_paused.setdefault(worker_id, []).append((at, paused))
 
+    def readiness(
+        self, worker_id: str, instance: str, ready: bool, adapters: frozenset[str], at: float
+    ) -> None:
+        """A heartbeat's readiness, from agent process ``instance``."""
+        self.instances.setdefault(instance, at)
+        if not ready:
+            return
+        beats = self.ready_beats.setdefault(worker_id, [])
+        if beats and beats[-1].adapters == adapters:
+            adapters = beats[-1].adapters  # one set for a run of equal beats
+        beats.append(ReadyBeat(at, instance, adapters))
+
+    def instance_start(self, worker_id: str, instance: str) -> float | None:
+        """When agent process ``instance`` of ``worker_id`` started: the last
+        start before its first heartbeat (None: never seen, or no start known)."""
+        first = self.instances.get(instance)
+        if first is None:
+            return None
+        started = self.process_start(worker_id, first)
+        return None if started == float("-inf") else started
+
+    def notice_seen(self, notice: Notice) -> None:
+        self.notices.setdefault((notice.adapter, notice.version), notice)
+
+    def adapters_of_updates(self) -> dict[str, str]:
+        """Update id -> the adapter it asked for."""
+        return {u.update_id: u.adapter for u in self.updates}
+
     def unnoticed_pauses(self, min_s: float = 1.0) -> list[tuple[str, str]]:
         """Stretches where an engine was paused while its agent kept reporting it
         running for over ``min_s``, as (worker id, what happened): the agent
@@ -361,6 +431,7 @@ class Timeline:
             "updates": [
                 {
                     "update_id": u.update_id,
+                    "adapter": u.adapter,
                     "version": u.version,
                     "path": u.path,
                     "requested_at": rel(u.requested_at),
@@ -393,5 +464,11 @@ class Timeline:
             "healed_at": rel(self.healed_at),
             "ended_at": rel(self.ended_at),
             "final_committed": self.final_committed,
+            "final_adapters": self.final_adapters,
+            "notices": [
+                [rel(n.at), n.adapter, n.version, n.served_name, sorted(n.kept)]
+                for n in sorted(self.notices.values(), key=lambda n: n.at)
+            ],
+            "ready_beats": {w: len(beats) for w, beats in sorted(self.ready_beats.items())},
             "crashes": self.crashes,
         }

@@ -17,14 +17,21 @@ second requester (an operator's ``lorabus update`` beside the trainer), which
 the coordinator queues like any other. Its version is the loop's next step,
 so versions keep rising in the order they are asked, and whichever of two
 queued requests is older is answered ``superseded``: a terminal result.
+
+With several tenants (``--tenants``) each trainer runs a loop of its own on
+its own adapter, all at once (:mod:`lorabus.testbed.chaos.tenants`); the
+first tenant's loop decides when the fleet goes quiet, and the others wait
+for its quiet windows (:mod:`lorabus.testbed.chaos.quiet`) instead of idling
+on their own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import nats.errors
 
@@ -32,12 +39,13 @@ from lorabus.client import UpdateClient
 from lorabus.errors import LorabusError
 from lorabus.schemas import UpdateResult
 from lorabus.testbed.chaos.adapters import StepAdapters
-from lorabus.testbed.chaos.invariants import is_terminal
-from lorabus.testbed.chaos.timeline import Timeline, UpdateRecord, now
+from lorabus.testbed.chaos.quiet import QuietWindows
+from lorabus.testbed.chaos.timeline import DEFAULT_ADAPTER, Timeline, UpdateRecord, now
+from lorabus.testbed.chaos.verdict import is_terminal
 
 log = logging.getLogger(__name__)
 
-ADAPTER = "policy"
+ADAPTER = DEFAULT_ADAPTER
 _RETRY_PAUSE_S = 0.2
 _IDLE_AFTER_FAILURE = 0.75
 _HUNG_AFTER_S = 10.0
@@ -58,7 +66,13 @@ class UpdateLoop:
         idle_chance: float,
         idle_s: float,
         out: Callable[[str], None],
+        adapter: str = ADAPTER,
+        tenant: int = 0,
+        quiet: QuietWindows | None = None,
     ) -> None:
+        """``run_id`` prefixes its update ids; ``tenant`` (its index) seeds its
+        gaps (0: as a run with one trainer); ``quiet``: the windows the first
+        tenant's loop holds and the others wait for (None: idle on its own)."""
         self.client = client
         self.timeline = timeline
         self.adapters = adapters
@@ -69,7 +83,10 @@ class UpdateLoop:
         self.idle_s = idle_s
         self.out = out
         self.step = 0
-        self._rng = random.Random(f"{seed}-updates")
+        self.adapter = adapter
+        self.tenant = tenant
+        self.quiet = quiet
+        self._rng = random.Random(f"{seed}-updates-{tenant}" if tenant else f"{seed}-updates")
 
     async def run_until(self, deadline: float, also: asyncio.Task[None] | None = None) -> None:
         """Run steps with their gaps until ``deadline`` has passed and ``also`` is done."""
@@ -78,7 +95,8 @@ class UpdateLoop:
             return now() < deadline or (also is not None and not also.done())
 
         while running():
-            record = await self.run_step()
+            async with self._stepping():
+                record = await self.run_step()
             # An orchestrator backs off after a failure; that is also when an
             # engine left paused would otherwise be resumed by the next update.
             failed = record.result is None or not record.result.committed
@@ -86,15 +104,29 @@ class UpdateLoop:
             idle = self._rng.random() < idle_chance
             gap = self._rng.uniform(0.05, 0.6)
             if idle and now() + self.idle_s < deadline:
-                gap = self.idle_s
+                if self.quiet is None:
+                    gap = self.idle_s
+                elif self.tenant == 0:
+                    await self.quiet.hold(self.idle_s)  # the whole fleet goes quiet
+                    continue
             # Pacing between RL steps: a time, not a condition.
             await asyncio.sleep(gap)
+
+    @contextlib.asynccontextmanager
+    async def _stepping(self) -> AsyncIterator[None]:
+        if self.quiet is None:
+            yield
+            return
+        async with self.quiet.step():
+            yield
 
     async def run_step(self, *, recovery: bool = False) -> UpdateRecord:
         self.step += 1
         step = self.step
         update_id = f"{self.run_id}-step-{step}"
-        record = UpdateRecord(update_id=update_id, version=step, path="", requested_at=now())
+        record = UpdateRecord(
+            update_id=update_id, version=step, path="", requested_at=now(), adapter=self.adapter
+        )
         self.timeline.updates.append(record)
         if recovery:
             self.timeline.recovery_ids.add(update_id)
@@ -138,13 +170,14 @@ class UpdateLoop:
             requested_at=now(),
             one_call_timeout_s=timeout_s,
             frozen_leader=frozen_leader,
+            adapter=self.adapter,
         )
         record.sent_at = record.requested_at
         self.timeline.updates.append(record)
         try:
             async with asyncio.timeout(timeout_s + _HUNG_AFTER_S):
                 result = await self.client.update(
-                    ADAPTER, path, version=step, update_id=update_id, timeout_s=timeout_s
+                    self.adapter, path, version=step, update_id=update_id, timeout_s=timeout_s
                 )
         except TimeoutError:
             record.attempts.append(f"hung: no return within {timeout_s + _HUNG_AFTER_S:.0f}s")
@@ -179,7 +212,7 @@ class UpdateLoop:
     ) -> UpdateResult | None:
         try:
             return await self.client.update(
-                ADAPTER,
+                self.adapter,
                 path,
                 version=version,
                 update_id=update_id,
