@@ -109,6 +109,7 @@ class Agent:
         max_pause_lease_s: float = MAX_PAUSE_LEASE_S,
         verifier: CommandVerifier | None = None,
         max_adapter_bytes: int = MAX_ADAPTER_BYTES,
+        late_pause_s: float = 0.0,
     ) -> None:
         if heartbeat_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
@@ -118,6 +119,10 @@ class Agent:
         self.heartbeat_s = heartbeat_s
         self.max_pause_lease_s = max_pause_lease_s
         self.max_adapter_bytes = max_adapter_bytes
+        self.late_pause_s = late_pause_s
+        """How long after it was given up a pause may still land (the
+        engine's call timeout): the lease of one that went unanswered is
+        longer by this, so the agent's resumes outlast the late pause."""
         self.lease = PauseLease()
         self.verifier = verifier or CommandVerifier()
         self.instance = secrets.token_hex(8)
@@ -158,6 +163,7 @@ class Agent:
             max_pause_lease_s=config.max_pause_lease_s,
             verifier=CommandVerifier(config.coordinator_keys, config.trust_file or None),
             max_adapter_bytes=config.max_adapter_bytes,
+            late_pause_s=config.engine_timeout_s,
         )
 
     @property
@@ -194,7 +200,11 @@ class Agent:
         self.executor.fetch = bus.fetch_adapter
         fencing = Fencing(bus, self.executor, self.verifier, instance=self.instance)
         queue = CommandQueue(
-            bus, self.executor, self.lease, max_pause_lease_s=self.max_pause_lease_s
+            bus,
+            self.executor,
+            self.lease,
+            max_pause_lease_s=self.max_pause_lease_s,
+            late_pause_s=self.late_pause_s,
         )
         convergence = Convergence(bus, self.executor, fencing, queue)
         heartbeats = Heartbeats(

@@ -64,12 +64,17 @@ class CommandQueue:
         lease: PauseLease,
         *,
         max_pause_lease_s: float,
+        late_pause_s: float = 0.0,
     ) -> None:
         self._bus = bus
         self._executor = executor
         self._worker_id = executor.worker_id
         self._lease = lease
         self._max_pause_lease_s = max_pause_lease_s
+        self._late_pause_s = late_pause_s
+        """How long after it was given up a pause may still land: the lease
+        of an unanswered one runs longer by this, so that the agent's
+        resumes at every beat (``heartbeats.py``) outlast it."""
         self._queue: asyncio.Queue[Work] = asyncio.Queue()
         self._queued: set[_CommandKey] = set()
         self._acks: OrderedDict[_CommandKey, Ack] = OrderedDict()
@@ -178,6 +183,8 @@ class CommandQueue:
         match command:
             case PauseCommand(lease_s=lease_s) if ack.ok or self._executor.maybe_paused:
                 lease_s = self.lease_length(lease_s)
+                if not ack.ok:  # unanswered: the engine may still carry it out
+                    lease_s += self._late_pause_s
                 self._lease.arm(command.update_id, lease_s, command.shared_with, command.epoch)
             case ResumeCommand() if ack.ok and holding and self._executor.paused:
                 self._lease.release(command.update_id)

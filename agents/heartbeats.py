@@ -100,15 +100,7 @@ class Heartbeats:
                 # resume again (a resume is idempotent) every beat until the
                 # lease that pause armed runs out, so a late pause holds the
                 # engine for a beat, not for the lease.
-                self._queue.put_internal(
-                    ResumeCommand(
-                        update_id=LATE_PAUSE,
-                        targets=[ex.worker_id],
-                        budget_s=_LATE_PAUSE_RESUME_BUDGET_S,
-                        epoch=self._fencing.epoch_seen,
-                    ),
-                    LATE_PAUSE,
-                )
+                self._resume_late_pause()
                 continue
             quiet_s = now() - self._executor.last_contact
             if self._queue.empty() and not self._executor.paused and quiet_s >= self._interval_s:
@@ -122,6 +114,18 @@ class Heartbeats:
                 if self._reported() != seen:
                     # Tell the coordinator now; the heartbeat loop beats on its own.
                     await self.beat()
+
+    def _resume_late_pause(self) -> None:
+        ex = self._executor
+        self._queue.put_internal(
+            ResumeCommand(
+                update_id=LATE_PAUSE,
+                targets=[ex.worker_id],
+                budget_s=_LATE_PAUSE_RESUME_BUDGET_S,
+                epoch=self._fencing.epoch_seen,
+            ),
+            LATE_PAUSE,
+        )
 
     def _reported(self) -> tuple[list[str], bool, str, list[str]]:
         """What a heartbeat says of the engine that a check can change."""

@@ -8,7 +8,11 @@ whole fleet: when none runs, the pause-mode requests queued then (one per
 adapter) form a round, which starts together and shares one pause of the
 fleet (each names the others, :meth:`UpdateBook.round_of`); later ones wait
 for the next round, once the whole round has ended, so the engines resume
-between rounds. A live update pauses nothing and runs beside them.
+between rounds. A new leader forms its first round only once its
+predecessor's requesters have had a re-ask interval to ask it again
+(:attr:`UpdateBook.rounds_from`): else the first to ask again would start a
+round alone, and the others wait for it, again at every failover. A live
+update pauses nothing and runs beside them.
 Requests wait at most ``max_queued`` per adapter and ``max_queued_total`` in
 all: one more is answered ``busy``, saying which bound is full, at once and
 not kept, so the same request may simply come again. A request
@@ -57,6 +61,7 @@ bucket and announced like the results of updates run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import posixpath
 import re
 from collections import OrderedDict
@@ -65,6 +70,7 @@ from collections.abc import Iterable
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.plan import CheckedRequest
 from lorabus.errors import BadRequest, Busy
+from lorabus.runtime.clock import now
 from lorabus.schemas import (
     COMMITTED,
     FAILED,
@@ -141,6 +147,8 @@ class UpdateBook:
         """The updates running, by adapter, in the order they started."""
         self._round: list[str] = []
         """The ids of the pause-mode round that runs (or ran last)."""
+        self.rounds_from = 0.0
+        """No pause-mode round starts before then (monotonic)."""
         self._results: OrderedDict[str, UpdateResult] = OrderedDict()
         self._unpersisted: dict[str, UpdateResult] = {}
         self._requests: OrderedDict[str, UpdateRequest] = OrderedDict()
@@ -295,7 +303,13 @@ class UpdateBook:
         docstring), and count it running until :meth:`finish`."""
         while (checked := self._startable()) is None:
             self._changed.clear()
-            await self._changed.wait()
+            held_s = self.rounds_from - now()
+            if held_s > 0 and any(not queued.live for queued in self._queue):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(held_s):
+                        await self._changed.wait()
+            else:
+                await self._changed.wait()
         if not checked.live and not self._pausing():
             self._round = self._next_round()
         self._queue.remove(checked)
@@ -316,11 +330,12 @@ class UpdateBook:
         if len(self._running) >= self.max_running:
             return None
         pausing = self._pausing()
+        may_open = not pausing and now() >= self.rounds_from
         passed: set[str] = set()  # an adapter's requests start in the order they came
         for checked in self._queue:
             if checked.adapter in passed or checked.adapter in self._running:
                 continue
-            if checked.live or not pausing or checked.update_id in self._round:
+            if checked.live or may_open or (pausing and checked.update_id in self._round):
                 return checked
             passed.add(checked.adapter)
         return None

@@ -39,6 +39,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
 from lorabus.bus.connect import wait_flushed
+from lorabus.client import REASK_S
 from lorabus.coordinator.adapter_store import AdapterStore
 from lorabus.coordinator.admission import Admission
 from lorabus.coordinator.alerts import MemberAlerts
@@ -261,6 +262,11 @@ class Coordinator:
         subs: list[Subscription] = []
         try:
             recovered = await recover(term, runner)
+            if term.epoch > 1:
+                # A predecessor's requesters ask again within a re-ask
+                # interval: its pause-mode requests form this term's first
+                # round together, not the first to come back alone.
+                term.book.rounds_from = now() + REASK_S
             await announce_term(term)
             await term.bus.emit(
                 LeaderElected(

@@ -293,3 +293,27 @@ async def test_a_stored_result_carries_its_path_once_the_version_is_no_longer_co
     assert same is not None and same.result() == stored
     assert other_path is not None and _code(other_path) == ErrorCode.BAD_REQUEST
     assert "/adapters/step_3" in other_path.result().error.message  # type: ignore[union-attr]
+
+
+async def test_a_new_leaders_first_round_waits_for_its_predecessors_requesters() -> None:
+    """After a failover the requesters ask again within a re-ask interval:
+    the first to come back must not start a round alone while the others
+    are still on their way. A live request goes by at once."""
+    book = UpdateBook(max_running=8)
+    loop = asyncio.get_running_loop()
+    book.rounds_from = loop.time() + 0.2
+    book.submit(_paused("x0", "x0"))
+    live = CheckedRequest(
+        request=_request("l1", adapter="l", version=1), path="/a", live=True, replace=False, keep=2
+    )
+    book.submit(live)
+    assert (await asyncio.wait_for(book.next_request(), 1.0)).update_id == "l1"
+    waiting = asyncio.ensure_future(book.next_request())
+    await asyncio.sleep(0.05)
+    book.submit(_paused("x1", "x1"))  # asked again a moment later
+    await asyncio.sleep(0)
+    assert not waiting.done(), "no round before rounds_from"
+
+    first = await asyncio.wait_for(waiting, 1.0)
+    assert loop.time() >= book.rounds_from
+    assert first.update_id == "x0" and book.round_of("x0") == ["x1"]
