@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
+import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,3 +259,32 @@ async def wait_live_workers(
                 return status
             last_seen = f"live {sorted(live)}"
         await asyncio.sleep(poll_s)
+
+
+def run_marked(argv: list[str], deadline_s: float) -> tuple[int, str, list[int]]:
+    """Run ``argv`` to its end (interrupted at ``deadline_s``), every process
+    it starts marked: its exit code, its output, and the pids of those that
+    outlived it, killed here after they were counted."""
+    variable, marker = "LORABUS_TEST_MARK", uuid.uuid4().hex
+
+    async def run() -> tuple[int, str]:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=child_env({variable: marker}),
+        )
+        try:
+            stdout, _ = await asyncio.wait_for(process.communicate(), deadline_s)
+        except TimeoutError:
+            process.send_signal(signal.SIGINT)
+            stdout, _ = await asyncio.wait_for(process.communicate(), 30)
+        assert process.returncode is not None
+        return process.returncode, stdout.decode(errors="replace")
+
+    code, text = asyncio.run(run())
+    left = pids_marked(variable, marker)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return code, text, left

@@ -10,20 +10,15 @@ few updates on a quiet machine, so those are only checked to be there).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import sys
-import uuid
 from pathlib import Path
 
 import msgspec
 import pytest
-from processes import LORABUS, child_env, pids_marked, run_lorabus
+from processes import LORABUS, run_lorabus, run_marked
 
 from lorabus.testbed.bench import BenchReport, ModeResult
 
-MARK_VAR = "LORABUS_TEST_MARK"
 RUN_DEADLINE_S = 150.0
 SIZES = (8, 16)
 UPDATES = 3
@@ -40,7 +35,6 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path,
     """One small benchmark run: exit code, stdout, the JSON file, and leftover pids."""
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "bench.json"
-    marker = uuid.uuid4().hex
     argv = [
         str(LORABUS),
         "bench",
@@ -59,26 +53,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path,
         str(out),
     ]
 
-    async def run() -> tuple[int, str]:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=child_env({MARK_VAR: marker}),
-        )
-        try:
-            stdout, _ = await asyncio.wait_for(process.communicate(), RUN_DEADLINE_S)
-        except TimeoutError:
-            process.send_signal(signal.SIGINT)
-            stdout, _ = await asyncio.wait_for(process.communicate(), 30)
-        assert process.returncode is not None
-        return process.returncode, stdout.decode(errors="replace")
-
-    code, text = asyncio.run(run())
-    left = pids_marked(MARK_VAR, marker)
-    for pid in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    code, text, left = run_marked(argv, RUN_DEADLINE_S)
     return code, text, out, left
 
 

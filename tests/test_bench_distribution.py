@@ -10,17 +10,12 @@ every way was measured, committed and moved the bytes it should have.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import signal
-import uuid
 from pathlib import Path
 
 import msgspec
 import pytest
 from click.testing import CliRunner
-from processes import LORABUS, child_env, pids_marked
+from processes import LORABUS, run_marked
 
 from lorabus.adapters.archive import check_adapter_dir
 from lorabus.adapters.digest import adapter_digest
@@ -192,7 +187,6 @@ def test_a_sized_adapter_is_an_adapter_of_that_size_with_fresh_content(tmp_path:
 
 # -- the quick series, end to end (the bench tier) ---------------------------------
 
-MARK_VAR = "LORABUS_TEST_MARK"
 RUN_DEADLINE_S = 150.0
 AGENTS_PER_NODE = 4
 N, S = 8, 16
@@ -203,32 +197,12 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path,
     """One quick distribution run: exit code, stdout, the JSON, its run dir, leftover pids."""
     tmp = tmp_path_factory.mktemp("distribution")
     out, run_dir = tmp / "bench.json", tmp / "run"
-    marker = uuid.uuid4().hex
     argv = [
         str(LORABUS), "bench", "--quick", "--series", "distribution",
         "--agents-per-node", str(AGENTS_PER_NODE), "--run-dir", str(run_dir), "--out", str(out),
     ]  # fmt: skip
 
-    async def run() -> tuple[int, str]:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=child_env({MARK_VAR: marker}),
-        )
-        try:
-            stdout, _ = await asyncio.wait_for(process.communicate(), RUN_DEADLINE_S)
-        except TimeoutError:
-            process.send_signal(signal.SIGINT)
-            stdout, _ = await asyncio.wait_for(process.communicate(), 30)
-        assert process.returncode is not None
-        return process.returncode, stdout.decode(errors="replace")
-
-    code, text = asyncio.run(run())
-    left = pids_marked(MARK_VAR, marker)
-    for pid in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    code, text, left = run_marked(argv, RUN_DEADLINE_S)
     return code, text, out, run_dir, left
 
 

@@ -11,21 +11,15 @@ The verdicts and the table are checked from figures made up here.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import signal
-import uuid
 from pathlib import Path
 
 import msgspec
 import pytest
-from processes import LORABUS, child_env, pids_marked
+from processes import LORABUS, run_marked
 
 from lorabus.testbed.bench import BenchReport, Stats, TenantResult
 from lorabus.testbed.bench.tenantsreport import judge_tenants, tenants_table
 
-MARK_VAR = "LORABUS_TEST_MARK"
 RUN_DEADLINE_S = 60.0
 N = 4
 TENANTS = (1, 3)
@@ -39,7 +33,6 @@ def tenants_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """One tiny tenants run: exit code, its output, the JSON, leftover pids."""
     tmp = tmp_path_factory.mktemp("tenants")
     out = tmp / "bench.json"
-    marker = uuid.uuid4().hex
     argv = [
         LORABUS, "bench", "--quick", "--series", "tenants",
         "--tenants", ",".join(map(str, TENANTS)), "--tenant-sizes", str(N),
@@ -47,26 +40,7 @@ def tenants_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         "--agent-procs", "1", "--run-dir", str(tmp / "run"), "--out", str(out),
     ]  # fmt: skip
 
-    async def run() -> tuple[int, str]:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=child_env({MARK_VAR: marker}),
-        )
-        try:
-            stdout, _ = await asyncio.wait_for(process.communicate(), RUN_DEADLINE_S)
-        except TimeoutError:
-            process.send_signal(signal.SIGINT)
-            stdout, _ = await asyncio.wait_for(process.communicate(), 30)
-        assert process.returncode is not None
-        return process.returncode, stdout.decode(errors="replace")
-
-    code, text = asyncio.run(run())
-    left = pids_marked(MARK_VAR, marker)
-    for pid in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    code, text, left = run_marked(argv, RUN_DEADLINE_S)
     return code, text, out, left
 
 
