@@ -30,14 +30,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Iterator
-from dataclasses import dataclass
 
 import msgspec
 
 from lorabus.adapters.store import digest_of
-from lorabus.coordinator.deadline import first_resend_gap
+from lorabus.coordinator.carrying import Carrying, carried_load, may_have_landed
 from lorabus.coordinator.digests import digest_problem
-from lorabus.coordinator.gather import AckRouter, PhaseGather
+from lorabus.coordinator.gather import PhaseGather
 from lorabus.coordinator.inflight import InflightJournal
 from lorabus.coordinator.outcomes import Carried, Loaded, RunOutcome, Window, run_result
 from lorabus.coordinator.phases import Commands, Gathering, PhaseOutcome
@@ -261,13 +260,13 @@ class UpdateRun:
         budget_s = self.config.phase_timeout_s
         load_command = msgspec.structs.replace(load_command, budget_s=2 * budget_s)
         acks = self.commands.bus.acks
-        carrying = _Carrying.open(acks, self.plan.update_id, targets, self.commands.epoch)
+        carrying = Carrying.open(acks, self.plan.update_id, targets, self.commands.epoch)
         loading = asyncio.create_task(
             self._load(load_command, targets, carrying.first_loaded, carrying.load_gathering())
         )
         try:
             pause = await self._pause(
-                targets, then_load=_carried_load(load_command, budget_s), opened=carrying.pause
+                targets, then_load=carried_load(load_command, budget_s), opened=carrying.pause
             )
             carrying.pause_ended = now()
             paused = self.quorum.going_on(pause, targets, self.members)
@@ -277,7 +276,7 @@ class UpdateRun:
             kept = set(paused)
             carrying.load.drop(w for w in targets if w not in kept)
             # Withdrawn from too, if the update fails.
-            self._may_have_loaded.update(_may_have_landed(pause))
+            self._may_have_loaded.update(may_have_landed(pause))
             loaded = await loading
         finally:
             loading.cancel()
@@ -436,70 +435,3 @@ class UpdateRun:
             error=error,
             rank_map=rank_map,
         )
-
-
-@dataclass
-class _Carrying:
-    """The acks of a pause and of the load it carries, gathered at once."""
-
-    pause: PhaseGather
-    load: PhaseGather
-    first_loaded: asyncio.Event
-    """Set at the first successful load: the frontend may be asked from then on."""
-    pause_ended: float | None = None
-    """When the fleet's pause ended (monotonic), once it has."""
-
-    @classmethod
-    def open(cls, acks: AckRouter, update_id: str, targets: list[str], epoch: int) -> _Carrying:
-        first_loaded = asyncio.Event()
-        load = acks.expect(update_id, Phase.LOAD, targets, first_loaded, epoch)
-        # Opened last, so the status shows the pause while it lasts.
-        pause = acks.expect(update_id, Phase.PAUSE, targets, None, epoch)
-        return cls(pause, load, first_loaded)
-
-    def load_gathering(self) -> Gathering:
-        """How the carried load is gathered: on the gather opened for it, sent
-        already (only re-sends follow), its time what it adds after the pause."""
-        return Gathering(
-            opened=self.load,
-            sent=True,
-            resend_if=self.took_the_pause,
-            counted_from=lambda: self.pause_ended if self.pause_ended is not None else now(),
-        )
-
-    def took_the_pause(self, worker_id: str) -> bool:
-        """A load is sent again only to a member whose pause held: one whose
-        pause failed, or which has not taken it, must not load (an agent of
-        wire version 2 would)."""
-        ack = self.pause.acks.get(worker_id)
-        return ack is not None and ack.ok
-
-    def loads_so_far(self, timeout_s: float) -> PhaseOutcome:
-        """The loads as known when the pause failed the update (not waited for)."""
-        return PhaseOutcome(
-            phase=Phase.LOAD,
-            acks=dict(self.load.acks),
-            missing=sorted(self.load.waiting),
-            lost=sorted(self.load.lost),
-            duration_s=0.0,
-            timeout_s=timeout_s,
-        )
-
-
-def _carried_load(load_command: LoadCommand, budget_s: float) -> LoadSpec:
-    """The load a pause of ``budget_s`` carries. Its ack may be held half the
-    pause's first re-send gap: a pause acked with a load that is still
-    running then gets its own ack before any re-send."""
-    hold_s = min(first_resend_gap(budget_s), budget_s) / 2
-    return msgspec.structs.replace(load_command.spec(), budget_s=budget_s, ack_hold_s=hold_s)
-
-
-def _may_have_landed(pause: PhaseOutcome) -> set[str]:
-    """Members whose pause may have landed unanswered, and with it run the
-    load it carried: a pause that landed after all (its ack late or lost),
-    or one acked as failed with its outcome unknown (the engine maybe
-    paused). The agent of the latter refuses the load, but which of the two
-    the coordinator heard first is a race, and unloading a name an engine
-    lacks succeeds."""
-    unsure = {w for w, ack in pause.acks.items() if ack.paused and not ack.ok}
-    return set(pause.missing) | set(pause.lost) | unsure
