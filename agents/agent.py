@@ -55,6 +55,7 @@ from lorabus.agents.fencing import Fencing
 from lorabus.agents.heartbeats import LATE_PAUSE, Heartbeats
 from lorabus.agents.lease import LeaseState, PauseLease
 from lorabus.agents.metrics import InstrumentedDriver
+from lorabus.agents.pending_pause import PendingPause
 from lorabus.errors import DuplicateWorker
 from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.runtime.clock import now
@@ -144,9 +145,10 @@ class Agent:
         """The agent ``config`` describes, driving its engine through ``driver``."""
         cache_dir = config.cache_dir or default_cache_dir(config.fleet)
         cache = AdapterCache(cache_dir, keep=config.cache_keep)
+        holder = f"{config.fleet}.{config.worker_id}"  # one file per worker of each fleet
         keeper = CacheKeeper(
             cache,
-            holder=f"{config.fleet}.{config.worker_id}",  # one file per worker of each fleet
+            holder=holder,
             counts=driver.metrics if isinstance(driver, InstrumentedDriver) else None,
         )
         return cls(
@@ -158,6 +160,7 @@ class Agent:
                 adapter_roots=config.adapter_roots,
                 adapter_cache=cache,
                 cache_keeper=keeper,
+                pending_pause=PendingPause.in_cache(cache_dir, holder, config.engine_timeout_s),
             ),
             heartbeat_s=config.heartbeat_s,
             max_pause_lease_s=config.max_pause_lease_s,
@@ -223,6 +226,7 @@ class Agent:
     async def _serve(self, parts: _Parts, ready: asyncio.Event | None) -> None:
         await parts.convergence.read_fleet_state()
         await self._resume_at_start(parts)
+        self._expect_predecessor_pause()
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._stop_if_refused(parts.refused))
             tasks.create_task(self._command_loop(parts))
@@ -420,6 +424,25 @@ class Agent:
             log.warning("worker=%s could not resume its engine at start: %s", self.worker_id, exc)
             return
         await self._engine_resumed(parts, "agent start")
+
+    def _expect_predecessor_pause(self) -> None:
+        """A predecessor killed while its pause call was in flight: the engine
+        may still carry that pause out, after the resume at start. Until it no
+        longer can, the engine counts as maybe paused, as after an unanswered
+        pause of this process's own: it is resumed at every beat, and a lease
+        of that length ends it (:mod:`lorabus.agents.pending_pause`)."""
+        pending = self.executor.pending_pause
+        left_s = pending.left_s() if pending is not None else 0.0
+        if left_s <= 0:
+            return
+        log.warning(
+            "worker=%s a pause its last agent sent may still land for %.1fs: "
+            "resuming the engine at every beat until then",
+            self.worker_id,
+            left_s,
+        )
+        self.executor.maybe_paused = True
+        self.lease.arm(LATE_PAUSE, left_s)
 
     async def _resume_if_paused(self, parts: _Parts) -> None:
         """A stopping agent resumes its engine: nobody would be left to do it."""

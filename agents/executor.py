@@ -48,6 +48,7 @@ from lorabus.agents.adapter_cache import AdapterCache, Fetch
 from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
 from lorabus.agents.cache_holders import CacheKeeper
 from lorabus.agents.engine import EngineDriver, InPlaceReplace, SetupCheck
+from lorabus.agents.pending_pause import PendingPause
 from lorabus.errors import (
     BadRequest,
     DigestMismatch,
@@ -93,10 +94,12 @@ class CommandExecutor:
         adapter_roots: list[str] | None = None,
         adapter_cache: AdapterCache | None = None,
         cache_keeper: CacheKeeper | None = None,
+        pending_pause: PendingPause | None = None,
     ) -> None:
         """``cache_keeper``: prunes ``adapter_cache`` for this agent (by default
         one without a holder file: what the engine serves is kept from the
-        prunes of this process only)."""
+        prunes of this process only). ``pending_pause``: where a pause in
+        flight is recorded for a successor (None: nowhere)."""
         self.worker_id = worker_id
         self.adapter_roots = list(adapter_roots or [])
         """Directories adapters may be loaded from, on this host (empty: any path,
@@ -106,6 +109,7 @@ class CommandExecutor:
         self.paused = False
         self.maybe_paused = False
         """A pause went unanswered: the engine may pause late, after a resume."""
+        self.pending_pause = pending_pause
         self._seen_digest = ""
         """The digest the load being run saw (for its ack)."""
         self._adapters: list[str] = []
@@ -255,6 +259,10 @@ class CommandExecutor:
         await self.driver.resume()
         self.paused = False
 
+    def _pause_answered(self) -> None:
+        if self.pending_pause is not None:
+            self.pending_pause.answered()
+
     def late_pause_undone(self) -> None:
         """A resume ran after the lease of an unanswered pause ran out: a pause
         that landed late is undone, and no other can land now."""
@@ -289,6 +297,8 @@ class CommandExecutor:
             case PauseCommand() | ResumeCommand() if shared_pause and self.paused:
                 pass  # another update of its round holds the engine paused
             case PauseCommand():
+                if self.pending_pause is not None:
+                    self.pending_pause.sent()  # for a successor, should this process die now
                 try:
                     await self.driver.pause()
                 except BaseException as exc:
@@ -296,7 +306,10 @@ class CommandExecutor:
                     # out): the engine may still carry the pause out later.
                     if not (isinstance(exc, EngineError) and exc.status is not None):
                         self.maybe_paused = True
+                        raise
+                    self._pause_answered()
                     raise
+                self._pause_answered()
                 self.paused = True
             case ResumeCommand():
                 await self.driver.resume()
