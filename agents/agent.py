@@ -160,7 +160,9 @@ class Agent:
                 adapter_roots=config.adapter_roots,
                 adapter_cache=cache,
                 cache_keeper=keeper,
-                pending_pause=PendingPause.in_cache(cache_dir, holder, config.engine_timeout_s),
+                pending_pause=PendingPause.in_cache(
+                    cache_dir, holder, config.engine_timeout_s, config.max_pause_lease_s
+                ),
             ),
             heartbeat_s=config.heartbeat_s,
             max_pause_lease_s=config.max_pause_lease_s,

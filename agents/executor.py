@@ -298,7 +298,8 @@ class CommandExecutor:
                 pass  # another update of its round holds the engine paused
             case PauseCommand():
                 if self.pending_pause is not None:
-                    self.pending_pause.sent()  # for a successor, should this process die now
+                    # For a successor, should this process die now.
+                    self.pending_pause.sent(command.lease_s)
                 try:
                     await self.driver.pause()
                 except BaseException as exc:

@@ -1,12 +1,16 @@
 """A pause sent to the engine and not answered yet, recorded on the node's disk.
 
 An agent killed while its engine's pause call is in flight leaves a request
-the engine may still carry out, up to the engine's call timeout later: after
-its successor started and resumed the engine, so that the engine ends up
-paused with nobody holding it. The successor cannot see that request, so the
-agent writes it down before sending it: ``.pauses/<fleet>.<worker>.json`` in
-the node's adapter cache directory holds the wall-clock time until which the
-pause may still land::
+the engine may still carry out later (a slow engine does, whether or not
+its caller still waits): after its successor started and resumed the
+engine, so that the engine ends up paused with nobody holding it. The
+successor cannot see that request, so the agent writes it down before
+sending it: ``.pauses/<fleet>.<worker>.json`` in the node's adapter cache
+directory holds the wall-clock time until which the pause may still land,
+as long as a live agent would resume the engine after a pause of its own
+that went unanswered: the engine's call timeout, then the pause's lease
+(the lease of an unanswered pause runs longer by the call timeout,
+``command_queue.py``)::
 
     {"until": 1733402400.5}
 
@@ -31,31 +35,42 @@ import os
 import tempfile
 import time
 
+from lorabus.agents.config import MAX_PAUSE_LEASE_S
+
 log = logging.getLogger(__name__)
 
 
 class PendingPause:
     """The record of one worker's pause in flight, at ``path``."""
 
-    def __init__(self, path: str, late_s: float) -> None:
-        """``late_s``: how long after it was sent a pause may still land (the
-        engine's call timeout)."""
+    def __init__(self, path: str, late_s: float, max_lease_s: float = MAX_PAUSE_LEASE_S) -> None:
+        """``late_s``: the engine's call timeout; ``max_lease_s``: the longest
+        pause lease the agent grants."""
         self.path = path
         self.late_s = late_s
+        self.max_lease_s = max_lease_s
 
     @classmethod
-    def in_cache(cls, cache_dir: str, holder: str, late_s: float) -> PendingPause:
-        return cls(os.path.join(cache_dir, ".pauses", f"{holder}.json"), late_s)
+    def in_cache(
+        cls, cache_dir: str, holder: str, late_s: float, max_lease_s: float = MAX_PAUSE_LEASE_S
+    ) -> PendingPause:
+        return cls(os.path.join(cache_dir, ".pauses", f"{holder}.json"), late_s, max_lease_s)
 
-    def sent(self) -> None:
-        """A pause is about to be sent: it may land until ``late_s`` from now."""
+    @property
+    def longest_s(self) -> float:
+        return self.late_s + self.max_lease_s
+
+    def sent(self, lease_s: float) -> None:
+        """A pause of lease ``lease_s`` is about to be sent: it may land until
+        the call timeout and that lease from now."""
+        until = time.time() + self.late_s + min(max(lease_s, 0.0), self.max_lease_s)
         directory = os.path.dirname(self.path)
         try:
             os.makedirs(directory, exist_ok=True)
             fd, scratch = tempfile.mkstemp(dir=directory, prefix=".")
             try:
                 with os.fdopen(fd, "w") as out:
-                    json.dump({"until": time.time() + self.late_s}, out)
+                    json.dump({"until": until}, out)
                 os.replace(scratch, self.path)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -85,6 +100,6 @@ class PendingPause:
             return 0.0
         if not isinstance(until, (int, float)) or not math.isfinite(until):
             return 0.0
-        # Never longer than one call timeout: a record from a clock set back
+        # Never longer than a pause may land: a record from a clock set back
         # must not keep the engine "maybe paused" for longer.
-        return min(max(until - time.time(), 0.0), self.late_s)
+        return min(max(until - time.time(), 0.0), self.longest_s)

@@ -115,12 +115,14 @@ async def test_an_answered_pause_leaves_nothing_for_a_successor(tmp_path: Path) 
 
 
 def test_a_record_from_a_clock_set_back_or_unreadable_is_bounded(tmp_path: Path) -> None:
-    record = PendingPause(str(tmp_path / ".pauses" / "w.json"), LATE_S)
+    record = PendingPause(str(tmp_path / ".pauses" / "w.json"), LATE_S, max_lease_s=30.0)
     assert record.left_s() == 0.0  # none yet
-    record.sent()
-    assert 0 < record.left_s() <= LATE_S
+    record.sent(lease_s=5.0)
+    assert LATE_S < record.left_s() <= LATE_S + 5.0
+    record.sent(lease_s=3600.0)  # a lease is never longer than the agent grants
+    assert LATE_S + 5.0 < record.left_s() <= LATE_S + 30.0
     Path(record.path).write_text('{"until": 1e300}')
-    assert record.left_s() == LATE_S
+    assert record.left_s() == LATE_S + 30.0
     for garbage in ("{", '{"until": "soon"}', '{"until": NaN}', "[]"):
         Path(record.path).write_text(garbage)
         assert record.left_s() == 0.0, garbage
