@@ -38,6 +38,12 @@ would never learn the outcome, and a refusal costs the fleet nothing.
 
 The operator's reset of an adapter runs between its updates, in the
 adapter's turn, never during a deletion from the store (``resets.py``).
+
+A tenant's update, result and status requests come on subjects that name it,
+and are held to its record (``tenants.py``): an update it may not ask for is
+refused at arrival, before any look-up (so it learns nothing of another's
+id), and again at its turn to join the book (its adapters quota, counted on
+what the book holds then); neither refusal is kept as the id's result.
 """
 
 from __future__ import annotations
@@ -55,13 +61,20 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from lorabus.adapters.store import digest_of
-from lorabus.coordinator.book import committed_result, failed_result
+from lorabus.coordinator.book import QueueShare, committed_result, failed_result
 from lorabus.coordinator.bus import reply_refusal
 from lorabus.coordinator.fit import fit_result, fit_status
 from lorabus.coordinator.plan import CheckedRequest, check_request_off_loop, is_committed
 from lorabus.coordinator.resets import reset_committed
 from lorabus.coordinator.signals import StoreUnavailable
 from lorabus.coordinator.store import or_none, quietly
+from lorabus.coordinator.tenants import (
+    Tenant,
+    Tenants,
+    refusal_of_update,
+    result_for,
+    status_for,
+)
 from lorabus.coordinator.term import Term
 from lorabus.errors import BadRequest, LorabusError
 from lorabus.schemas import (
@@ -90,6 +103,14 @@ _R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
+class _Asker:
+    """The tenant a request's subject names (``record`` None: none such is known)."""
+
+    name: str
+    record: Tenant | None
+
+
+@dataclass(frozen=True)
 class _LookedUp:
     """What a request's admission learned before its turn to join the book."""
 
@@ -107,9 +128,17 @@ class _LookedUp:
 class Admission:
     """A term's request subscriptions and what they answer."""
 
-    def __init__(self, term: Term, *, status: Callable[[], FleetStatus], own_inbox: str) -> None:
+    def __init__(
+        self,
+        term: Term,
+        *,
+        status: Callable[[], FleetStatus],
+        own_inbox: str,
+        tenants: Tenants | None = None,
+    ) -> None:
         self.term = term
         self._status = status
+        self._tenants = tenants or Tenants()
         self._own_inbox = own_inbox
         """This coordinator's inbox prefix, where no request may have its answer sent."""
         self._last_joined: dict[str, asyncio.Event] = {}
@@ -127,10 +156,40 @@ class Admission:
             "result": (subjects.result_request(), self._on_result),
             "reset": (subjects.reset_request(), self._on_reset),
         }
+        if self._tenants:
+            served |= {
+                f"tenant {kind}": (subjects.tenant_request_any(kind), serve)
+                for kind, serve in (
+                    ("update", self._on_update),
+                    ("status", self._on_status),
+                    ("result", self._on_result),
+                )
+            }
         return [
             await nc.subscribe(subject, cb=self._inbox_only(kind, serve))
             for kind, (subject, serve) in served.items()
         ]
+
+    def _asker(self, msg: Msg) -> _Asker | None:
+        """The tenant ``msg``'s subject names, if it came on a tenant's subject."""
+        name = self.term.subjects.tenant_of(msg.subject)
+        return None if name is None else _Asker(name, self._tenants.get(name))
+
+    def _refusal(self, asker: _Asker, request: UpdateRequest) -> ErrorInfo | None:
+        keep = self.term.config.keep if request.keep is None else request.keep
+        held = self.term.book.adapters_held()
+        return refusal_of_update(
+            asker.name, asker.record, request.update_id, request.adapter, keep, held
+        )
+
+    async def _refuse(
+        self, msg: Msg, asker: _Asker, request: UpdateRequest, error: ErrorInfo
+    ) -> None:
+        """Answer a tenant's update it may not ask for; nothing is kept of it."""
+        await self.term.reports.refused(
+            asker.name, "update", request.update_id, request.adapter, error
+        )
+        await self._reply(msg, failed_result(request, error))
 
     def _inbox_only(self, kind: str, serve: _Serve) -> _Serve:
         """``serve`` for requests whose answer may go where they ask; any other
@@ -154,6 +213,10 @@ class Admission:
         request = await self._decoded(msg, "update", update_request_decoder, _result_refused)
         if request is None:
             return
+        asker = self._asker(msg)
+        if asker is not None and (refused := self._refusal(asker, request)) is not None:
+            self.term.replies.start(self._refuse(msg, asker, request, refused))
+            return
         key = (msg.reply, request.update_id)
         if msg.reply and key in self._answering:
             # A requester asks again on the inbox of its first ask: one answer
@@ -162,7 +225,7 @@ class Admission:
             return
         previous = self._last_joined.get(request.adapter)
         joined = self._last_joined[request.adapter] = asyncio.Event()
-        reply = self.term.replies.start(self._answer(msg, request, previous, joined))
+        reply = self.term.replies.start(self._answer(msg, request, previous, joined, asker))
         if msg.reply:
             self._answering[key] = reply
             reply.add_done_callback(lambda _: self._answering.pop(key, None))
@@ -173,6 +236,7 @@ class Admission:
         request: UpdateRequest,
         previous: asyncio.Event | None,
         joined: asyncio.Event,
+        asker: _Asker | None = None,
     ) -> None:
         """Reply with the request's result. Its look-ups run at once with other
         requests', but the requests of one adapter join the book in the order
@@ -183,7 +247,9 @@ class Admission:
             async with self._looked_up(request) as looked_up:
                 if previous is not None:
                     await previous.wait()
-                future = self._admit(request, looked_up)
+                refused = None if asker is None else self._refusal(asker, request)
+                if refused is None:
+                    future = self._admit(request, looked_up, asker)
         except Exception as exc:
             log.exception("epoch=%d update=%s could not be admitted", term.epoch, request.update_id)
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
@@ -193,6 +259,9 @@ class Admission:
             joined.set()
             if self._last_joined.get(request.adapter) is joined:
                 del self._last_joined[request.adapter]
+        if asker is not None and refused is not None:
+            await self._refuse(msg, asker, request, refused)
+            return
         await self._save_settled()
         if future.done():
             await self._reply(msg, future.result())
@@ -230,7 +299,9 @@ class Admission:
                     not_stored = exc.info()
             yield _LookedUp(stored, committed, checked, not_stored)
 
-    def _admit(self, request: UpdateRequest, looked_up: _LookedUp) -> asyncio.Future[UpdateResult]:
+    def _admit(
+        self, request: UpdateRequest, looked_up: _LookedUp, asker: _Asker | None
+    ) -> asyncio.Future[UpdateResult]:
         """The future result of ``request``, answered at once unless it must
         run, decided at its turn on what the book holds then (nothing is
         awaited here): the request was checked once, on arrival, and its
@@ -252,7 +323,12 @@ class Admission:
             return book.settle(request, committed_result(request.update_id, committed))
         if looked_up.not_stored is not None:
             return book.settle(request, failed_result(request, looked_up.not_stored))
-        return book.enqueue(checked)
+        if asker is None or asker.record is None:
+            return book.enqueue(checked)
+        tenant = asker.record
+        return book.enqueue(
+            checked, QueueShare(f"tenant {asker.name!r}", tenant.max_queued, tenant.owns)
+        )
 
     async def _save_settled(self) -> None:
         """Write and announce the results the book settled without running them."""
@@ -267,9 +343,9 @@ class Admission:
     async def _on_result(self, msg: Msg) -> None:
         request = await self._decoded(msg, "result", result_request_decoder, _result_refused)
         if request is not None:
-            self.term.replies.start(self._answer_result(msg, request.update_id))
+            self.term.replies.start(self._answer_result(msg, request.update_id, self._asker(msg)))
 
-    async def _answer_result(self, msg: Msg, update_id: str) -> None:
+    async def _answer_result(self, msg: Msg, update_id: str, asker: _Asker | None) -> None:
         """The id's outcome: this term's, else the results bucket's, else unknown
         (a store that cannot be read says so, rather than "unknown")."""
         outcome = self.term.book.outcome(update_id)
@@ -286,13 +362,19 @@ class Admission:
                 )
             except BadPayload:
                 outcome = None
-        await self._reply(
-            msg,
-            outcome or UpdateResult(update_id=update_id, status=UNKNOWN, adapter="", version=None),
+        outcome = outcome or UpdateResult(
+            update_id=update_id, status=UNKNOWN, adapter="", version=None
         )
+        if asker is not None:
+            outcome = result_for(asker.name, asker.record, outcome)
+        await self._reply(msg, outcome)
 
     async def _on_status(self, msg: Msg) -> None:
-        await self._reply(msg, self._status())
+        asker = self._asker(msg)
+        if asker is None:
+            await self._reply(msg, self._status())
+        elif asker.record is not None:
+            await self._reply(msg, status_for(asker.record, self._status()))
 
     async def _on_reset(self, msg: Msg) -> None:
         request = await self._decoded(msg, "reset", reset_request_decoder, _reset_refused)

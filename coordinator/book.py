@@ -14,8 +14,9 @@ predecessor's requesters have had a re-ask interval to ask it again
 round alone, and the others wait for it, again at every failover. A live
 update pauses nothing and runs beside them.
 Requests wait at most ``max_queued`` per adapter and ``max_queued_total`` in
-all: one more is answered ``busy``, saying which bound is full, at once and
-not kept, so the same request may simply come again. A request
+all, and a tenant's at most its own quota (:class:`QueueShare`): one more is
+answered ``busy``, saying which bound is full, at once and not kept, so the
+same request may simply come again. A request
 naming a version of an adapter answers the queued requests for older versions
 of it ``superseded`` at once, and is itself answered ``superseded`` at once if
 a newer one is already queued (an RL trainer only wants its newest step
@@ -51,7 +52,8 @@ import asyncio
 import contextlib
 import posixpath
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.plan import CheckedRequest
@@ -113,6 +115,16 @@ def failed_result(request: UpdateRequest, error: ErrorInfo) -> UpdateResult:
         error=error,
         path=posixpath.normpath(request.path),
     )
+
+
+@dataclass(frozen=True)
+class QueueShare:
+    """A bound on the waiting requests of some adapters: a tenant's
+    (``tenants.py``), so that one tenant cannot fill the queue for all."""
+
+    who: str
+    max_queued: int
+    owns: Callable[[str], bool]
 
 
 class UpdateBook:
@@ -234,10 +246,17 @@ class UpdateBook:
             return _done(failed_result(request, self._closed_with))
         return None
 
-    def enqueue(self, checked: CheckedRequest) -> asyncio.Future[UpdateResult]:
+    def adapters_held(self) -> set[str]:
+        """The adapters committed, queued or running."""
+        return {*self.committed, *self._running, *(queued.adapter for queued in self._queue)}
+
+    def enqueue(
+        self, checked: CheckedRequest, share: QueueShare | None = None
+    ) -> asyncio.Future[UpdateResult]:
         """Queue a request of a new id; answers at once the one of a request a
         queued one supersedes, the queued ones it supersedes, and a request that
-        finds the queue full (``busy``, not kept)."""
+        finds the queue full (``busy``, not kept): the queue, its adapter's
+        part of it, or ``share``'s."""
         request = checked.request
         for queued in self._queue:
             if _supersedes(queued.request, request):
@@ -245,7 +264,7 @@ class UpdateBook:
         for older in [queued for queued in self._queue if _supersedes(request, queued.request)]:
             self._queue.remove(older)
             self._settle(older.request, _superseded(older.request, by=request))
-        full = self._full(request.adapter)
+        full = self._full(request.adapter, share)
         if full is not None:
             return _done(failed_result(request, Busy(full).info()))
         future: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
@@ -254,8 +273,15 @@ class UpdateBook:
         self._changed.set()
         return future
 
-    def _full(self, adapter: str) -> str | None:
+    def _full(self, adapter: str, share: QueueShare | None) -> str | None:
         """Why one more request of ``adapter`` may not wait, if a bound is full."""
+        if share is not None:
+            shared = sum(1 for queued in self._queue if share.owns(queued.adapter))
+            if shared >= share.max_queued:
+                return (
+                    f"{shared} update requests of {share.who} already wait (its "
+                    "max_queued); nothing was queued: ask again later"
+                )
         if len(self._queue) >= self.max_queued_total:
             return (
                 f"{len(self._queue)} update requests already wait, of every adapter "

@@ -96,6 +96,9 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     max_concurrent: int = 16
     """Updates of different adapters that may run at once (pause-mode ones
     in rounds that share one pause of the fleet, ``book.py``)."""
+    tenants_file: str = ""
+    """The fleet's tenants, each held to its adapters and quotas
+    (``tenants.py``; ``lorabus auth init --tenant`` writes it). "": none."""
     min_heartbeat_s: float = 0.05
     max_heartbeat_s: float = 60.0
     """Heartbeat periods outside this range are dropped as bad messages: a huge

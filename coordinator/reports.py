@@ -4,7 +4,9 @@ A request that does not decode, or whose reply subject is no inbox; a record
 of the store that does not decode; a setting of the fleet's streams that
 lorabus would not have made. Each is logged, with the epoch, where it is
 handled, and audited as a ``bad_message`` event, at most ``_BAD_EVENTS_PER_S``
-a second, so that junk cannot flood the audit trail too. (Heartbeats and
+a second, so that junk cannot flood the audit trail too. A tenant's request
+refused for what it asked (``tenants.py``) is a ``request_refused`` event,
+within the same budget. (Heartbeats and
 acks are reported by ``bus.py``, on a budget of their own.)
 """
 
@@ -19,7 +21,7 @@ from nats.aio.msg import Msg
 from lorabus.bus.rate_limit import PerSecond
 from lorabus.coordinator.ports import CommandBus
 from lorabus.coordinator.store import CorruptRecord
-from lorabus.schemas import BadMessage, Subjects
+from lorabus.schemas import BadMessage, ErrorInfo, RequestRefused, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -60,5 +62,26 @@ class Reports:
                     subject=subject[:256],
                     error=error,
                     size=size,
+                )
+            )
+
+    async def refused(
+        self, tenant: str, kind: str, update_id: str, adapter: str, error: ErrorInfo
+    ) -> None:
+        """A tenant's request refused for what it asked: not its own, or past a quota."""
+        log.warning(
+            "epoch=%d tenant=%s %s %s refused: %s", self._epoch(), tenant, kind, update_id, error
+        )
+        if self._budget.take():
+            await self.bus.emit(
+                RequestRefused(
+                    ts=time.time(),
+                    source="coordinator",
+                    epoch=self._epoch(),
+                    tenant=tenant,
+                    kind=kind,
+                    update_id=update_id,
+                    adapter=adapter[:128],
+                    error=error,
                 )
             )

@@ -60,6 +60,7 @@ from lorabus.coordinator.signals import LeadershipLost, SteppedAside
 from lorabus.coordinator.status import fleet_status
 from lorabus.coordinator.store import FleetStore, until_stored
 from lorabus.coordinator.streams import unsafe_settings
+from lorabus.coordinator.tenants import Tenants
 from lorabus.coordinator.term import Term
 from lorabus.coordinator.updates import run_updates
 from lorabus.runtime.cancellation import raise_if_cancelled
@@ -90,10 +91,19 @@ class _Followed:
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, *, frontend: Frontend | None = None) -> None:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        frontend: Frontend | None = None,
+        tenants: Tenants | None = None,
+    ) -> None:
         """``frontend``: what the verify phase asks; by default an HTTP client of
-        ``config.frontend_url``, opened and closed by :meth:`run`."""
+        ``config.frontend_url``, opened and closed by :meth:`run`. ``tenants``:
+        by default those of ``config.tenants_file`` (ValueError if it cannot
+        be read)."""
         self.config = config
+        self.tenants = tenants if tenants is not None else Tenants.load(config.tenants_file)
         self._frontend = frontend
         self.subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
         self.holder = (
@@ -277,7 +287,9 @@ class Coordinator:
                     recovered=", ".join(recovered) or None,
                 )
             )
-            admission = Admission(term, status=self.status, own_inbox=self._own_inbox)
+            admission = Admission(
+                term, status=self.status, own_inbox=self._own_inbox, tenants=self.tenants
+            )
             subs = await admission.subscribe(nc)
             self.leading.set()
             self.metrics.leading.set(1)

@@ -63,6 +63,7 @@ from lorabus.schemas import (
     UpdateMode,
     UpdateRequest,
     UpdateResult,
+    check_token,
     encode,
     fleet_status_decoder,
     update_result_decoder,
@@ -117,14 +118,34 @@ class UpdateClient:
         owns_connection: bool = False,
         no_coordinator_wait_s: float = NO_COORDINATOR_WAIT_S,
         reask_s: float = REASK_S,
+        tenant: str | None = None,
     ) -> None:
+        """``tenant``: ask as this tenant of the fleet (its identity's
+        ``LORABUS_TENANT``), on its own subjects; the update ids it makes
+        begin with ``<tenant>:``, as the coordinator asks of a tenant's."""
         if reask_s <= 0:
             raise ValueError(f"reask_s must be > 0, got {reask_s}")
         self.nc = nc
         self.no_coordinator_wait_s = no_coordinator_wait_s
         self.reask_s = reask_s
         self.subjects = Subjects(fleet=fleet)
+        self.tenant = check_token("tenant", tenant) if tenant else None
         self._owns_connection = owns_connection
+
+    def _subject(self, kind: str) -> str:
+        """Where ``kind`` requests go: the tenant's own subject, or the fleet's."""
+        if self.tenant is not None:
+            return self.subjects.tenant_request(self.tenant, kind)
+        return {
+            "update": self.subjects.update_request,
+            "status": self.subjects.status_request,
+            "result": self.subjects.result_request,
+        }[kind]()
+
+    def new_update_id(self) -> str:
+        """A fresh update id (a tenant's begins with its name and ``:``)."""
+        fresh = uuid.uuid4().hex
+        return f"{self.tenant}:{fresh}" if self.tenant is not None else fresh
 
     @classmethod
     async def connect(
@@ -135,6 +156,7 @@ class UpdateClient:
         options: BusOptions | None = None,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         reask_s: float = REASK_S,
+        tenant: str | None = None,
     ) -> UpdateClient:
         """A client of ``fleet`` on its own connection to ``url``, closed with it,
         as the identity ``options`` give (default: the ``LORABUS_*`` variables,
@@ -152,7 +174,7 @@ class UpdateClient:
             options=options if options is not None else BusOptions.from_env(),
             connect_timeout_s=connect_timeout_s,
         )
-        return cls(nc, fleet, owns_connection=True, reask_s=reask_s)
+        return cls(nc, fleet, owns_connection=True, reask_s=reask_s, tenant=tenant)
 
     async def __aenter__(self) -> UpdateClient:
         return self
@@ -246,7 +268,7 @@ class UpdateClient:
         elif source is not None:
             raise BadRequest("give a path or a source directory, not both")
         request = UpdateRequest(
-            update_id=update_id or uuid.uuid4().hex,
+            update_id=update_id or self.new_update_id(),
             adapter=adapter,
             path=path,
             version=version,
@@ -254,7 +276,7 @@ class UpdateClient:
             mode=None if mode is None else UpdateMode(mode),
             keep=keep,
         )
-        subject = self.subjects.update_request()
+        subject = self._subject("update")
         started = now()
         asking = _Asking(request, started, deadline=started + timeout_s)
         # One subscription for every ask: an answer to an earlier ask counts as well.
@@ -303,7 +325,7 @@ class UpdateClient:
                 ask_again_at = min(ask_again_at, now() + _NO_RESPONDERS_PAUSE_S)
                 continue
             result = _decoded(
-                reply, update_result_decoder, f"update result on {self.subjects.update_request()}"
+                reply, update_result_decoder, f"update result on {self._subject('update')}"
             )
             if result.error is not None and result.error.code == ErrorCode.NOT_LEADER:
                 # The coordinator that had it let go: its successor will know.
@@ -329,14 +351,12 @@ class UpdateClient:
         when, the versions kept beside it and which live members hold it),
         the update in flight. Raises NoCoordinator when nobody answers."""
         try:
-            reply = await self._request(self.subjects.status_request(), StatusRequest(), timeout_s)
+            reply = await self._request(self._subject("status"), StatusRequest(), timeout_s)
         except (nats.errors.NoRespondersError, TimeoutError) as exc:
             raise NoCoordinator(
                 f"no coordinator answered on fleet {self.subjects.fleet!r}"
             ) from exc
-        return _decoded(
-            reply, fleet_status_decoder, f"fleet status on {self.subjects.status_request()}"
-        )
+        return _decoded(reply, fleet_status_decoder, f"fleet status on {self._subject('status')}")
 
     async def result(self, update_id: str, *, timeout_s: float = STATUS_TIMEOUT_S) -> UpdateResult:
         """The outcome of an earlier update, by its id alone: a result whose
@@ -346,7 +366,7 @@ class UpdateClient:
         kept a day). Runs nothing; raises NoCoordinator when nobody answers."""
         request = ResultRequest(update_id=update_id)
         try:
-            reply = await self._request(self.subjects.result_request(), request, timeout_s)
+            reply = await self._request(self._subject("result"), request, timeout_s)
         except (nats.errors.NoRespondersError, TimeoutError) as exc:
             raise NoCoordinator(
                 f"no coordinator answered on fleet {self.subjects.fleet!r}"

@@ -23,6 +23,7 @@ from lorabus.agents.config import AgentConfig
 from lorabus.agents.engines import ENGINE_KINDS
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.schemas import Naming, UpdateMode
+from lorabus.schemas.tenants import TENANTS_ENV
 from lorabus.security.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, TRUST_FILE_ENV
 
 _Config = TypeVar("_Config", bound=msgspec.Struct)
@@ -219,6 +220,14 @@ COORDINATOR_FLAGS = (
         "Updates of different adapters that may run at once (pause-mode ones in rounds "
         "that share one pause of the fleet).",
         int,
+    ),
+    Flag(
+        "tenants_file",
+        "--tenants",
+        "A tenants file (lorabus auth init --tenant writes one into the coordinator's "
+        "identity): each tenant asks on subjects of its own, for its own adapters, "
+        "within its quotas.",
+        envvar=TENANTS_ENV,
     ),
     Flag("naming", "--naming", "Served names.", click.Choice([n.value for n in Naming])),
     Flag(

@@ -63,6 +63,12 @@ class ErrorCode(enum.StrEnum):
     """A bug: an unexpected exception, reported instead of crashing."""
     BUS_UNREACHABLE = "bus_unreachable"
     """The requester could not connect to NATS (raised in its own process)."""
+    FORBIDDEN = "forbidden"
+    """A tenant asked for an adapter, or named an update id, that is not its
+    own (``coordinator/tenants.py``): refused, and nothing was kept."""
+    QUOTA = "quota"
+    """A tenant's quota would be exceeded: its adapters, or the versions it
+    asked to keep. Nothing was kept; a full queue is ``busy``."""
     PERMISSION_DENIED = "permission_denied"
     """NATS refused the credentials, a publish or a subscribe (raised in the
     process whose connection was refused)."""

@@ -144,6 +144,19 @@ class MemberAlert(_Event, frozen=True, kw_only=True, tag="member_alert"):
     """True: the condition no longer holds."""
 
 
+class RequestRefused(_Event, frozen=True, kw_only=True, tag="request_refused"):
+    """The leader refused a tenant's request before acting on it: not the
+    tenant's adapter or update id, or past one of its quotas."""
+
+    tenant: Annotated[str, msgspec.Meta(max_length=64)]
+    """As its request's subject names it (which only it may publish on)."""
+    kind: Annotated[str, msgspec.Meta(max_length=16)]
+    """``update`` or ``result``."""
+    update_id: UpdateId
+    adapter: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    error: ErrorInfo
+
+
 class LeaderElected(_Event, frozen=True, kw_only=True, tag="leader_elected"):
     holder: str
     epoch: Epoch
@@ -166,4 +179,5 @@ Event = (
     | WorkerConflict
     | CommittedReset
     | MemberAlert
+    | RequestRefused
 )

@@ -78,6 +78,21 @@ class Subjects(msgspec.Struct, frozen=True):
         """Operator -> coordinator, request/reply; the reply is a ``ResetResult``."""
         return f"{self._base}.req.reset"
 
+    def tenant_request(self, tenant: str, kind: str) -> str:
+        """Tenant ``tenant`` -> coordinator, request/reply: its ``update``,
+        ``result`` or ``status`` requests, on a subject only it may publish
+        on, so the subject proves who asks."""
+        return f"{self._base}.tenant.{check_token('tenant', tenant)}.{kind}"
+
+    def tenant_request_any(self, kind: str) -> str:
+        return f"{self._base}.tenant.*.{kind}"
+
+    def tenant_of(self, subject: str) -> str | None:
+        """The tenant a tenant request's subject names (None: not one)."""
+        head, _, rest = subject.partition(f"{self._base}.tenant.")
+        tenant, dot, _kind = rest.partition(".")
+        return tenant if not head and dot and _TOKEN.fullmatch(tenant) else None
+
     def coordinator_event(self, kind: str) -> str:
         """A coordinator's audit event: a subject only coordinators may publish on."""
         return f"{self._base}.evt.coordinator.{kind}"

@@ -27,6 +27,7 @@ from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.errors import NatsServerMissing
 from lorabus.schemas import Subjects
+from lorabus.schemas.tenants import Tenant
 from lorabus.simfleet import SimFleet
 from lorabus.testbed.natsserver import NatsServer
 from lorabus.testbed.stack import EmbeddedStack
@@ -125,14 +126,26 @@ def make_stack(nats_url: str, fleet_name: str) -> Callable[..., EmbeddedStack]:
     return make
 
 
+SECURED_TENANTS = {
+    "a": Tenant(adapters="a-*", max_queued=2, max_adapters=4),
+    "b": Tenant(adapters="b-*"),
+}
+
+
 @pytest.fixture(params=["nkey", "jwt"])
 async def secured_stack(
     request: pytest.FixtureRequest, fleet_name: str
 ) -> AsyncIterator[EmbeddedStack]:
     """A two-worker stack on its own nats-server, every process as its own
     identity: the static configuration of ``auth init``, and its operator/JWT
-    form (``--method jwt``)."""
+    form (``--method jwt``). Two tenants, ``a`` (adapters ``a-*``) and ``b``
+    (``b-*``), each with an identity of its own."""
     async with EmbeddedStack(
-        [1, 1], fleet=fleet_name, secure=True, auth_method=request.param, heartbeat_s=0.2
+        [1, 1],
+        fleet=fleet_name,
+        secure=True,
+        auth_method=request.param,
+        heartbeat_s=0.2,
+        tenants=SECURED_TENANTS,
     ) as started:
         yield started

@@ -221,8 +221,10 @@ class InMemoryFleet:
         subject = self.subjects.update_request()
         return [update_request_decoder.decode(d) for s, d in self.server.published if s == subject]
 
-    def client(self) -> UpdateClient:
-        return UpdateClient(self.server.connect("client"), self.subjects.fleet)  # type: ignore[arg-type]
+    def client(self, tenant: str | None = None) -> UpdateClient:
+        """A client on a connection of its own (asking as ``tenant``, if given)."""
+        conn = self.server.connect(f"client-{tenant}" if tenant else "client")
+        return UpdateClient(conn, self.subjects.fleet, tenant=tenant)  # type: ignore[arg-type]
 
     def sent_to(self, worker_id: str) -> list[Command]:
         """The commands ``worker_id`` was sent (by name, or as one of those addressed)."""

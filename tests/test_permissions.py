@@ -56,6 +56,31 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
             ],
             "subscription": [s.cmd_worker("w001"), s.ack_any(), s.update_request(), *others],
         }
+    if role is Role.TENANT:  # tenant a
+        return {
+            "publish": [
+                *commands,
+                s.ack("w000"),
+                s.heartbeat("w000"),
+                s.coordinator_event("update_finished"),
+                s.update_request(),
+                s.status_request(),
+                s.result_request(),
+                s.reset_request(),
+                s.tenant_request("b", "update"),
+                s.tenant_request("b", "result"),
+                *kv_write,
+                *erase,
+                *object_erase,
+            ],
+            "subscription": [
+                s.cmd(),
+                s.heartbeat_any(),
+                s.tenant_request_any("update"),
+                s.tenant_request("a", "update"),
+                *others,
+            ],
+        }
     if role is Role.COORDINATOR:
         return {
             "publish": [
@@ -80,6 +105,7 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
             s.coordinator_event("update_finished"),
             *([] if role is Role.ORCHESTRATOR else [s.update_request()]),
             *([] if role is Role.OPERATOR else [s.reset_request()]),
+            s.tenant_request("a", "update"),
             *kv_write,
             *erase,
             *([] if role is Role.ORCHESTRATOR else object_writes),
@@ -104,23 +130,23 @@ def stack(secured_stack: EmbeddedStack) -> EmbeddedStack:
     return secured_stack
 
 
-@pytest.mark.parametrize(
-    "role", [Role.AGENT, Role.COORDINATOR, Role.ORCHESTRATOR, Role.AUDITOR, Role.OPERATOR]
-)
+_AS = {Role.AGENT: "w000", Role.TENANT: "a"}
+"""Who of a role: the agent of w000, tenant a."""
+
+
+@pytest.mark.parametrize("role", list(Role))
 async def test_every_forbidden_publish_and_subscribe_is_refused_and_changes_nothing(
     stack: EmbeddedStack, role: Role, make_adapter: Callable[[int], str]
 ) -> None:
     assert stack.auth is not None and stack.sim is not None and stack.client is not None
     subjects = Subjects(fleet=stack.fleet_name)
-    inboxes = {
-        r: stack.auth.identity(r, "w000" if r is Role.AGENT else None).inbox_prefix for r in Role
-    }
+    inboxes = {r: stack.auth.identity(r, _AS.get(r)).inbox_prefix for r in Role}
     forbidden = _forbidden(role, subjects, inboxes)
     pauses_before = sum(
         w.count_requests("POST", "/engine/pause_generation") for w in stack.sim.workers.values()
     )
 
-    async with watched(stack.bus_as(role, "w000" if role is Role.AGENT else None)) as client:
+    async with watched(stack.bus_as(role, _AS.get(role))) as client:
         for subject in forbidden["subscription"]:
             await client.nc.subscribe(subject)
         for subject in forbidden["publish"]:

@@ -1,8 +1,9 @@
 """A secured fleet as an operator sets it up by hand: ``lorabus auth init``, a
 nats-server from its configuration, ``lorabus provision`` as the operator,
 and every ``lorabus`` process as its own identity (``--identity``). An
-update commits, the auditor finds the trail clean, and no secret shows
-anywhere: not in a process's arguments, its output, its logs or the trail.
+update commits, a tenant updates its own adapter and is refused another's,
+the auditor finds the trail clean, and no secret shows anywhere: not in a
+process's arguments, its output, its logs or the trail.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ TOKEN = "a-token-that-must-not-show"
 async def auth_dir(tmp_path: Path, fleet_name: str) -> Path:
     out = tmp_path / "auth"
     finished = await run_lorabus(
-        "auth", "init", "--fleet", fleet_name, "--workers", ",".join(WORLD_SIZES), "--out", str(out)
-    )
+        "auth", "init", "--fleet", fleet_name, "--workers", ",".join(WORLD_SIZES),
+        "--out", str(out), "--tenant", "team-a=team-a-*",
+    )  # fmt: skip
     assert finished.returncode == 0, finished
     return out
 
@@ -100,6 +102,25 @@ async def test_every_process_on_its_own_identity_commits_and_no_secret_shows(
     assert update.returncode == 0, update
     assert '"status": "committed"' in update.stdout
 
+    # A tenant, as its identity (its lorabus.env names it; the coordinator's
+    # names the tenants file): its own adapter commits, another is refused.
+    tenant = _as(auth_dir / "tenant-team-a")
+    own = await run_lorabus(
+        "update", "--nats", url, "--fleet", fleet_name, "--adapter", "team-a-policy",
+        "--path", make_adapter(2), "--version", "1", "--timeout", "60", "--json",
+        env=tenant,
+    )  # fmt: skip
+    assert own.returncode == 0 and '"update_id": "team-a:' in own.stdout, own
+    theirs = await run_lorabus(
+        "update", "--nats", url, "--fleet", fleet_name, "--adapter", "policy",
+        "--path", make_adapter(3), "--version", "2", "--timeout", "60", "--json",
+        env=tenant,
+    )  # fmt: skip
+    assert theirs.returncode == 1 and '"code": "forbidden"' in theirs.stdout, theirs
+    seen = await run_lorabus("status", "--nats", url, "--fleet", fleet_name, "--json", env=tenant)
+    assert seen.returncode == 0, seen
+    assert "team-a-policy" in seen.stdout and '"policy"' not in seen.stdout, seen.stdout
+
     verified = await run_lorabus(
         "audit", "verify", "--live", "--nats", url, "--fleet", fleet_name,
         env=_as(auth_dir / "auditor"),
@@ -120,6 +141,7 @@ async def test_every_process_on_its_own_identity_commits_and_no_secret_shows(
     )
     assert trail.returncode == 0, trail
     shown = [update.stdout, update.stderr, verified.stdout, verified.stderr, refused.stderr]
+    shown += [own.stdout, own.stderr, theirs.stdout, seen.stdout]
     shown += [trail.stdout, *_what_processes_show(processes)]
     leaks = [s[:12] for s in _secrets(auth_dir) if any(s in text for text in shown)]
     assert leaks == [], f"secrets (first characters) shown: {leaks}"

@@ -30,7 +30,16 @@ from lorabus.security.accounts import js_api_prefix
 from lorabus.security.roles import Role
 from lorabus.testbed.stack import EmbeddedStack
 
-ROLES = [Role.AGENT, Role.COORDINATOR, Role.ORCHESTRATOR, Role.AUDITOR, Role.OPERATOR]
+ROLES = [
+    Role.AGENT,
+    Role.COORDINATOR,
+    Role.ORCHESTRATOR,
+    Role.AUDITOR,
+    Role.OPERATOR,
+    Role.TENANT,
+]
+_AS = {Role.AGENT: "w000", Role.TENANT: "a"}
+"""Who of a role makes the attempts: an agent of a worker, a tenant."""
 
 
 def _attempts(
@@ -113,7 +122,7 @@ async def test_no_role_but_the_coordinator_can_remove_or_replace_an_object(
         attempts = _attempts(subjects, api, digest, meta)
         if role is Role.COORDINATOR:
             attempts = [a for a in attempts if ".STREAM.PURGE." not in a[0]]
-        async with watched(stack.bus_as(role, "w000" if role is Role.AGENT else None)) as client:
+        async with watched(stack.bus_as(role, _AS.get(role))) as client:
             answers = await _answers(client, attempts)
         after = (await reader.jetstream().stream_info(stream)).state.messages
         into = io.BytesIO()

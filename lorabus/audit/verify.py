@@ -96,6 +96,7 @@ _COORDINATOR_EVENTS = frozenset(
         "worker_conflict",
         "committed_reset",
         "member_alert",
+        "request_refused",
     }
 )
 _BROADCAST_ONLY = frozenset({"committed", "renew_lease"})

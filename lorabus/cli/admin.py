@@ -91,6 +91,16 @@ def auth() -> None:
     "adapter store's 10 GiB, the audit stream's 1 GiB, 5 GiB only the KV buckets use), "
     "times the cluster's nodes (JetStream counts every replica).",
 )
+@click.option(
+    "--tenant",
+    "tenant_specs",
+    multiple=True,
+    metavar="NAME=PATTERN",
+    help="A tenant of the fleet (repeatable): an identity that may push adapters and "
+    "update, and see the results and status of, only the adapters whose names match "
+    "PATTERN (shell-style, e.g. 'team-a-*'), within quotas the coordinator's "
+    "tenants.json sets.",
+)
 def auth_init(
     fleet: str,
     worker_ids: list[str],
@@ -100,13 +110,19 @@ def auth_init(
     method: str,
     cluster_nodes: tuple[str, ...],
     jetstream_max_bytes: int | None,
+    tenant_specs: tuple[str, ...],
 ) -> None:
     """Write a nats-server configuration that gives each role exactly its
-    permissions, and one identity (a folder, 0700) per role and per worker."""
+    permissions, and one identity (a folder, 0700) per role, per worker and
+    per tenant."""
+    from lorabus.schemas.tenants import parse_tenant
     from lorabus.security.auth_init import SERVER_CONF, write_fleet_auth
 
     subjects = subjects_of(fleet)
     try:
+        tenants = dict(parse_tenant(spec) for spec in tenant_specs)
+        if len(tenants) != len(tenant_specs):
+            raise ValueError("each --tenant must name a different tenant")
         written = write_fleet_auth(
             Path(out_dir),
             subjects,
@@ -116,6 +132,7 @@ def auth_init(
             method=method,
             cluster_nodes=cluster_nodes,
             jetstream_max_bytes=jetstream_max_bytes,
+            tenants=tenants,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -135,6 +152,13 @@ def auth_init(
         f"  lorabus --identity {written.directory / ('agent-' + worker_ids[0])} agent "
         f"--nats {scheme}://localhost:4222 --fleet {fleet} --worker-id {worker_ids[0]} ..."
     )
+    if tenants:
+        first = next(iter(tenants))
+        click.echo("a tenant updates its own adapters as its own identity, for example:")
+        click.echo(
+            f"  lorabus --identity {written.directory / ('tenant-' + first)} update "
+            f"--nats {scheme}://localhost:4222 --fleet {fleet} --adapter NAME --source DIR"
+        )
 
 
 @click.command()

@@ -22,6 +22,7 @@ from lorabus.bus.options import ENV, PASSWORD_ENV, BusOptions
 from lorabus.cli.headers import auth_headers
 from lorabus.errors import LorabusError
 from lorabus.schemas.subjects import DEFAULT_FLEET, Subjects
+from lorabus.schemas.tenants import TENANT_ENV
 
 log = logging.getLogger("lorabus")
 
@@ -169,6 +170,16 @@ def _bus_option_list(required: bool) -> list[Callable[[Any], Any]]:
         ),
     ]
 
+
+tenant_option = click.option(
+    "--tenant",
+    envvar=TENANT_ENV,
+    default=None,
+    show_envvar=True,
+    help="Ask as this tenant of the fleet, on its own subjects (lorabus auth init "
+    "--tenant writes it into the tenant's lorabus.env); its update ids begin with "
+    "'<tenant>:'.",
+)
 
 fleet_option = click.option(
     "--fleet",

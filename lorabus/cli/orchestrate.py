@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING
 import click
 
 from lorabus.bus.options import BusOptions
-from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
+from lorabus.cli.common import (
+    EXIT_FAILED,
+    bus_options,
+    fleet_option,
+    run,
+    subjects_of,
+    tenant_option,
+)
 from lorabus.client import PUSH_TIMEOUT_S, UPDATE_TIMEOUT_S
 from lorabus.schemas import DIGEST_PATTERN, UPDATE_ID_PATTERN, UpdateMode
 from lorabus.schemas.bounds import MAX_KEEP
@@ -57,6 +64,7 @@ async def _digest_of(path: str) -> str:
 @click.command()
 @bus_options()
 @fleet_option
+@tenant_option
 @click.option("--adapter", required=True, help="Adapter name (served as <name>-v<version>).")
 @click.option(
     "--path",
@@ -122,6 +130,7 @@ def update(
     nats_url: str,
     bus: BusOptions,
     fleet: str,
+    tenant: str | None,
     adapter: str,
     path: str | None,
     source: str | None,
@@ -148,7 +157,7 @@ def update(
     subjects_of(fleet)
     digest = _digest_to_send(path, source, digest)
     # Chosen here, so that an interrupted wait can say which update to ask about.
-    the_id = update_id or uuid.uuid4().hex
+    the_id = update_id or (f"{tenant}:" if tenant else "") + uuid.uuid4().hex
     # Progress is for a person at a terminal: scripts read stdout (the result)
     # and must not get stderr chatter with it.
     show_progress = not as_json and sys.stdout.isatty()
@@ -157,7 +166,11 @@ def update(
         deadline = asyncio.get_running_loop().time() + timeout
         try:
             async with await UpdateClient.connect(
-                nats_url, fleet, options=bus, connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout)
+                nats_url,
+                fleet,
+                options=bus,
+                connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout),
+                tenant=tenant,
             ) as client:
                 left = max(0.1, deadline - asyncio.get_running_loop().time())
                 result = await _update_showing_progress(
@@ -353,6 +366,7 @@ async def _show_progress(client: UpdateClient, update_id: str) -> None:
 @click.command()
 @bus_options()
 @fleet_option
+@tenant_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object.")
 @click.option("--watch", is_flag=True, help="Redraw the status until Ctrl-C.")
 @click.option(
@@ -363,7 +377,13 @@ async def _show_progress(client: UpdateClient, update_id: str) -> None:
     help="Seconds between redraws with --watch.",
 )
 def status(
-    nats_url: str, bus: BusOptions, fleet: str, as_json: bool, watch: bool, interval: float
+    nats_url: str,
+    bus: BusOptions,
+    fleet: str,
+    tenant: str | None,
+    as_json: bool,
+    watch: bool,
+    interval: float,
 ) -> None:
     """Show members, world sizes, rank offsets, paused state, adapters, the update in flight.
 
@@ -384,7 +404,9 @@ def status(
     subjects = subjects_of(fleet)
 
     async def ask() -> int:
-        async with await UpdateClient.connect(nats_url, fleet, options=bus) as client:
+        async with await UpdateClient.connect(
+            nats_url, fleet, options=bus, tenant=tenant
+        ) as client:
             # Opened at the first unanswered request and kept open while watching,
             # so a redraw without a coordinator shows beats heard all along.
             async with contextlib.AsyncExitStack() as listening:
@@ -393,6 +415,9 @@ def status(
                     try:
                         fleet_status = await client.status()
                     except NoCoordinator as exc:
+                        if tenant:  # a tenant hears no heartbeats: the status is the leader's
+                            click.echo(str(exc), err=True)
+                            return EXIT_FAILED
                         if listener is None:
                             listener = await listening.enter_async_context(
                                 HeartbeatListener(client.nc, subjects)
@@ -465,9 +490,12 @@ def schema() -> None:
 @click.command()
 @bus_options()
 @fleet_option
+@tenant_option
 @click.argument("update_id", callback=_update_id)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def result(nats_url: str, bus: BusOptions, fleet: str, update_id: str, as_json: bool) -> None:
+def result(
+    nats_url: str, bus: BusOptions, fleet: str, tenant: str | None, update_id: str, as_json: bool
+) -> None:
     """Show an earlier update's outcome by its id; runs nothing (exit 0 committed,
     1 failed, pending or unknown)."""
     from lorabus.audit.render import result_text
@@ -477,7 +505,9 @@ def result(nats_url: str, bus: BusOptions, fleet: str, update_id: str, as_json: 
     subjects_of(fleet)
 
     async def ask() -> int:
-        async with await UpdateClient.connect(nats_url, fleet, options=bus) as client:
+        async with await UpdateClient.connect(
+            nats_url, fleet, options=bus, tenant=tenant
+        ) as client:
             outcome = await client.result(update_id)
         if as_json:
             click.echo(json.dumps(to_builtins(outcome)))

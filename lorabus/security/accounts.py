@@ -8,7 +8,7 @@ answer written into the leader record, a command subject or the audit trail.
 
 Accounts close that. The fleet's account holds the coordinators, the two KV
 buckets and the audit stream, and nobody else. The orchestrator, the
-auditor, the operator and each agent have an account of their own, and
+auditor, the operator, each tenant and each agent have an account of their own, and
 reach the fleet only through what it exports to them:
 
 - *services* (request and reply): the coordinator's requests, and the few
@@ -40,6 +40,7 @@ from lorabus.security.roles import (
     object_reads,
     object_writes,
     stream_admin,
+    tenant_requests,
 )
 
 
@@ -79,9 +80,11 @@ class FleetAccounts:
     """The account of each (role, worker id) identity."""
 
 
-def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccounts:
-    """The accounts of ``subjects``' fleet with agents ``worker_ids``."""
-    layout = _Layout(subjects, worker_ids)
+def fleet_accounts(
+    subjects: Subjects, worker_ids: Sequence[str], tenants: Sequence[str] = ()
+) -> FleetAccounts:
+    """The accounts of ``subjects``' fleet with agents ``worker_ids`` and tenants ``tenants``."""
+    layout = _Layout(subjects, worker_ids, tenants)
     _share_requests(layout, subjects)
     _share_jetstream(layout, subjects)
     _share_agent_streams(layout, subjects)
@@ -91,6 +94,7 @@ def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccoun
         (Role.AUDITOR, None): layout.auditor.name,
         (Role.OPERATOR, None): layout.operator.name,
         **{(Role.AGENT, w): a.name for w, a in layout.agents.items()},
+        **{(Role.TENANT, t): a.name for t, a in layout.tenants.items()},
     }
     return FleetAccounts(layout.by_name, of_role)
 
@@ -98,14 +102,24 @@ def fleet_accounts(subjects: Subjects, worker_ids: Sequence[str]) -> FleetAccoun
 class _Layout:
     """A fleet's accounts while what crosses between them is added."""
 
-    def __init__(self, subjects: Subjects, worker_ids: Sequence[str]) -> None:
+    def __init__(
+        self, subjects: Subjects, worker_ids: Sequence[str], tenants: Sequence[str]
+    ) -> None:
         base = f"LORABUS_{subjects.fleet.upper().replace('-', '_')}"
         self.fleet = Account(base, jetstream=True)
         self.orchestrator = Account(f"{base}_ORCHESTRATOR")
         self.auditor = Account(f"{base}_AUDITOR")
         self.operator = Account(f"{base}_OPERATOR")
         self.agents = {w: Account(f"{base}_AGENT_{w}") for w in worker_ids}
-        every = (self.fleet, self.orchestrator, self.auditor, self.operator, *self.agents.values())
+        self.tenants = {t: Account(f"{base}_TENANT_{t}") for t in tenants}
+        every = (
+            self.fleet,
+            self.orchestrator,
+            self.auditor,
+            self.operator,
+            *self.agents.values(),
+            *self.tenants.values(),
+        )
         self.by_name = {a.name: a for a in every}
 
     def share(
@@ -147,6 +161,11 @@ def _share_requests(layout: _Layout, subjects: Subjects) -> None:
     layout.share(fleet, subjects.result_request(), [orchestrator], service=True)
     layout.share(fleet, subjects.status_request(), listeners, service=True)
     layout.share(fleet, subjects.reset_request(), [layout.operator.name], service=True)
+    # Each tenant's own request subjects, to its account alone: the subject
+    # a request arrives on proves which tenant asks.
+    for tenant, account in layout.tenants.items():
+        for subject in tenant_requests(subjects, tenant):
+            layout.share(fleet, subject, [account.name], service=True)
 
 
 def _share_jetstream(layout: _Layout, subjects: Subjects) -> None:
@@ -161,8 +180,9 @@ def _share_jetstream(layout: _Layout, subjects: Subjects) -> None:
         layout.share(fleet, subject, readers, service=True, streamed=".DIRECT.GET." in subject)
     # The pusher's chunks and meta record reach the store's stream in the
     # fleet's account as requests: JetStream's acks come back into its own.
+    pushers = [layout.orchestrator.name, *(a.name for a in layout.tenants.values())]
     for subject in object_writes(subjects, JS_API):
-        layout.share(fleet, subject, [layout.orchestrator.name], service=True)
+        layout.share(fleet, subject, pushers, service=True)
     for subject in audit_reads(subjects, JS_API):
         # A batch read answers with many messages: the import must let them all back.
         streamed = ".DIRECT.GET." in subject

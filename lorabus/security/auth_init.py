@@ -11,6 +11,10 @@ For a fleet and its worker ids this writes, into one new directory:
 - per identity, a folder (mode 0700) with its secret (mode 0600) and
   ``lorabus.env``, the ``LORABUS_*`` variables that make a ``lorabus``
   process connect as that identity;
+- per tenant (``--tenant NAME=PATTERN``), an identity ``tenant-NAME`` that
+  asks on its own subjects, and in the coordinator's folder ``tenants.json``,
+  each tenant's adapter pattern and quotas (edit it to change the quotas),
+  which the coordinator's ``lorabus.env`` names;
 - with TLS, a CA (``ca.pem``; its key stays beside it, 0600), the server's
   certificate for the given host names, and a client certificate per identity;
 - for a cluster (``cluster_nodes``), the ``cluster`` block every node shares:
@@ -35,12 +39,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lorabus.bus.options import ENV, ENV_FILE, inbox_prefix_for, public_key_of
 from lorabus.schemas import Subjects, check_token
+from lorabus.schemas.tenants import TENANT_ENV, TENANTS_ENV, Tenant, encode_tenants
 from lorabus.security.accounts import Account, FleetAccounts, fleet_accounts, js_api_prefix
 from lorabus.security.auth_jwt import JwtAuthority
 from lorabus.security.certificates import CertificateAuthority, write_secret
@@ -52,6 +57,8 @@ SEED_FILE = "nkey.seed"
 CREDS_FILE = "user.creds"
 JWT_SEEDS = "jwt-keys"
 """With ``--method jwt``: the operator's and the accounts' seeds, to sign more."""
+TENANTS_FILE = "tenants.json"
+"""In the coordinator's folder: the fleet's tenants (coordinator/tenants.py)."""
 SIGNING_SEED_FILE = "command-signing.seed"
 """In the coordinator's folder: the key its commands are signed with. Every
 coordinator of the fleet (run two or more for failover) uses this one key."""
@@ -113,11 +120,14 @@ def write_fleet_auth(
     method: str = "nkey",
     cluster_nodes: Sequence[str] = (),
     jetstream_max_bytes: int | None = None,
+    tenants: Mapping[str, Tenant] | None = None,
 ) -> FleetAuth:
     """Write a fleet's identities and server configuration into ``directory``,
     which must not exist yet or be empty (keys are never overwritten).
     ``jetstream_max_bytes``: the fleet account's JetStream file storage (None:
-    :func:`default_jetstream_bytes`)."""
+    :func:`default_jetstream_bytes`). ``tenants``: by name, each with an
+    identity of its own."""
+    tenants = dict(tenants or {})
     _check_request(worker_ids, tls=tls, method=method, cluster_nodes=cluster_nodes)
     routes = [_route_address(node) for node in cluster_nodes]
     if jetstream_max_bytes is None:
@@ -131,11 +141,17 @@ def write_fleet_auth(
     authority = CertificateAuthority.create(directory) if tls else None
     server_tls = authority.issue_server(directory, hosts) if authority else None
     cluster = _cluster_block(authority, directory, routes) if authority and routes else ""
-    layout = fleet_accounts(subjects, worker_ids)
+    layout = fleet_accounts(subjects, worker_ids, list(tenants))
     writer = _IdentityWriter(directory, subjects, layout, method, authority)
     roles = [Role.COORDINATOR, Role.ORCHESTRATOR, Role.AUDITOR, Role.OPERATOR]
     identities = [writer.write(role) for role in roles]
     identities += [writer.write(Role.AGENT, worker_id) for worker_id in worker_ids]
+    identities += [writer.write(Role.TENANT, tenant) for tenant in tenants]
+    if tenants:
+        coordinator = identities[0]
+        write_secret(coordinator.folder / TENANTS_FILE, encode_tenants(tenants))
+        with open(coordinator.env_file, "a") as env:
+            env.write(f"{TENANTS_ENV}={coordinator.folder / TENANTS_FILE}\n")
     accounts = writer.accounts_conf(jetstream_max_bytes)
     conf = directory / SERVER_CONF
     write_secret(conf, (_server_conf(subjects, accounts, server_tls, method) + cluster).encode())
@@ -222,6 +238,9 @@ class _IdentityWriter:
             env[SIGNING_KEY_ENV] = str(folder / SIGNING_SEED_FILE)
         elif role is Role.AGENT:
             env[COORDINATOR_KEYS_ENV] = self.signing_key
+        elif role is Role.TENANT:
+            assert worker_id is not None
+            env[TENANT_ENV] = worker_id
         identity = Identity(name, role, worker_id, folder, prefix)
         _write_env(identity.env_file, env)
         return identity

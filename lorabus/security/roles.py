@@ -13,6 +13,12 @@ Least privilege, one identity per process:
 - **orchestrator**: sends update, status and result requests, hears their replies
   and the agents' heartbeats (for a status when no coordinator answers);
   pushes adapters into the fleet's object store (which agents only read).
+- **tenant** ``t`` (``lorabus auth init --tenant``): one trainer of a fleet
+  shared by several: sends update, result and status requests on its own
+  subjects only (which prove to the coordinator who asks: it holds them to
+  the tenant's adapters and quotas, coordinator/tenants.py), and pushes
+  adapters into the object store as the orchestrator does; hears nothing but
+  its replies (no heartbeats: they name every tenant's adapters).
 - **auditor**: reads the audit stream, message by message (direct gets): it
   creates no consumer, since a consumer's deliver subject would let it have
   JetStream publish stored commands wherever it names.
@@ -62,6 +68,7 @@ class Role(enum.StrEnum):
     ORCHESTRATOR = "orchestrator"
     AUDITOR = "auditor"
     OPERATOR = "operator"
+    TENANT = "tenant"
 
 
 @dataclass(frozen=True)
@@ -73,20 +80,32 @@ class Permissions:
 
 
 def identity_name(role: Role, worker_id: str | None = None) -> str:
-    """``agent-w000`` for an agent, the role's name for the others."""
-    if role is Role.AGENT:
+    """``agent-w000`` for an agent, ``tenant-a`` for a tenant (``worker_id``
+    names it), the role's name for the others."""
+    if role in (Role.AGENT, Role.TENANT):
         if not worker_id:
-            raise ValueError("an agent's identity names its worker")
-        return f"agent-{worker_id}"
+            raise ValueError(f"a{'n' if role is Role.AGENT else ''} {role}'s identity names it")
+        return f"{role}-{worker_id}"
     return str(role)
 
 
 def permissions(
     role: Role, subjects: Subjects, *, inbox_prefix: str, worker_id: str | None = None
 ) -> Permissions:
-    """What ``role`` (the agent of ``worker_id``) may publish and subscribe to."""
+    """What ``role`` (the agent of ``worker_id``, or the tenant it names) may
+    publish and subscribe to."""
     inbox = (f"{inbox_prefix}.>",)
     match role:
+        case Role.TENANT:
+            if worker_id is None:
+                raise ValueError("a tenant's permissions name it")
+            return Permissions(
+                publish=(
+                    *tenant_requests(subjects, worker_id),
+                    *object_writes(subjects, FLEET_JS_API),
+                ),
+                subscribe=inbox,
+            )
         case Role.COORDINATOR:
             return _coordinator(subjects, inbox)
         case Role.AGENT:
@@ -125,6 +144,7 @@ def _coordinator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
             subjects.status_request(),
             subjects.result_request(),
             subjects.reset_request(),
+            *(subjects.tenant_request_any(kind) for kind in TENANT_REQUESTS),
             *inbox,
         ),
         allow_responses=True,
@@ -171,6 +191,14 @@ def _operator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
 
 
 _STREAM_ADMIN = ("CREATE", "INFO")
+
+TENANT_REQUESTS = ("update", "result", "status")
+"""What a tenant may ask the coordinator, each on its own subject."""
+
+
+def tenant_requests(subjects: Subjects, tenant: str) -> tuple[str, ...]:
+    """The request subjects of ``tenant``: only it may publish there."""
+    return tuple(subjects.tenant_request(tenant, kind) for kind in TENANT_REQUESTS)
 
 
 def kv_reads(bucket: str, api: str) -> tuple[str, ...]:

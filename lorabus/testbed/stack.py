@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,13 @@ from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.streams import provision
 from lorabus.errors import StartFailed
 from lorabus.schemas import Subjects
-from lorabus.security.auth_init import SIGNING_SEED_FILE, FleetAuth, write_fleet_auth
+from lorabus.schemas.tenants import Tenant, encode_tenants
+from lorabus.security.auth_init import (
+    SIGNING_SEED_FILE,
+    TENANTS_FILE,
+    FleetAuth,
+    write_fleet_auth,
+)
 from lorabus.security.roles import Role
 from lorabus.simfleet import SimFleet
 from lorabus.simfleet.identity import numbered_worker_ids
@@ -58,6 +64,7 @@ class EmbeddedStack:
         auth_method: str = "nkey",
         adapter_roots: Sequence[str] = (),
         cache_root: str | None = None,
+        tenants: Mapping[str, Tenant] | None = None,
         **coordinator: Any,
     ) -> None:
         if secure and nats_url is not None:
@@ -74,6 +81,8 @@ class EmbeddedStack:
         self.cache_root = cache_root
         """With it, each agent keeps adapters from the object store in a folder of
         its own under it, as agents on separate nodes would (None: a temporary one)."""
+        self.tenants = dict(tenants or {})
+        """The fleet's tenants (a secure stack gives each an identity: :meth:`client_as`)."""
         self.auth: FleetAuth | None = None
         self._coordinator_settings = {"expected_world_size": sum(self.world_sizes), **coordinator}
         self.server: NatsServer | None = None
@@ -117,6 +126,7 @@ class EmbeddedStack:
                 worker_ids,
                 tls=True,
                 method=self.auth_method,
+                tenants=self.tenants,
             )
         if self._nats_url is None:
             include = self.auth.server_conf if self.auth is not None else None
@@ -132,6 +142,12 @@ class EmbeddedStack:
         if self.auth is not None:
             folder = self.auth.identity(Role.COORDINATOR).folder
             settings["signing_key_file"] = str(folder / SIGNING_SEED_FILE)
+            if self.tenants:
+                settings["tenants_file"] = str(folder / TENANTS_FILE)
+        elif self.tenants:
+            folder = Path(self._exit.enter_context(tempfile.TemporaryDirectory()))
+            (folder / TENANTS_FILE).write_bytes(encode_tenants(self.tenants))
+            settings["tenants_file"] = str(folder / TENANTS_FILE)
         config = CoordinatorConfig(
             fleet=self.fleet_name,
             frontend_url=self.sim.url,
@@ -158,6 +174,17 @@ class EmbeddedStack:
             await self._serve(f"agent-{worker.worker_id}", agent.run, identity)
         client_nc = await self._connect("client", self.bus_as(Role.ORCHESTRATOR))
         self.client = UpdateClient(client_nc, self.fleet_name)
+
+    async def client_as(self, tenant: str) -> UpdateClient:
+        """A client of tenant ``tenant``, on a connection of its own (as its
+        identity in a secure stack), closed with the stack."""
+        bus = (
+            self.bus_as(Role.TENANT, tenant)
+            if self.auth is not None
+            else self.bus_as(Role.ORCHESTRATOR)
+        )
+        nc = await self._connect(f"tenant-{tenant}", bus)
+        return UpdateClient(nc, self.fleet_name, tenant=tenant)
 
     async def _provision(self) -> None:
         nc = await self.bus_as(Role.OPERATOR).connect(f"lorabus-operator-{self.fleet_name}")
