@@ -71,7 +71,9 @@ from lorabus.coordinator.store import or_none, quietly
 from lorabus.coordinator.tenants import (
     Tenant,
     Tenants,
-    refusal_of_update,
+    forbidden,
+    forbidden_on_generic,
+    over_quota,
     result_for,
     status_for,
 )
@@ -175,20 +177,25 @@ class Admission:
         name = self.term.subjects.tenant_of(msg.subject)
         return None if name is None else _Asker(name, self._tenants.get(name))
 
-    def _refusal(self, asker: _Asker, request: UpdateRequest) -> ErrorInfo | None:
+    def _forbidden(self, asker: _Asker | None, request: UpdateRequest) -> ErrorInfo | None:
+        """Why the request may not be asked for at all on the subject it came on."""
+        if asker is None:
+            return forbidden_on_generic(self._tenants, request.update_id)
+        return forbidden(asker.name, self._tenants, request.update_id, request.adapter)
+
+    def _over_quota(self, asker: _Asker, request: UpdateRequest) -> ErrorInfo | None:
+        if asker.record is None:
+            return None
         keep = self.term.config.keep if request.keep is None else request.keep
         held = self.term.book.adapters_held()
-        return refusal_of_update(
-            asker.name, asker.record, request.update_id, request.adapter, keep, held
-        )
+        return over_quota(asker.name, asker.record, request.adapter, keep, held)
 
     async def _refuse(
-        self, msg: Msg, asker: _Asker, request: UpdateRequest, error: ErrorInfo
+        self, msg: Msg, asker: _Asker | None, request: UpdateRequest, error: ErrorInfo
     ) -> None:
-        """Answer a tenant's update it may not ask for; nothing is kept of it."""
-        await self.term.reports.refused(
-            asker.name, "update", request.update_id, request.adapter, error
-        )
+        """Answer an update that may not be asked for; nothing is kept of it."""
+        who = asker.name if asker is not None else ""
+        await self.term.reports.refused(who, "update", request.update_id, request.adapter, error)
         await self._reply(msg, failed_result(request, error))
 
     def _inbox_only(self, kind: str, serve: _Serve) -> _Serve:
@@ -214,7 +221,7 @@ class Admission:
         if request is None:
             return
         asker = self._asker(msg)
-        if asker is not None and (refused := self._refusal(asker, request)) is not None:
+        if self._tenants and (refused := self._forbidden(asker, request)) is not None:
             self.term.replies.start(self._refuse(msg, asker, request, refused))
             return
         key = (msg.reply, request.update_id)
@@ -247,9 +254,7 @@ class Admission:
             async with self._looked_up(request) as looked_up:
                 if previous is not None:
                     await previous.wait()
-                refused = None if asker is None else self._refusal(asker, request)
-                if refused is None:
-                    future = self._admit(request, looked_up, asker)
+                admitted = self._admit(request, looked_up, asker)
         except Exception as exc:
             log.exception("epoch=%d update=%s could not be admitted", term.epoch, request.update_id)
             error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
@@ -259,9 +264,10 @@ class Admission:
             joined.set()
             if self._last_joined.get(request.adapter) is joined:
                 del self._last_joined[request.adapter]
-        if asker is not None and refused is not None:
-            await self._refuse(msg, asker, request, refused)
+        if isinstance(admitted, ErrorInfo):
+            await self._refuse(msg, asker, request, admitted)
             return
+        future = admitted
         await self._save_settled()
         if future.done():
             await self._reply(msg, future.result())
@@ -301,28 +307,34 @@ class Admission:
 
     def _admit(
         self, request: UpdateRequest, looked_up: _LookedUp, asker: _Asker | None
-    ) -> asyncio.Future[UpdateResult]:
+    ) -> asyncio.Future[UpdateResult] | ErrorInfo:
         """The future result of ``request``, answered at once unless it must
         run, decided at its turn on what the book holds then (nothing is
         awaited here): the request was checked once, on arrival, and its
         version is checked against what is committed now (planned when it
-        runs: the committed state may have moved on by then)."""
+        runs: the committed state may have moved on by then). A tenant's new
+        id past its quotas: why, to refuse it. A tenant's request answered
+        without running is not kept (its results would fill the fleet's
+        results bucket): asked again, it is decided again."""
         book = self.term.book
         known = book.look_up(request, stored=looked_up.stored, committed=looked_up.committed)
         if known is not None:
             return known
+        if asker is not None and (quota := self._over_quota(asker, request)) is not None:
+            return quota
+        settle = book.settle if asker is None else _answered
         checked = looked_up.checked
         if isinstance(checked, ErrorInfo):  # invalid as given
-            return book.settle(request, failed_result(request, checked))
+            return settle(request, failed_result(request, checked))
         committed = book.committed.get(request.adapter) or looked_up.committed
         try:
             version = checked.version(committed)
         except LorabusError as exc:
-            return book.settle(request, failed_result(request, exc.info()))
+            return settle(request, failed_result(request, exc.info()))
         if committed is not None and is_committed(committed, version, checked.path):
-            return book.settle(request, committed_result(request.update_id, committed))
+            return settle(request, committed_result(request.update_id, committed))
         if looked_up.not_stored is not None:
-            return book.settle(request, failed_result(request, looked_up.not_stored))
+            return settle(request, failed_result(request, looked_up.not_stored))
         if asker is None or asker.record is None:
             return book.enqueue(checked)
         tenant = asker.record
@@ -366,7 +378,7 @@ class Admission:
             update_id=update_id, status=UNKNOWN, adapter="", version=None
         )
         if asker is not None:
-            outcome = result_for(asker.name, asker.record, outcome)
+            outcome = result_for(asker.name, outcome)
         await self._reply(msg, outcome)
 
     async def _on_status(self, msg: Msg) -> None:
@@ -433,6 +445,13 @@ async def _stored_result(term: Term, update_id: str) -> UpdateResult | None:
     except BadPayload as exc:
         log.warning("the stored result of update %s does not decode, ignored: %s", update_id, exc)
         return None
+
+
+def _answered(request: UpdateRequest, result: UpdateResult) -> asyncio.Future[UpdateResult]:
+    """``result`` as the answer, kept nowhere."""
+    future: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
+    future.set_result(result)
+    return future
 
 
 def _result_refused(error: ErrorInfo) -> UpdateResult:

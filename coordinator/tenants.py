@@ -7,16 +7,19 @@ three and nothing else of the coordinator's. So the subject proves who asks,
 and nothing in a message is taken for it. The leader holds each request to
 the tenant's record (:class:`Tenant`, from the file ``--tenants`` names):
 
-- **update**: its adapter must match the tenant's pattern and its update id
-  begin with ``<name>:`` (so no tenant can take an id another will use);
-  ``forbidden`` otherwise. It may keep at most ``max_keep`` versions, and
-  name a new adapter only while the tenant has fewer than ``max_adapters``
-  (committed, queued or running); ``quota`` otherwise. Those refusals are
-  answered at once, are not kept as the id's result, and are recorded as
-  ``request_refused`` events. At most ``max_queued`` of its requests wait;
-  one more is answered ``busy`` (``book.py``).
-- **result**: an id that is not the tenant's, or whose update is of another
-  tenant's adapter, is answered ``unknown``, as an id nobody used.
+- **update**: its adapter must match the tenant's pattern, and no other
+  tenant's, and its update id begin with ``<name>:`` (so no tenant can take
+  an id another will use; the orchestrator's own subject refuses such ids
+  too); ``forbidden`` otherwise, on arrival, before anything is looked up.
+  A new id may keep at most ``max_keep`` versions, and name a new adapter
+  only while the tenant has fewer than ``max_adapters`` (committed, queued
+  or running); ``quota`` otherwise, at its turn to join the book. Those
+  refusals are answered at once, are not kept as the id's result, and are
+  recorded as ``request_refused`` events; nor is any other answer a tenant
+  gets without its update running kept. At most ``max_queued`` of its
+  requests wait; one more is answered ``busy`` (``book.py``).
+- **result**: an id that is not the tenant's is answered ``unknown``, as an
+  id nobody used (its own ids only its own subject took).
 - **status**: only the tenant's adapters and updates; each member's list
   shows only the tenant's served names, and no member's reasons.
 
@@ -26,7 +29,6 @@ one team needs no tenants.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 
 import msgspec
@@ -66,6 +68,10 @@ class Tenants:
     def get(self, name: str) -> Tenant | None:
         return self.by_name.get(name)
 
+    def owners(self, adapter: str) -> list[str]:
+        """The tenants whose pattern matches ``adapter``."""
+        return [name for name, tenant in self.by_name.items() if tenant.owns(adapter)]
+
     def __bool__(self) -> bool:
         return bool(self.by_name)
 
@@ -74,18 +80,11 @@ def owns_update_id(name: str, update_id: str) -> bool:
     return update_id.startswith(name + ID_SEPARATOR)
 
 
-def refusal_of_update(
-    name: str,
-    tenant: Tenant | None,
-    update_id: str,
-    adapter: str,
-    keep: int,
-    adapters_held: Iterable[str],
-) -> ErrorInfo | None:
-    """Why tenant ``name`` may not ask for this update, or None. ``keep``:
-    the versions it would keep (the request's, else the coordinator's);
-    ``adapters_held``: the adapters the fleet has committed, queued or
-    running, of every tenant."""
+def forbidden(name: str, tenants: Tenants, update_id: str, adapter: str) -> ErrorInfo | None:
+    """Why tenant ``name`` may not ask for this update at all, or None: it is
+    no known tenant, the id is not its own, or the adapter is not (its
+    pattern must match it, and no other tenant's may)."""
+    tenant = tenants.get(name)
     if tenant is None:
         return _forbidden(f"no tenant {name!r} is known to this fleet's coordinator")
     if not owns_update_id(name, update_id):
@@ -96,6 +95,32 @@ def refusal_of_update(
         return _forbidden(
             f"tenant {name!r} may only update adapters named {tenant.adapters!r}, not {adapter!r}"
         )
+    if len(tenants.owners(adapter)) > 1:
+        return _forbidden(
+            f"adapter {adapter!r} matches the patterns of several tenants: no tenant may "
+            "update it until the tenants file says whose it is"
+        )
+    return None
+
+
+def forbidden_on_generic(tenants: Tenants, update_id: str) -> ErrorInfo | None:
+    """Why an update on the orchestrator's own subject may not use ``update_id``:
+    the ids that begin with a tenant's name and ``:`` are that tenant's."""
+    owner, sep, _ = update_id.partition(ID_SEPARATOR)
+    if sep and tenants.get(owner) is not None:
+        return _forbidden(
+            f"update ids that begin with {owner + ID_SEPARATOR!r} are tenant {owner!r}'s"
+        )
+    return None
+
+
+def over_quota(
+    name: str, tenant: Tenant, adapter: str, keep: int, adapters_held: Iterable[str]
+) -> ErrorInfo | None:
+    """Why a new update of tenant ``name`` would exceed its quotas, or None.
+    ``keep``: the versions it would keep (the request's, else the
+    coordinator's); ``adapters_held``: the adapters the fleet has committed,
+    queued or running, of every tenant."""
     if keep > tenant.max_keep:
         return ErrorInfo(
             code=ErrorCode.QUOTA,
@@ -115,23 +140,13 @@ def _forbidden(message: str) -> ErrorInfo:
     return ErrorInfo(code=ErrorCode.FORBIDDEN, message=message)
 
 
-def result_for(name: str, tenant: Tenant | None, result: UpdateResult) -> UpdateResult:
-    """``result`` as tenant ``name`` may see it: that of another tenant's
-    adapter or id is ``unknown``, as an id nobody used."""
-    if (
-        tenant is not None
-        and owns_update_id(name, result.update_id)
-        and tenant.owns(_adapter_of(result))
-    ):
+def result_for(name: str, result: UpdateResult) -> UpdateResult:
+    """``result`` as tenant ``name`` may see it: its own ids' (only its own
+    subject, which it alone may publish on, takes ids that begin with its
+    name), and another's as ``unknown``, as an id nobody used."""
+    if owns_update_id(name, result.update_id):
         return result
     return UpdateResult(update_id=result.update_id, status=UNKNOWN, adapter="", version=None)
-
-
-def _adapter_of(result: UpdateResult) -> str:
-    """The adapter of a result, which names its served name (``plan.versioned_name``)."""
-    if result.version is None:
-        return result.adapter
-    return re.sub(rf"(-r[0-9]+)?-v{result.version}\Z", "", result.adapter)
 
 
 def status_for(tenant: Tenant, status: FleetStatus) -> FleetStatus:

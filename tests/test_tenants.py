@@ -9,7 +9,14 @@ import pytest
 from click.testing import CliRunner
 
 from lorabus.cli.main import main
-from lorabus.coordinator.tenants import Tenants, refusal_of_update, result_for, status_for
+from lorabus.coordinator.tenants import (
+    Tenants,
+    forbidden,
+    forbidden_on_generic,
+    over_quota,
+    result_for,
+    status_for,
+)
 from lorabus.schemas import (
     AdapterStatus,
     ErrorCode,
@@ -57,31 +64,39 @@ def test_a_tenants_file_that_is_not_one_is_refused_saying_where(
 
 def test_the_rules_of_an_update() -> None:
     a = Tenant(adapters="a-*", max_adapters=2, max_keep=3)
-    fine = refusal_of_update("a", a, "a:1", "a-x", 2, {"b-y"})
-    assert fine is None
+    tenants = Tenants({"a": a, "b": Tenant(adapters="b-*"), "ab": Tenant(adapters="*-shared")})
+    assert forbidden("a", tenants, "a:1", "a-x") is None
     cases = [
-        (None, "a:1", "a-x", 2, set(), ErrorCode.FORBIDDEN),  # unknown tenant
-        (a, "b:1", "a-x", 2, set(), ErrorCode.FORBIDDEN),  # another's id
-        (a, "a1", "a-x", 2, set(), ErrorCode.FORBIDDEN),  # an id without the separator
-        (a, "a:1", "b-x", 2, set(), ErrorCode.FORBIDDEN),  # another's adapter
-        (a, "a:1", "a-x", 4, set(), ErrorCode.QUOTA),  # keeps too many
-        (a, "a:1", "a-z", 2, {"a-x", "a-y"}, ErrorCode.QUOTA),  # one adapter too many
+        ("c", "c:1", "c-x"),  # unknown tenant
+        ("a", "b:1", "a-x"),  # another's id
+        ("a", "a1", "a-x"),  # an id without the separator
+        ("a", "a:1", "b-x"),  # another's adapter
+        ("a", "a:1", "a-shared"),  # an adapter two tenants' patterns match
     ]
-    for tenant, update_id, adapter, keep, held, code in cases:
-        refused = refusal_of_update("a", tenant, update_id, adapter, keep, held)
-        assert refused is not None and refused.code == code, (update_id, adapter, refused)
+    for name, update_id, adapter in cases:
+        refused = forbidden(name, tenants, update_id, adapter)
+        assert refused is not None and refused.code == ErrorCode.FORBIDDEN, (name, update_id)
+    # The orchestrator's own subject: any id but a tenant's.
+    assert forbidden_on_generic(tenants, "step-2") is None
+    assert forbidden_on_generic(tenants, "c:2") is None
+    refused = forbidden_on_generic(tenants, "b:2")
+    assert refused is not None and refused.code == ErrorCode.FORBIDDEN
+    # Quotas, for a new id.
+    assert over_quota("a", a, "a-x", 2, {"b-y"}) is None
+    for adapter, keep, held in (("a-x", 4, set()), ("a-z", 2, {"a-x", "a-y"})):
+        refused = over_quota("a", a, adapter, keep, held)
+        assert refused is not None and refused.code == ErrorCode.QUOTA, (adapter, keep)
     # An adapter it holds already is no new one.
-    assert refusal_of_update("a", a, "a:1", "a-x", 2, {"a-x", "a-y"}) is None
+    assert over_quota("a", a, "a-x", 2, {"a-x", "a-y"}) is None
 
 
-def test_a_result_is_shown_only_to_the_tenant_of_its_id_and_adapter() -> None:
-    exact = Tenant(adapters="policy")
-    for served in ("policy-v3", "policy-r2-v3", "policy"):
+def test_a_result_is_shown_only_to_the_tenant_of_its_id() -> None:
+    for served in ("policy-v3", "policy-r2-v3", "policy", ""):
         mine = UpdateResult(update_id="a:1", status="committed", adapter=served, version=3)
-        assert result_for("a", exact, mine) is mine
-    for update_id, served in (("b:1", "policy-v3"), ("a:1", "policyx-v3"), ("1", "policy-v3")):
-        other = UpdateResult(update_id=update_id, status="committed", adapter=served, version=3)
-        hidden = result_for("a", exact, other)
+        assert result_for("a", mine) is mine
+    for update_id in ("b:1", "1", "ab:1"):
+        other = UpdateResult(update_id=update_id, status="committed", adapter="p-v3", version=3)
+        hidden = result_for("a", other)
         assert hidden.status == "unknown" and hidden.adapter == "", hidden
 
 

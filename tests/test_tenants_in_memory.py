@@ -107,6 +107,14 @@ async def test_what_a_tenant_may_not_ask_is_refused_kept_nowhere_and_audited(
         # Nothing of a refusal was kept: the id "a:x" is still free for a's own.
         reused = await a.update("a-policy", "/adapters/a/1", version=1, update_id="a:x")
         assert reused.committed, reused
+        # Answered without running, a tenant's request is kept nowhere (its
+        # results would fill the fleet's results bucket): asked about, unknown.
+        stale = await a.update("a-policy", "/adapters/a/0", version=0)
+        assert stale.error is not None and stale.error.code == ErrorCode.STALE_VERSION
+        assert (await a.result(stale.update_id)).status == UNKNOWN
+        # The orchestrator's own subject takes no tenant's ids.
+        squatted = await fleet.client().update("b-policy", "/adapters/b/2", update_id="b:next")
+        assert squatted.error is not None and squatted.error.code == ErrorCode.FORBIDDEN
         # A third adapter is past a's quota of two.
         assert (await a.update("a-second", "/adapters/a2/1", version=1)).committed
         third = await a.update("a-third", "/adapters/a3/1", version=1)
@@ -120,7 +128,7 @@ async def test_what_a_tenant_may_not_ask_is_refused_kept_nowhere_and_audited(
         }
         # Every refusal is in the trail, naming the tenant its subject proved.
         async with asyncio.timeout(5):
-            while len(refusals) < 7:  # noqa: ASYNC110
+            while len(refusals) < 8:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         assert [(r.tenant, r.error.code) for r in refusals] == [
             ("a", ErrorCode.FORBIDDEN),
@@ -129,6 +137,7 @@ async def test_what_a_tenant_may_not_ask_is_refused_kept_nowhere_and_audited(
             ("a", ErrorCode.FORBIDDEN),
             ("a", ErrorCode.QUOTA),
             ("c", ErrorCode.FORBIDDEN),
+            ("", ErrorCode.FORBIDDEN),  # on the orchestrator's subject
             ("a", ErrorCode.QUOTA),
         ]
 

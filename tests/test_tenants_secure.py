@@ -4,8 +4,9 @@ operator/JWT form), every part as its own identity.
 
 What the server's permissions keep ``a`` from: publishing on ``b``'s
 subjects, on the generic orchestrator's, on the operator's reset, hearing
-heartbeats. What the coordinator holds ``a`` to, from the subject it asked
-on: ``b``'s adapters and results, its own quotas. Meanwhile ``b``'s updates
+heartbeats, reading the object store but for the meta record a push
+checks. What the coordinator holds ``a`` to, from the subject it asked on:
+``b``'s adapters and results, its own quotas. Meanwhile ``b``'s updates
 commit, and every refusal is in the audit trail. (Removing or replacing an
 object of the store as a tenant: test_store_roles.py.)
 """
@@ -27,7 +28,7 @@ from lorabus.schemas import (
     UpdateRequest,
     encode,
 )
-from lorabus.security.roles import Role
+from lorabus.security.roles import FLEET_JS_API, Role
 from lorabus.testbed.stack import EmbeddedStack
 
 
@@ -68,10 +69,14 @@ async def test_a_tenant_cannot_reach_another_tenants_adapters(
         reset = encode(ResetRequest(adapter="b-policy", reason="mine now"))
         async with watched(stack.bus_as(Role.TENANT, "a")) as raw:
             await raw.nc.subscribe(subjects.heartbeat_any())
+            store = f"OBJ_{subjects.adapter_store()}"
             for subject, data in (
                 (subjects.tenant_request("b", "update"), sneaky),
                 (subjects.update_request(), sneaky),
                 (subjects.reset_request(), reset),
+                # The store by sequence (b's chunks), and its subjects (b's digests).
+                (f"{FLEET_JS_API}.DIRECT.GET.{store}", b'{"seq": 1}'),
+                (f"{FLEET_JS_API}.STREAM.INFO.{store}", b'{"subjects_filter": ">"}'),
             ):
                 await raw.nc.publish(subject, data, reply=raw.nc.new_inbox())
                 await raw.wait_refusal("publish", subject)

@@ -38,6 +38,7 @@ from lorabus.security.roles import (
     audit_reads,
     kv_reads,
     object_reads,
+    object_subjects,
     object_writes,
     stream_admin,
     tenant_requests,
@@ -180,9 +181,17 @@ def _share_jetstream(layout: _Layout, subjects: Subjects) -> None:
         layout.share(fleet, subject, readers, service=True, streamed=".DIRECT.GET." in subject)
     # The pusher's chunks and meta record reach the store's stream in the
     # fleet's account as requests: JetStream's acks come back into its own.
-    pushers = [layout.orchestrator.name, *(a.name for a in layout.tenants.values())]
     for subject in object_writes(subjects, JS_API):
-        layout.share(fleet, subject, pushers, service=True)
+        layout.share(fleet, subject, [layout.orchestrator.name], service=True)
+    # A tenant pushes too. Its account imports the store's reads by subject as
+    # they are exported (one export per subject: a narrower second one would
+    # overlap it), and its user's permissions narrow them to what a push
+    # reads: a meta record by its subject (roles.object_pushes).
+    tenants = [a.name for a in layout.tenants.values()]
+    if tenants:
+        store = f"OBJ_{subjects.adapter_store()}"
+        for subject in (*object_subjects(subjects), f"{JS_API}.DIRECT.GET.{store}.>"):
+            layout.share(fleet, subject, tenants, service=True, streamed=".DIRECT.GET." in subject)
     for subject in audit_reads(subjects, JS_API):
         # A batch read answers with many messages: the import must let them all back.
         streamed = ".DIRECT.GET." in subject

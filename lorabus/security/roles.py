@@ -17,8 +17,10 @@ Least privilege, one identity per process:
   shared by several: sends update, result and status requests on its own
   subjects only (which prove to the coordinator who asks: it holds them to
   the tenant's adapters and quotas, coordinator/tenants.py), and pushes
-  adapters into the object store as the orchestrator does; hears nothing but
-  its replies (no heartbeats: they name every tenant's adapters).
+  adapters into the object store as the orchestrator does, but reads of it
+  only a meta record by its subject (what a push checks first); hears
+  nothing but its replies (no heartbeats: they name every tenant's
+  adapters).
 - **auditor**: reads the audit stream, message by message (direct gets): it
   creates no consumer, since a consumer's deliver subject would let it have
   JetStream publish stored commands wherever it names.
@@ -102,7 +104,7 @@ def permissions(
             return Permissions(
                 publish=(
                     *tenant_requests(subjects, worker_id),
-                    *object_writes(subjects, FLEET_JS_API),
+                    *object_pushes(subjects, FLEET_JS_API),
                 ),
                 subscribe=inbox,
             )
@@ -232,6 +234,15 @@ def object_writes(subjects: Subjects, api: str) -> tuple[str, ...]:
     subject: a publish there adds an object, never removes or replaces one
     (lorabus.adapters.store)."""
     return (*object_reads(subjects, api), *object_subjects(subjects))
+
+
+def object_pushes(subjects: Subjects, api: str) -> tuple[str, ...]:
+    """What a tenant's push publishes: as ``object_writes``, but of the reads
+    only the one a push makes first, an object's meta record by its subject.
+    No read by sequence nor of the stream's subjects: a tenant learns nothing
+    of what the others stored, not their digests, not their bytes."""
+    bucket = subjects.adapter_store()
+    return (f"{api}.DIRECT.GET.OBJ_{bucket}.$O.{bucket}.M.>", *object_subjects(subjects))
 
 
 def object_deletes(subjects: Subjects, api: str) -> tuple[str, ...]:

@@ -1,0 +1,61 @@
+"""Whether an update fits in its members' engines.
+
+An engine holds a bounded number of adapters (vLLM's ``--max-cpu-loras``,
+SGLang's ``--max-loaded-loras``); past it, it evicts on its own, and
+requests for the evicted one are refused or loaded again on the request
+path. Each agent says its engine's capacity in its heartbeat. While an
+update runs, its members serve everything the fleet has committed (every
+adapter's committed version and the versions kept beside it) and the new
+version beside it: the commit's retire step unloads the adapter's oldest
+only after it commits. An update whose members cannot hold that many fails
+at once, ``no_capacity``, before anything is paused or loaded, naming them
+and what they hold. Within capacity, an agent makes room for a load by
+unloading the oldest versions nothing keeps (``agents/executor.py``), so a
+leftover never pushes a committed version out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from lorabus.schemas import CommittedRecord, ErrorCode, ErrorInfo, Heartbeat
+
+_NAMED = 8
+"""Members, and adapters of each, that a refusal spells out; the rest are counted."""
+
+
+def serving(committed: Iterable[CommittedRecord]) -> list[str]:
+    """What every engine serves by the fleet's commit points: each adapter's
+    committed version and the versions kept beside it."""
+    names = {record.served_name for record in committed}
+    names |= {k.served_name for record in committed for k in record.kept if k.served_name}
+    return sorted(names)
+
+
+def no_room(
+    served_name: str, beside: Iterable[str], members: Mapping[str, Heartbeat]
+) -> ErrorInfo | None:
+    """Why members cannot hold ``served_name`` beside ``beside``, or None."""
+    needed = {*beside, served_name}
+    short = sorted(
+        (worker, beat)
+        for worker, beat in members.items()
+        if beat.capacity is not None and len(needed) > beat.capacity
+    )
+    if not short:
+        return None
+    named = []
+    for worker, beat in short[:_NAMED]:
+        held = ", ".join(beat.adapters[:_NAMED])
+        if len(beat.adapters) > _NAMED:
+            held += f" and {len(beat.adapters) - _NAMED} more"
+        named.append(f"{worker} (capacity {beat.capacity}; holds {held or 'nothing'})")
+    if len(short) > _NAMED:
+        named.append(f"and {len(short) - _NAMED} more")
+    return ErrorInfo(
+        code=ErrorCode.NO_CAPACITY,
+        message=f"{served_name} needs room for {len(needed)} adapters at once (every adapter's "
+        f"committed and kept versions, and it) on members that hold fewer: "
+        + "; ".join(named)
+        + ". Keep fewer versions (--keep), retire adapters, or give the engines room",
+    )
