@@ -160,6 +160,7 @@ class Agent:
                 adapter_roots=config.adapter_roots,
                 adapter_cache=cache,
                 cache_keeper=keeper,
+                max_adapters=config.max_adapters,
                 pending_pause=PendingPause.in_cache(
                     cache_dir, holder, config.engine_timeout_s, config.max_pause_lease_s
                 ),

@@ -79,6 +79,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     those an engine of the node serves (of any agent sharing the cache)."""
     max_adapter_bytes: int = MAX_ADAPTER_BYTES
     """The largest adapter this agent fetches from the object store."""
+    max_adapters: int = 0
+    """The most adapters the engine holds at once (vLLM's ``--max-cpu-loras``,
+    Dynamo's per worker; SGLang says its own, and the smaller counts): a load
+    beyond unloads the oldest versions nothing keeps, or fails
+    ``no_capacity``. 0: as the engine says, else not bounded."""
 
     def __post_init__(self) -> None:
         check_token("worker id", self.worker_id)
@@ -106,6 +111,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.cache_keep < 0:
             raise ValueError(f"cache keep must be >= 0, got {self.cache_keep}")
+        if self.max_adapters < 0:
+            raise ValueError(f"max adapters must be >= 0, got {self.max_adapters}")
         if self.max_adapter_bytes < 1:
             raise ValueError(f"max adapter bytes must be >= 1, got {self.max_adapter_bytes}")
 

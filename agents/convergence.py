@@ -102,6 +102,7 @@ class Convergence:
         self._fencing = fencing
         self._queue = queue
         self._desired = DesiredState()
+        executor.spare = self._desired.stale  # what a load at capacity may unload
         self._committed_known = False
         """A read of the fleet's KV state since this process started showed what
         is committed (or that nothing is). Until then a committed notice may be

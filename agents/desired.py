@@ -239,6 +239,25 @@ class DesiredState:
         """Each adapter's committed served name."""
         return frozenset(t.served_name for t in self._targets.values())
 
+    def stale(self, held: Iterable[str]) -> list[str]:
+        """The names of ``held`` an engine may give up to make room, oldest
+        first: versions of a committed adapter older than its committed one
+        (of its lineage) that it does not keep. Nothing else: not a version
+        of an adapter no commit names, nor one newer than the committed (an
+        update may be loading it now)."""
+        required = self.names()
+        found: list[tuple[int, str]] = []
+        for name in held:
+            if name in required:
+                continue
+            for target in self._targets.values():
+                prefix = target.adapter + (f"-r{target.lineage}" if target.lineage else "")
+                version = _version_in(name, prefix)
+                if version is not None and version < target.version:
+                    found.append((version, name))
+                    break
+        return [name for _, name in sorted(found)]
+
     def missing(self, held: Iterable[str]) -> list[Wanted]:
         """What the engine must hold and does not, in :meth:`wanted`'s order."""
         have = set(held)
@@ -264,3 +283,11 @@ def unready_text(missing: list[Wanted], failures: Mapping[str, tuple[int, str]])
     if len(ranked) > len(shown):
         parts.append(f"and {len(ranked) - len(shown)} more missing")
     return "; ".join(parts)[:UNREADY_REASON_MAX]
+
+
+def _version_in(name: str, prefix: str) -> int | None:
+    """The version of served name ``<prefix>-v<version>``, else None."""
+    head, sep, tail = name.rpartition("-v")
+    if not sep or head != prefix or not tail.isdigit():
+        return None
+    return int(tail)

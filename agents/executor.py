@@ -41,13 +41,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
-from lorabus.adapters.digest import read_adapter_digest
 from lorabus.adapters.store import digest_of
 from lorabus.agents.adapter_cache import AdapterCache, Fetch
-from lorabus.agents.adapter_paths import check_served_name, resolve_adapter_dir
+from lorabus.agents.adapter_paths import check_served_name
 from lorabus.agents.cache_holders import CacheKeeper
+from lorabus.agents.capacity import capacity_of, dropped_text, room_for
 from lorabus.agents.engine import EngineDriver, InPlaceReplace, SetupCheck
+from lorabus.agents.load_source import checked_dir, refuse_other_bytes, seen_digest
 from lorabus.agents.pending_pause import PendingPause
 from lorabus.errors import (
     BadRequest,
@@ -95,11 +97,13 @@ class CommandExecutor:
         adapter_cache: AdapterCache | None = None,
         cache_keeper: CacheKeeper | None = None,
         pending_pause: PendingPause | None = None,
+        max_adapters: int = 0,
     ) -> None:
         """``cache_keeper``: prunes ``adapter_cache`` for this agent (by default
         one without a holder file: what the engine serves is kept from the
         prunes of this process only). ``pending_pause``: where a pause in
-        flight is recorded for a successor (None: nowhere)."""
+        flight is recorded for a successor (None: nowhere). ``max_adapters``:
+        the most adapters the engine holds at once (0: as it says itself)."""
         self.worker_id = worker_id
         self.adapter_roots = list(adapter_roots or [])
         """Directories adapters may be loaded from, on this host (empty: any path,
@@ -110,6 +114,11 @@ class CommandExecutor:
         self.maybe_paused = False
         """A pause went unanswered: the engine may pause late, after a resume."""
         self.pending_pause = pending_pause
+        self.max_adapters = max_adapters
+        self.spare: Callable[[list[str]], list[str]] = lambda held: []
+        """Which of the held names the engine may give up to make room,
+        oldest first (the agent's convergence sets it: old versions nothing
+        keeps)."""
         self._seen_digest = ""
         """The digest the load being run saw (for its ack)."""
         self._adapters: list[str] = []
@@ -160,6 +169,12 @@ class CommandExecutor:
     def adapters(self, names: list[str]) -> None:
         self._adapters = names
         self._listed = True
+
+    @property
+    def capacity(self) -> int | None:
+        """The most adapters the engine holds at once (None: not bounded as
+        far as this agent knows; :mod:`lorabus.agents.capacity`)."""
+        return capacity_of(self.max_adapters, getattr(self.driver, "capacity", None))
 
     async def refresh(self) -> None:
         """Read the engine's adapter list (at start, so heartbeats tell the
@@ -401,51 +416,26 @@ class CommandExecutor:
                 raise BadRequest(f"{self.worker_id} refused the command: {exc}") from exc
 
     async def _adapter_dir(self, path: str, update_id: str) -> str:
-        """The path to hand the engine, checked on this host (see adapter_paths)."""
-        try:
-            if self.adapter_roots:
-                # realpath and stat can block on a network filesystem: off the
-                # loop, and under the command's budget like any engine call.
-                real = await asyncio.to_thread(resolve_adapter_dir, path, self.adapter_roots)
-            else:
-                real = resolve_adapter_dir(path, ())  # no roots: reads nothing from disk
-        except ValueError as exc:
-            refusal = ErrorInfo(
-                code=ErrorCode.PATH_REFUSED, message=f"{self.worker_id} refused the load: {exc}"
-            )
-            raise LorabusError.from_info(refusal) from exc
-        if real != path:
-            log.info(
-                "worker=%s update=%s adapter path %s resolves to %s",
-                self.worker_id,
-                update_id,
-                path,
-                real,
-            )
-        return real
+        return await checked_dir(path, self.adapter_roots, self.worker_id, update_id)
 
     async def _check_digest(self, path: str, asked: str | None) -> None:
-        """Hash what this host shows at ``path`` (for the ack), and refuse the load
-        when it is not what the request asked for. An agent that cannot read the
-        directory (the engine's files are not mounted here) says so in the ack
-        with an empty digest, which passes only when no digest was asked for."""
-        try:
-            # Reads every file (in a thread, shared with agents of this process
-            # reading it at the same moment), under the command's budget.
-            self._seen_digest = await read_adapter_digest(path)
-        except (OSError, ValueError) as exc:
-            if asked is not None:
-                raise DigestMismatch(
-                    f"{self.worker_id} cannot check the digest of {path}: {exc}"
-                ) from exc
-            log.debug("worker=%s no digest of %s: %s", self.worker_id, path, exc)
-            return
-        if asked is not None and self._seen_digest != asked:
-            raise DigestMismatch(
-                f"{self.worker_id} sees {self._seen_digest} at {path}, not the requested {asked}"
+        """Hash what this host shows at ``path`` (the ack says it, also when
+        the load is refused for it), and refuse other bytes than asked for."""
+        self._seen_digest = await seen_digest(path, asked, self.worker_id)
+        refuse_other_bytes(self._seen_digest, asked, path, self.worker_id)
+
+    async def _make_room(self, name: str) -> None:
+        """At capacity, unload the oldest versions nothing keeps before
+        loading ``name`` (NoCapacity when that is not enough)."""
+        spare = room_for(name, self.adapters, self.capacity, self.spare, self.worker_id)
+        if spare:
+            log.info(
+                "worker=%s unloads %s to make room for %s", self.worker_id, ", ".join(spare), name
             )
+            await self._unload(spare)
 
     async def _load(self, name: str, path: str, *, replace: bool, budget_s: float) -> None:
+        await self._make_room(name)
         held = sorted(n for n in self.committed_names if n != name and n in self.adapters)
         in_place = replace and name in await self.driver.list_adapters()
         if in_place and not isinstance(self.driver, InPlaceReplace):
@@ -468,12 +458,7 @@ class CommandExecutor:
             )
         dropped = self.dropped_committed = [n for n in held if n not in self.adapters]
         if dropped:
-            raise EngineError(
-                f"after loading {name!r} the engine of {self.worker_id} no longer lists the "
-                f"committed {', '.join(map(repr, dropped))}, which it listed before: it drops "
-                "adapters to make room (SGLang's --max-loaded-loras): let it hold the versions "
-                f"the fleet keeps and one more; it lists {self.adapters}"
-            )
+            raise EngineError(dropped_text(self.worker_id, name, dropped, self.adapters))
 
     async def _unload_to_replace(self, name: str) -> None:
         """Unload ``name`` to load it again. An engine whose unload waits for

@@ -153,4 +153,5 @@ class Heartbeats:
             unready_reason=self._convergence.unready_reason(),
             unreadable_state=self._fencing.unreadable_state(),
             missing=[w.served_name for w in self._convergence.missing()][:MISSING_SHOWN],
+            capacity=ex.capacity,
         )

@@ -43,10 +43,10 @@ async def checked_dir(path: str, roots: list[str], worker_id: str, update_id: st
 
 
 async def seen_digest(path: str, asked: str | None, worker_id: str) -> str:
-    """The digest of what this host shows at ``path`` (for the ack); refuse
-    the load when it is not what the request asked for. An agent that cannot
-    read the directory (the engine's files are not mounted here) says so with
-    an empty digest, which passes only when no digest was asked for."""
+    """The digest of what this host shows at ``path`` (for the ack). An agent
+    that cannot read the directory (the engine's files are not mounted here)
+    says so with an empty digest, which passes only when no digest was asked
+    for (DigestMismatch otherwise)."""
     try:
         # Reads every file (in a thread, shared with agents of this process
         # reading it at the same moment), under the command's budget.
@@ -56,6 +56,10 @@ async def seen_digest(path: str, asked: str | None, worker_id: str) -> str:
             raise DigestMismatch(f"{worker_id} cannot check the digest of {path}: {exc}") from exc
         log.debug("worker=%s no digest of %s: %s", worker_id, path, exc)
         return ""
+    return seen
+
+
+def refuse_other_bytes(seen: str, asked: str | None, path: str, worker_id: str) -> None:
+    """Refuse the load when what this host shows is not what was asked for."""
     if asked is not None and seen != asked:
         raise DigestMismatch(f"{worker_id} sees {seen} at {path}, not the requested {asked}")
-    return seen

@@ -105,6 +105,8 @@ class SglangDriver(HttpEngine):
     kind = "sglang"
     unload_waits_for_running = True
     """An unload hangs while an in_place pause freezes the adapter's requests."""
+    capacity: int | None = None
+    """``--max-loaded-loras`` as the server info says (read with the set-up check)."""
 
     async def pause(self) -> None:
         _expect_ok(await self.send("POST", "/pause_generation", PAUSE_BODY, admin=True))
@@ -144,6 +146,7 @@ class SglangDriver(HttpEngine):
         return sorted(await self.served_adapters())
 
     async def setup_problem(self) -> str | None:
+        """(Also learns :attr:`capacity`, from the same server info.)"""
         size = await self._data_parallel_size()
         if size is None or size <= 1:
             return None
@@ -174,15 +177,22 @@ class SglangDriver(HttpEngine):
         _expect_success(response, loaded)
 
     async def _data_parallel_size(self) -> int | None:
-        """SGLang's ``dp_size`` from its server info (None: not told)."""
+        """SGLang's ``dp_size`` from its server info (None: not told); and its
+        ``max_loaded_loras``, the most adapters it holds at once, as
+        :attr:`capacity` (None: not bounded, or not told)."""
         for path in SERVER_INFO:
             response = await self.request("GET", path)
             if route_not_served(response):
                 continue
             payload: Any = json_or_none(response) if response.status_code == 200 else None
-            size = payload.get("dp_size") if isinstance(payload, dict) else None
-            return size if isinstance(size, int) and not isinstance(size, bool) else None
+            info = payload if isinstance(payload, dict) else {}
+            self.capacity = _positive_int(info.get("max_loaded_loras"))
+            return _positive_int(info.get("dp_size"))
         return None
+
+
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _expect_ok(response: EngineAnswer) -> None:

@@ -35,7 +35,10 @@ def serving(committed: Iterable[CommittedRecord]) -> list[str]:
 def no_room(
     served_name: str, beside: Iterable[str], members: Mapping[str, Heartbeat]
 ) -> ErrorInfo | None:
-    """Why members cannot hold ``served_name`` beside ``beside``, or None."""
+    """Why members cannot hold ``served_name`` beside ``beside``, or None. It
+    counts what they hold, and names none of it: the answer goes to the
+    requester, who may be a tenant, and the names are other tenants'
+    (``lorabus status`` shows an operator each member's list)."""
     needed = {*beside, served_name}
     short = sorted(
         (worker, beat)
@@ -44,12 +47,10 @@ def no_room(
     )
     if not short:
         return None
-    named = []
-    for worker, beat in short[:_NAMED]:
-        held = ", ".join(beat.adapters[:_NAMED])
-        if len(beat.adapters) > _NAMED:
-            held += f" and {len(beat.adapters) - _NAMED} more"
-        named.append(f"{worker} (capacity {beat.capacity}; holds {held or 'nothing'})")
+    named = [
+        f"{worker} (capacity {beat.capacity}; holds {len(beat.adapters)})"
+        for worker, beat in short[:_NAMED]
+    ]
     if len(short) > _NAMED:
         named.append(f"and {len(short) - _NAMED} more")
     return ErrorInfo(

@@ -64,6 +64,9 @@ class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
     serve once it commits (``CheckedRequest.keep``)."""
     shared_with: list[str] = []
     """The other updates of its pause-mode round, whose pause it shares (``book.py``)."""
+    beside: list[str] = []
+    """What every engine serves while it runs, besides its new version: every
+    adapter's committed and kept versions (``capacity.py``)."""
 
 
 class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):

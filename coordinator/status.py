@@ -63,6 +63,7 @@ def fleet_status(
             unready_reason=m.heartbeat.unready_reason,
             missing=m.heartbeat.missing,
             unreadable_state=m.heartbeat.unreadable_state,
+            capacity=m.heartbeat.capacity,
         )
         for wid, m in sorted(live.items())
     ]

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Iterator
 import msgspec
 
 from lorabus.adapters.store import digest_of
+from lorabus.coordinator.capacity import no_room
 from lorabus.coordinator.carrying import Carrying, carried_load, may_have_landed
 from lorabus.coordinator.digests import digest_problem
 from lorabus.coordinator.gather import PhaseGather
@@ -113,6 +114,11 @@ class UpdateRun:
         except QuorumNotReached as exc:
             quorum_error = ErrorInfo(code=ErrorCode.QUORUM_TIMEOUT, message=str(exc))
             return self._failed(quorum_error, {}, None)
+        live = self.commands.membership.live()
+        beats = {w: live[w].heartbeat for w in self.members if w in live}
+        short = no_room(self.plan.served_name, self.plan.beside, beats)
+        if short is not None:
+            return self._failed(short, {}, None)
         await self.commands.bus.emit(
             UpdateStarted(
                 ts=time.time(),

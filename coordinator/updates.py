@@ -32,6 +32,7 @@ import msgspec
 
 from lorabus.coordinator.adapter_store import kept_beside
 from lorabus.coordinator.book import committed_result, failed_result
+from lorabus.coordinator.capacity import serving
 from lorabus.coordinator.commit import Executed, committed_notice, conclude, deposed_result
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.outcomes import RunOutcome
@@ -95,6 +96,7 @@ async def _execute(term: Term, runner: UpdateRunner, checked: CheckedRequest) ->
         plan = msgspec.structs.replace(
             checked.plan(committed, await lineage(term, request.adapter, committed)),
             shared_with=term.book.round_of(request.update_id),
+            beside=serving(term.book.committed.values()),
         )
         if committed is not None and is_committed(committed, plan.version, plan.path):
             return Executed(committed_result(request.update_id, committed))

@@ -18,6 +18,7 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     ├── NoCoordinator             nobody answered on the fleet's request subjects
     │   └── AuditStreamMissing    the fleet has no audit stream yet
     ├── Busy                      the coordinator's queue of waiting requests is full
+    ├── NoCapacity                an engine cannot hold one more adapter
     ├── MalformedReply            a reply to a request was not a valid answer
     ├── DigestMismatch            a worker sees other adapter bytes than the request's digest
     ├── FetchFailed               an agent could not fetch an adapter from the fleet's store
@@ -67,6 +68,7 @@ __all__ = [
     "LorabusError",
     "MalformedReply",
     "NatsServerMissing",
+    "NoCapacity",
     "NoCoordinator",
     "NotListed",
     "PermissionDenied",
@@ -169,6 +171,13 @@ class Busy(LorabusError):
     (``--max-queued``): nothing was queued, the same request may be sent again later."""
 
     code = ErrorCode.BUSY
+
+
+class NoCapacity(LorabusError):
+    """Raised when an engine cannot hold one more adapter: what it holds is
+    all committed, kept or being loaded, and its capacity is reached."""
+
+    code = ErrorCode.NO_CAPACITY
 
 
 class MalformedReply(LorabusError):

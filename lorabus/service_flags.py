@@ -150,6 +150,15 @@ AGENT_FLAGS = (
         "The largest adapter fetched from the fleet's object store.",
         type=click.IntRange(min=1),
     ),
+    Flag(
+        "max_adapters",
+        "--max-adapters",
+        "The most adapters the engine holds at once (vLLM's --max-cpu-loras, Dynamo's "
+        "per worker; SGLang's --max-loaded-loras is read from the engine, and the smaller "
+        "counts): a load beyond unloads the oldest versions nothing keeps first, or fails "
+        "no_capacity. 0: as the engine says, else not bounded.",
+        type=click.IntRange(min=0),
+    ),
 )
 
 COORDINATOR_FLAGS = (

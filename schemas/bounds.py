@@ -45,6 +45,8 @@ Names = Annotated[list[Name], msgspec.Meta(max_length=MAX_NAMES)]
 MAX_SHARED_PAUSE = 1024
 """Updates one pause may be shared with (a round of pause-mode updates)."""
 UpdateIds = Annotated[list[UpdateId], msgspec.Meta(max_length=MAX_SHARED_PAUSE)]
+Capacity = Annotated[int, msgspec.Meta(ge=1, le=MAX_NAMES)]
+"""The most adapters one engine holds at once."""
 MAX_KEEP = 64
 """The most versions of one adapter a request may ask engines to keep."""
 Keep = Annotated[int, msgspec.Meta(ge=1, le=MAX_KEEP)]

@@ -63,6 +63,10 @@ class ErrorCode(enum.StrEnum):
     """A bug: an unexpected exception, reported instead of crashing."""
     BUS_UNREACHABLE = "bus_unreachable"
     """The requester could not connect to NATS (raised in its own process)."""
+    NO_CAPACITY = "no_capacity"
+    """Some members' engines cannot hold what the fleet serves and the new
+    version beside it (their ``capacity``); the message names them and what
+    they hold. Nothing was paused or loaded."""
     FORBIDDEN = "forbidden"
     """A tenant asked for an adapter, or named an update id, that is not its
     own (``coordinator/tenants.py``): refused, and nothing was kept."""

@@ -12,6 +12,7 @@ from typing import Annotated
 import msgspec
 
 from lorabus.schemas.bounds import (
+    Capacity,
     Epoch,
     Interval,
     Names,
@@ -77,6 +78,11 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
     decode at this agent's latest read of each, and why ("": every record it
     read decoded). The agent ignores such a record: it keeps the epoch and the
     committed state it knew, and waits for a writer to replace it."""
+    capacity: Capacity | None = None
+    """The most adapters its engine holds at once (the agent's
+    ``--max-adapters``, or what the engine says of itself, the smaller):
+    the coordinator never has it hold more. None: not bounded, as far as
+    the agent knows."""
     missing: Names = []
     """The served names of the fleet's committed state (every adapter's
     committed version and those kept beside it) that the engine lacks, as

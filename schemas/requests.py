@@ -186,6 +186,8 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     ignores (unsealed, or not decoding), and why."""
     missing: Names = []
     """From its last heartbeat: the committed served names its engine lacks."""
+    capacity: int | None = None
+    """From its last heartbeat: the most adapters its engine holds at once."""
 
 
 class RunningUpdate(msgspec.Struct, frozen=True, kw_only=True):

@@ -226,6 +226,8 @@ async def _server_info(request: web.Request, worker: SimWorker, raw: bytes) -> w
         "max_loras_per_batch": 8,
         "version": "0.5.23",
     }
+    if not worker.setup.shows_max_loaded_loras:
+        del info["max_loaded_loras"]
     return web.json_response(info)
 
 

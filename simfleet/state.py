@@ -113,6 +113,10 @@ class EngineSetup:
     #: SGLang: ``--max-loaded-loras``; a load beyond it unloads the least recently
     #: loaded other adapters, and still succeeds.
     max_loaded_loras: int | None = None
+    #: SGLang: whether its server info shows ``max_loaded_loras`` (an older
+    #: release's does not: its agent then knows no capacity, and meets the
+    #: evictions).
+    shows_max_loaded_loras: bool = True
 
     def __post_init__(self) -> None:
         if self.dp_size < 1:

@@ -53,8 +53,9 @@ async def engine_fleets(
 ) -> AsyncIterator[StartFleet]:
     """``start(engines, setups, **coordinator)``: a simulated fleet of ``engines``
     (worker id -> kind, world size 1), each engine started as ``setups`` says,
-    a coordinator with those settings, and one agent per worker; everything
-    stops on exit, the coordinator first."""
+    a coordinator with those settings, and one agent per worker (with
+    ``--max-adapters`` as ``max_adapters`` says, by worker); everything stops
+    on exit, the coordinator first."""
     async with contextlib.AsyncExitStack() as stack:
         coordinator_tasks: list[asyncio.Task[None]] = []
         agent_tasks: list[asyncio.Task[None]] = []
@@ -66,7 +67,11 @@ async def engine_fleets(
                 await asyncio.gather(*group, return_exceptions=True)
 
         async def start(
-            engines: Mapping[str, str], setups: Mapping[str, EngineSetup], **coordinator: Any
+            engines: Mapping[str, str],
+            setups: Mapping[str, EngineSetup],
+            *,
+            max_adapters: Mapping[str, int] | None = None,
+            **coordinator: Any,
         ) -> tuple[UpdateClient, SimFleet]:
             ids = list(engines)
             sim = await stack.enter_async_context(
@@ -91,6 +96,7 @@ async def engine_fleets(
                     engine=kind,
                     heartbeat_s=0.2,
                     cache_dir=str(tmp_path / "cache" / worker_id),
+                    max_adapters=(max_adapters or {}).get(worker_id, 0),
                 )
                 driver = driver_for(agent_config)
                 stack.push_async_callback(driver.aclose)

@@ -22,6 +22,7 @@ from memory_fleet import MemoryEngine
 
 from lorabus.agents import CommandExecutor
 from lorabus.agents.desired import DesiredState, Target
+from lorabus.audit.render import status_text
 from lorabus.schemas import ErrorCode, LoadCommand
 from lorabus.simfleet import EngineSetup
 
@@ -51,7 +52,8 @@ async def test_an_update_that_cannot_fit_fails_at_once_naming_who_and_what_they_
 
     assert refused.error is not None and refused.error.code == ErrorCode.NO_CAPACITY, refused
     message = refused.error.message
-    assert "w000 (capacity 2; holds policy-v1, policy-v2)" in message, message
+    assert "w000 (capacity 2; holds 2)" in message, message
+    assert "policy-v1" not in message  # counted, not named: the names may be another's
     assert "w001" not in message
     assert {w: worker.loads_received for w, worker in sim.workers.items()} == loads
     assert {
@@ -59,6 +61,7 @@ async def test_an_update_that_cannot_fit_fails_at_once_naming_who_and_what_they_
     } == pauses
     status = await client.status()
     assert [(a.adapter, a.version) for a in status.adapters] == [("policy", 2)]
+    assert "2/2: policy-v1, policy-v2" in status_text(status)
     assert sorted(sim.workers["w000"].adapters) == ["policy-v1", "policy-v2"]
 
 

@@ -4,6 +4,9 @@ version kept beside the committed one. Its agent does not push the committed
 version out, again and again, to load a kept one: the kept version whose
 load evicted it is left out (until the committed state changes), the
 committed one goes back in, and the agent says what is missing and why.
+Here the agents do not know the engine's capacity (an SGLang whose server
+info does not show it): one that does refuses such an update before it
+loads anything (test_capacity.py).
 A real coordinator and real agents on a real nats-server, over simulated
 SGLang workers that evict as SGLang does."""
 
@@ -35,7 +38,9 @@ async def test_a_kept_version_that_evicts_the_committed_one_is_left_out_and_name
     nats_url: str,
     fleet_name: str,
 ) -> None:
-    client, sim = await start_fleet(ENGINES, {"w000": EngineSetup(max_loaded_loras=2)}, keep=3)
+    client, sim = await start_fleet(
+        ENGINES, {"w000": EngineSetup(max_loaded_loras=2, shows_max_loaded_loras=False)}, keep=3
+    )
     tight = sim.workers["w000"]
     for version in (1, 2, 3):  # v3's load evicts v1, which is kept beside it
         assert (await client.update("policy", make_adapter(version), version=version)).committed

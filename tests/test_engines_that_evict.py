@@ -7,6 +7,10 @@ saying so; the agent, whose read-back no longer shows the committed
 adapter, is not ready until it has loaded it again, which it does on its own.
 An eviction of a version the fleet no longer serves is no failure.
 
+Here the agents do not know the engine's capacity (an SGLang whose server
+info does not show it): one that does refuses such an update before it
+loads anything (test_capacity.py).
+
 A real coordinator and real agents on a real nats-server, over simulated
 SGLang workers that evict as SGLang does.
 """
@@ -34,7 +38,9 @@ async def start_fleet(nats_url: str, fleet_name: str, tmp_path: Path) -> AsyncIt
 async def test_a_load_that_evicts_the_committed_version_fails_and_the_agent_reloads_it(
     start_fleet: StartFleet, make_adapter: Callable[[int], str]
 ) -> None:
-    client, sim = await start_fleet(ENGINES, {"w000": EngineSetup(max_loaded_loras=1)})
+    client, sim = await start_fleet(
+        ENGINES, {"w000": EngineSetup(max_loaded_loras=1, shows_max_loaded_loras=False)}
+    )
     tight = sim.workers["w000"]
     assert (await client.update("policy", make_adapter(1), version=1)).committed
     reloads_before = tight.loads_received
@@ -63,7 +69,9 @@ async def test_an_eviction_of_a_version_the_fleet_no_longer_serves_is_no_failure
     start_fleet: StartFleet, make_adapter: Callable[[int], str]
 ) -> None:
     # Room for two: the third version's load evicts the first, not the committed second.
-    client, sim = await start_fleet(ENGINES, {"w000": EngineSetup(max_loaded_loras=2)}, keep=2)
+    client, sim = await start_fleet(
+        ENGINES, {"w000": EngineSetup(max_loaded_loras=2, shows_max_loaded_loras=False)}, keep=2
+    )
     for version in (1, 2):
         assert (await client.update("policy", make_adapter(version), version=version)).committed
 

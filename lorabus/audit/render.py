@@ -258,10 +258,12 @@ def _member_table(members: Sequence[MemberStatus]) -> list[str]:
     ]
     for m in members:
         offset = "-" if m.rank_offset is None else str(m.rank_offset)
+        # A bounded engine shows how full it is: "3/4: a-v1, ...".
+        full = f"{len(m.adapters)}/{m.capacity}: " if m.capacity is not None else ""
         lines.append(
             f"{m.worker_id:<12} {m.world_size:>5} {offset:>6} {m.engine:<8} "
             f"{'yes' if m.paused else 'no':<6} {'yes' if m.ready else 'no':<5} "
             f"{m.heartbeat_age_s:>5.1f}s  "
-            f"{', '.join(m.adapters) or '-'}"
+            f"{full}{', '.join(m.adapters) or '-'}"
         )
     return lines
