@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from processes import Processes, run_lorabus
+from processes import Finished, Processes, run_lorabus
 
 from lorabus.bus.options import ENV_FILE, identity_env
 from lorabus.coordinator import CoordinatorConfig
@@ -93,29 +93,24 @@ async def test_every_process_on_its_own_identity_commits_and_no_secret_shows(
         env_of=lambda worker_id: _as(auth_dir / f"agent-{worker_id}"),
     )
 
+    async def update(adapter: str, step: int, version: int, identity: str) -> Finished:
+        return await run_lorabus(
+            "update", "--nats", url, "--fleet", fleet_name, "--adapter", adapter,
+            "--path", make_adapter(step), "--version", str(version), "--timeout", "60",
+            "--json", env=_as(auth_dir / identity),
+        )  # fmt: skip
+
     orchestrator = _as(auth_dir / "orchestrator")
-    update = await run_lorabus(
-        "update", "--nats", url, "--fleet", fleet_name, "--adapter", "policy",
-        "--path", make_adapter(1), "--version", "1", "--timeout", "60", "--json",
-        env=orchestrator,
-    )  # fmt: skip
-    assert update.returncode == 0, update
-    assert '"status": "committed"' in update.stdout
+    update_ = await update("policy", 1, 1, "orchestrator")
+    assert update_.returncode == 0, update_
+    assert '"status": "committed"' in update_.stdout
 
     # A tenant, as its identity (its lorabus.env names it; the coordinator's
     # names the tenants file): its own adapter commits, another is refused.
     tenant = _as(auth_dir / "tenant-team-a")
-    own = await run_lorabus(
-        "update", "--nats", url, "--fleet", fleet_name, "--adapter", "team-a-policy",
-        "--path", make_adapter(2), "--version", "1", "--timeout", "60", "--json",
-        env=tenant,
-    )  # fmt: skip
+    own = await update("team-a-policy", 2, 1, "tenant-team-a")
     assert own.returncode == 0 and '"update_id": "team-a:' in own.stdout, own
-    theirs = await run_lorabus(
-        "update", "--nats", url, "--fleet", fleet_name, "--adapter", "policy",
-        "--path", make_adapter(3), "--version", "2", "--timeout", "60", "--json",
-        env=tenant,
-    )  # fmt: skip
+    theirs = await update("policy", 3, 2, "tenant-team-a")
     assert theirs.returncode == 1 and '"code": "forbidden"' in theirs.stdout, theirs
     seen = await run_lorabus("status", "--nats", url, "--fleet", fleet_name, "--json", env=tenant)
     assert seen.returncode == 0, seen
@@ -140,7 +135,7 @@ async def test_every_process_on_its_own_identity_commits_and_no_secret_shows(
         "tap", "--no-follow", "--nats", url, "--fleet", fleet_name, env=_as(auth_dir / "auditor")
     )
     assert trail.returncode == 0, trail
-    shown = [update.stdout, update.stderr, verified.stdout, verified.stderr, refused.stderr]
+    shown = [update_.stdout, update_.stderr, verified.stdout, verified.stderr, refused.stderr]
     shown += [own.stdout, own.stderr, theirs.stdout, seen.stdout]
     shown += [trail.stdout, *_what_processes_show(processes)]
     leaks = [s[:12] for s in _secrets(auth_dir) if any(s in text for text in shown)]
