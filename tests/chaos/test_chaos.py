@@ -9,6 +9,8 @@ violation with its details.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,17 @@ SEED = 7
 DURATION_S = 32.0
 MEAN_GAP_S = 2.5
 WORLD_SIZES = (2, 1, 4, 1)
+
+
+def _told(lines: list[str]) -> Callable[[str], None]:
+    """Keep each line of the run's story, and print it as it comes, so that a
+    run stopped by the test's timeout still shows how far it got."""
+
+    def out(line: str) -> None:
+        lines.append(line)
+        print(f"{time.monotonic():.1f} {line}", flush=True)
+
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +69,7 @@ async def test_a_short_chaos_run_breaks_no_invariant(tmp_path: Path) -> None:
         run_dir=tmp_path / "run",
     )
 
-    report = await run_chaos(config, out=lines.append)
+    report = await run_chaos(config, out=_told(lines))
 
     story = "\n".join(lines)
     assert report.violations == [], (
@@ -84,7 +97,7 @@ async def test_one_call_made_while_the_leader_is_frozen_gets_a_terminal_result(
         run_dir=tmp_path / "run",
     )
 
-    report = await run_chaos(config, out=lines.append)
+    report = await run_chaos(config, out=_told(lines))
 
     story = "\n".join(lines)
     assert report.violations == [], (
@@ -116,7 +129,7 @@ async def test_partitions_of_agents_and_the_leader_break_no_invariant(tmp_path: 
         run_dir=tmp_path / "run",
     )
 
-    report = await run_chaos(config, out=lines.append)
+    report = await run_chaos(config, out=_told(lines))
 
     story = "\n".join(lines)
     assert report.violations == [], (
@@ -147,7 +160,7 @@ async def test_a_cluster_run_with_nodes_cut_off_and_restarted_breaks_no_invarian
         run_dir=tmp_path / "run",
     )
 
-    report = await run_chaos(config, out=lines.append)
+    report = await run_chaos(config, out=_told(lines))
 
     story = "\n".join(lines)
     assert report.violations == [], (
@@ -174,7 +187,7 @@ async def test_three_tenants_updating_at_once_break_no_invariant(tmp_path: Path)
         run_dir=tmp_path / "run",
     )
 
-    report = await run_chaos(config, out=lines.append)
+    report = await run_chaos(config, out=_told(lines))
 
     story = "\n".join(lines)
     assert report.violations == [], (
