@@ -78,13 +78,12 @@ def _positive_stats(result: ModeResult) -> None:
     assert len(result.wall_samples_s) == wall.count
     assert result.phases_s, result.label
     for name, stats in result.phases_s.items():
-        # Verify takes no time when the frontend listed the name during the
-        # load; the load adds none after the fleet's pause when every member
-        # acked its pause inside its load's ack.
-        if name in ("quorum", "other", "verify", "load"):
-            assert stats.p50 >= 0, name
-        else:
-            assert stats.p50 > 0, f"{result.label}: {name}"
+        # Measured, and never negative. A phase may take less than the
+        # phases' millisecond resolution (a resume of null engines, a verify
+        # whose name the frontend listed during the load), so none is asked
+        # to be above zero: timing is the bench's to report.
+        assert stats.count > 0, f"{result.label}: {name}"
+        assert 0 <= stats.min <= stats.p50 <= stats.max, f"{result.label}: {name}"
 
 
 def test_the_run_exits_0_and_prints_one_table(bench_run: tuple[int, str, Path, list[int]]) -> None:
