@@ -58,6 +58,9 @@ def room_for(
             f"none more it may give up for {name!r} (committed, kept, or newer than "
             "committed)"
         )
+    log.info(
+        "worker=%s unloads %s to make room for %s", worker_id, ", ".join(given_up[:over]), name
+    )
     return given_up[:over]
 
 

@@ -8,11 +8,10 @@ of a name the engine lacks all succeed.
 
 A command is trusted no further than this host can check it: before any engine
 call, its served names must follow the coordinator's rule (``bad_request``
-otherwise) and a load's path must pass :func:`resolve_adapter_dir` against the
-agent's adapter roots (``path_refused`` otherwise); the engine is handed the
-resolved path. The refusing ack is the record of it, on the worker's own ack
-subject. An adapter from the fleet's object store (a ``bus:<digest>`` path)
-is fetched into this node's cache (:class:`~lorabus.agents.adapter_cache.AdapterCache`,
+otherwise) and a load's path is checked on this host (``load_source.py``).
+The refusing ack is the record of it, on the worker's own ack subject. An
+adapter from the fleet's object store (a ``bus:<digest>`` path) is fetched
+into this node's cache (:class:`~lorabus.agents.adapter_cache.AdapterCache`,
 verified against its digest before the engine sees it) and the engine is
 handed the cached directory; a ``prepare`` does the fetch alone, ahead of
 the update's pause. Before a fetch and after every command the executor
@@ -335,7 +334,9 @@ class CommandExecutor:
                 if (stored := self._stored_digest(path)) is not None:
                     await self._load_stored(name, stored, asked, replace=replace, budget_s=budget_s)
                     return
-                real = await self._adapter_dir(path, command.update_id)
+                real = await checked_dir(
+                    path, self.adapter_roots, self.worker_id, command.update_id
+                )
                 if asked is not None:
                     await self._check_digest(real, asked)  # before anything is loaded
                     await self._load(name, real, replace=replace, budget_s=budget_s)
@@ -415,9 +416,6 @@ class CommandExecutor:
             except ValueError as exc:
                 raise BadRequest(f"{self.worker_id} refused the command: {exc}") from exc
 
-    async def _adapter_dir(self, path: str, update_id: str) -> str:
-        return await checked_dir(path, self.adapter_roots, self.worker_id, update_id)
-
     async def _check_digest(self, path: str, asked: str | None) -> None:
         """Hash what this host shows at ``path`` (the ack says it, also when
         the load is refused for it), and refuse other bytes than asked for."""
@@ -427,11 +425,7 @@ class CommandExecutor:
     async def _make_room(self, name: str) -> None:
         """At capacity, unload the oldest versions nothing keeps before
         loading ``name`` (NoCapacity when that is not enough)."""
-        spare = room_for(name, self.adapters, self.capacity, self.spare, self.worker_id)
-        if spare:
-            log.info(
-                "worker=%s unloads %s to make room for %s", self.worker_id, ", ".join(spare), name
-            )
+        if spare := room_for(name, self.adapters, self.capacity, self.spare, self.worker_id):
             await self._unload(spare)
 
     async def _load(self, name: str, path: str, *, replace: bool, budget_s: float) -> None:

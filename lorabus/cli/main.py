@@ -16,7 +16,7 @@ import click
 
 from lorabus._version import __version__
 from lorabus.bus.options import identity_env
-from lorabus.cli import admin, audit, demo, measure, orchestrate, serve
+from lorabus.cli import adapters, admin, audit, demo, measure, orchestrate, serve
 
 
 @click.group()
@@ -59,7 +59,7 @@ for command in (
     serve.agent,
     serve.coordinator,
     orchestrate.update,
-    orchestrate.adapter,
+    adapters.adapter,
     orchestrate.status,
     orchestrate.result,
     orchestrate.schema,
