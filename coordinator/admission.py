@@ -181,7 +181,9 @@ class Admission:
         """Why the request may not be asked for at all on the subject it came on."""
         if asker is None:
             return forbidden_on_generic(self._tenants, request.update_id)
-        return forbidden(asker.name, self._tenants, request.update_id, request.adapter)
+        return forbidden(
+            asker.name, self._tenants, request.update_id, request.adapter, request.path
+        )
 
     def _over_quota(self, asker: _Asker, request: UpdateRequest) -> ErrorInfo | None:
         if asker.record is None:

@@ -8,7 +8,8 @@ and nothing in a message is taken for it. The leader holds each request to
 the tenant's record (:class:`Tenant`, from the file ``--tenants`` names):
 
 - **update**: its adapter must match the tenant's pattern, and no other
-  tenant's, and its update id begin with ``<name>:`` (so no tenant can take
+  tenant's, its path name an object of the fleet's store (or lie under the tenant's
+  ``roots``, directories on the workers), and its update id begin with ``<name>:`` (so no tenant can take
   an id another will use; the orchestrator's own subject refuses such ids
   too); ``forbidden`` otherwise, on arrival, before anything is looked up.
   A new id may keep at most ``max_keep`` versions, and name a new adapter
@@ -33,6 +34,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
+from lorabus.adapters.store import BUS_SCHEME
 from lorabus.schemas import (
     UNKNOWN,
     ErrorCode,
@@ -80,10 +82,15 @@ def owns_update_id(name: str, update_id: str) -> bool:
     return update_id.startswith(name + ID_SEPARATOR)
 
 
-def forbidden(name: str, tenants: Tenants, update_id: str, adapter: str) -> ErrorInfo | None:
+def forbidden(
+    name: str, tenants: Tenants, update_id: str, adapter: str, path: str
+) -> ErrorInfo | None:
     """Why tenant ``name`` may not ask for this update at all, or None: it is
-    no known tenant, the id is not its own, or the adapter is not (its
-    pattern must match it, and no other tenant's may)."""
+    no known tenant, the id is not its own, the adapter is not (its
+    pattern must match it, and no other tenant's may), or its path is
+    neither an object of the fleet's store nor under the tenant's roots. Any
+    other path on the workers would make every agent a deputy that loads
+    whatever file a tenant names, another tenant's adapter among them."""
     tenant = tenants.get(name)
     if tenant is None:
         return _forbidden(f"no tenant {name!r} is known to this fleet's coordinator")
@@ -94,6 +101,13 @@ def forbidden(name: str, tenants: Tenants, update_id: str, adapter: str) -> Erro
     if not tenant.owns(adapter):
         return _forbidden(
             f"tenant {name!r} may only update adapters named {tenant.adapters!r}, not {adapter!r}"
+        )
+    if not path.startswith(BUS_SCHEME) and not tenant.may_load(path):
+        return _forbidden(
+            f"tenant {name!r} may load adapters only from the fleet's store "
+            f"({BUS_SCHEME}<digest>: `lorabus adapter push` gives it)"
+            + (f" or under its roots {tenant.roots}" if tenant.roots else "")
+            + f", not from {path[:256]!r}"
         )
     if len(tenants.owners(adapter)) > 1:
         return _forbidden(

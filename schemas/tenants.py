@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import fnmatch
+import posixpath
 
 import msgspec
 
@@ -36,6 +37,11 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Adapters it may have, committed, queued or running."""
     max_keep: int = 4
     """Versions of one adapter a request of its may ask to keep."""
+    roots: list[str] = []
+    """Directories on the workers its adapters may be loaded from (none: only
+    from the fleet's store, ``bus:<digest>``). The check is of the path's
+    text: give a tenant a root only where no other tenant's files are
+    reachable through a link it can make."""
 
     def __post_init__(self) -> None:
         if not self.adapters or len(self.adapters) > 256:
@@ -45,9 +51,21 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 raise ValueError(f"a tenant's {field} must be >= 1")
         if not 1 <= self.max_keep <= MAX_KEEP:
             raise ValueError(f"a tenant's max_keep must be 1-{MAX_KEEP}")
+        for root in self.roots:
+            if not posixpath.isabs(root) or posixpath.normpath(root) == "/":
+                raise ValueError(f"a tenant's root must be an absolute directory, not {root!r}")
 
     def owns(self, adapter: str) -> bool:
         return fnmatch.fnmatchcase(adapter, self.adapters)
+
+    def may_load(self, path: str) -> bool:
+        """Whether ``path``, a directory on the workers, lies under one of its roots."""
+        if "\0" in path or not posixpath.isabs(path):
+            return False
+        normal = posixpath.normpath(path)
+        return any(
+            normal.startswith(posixpath.normpath(root).rstrip("/") + "/") for root in self.roots
+        )
 
 
 def decode_tenants(raw: bytes) -> dict[str, Tenant]:

@@ -63,19 +63,29 @@ def test_a_tenants_file_that_is_not_one_is_refused_saying_where(
 
 
 def test_the_rules_of_an_update() -> None:
-    a = Tenant(adapters="a-*", max_adapters=2, max_keep=3)
+    a = Tenant(adapters="a-*", max_adapters=2, max_keep=3, roots=["/adapters/a"])
     tenants = Tenants({"a": a, "b": Tenant(adapters="b-*"), "ab": Tenant(adapters="*-shared")})
-    assert forbidden("a", tenants, "a:1", "a-x") is None
+    stored = "bus:sha256:" + "0" * 64
+    for path in (stored, "/adapters/a/1", "/adapters/a/x/../2"):
+        assert forbidden("a", tenants, "a:1", "a-x", path) is None, path
+    assert forbidden("b", tenants, "b:1", "b-x", stored) is None
     cases = [
-        ("c", "c:1", "c-x"),  # unknown tenant
-        ("a", "b:1", "a-x"),  # another's id
-        ("a", "a1", "a-x"),  # an id without the separator
-        ("a", "a:1", "b-x"),  # another's adapter
-        ("a", "a:1", "a-shared"),  # an adapter two tenants' patterns match
+        ("c", "c:1", "c-x", stored),  # unknown tenant
+        ("a", "b:1", "a-x", stored),  # another's id
+        ("a", "a1", "a-x", stored),  # an id without the separator
+        ("a", "a:1", "b-x", stored),  # another's adapter
+        ("a", "a:1", "a-shared", stored),  # an adapter two tenants' patterns match
+        # Paths on the workers outside its roots: another's, an escape, the root itself.
+        ("a", "a:1", "a-x", "/adapters/b/1"),
+        ("a", "a:1", "a-x", "/adapters/a/../b/1"),
+        ("a", "a:1", "a-x", "/adapters/a"),
+        ("a", "a:1", "a-x", "/adapters/ab/1"),
+        ("a", "a:1", "a-x", "adapters/a/1"),
+        ("b", "b:1", "b-x", "/adapters/b/1"),  # no roots: the store only
     ]
-    for name, update_id, adapter in cases:
-        refused = forbidden(name, tenants, update_id, adapter)
-        assert refused is not None and refused.code == ErrorCode.FORBIDDEN, (name, update_id)
+    for name, update_id, adapter, path in cases:
+        refused = forbidden(name, tenants, update_id, adapter, path)
+        assert refused is not None and refused.code == ErrorCode.FORBIDDEN, (name, update_id, path)
     # The orchestrator's own subject: any id but a tenant's.
     assert forbidden_on_generic(tenants, "step-2") is None
     assert forbidden_on_generic(tenants, "c:2") is None

@@ -36,8 +36,14 @@ def _tenants_file(tmp_path: Path, **tenants: Tenant) -> str:
 def _fleet(tmp_path: Path, *, max_adapters: int = 2, **settings: object) -> InMemoryFleet:
     tenants = _tenants_file(
         tmp_path,
-        a=Tenant(adapters="a-*", max_queued=2, max_adapters=max_adapters, max_keep=3),
-        b=Tenant(adapters="b-*"),
+        a=Tenant(
+            adapters="a-*",
+            max_queued=2,
+            max_adapters=max_adapters,
+            max_keep=3,
+            roots=["/adapters/a", "/adapters/a2", "/adapters/a3"],
+        ),
+        b=Tenant(adapters="b-*", roots=["/adapters/b"]),
     )
     return InMemoryFleet({"w0": 1, "w1": 2}, tenants_file=tenants, **settings)
 
@@ -97,6 +103,10 @@ async def test_what_a_tenant_may_not_ask_is_refused_kept_nowhere_and_audited(
             not_its_id = await a.update("a-policy", "/adapters/a/1", update_id=update_id)
             assert not_its_id.error is not None, not_its_id
             assert not_its_id.error.code == ErrorCode.FORBIDDEN
+        # Its own adapter from another's files on the workers: agents are no
+        # deputies that load whatever path a tenant names.
+        aimed = await a.update("a-policy", "/adapters/b/1", update_id="a:aimed")
+        assert aimed.error is not None and aimed.error.code == ErrorCode.FORBIDDEN, aimed
         # More versions kept than its quota.
         kept = await a.update("a-policy", "/adapters/a/1", keep=4)
         assert kept.error is not None and kept.error.code == ErrorCode.QUOTA
@@ -128,9 +138,10 @@ async def test_what_a_tenant_may_not_ask_is_refused_kept_nowhere_and_audited(
         }
         # Every refusal is in the trail, naming the tenant its subject proved.
         async with asyncio.timeout(5):
-            while len(refusals) < 8:  # noqa: ASYNC110
+            while len(refusals) < 9:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         assert [(r.tenant, r.error.code) for r in refusals] == [
+            ("a", ErrorCode.FORBIDDEN),
             ("a", ErrorCode.FORBIDDEN),
             ("a", ErrorCode.FORBIDDEN),
             ("a", ErrorCode.FORBIDDEN),
