@@ -111,6 +111,7 @@ class Agent:
         verifier: CommandVerifier | None = None,
         max_adapter_bytes: int = MAX_ADAPTER_BYTES,
         late_pause_s: float = 0.0,
+        labels: dict[str, str] | None = None,
     ) -> None:
         if heartbeat_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
@@ -120,6 +121,8 @@ class Agent:
         self.heartbeat_s = heartbeat_s
         self.max_pause_lease_s = max_pause_lease_s
         self.max_adapter_bytes = max_adapter_bytes
+        self.labels = dict(labels or {})
+        """What its heartbeats announce, for placement (``--label``)."""
         self.late_pause_s = late_pause_s
         """How long after it was given up a pause may still land (the
         engine's call timeout): the lease of one that went unanswered is
@@ -170,6 +173,7 @@ class Agent:
             verifier=CommandVerifier(config.coordinator_keys, config.trust_file or None),
             max_adapter_bytes=config.max_adapter_bytes,
             late_pause_s=config.engine_timeout_s,
+            labels=config.label_map,
         )
 
     @property
@@ -222,6 +226,7 @@ class Agent:
             queue,
             interval_s=self.heartbeat_s,
             instance=self.instance,
+            labels=self.labels,
         )
         refused = asyncio.get_running_loop().create_future()
         return _Parts(bus, fencing, queue, convergence, heartbeats, refused)

@@ -12,7 +12,7 @@ import msgspec
 
 from lorabus.bus.connect import redact
 from lorabus.schemas import MAX_WORLD_SIZE, check_token
-from lorabus.schemas.bounds import MAX_SECONDS
+from lorabus.schemas.bounds import MAX_SECONDS, parse_labels
 
 ENGINE_KINDS = ("dynamo", "vllm", "sglang")
 """The engines an agent can drive (``--engine``); :mod:`lorabus.agents.engines`
@@ -84,6 +84,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     Dynamo's per worker; SGLang says its own, and the smaller counts): a load
     beyond unloads the oldest versions nothing keeps, or fails
     ``no_capacity``. 0: as the engine says, else not bounded."""
+    labels: list[str] = []
+    """``KEY=VALUE`` labels the heartbeat announces (``zone=us-east-1a``,
+    ``gpu=h100``): an update's selector places adapters by them."""
 
     def __post_init__(self) -> None:
         check_token("worker id", self.worker_id)
@@ -115,6 +118,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max adapters must be >= 0, got {self.max_adapters}")
         if self.max_adapter_bytes < 1:
             raise ValueError(f"max adapter bytes must be >= 1, got {self.max_adapter_bytes}")
+        parse_labels(self.labels)
+
+    @property
+    def label_map(self) -> dict[str, str]:
+        return parse_labels(self.labels)
 
 
 def check_engine_url(url: str) -> None:

@@ -101,7 +101,7 @@ class Convergence:
         self._worker_id = executor.worker_id
         self._fencing = fencing
         self._queue = queue
-        self._desired = DesiredState()
+        self._desired = DesiredState(executor.worker_id)
         executor.spare = self._desired.stale  # what a load at capacity may unload
         self._committed_known = False
         """A read of the fleet's KV state since this process started showed what
@@ -235,7 +235,13 @@ class Convergence:
                 self._desired.learn(target_of_record(adapter, point))
             if point is not None or not self._fencing.readable(key):
                 seen.add(adapter)  # an unreadable one: what was known of it stays
-        if latest is not None and latest.adapter:
+        if (
+            latest is not None
+            and latest.adapter
+            and f"{COMMITTED_KEY}.{latest.adapter}" not in points
+        ):
+            # Written after its commit point, it is never newer than one: the
+            # point is the truth (a placement's replacement rewrites only it).
             self._desired.learn(target_of_record(latest.adapter, latest))
             seen.add(latest.adapter)
         if latest_readable:
@@ -329,12 +335,14 @@ class Convergence:
     def _retire(self, notice: CommittedNotice) -> None:
         """Unload the versions the fleet no longer keeps, behind whatever is
         queued; never one the engine must serve."""
+        # Placed elsewhere: its versions here go too, the committed one among them.
+        unplaced = self._desired.unplaced(notice.adapter, self._executor.adapters)
         unload = UnloadCommand(
             update_id=notice.update_id,
             targets=[self._worker_id],
             budget_s=_RETIRE_BUDGET_S,
             epoch=notice.epoch,
-            names=notice.retire,
+            names=[*notice.retire, *unplaced],
         )
         self._queue_retiring(unload)
 

@@ -25,6 +25,7 @@ be checked on its own:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 import msgspec
@@ -65,6 +66,7 @@ class CommittedView(msgspec.Struct):
     lineage: int = 0
     digest: str = ""
     kept: list[KeptView] = []
+    workers: list[str] = []
 
 
 COMMITTED_VIEW = msgspec.json.Decoder(CommittedView)
@@ -93,6 +95,11 @@ class Target(msgspec.Struct, frozen=True):
     lineage: int = 0
     digest: str = ""
     kept: tuple[Wanted, ...] = ()
+    workers: tuple[str, ...] = ()
+    """The workers placed to serve it (): every worker."""
+
+    def placed_on(self, worker_id: str) -> bool:
+        return not self.workers or worker_id in self.workers
 
     @property
     def order(self) -> tuple[int, int]:
@@ -139,6 +146,7 @@ def target_of_record(adapter: str, record: CommittedView) -> Target:
         lineage=record.lineage,
         digest=record.digest,
         kept=_kept(adapter, record.kept, record.served_name),
+        workers=tuple(record.workers),
     )
 
 
@@ -152,6 +160,7 @@ def target_of_notice(adapter: str, notice: CommittedNotice) -> Target:
         lineage=notice.lineage,
         digest=notice.digest,
         kept=_kept(adapter, kept, notice.served_name),
+        workers=tuple(notice.workers),
     )
 
 
@@ -172,9 +181,11 @@ def adapter_of_notice(notice: CommittedNotice, known: Mapping[str, Target]) -> s
 
 
 class DesiredState:
-    """Every adapter's target, as this agent has learnt them."""
+    """Every adapter's target, as this agent has learnt them; what its engine
+    must serve, those placed on its worker (every worker, unless placed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker_id: str = "") -> None:
+        self._worker_id = worker_id
         self._targets: dict[str, Target] = {}
         self._learnt_at: dict[str, int] = {}
         """Adapter -> the learning (a count) that last set it."""
@@ -222,7 +233,7 @@ class DesiredState:
     def wanted(self) -> list[Wanted]:
         """Every served name the engine must hold: each adapter's committed
         version first (by adapter), then the kept ones; a name once."""
-        targets = [self._targets[a] for a in sorted(self._targets)]
+        targets = [self._targets[a] for a in sorted(self._targets) if self._here(a)]
         ordered = [t.wanted()[0] for t in targets] + [k for t in targets for k in t.kept]
         seen: set[str] = set()
         unique = []
@@ -235,14 +246,18 @@ class DesiredState:
     def names(self) -> set[str]:
         return {w.served_name for w in self.wanted()}
 
+    def _here(self, adapter: str) -> bool:
+        return self._targets[adapter].placed_on(self._worker_id)
+
     def committed_names(self) -> frozenset[str]:
-        """Each adapter's committed served name."""
-        return frozenset(t.served_name for t in self._targets.values())
+        """Each adapter's committed served name, of those placed here."""
+        return frozenset(t.served_name for a, t in self._targets.items() if self._here(a))
 
     def stale(self, held: Iterable[str]) -> list[str]:
         """The names of ``held`` an engine may give up to make room, oldest
         first: versions of a committed adapter older than its committed one
-        (of its lineage) that it does not keep. Nothing else: not a version
+        (of its lineage) that it does not keep, and, of an adapter placed on
+        other workers, the committed one too. Nothing else: not a version
         of an adapter no commit names, nor one newer than the committed (an
         update may be loading it now)."""
         required = self.names()
@@ -250,13 +265,22 @@ class DesiredState:
         for name in held:
             if name in required:
                 continue
-            for target in self._targets.values():
+            for adapter, target in self._targets.items():
                 prefix = target.adapter + (f"-r{target.lineage}" if target.lineage else "")
                 version = _version_in(name, prefix)
-                if version is not None and version < target.version:
+                newest = target.version if self._here(adapter) else target.version + 1
+                if version is not None and version < newest:
                     found.append((version, name))
                     break
         return [name for _, name in sorted(found)]
+
+    def unplaced(self, adapter: str, held: Iterable[str]) -> list[str]:
+        """The versions of ``adapter`` in ``held`` to unload because it is
+        placed on other workers (none if it is placed here)."""
+        target = self._targets.get(adapter)
+        if target is None or self._here(adapter):
+            return []
+        return [name for name in self.stale(held) if own_version(adapter, name)]
 
     def missing(self, held: Iterable[str]) -> list[Wanted]:
         """What the engine must hold and does not, in :meth:`wanted`'s order."""
@@ -291,3 +315,8 @@ def _version_in(name: str, prefix: str) -> int | None:
     if not sep or head != prefix or not tail.isdigit():
         return None
     return int(tail)
+
+
+def own_version(adapter: str, name: str) -> bool:
+    """Whether ``name`` is a versioned served name of ``adapter``, of any lineage."""
+    return re.fullmatch(rf"{re.escape(adapter)}(?:-r\d+)?-v\d+", name) is not None

@@ -52,6 +52,7 @@ class Heartbeats:
         *,
         interval_s: float,
         instance: str,
+        labels: dict[str, str] | None = None,
     ) -> None:
         self._bus = bus
         self._executor = executor
@@ -61,6 +62,7 @@ class Heartbeats:
         self._queue = queue
         self._interval_s = interval_s
         self._instance = instance
+        self._labels = dict(labels or {})
 
     async def beat(self) -> None:
         """Send a heartbeat now, whatever the policy would skip."""
@@ -154,4 +156,5 @@ class Heartbeats:
             unreadable_state=self._fencing.unreadable_state(),
             missing=[w.served_name for w in self._convergence.missing()][:MISSING_SHOWN],
             capacity=ex.capacity,
+            labels=self._labels,
         )

@@ -4,10 +4,11 @@ An engine holds a bounded number of adapters (vLLM's ``--max-cpu-loras``,
 SGLang's ``--max-loaded-loras``); past it, it evicts on its own, and
 requests for the evicted one are refused or loaded again on the request
 path. Each agent says its engine's capacity in its heartbeat. While an
-update runs, its members serve everything the fleet has committed (every
-adapter's committed version and the versions kept beside it) and the new
-version beside it: the commit's retire step unloads the adapter's oldest
-only after it commits. An update whose members cannot hold that many fails
+update runs, its members serve everything the fleet has committed there
+(every adapter's committed version and the versions kept beside it, on the
+workers it is placed on: ``placement.py``) and the new version beside it:
+the commit's retire step unloads the adapter's oldest only after it
+commits. An update whose members cannot hold that many fails
 at once, ``no_capacity``, before anything is paused or loaded, naming them
 and what they hold. Within capacity, an agent makes room for a load by
 unloading the oldest versions nothing keeps (``agents/executor.py``), so a
@@ -16,34 +17,27 @@ leftover never pushes a committed version out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 
-from lorabus.schemas import CommittedRecord, ErrorCode, ErrorInfo, Heartbeat
+from lorabus.coordinator.placement import Served, needed_on
+from lorabus.schemas import ErrorCode, ErrorInfo, Heartbeat
 
 _NAMED = 8
 """Members, and adapters of each, that a refusal spells out; the rest are counted."""
 
 
-def serving(committed: Iterable[CommittedRecord]) -> list[str]:
-    """What every engine serves by the fleet's commit points: each adapter's
-    committed version and the versions kept beside it."""
-    names = {record.served_name for record in committed}
-    names |= {k.served_name for record in committed for k in record.kept if k.served_name}
-    return sorted(names)
-
-
 def no_room(
-    served_name: str, beside: Iterable[str], members: Mapping[str, Heartbeat]
+    served_name: str, beside: Sequence[Served], members: Mapping[str, Heartbeat]
 ) -> ErrorInfo | None:
     """Why members cannot hold ``served_name`` beside ``beside``, or None. It
     counts what they hold, and names none of it: the answer goes to the
     requester, who may be a tenant, and the names are other tenants'
     (``lorabus status`` shows an operator each member's list)."""
-    needed = {*beside, served_name}
+    needs = {worker: len(needed_on(worker, served_name, beside)) for worker in members}
     short = sorted(
         (worker, beat)
         for worker, beat in members.items()
-        if beat.capacity is not None and len(needed) > beat.capacity
+        if beat.capacity is not None and needs[worker] > beat.capacity
     )
     if not short:
         return None
@@ -55,8 +49,9 @@ def no_room(
         named.append(f"and {len(short) - _NAMED} more")
     return ErrorInfo(
         code=ErrorCode.NO_CAPACITY,
-        message=f"{served_name} needs room for {len(needed)} adapters at once (every adapter's "
-        f"committed and kept versions, and it) on members that hold fewer: "
+        message=f"{served_name} needs room for up to {max(needs.values())} adapters at once "
+        "(the committed and kept versions of every adapter placed there, and it) on members "
+        "that hold fewer: "
         + "; ".join(named)
         + ". Keep fewer versions (--keep), retire adapters, or give the engines room",
     )

@@ -306,6 +306,7 @@ def committed_notice(
         digest=committed.digest,
         adapter=committed.adapter,
         kept=committed.kept,
+        workers=committed.workers,
     )
 
 

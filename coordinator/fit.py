@@ -69,9 +69,10 @@ def _trimmed_statuses(status: FleetStatus) -> Iterator[FleetStatus]:
     members = [msgspec.structs.replace(m, adapters=[]) for m in status.members]
     smaller = msgspec.structs.replace(status, members=members, trimmed=["adapters"])
     yield smaller
-    if any(a.holders for a in status.adapters):
-        # Each adapter still says what is committed, not which members hold it.
-        adapters = [msgspec.structs.replace(a, holders=[]) for a in status.adapters]
+    if any(a.holders or a.placed for a in status.adapters):
+        # Each adapter still says what is committed, not which members hold
+        # it or are placed to (its commit point lists those).
+        adapters = [msgspec.structs.replace(a, holders=[], placed=[]) for a in status.adapters]
         smaller = msgspec.structs.replace(
             smaller, adapters=adapters, trimmed=[*smaller.trimmed, "holders"]
         )

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import msgspec
 
@@ -39,6 +39,8 @@ from lorabus.errors import QuorumNotReached
 from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.runtime.clock import now
 from lorabus.schemas import Ack, Heartbeat
+
+_T = TypeVar("_T")
 
 MISSED_BEATS = 3
 FORGET_AFTER_BEATS = 100
@@ -94,6 +96,7 @@ class Triage(NamedTuple):
 class Membership:
     def __init__(self, clock: Callable[[], float] = now) -> None:
         self._clock = clock
+        self._started_at = clock()
         self._members: dict[str, Member] = {}
         self._contenders: dict[str, Contender] = {}
         self._changed = asyncio.Event()
@@ -278,6 +281,15 @@ class Membership:
         member = self._members.get(worker_id)
         return None if member is None else member.joined_at
 
+    def silent_for(self, worker_id: str) -> float:
+        """Seconds since ``worker_id`` last counted as live (0: it does); one
+        never heard of: since this membership began to listen."""
+        at = self._clock()
+        member = self._members.get(worker_id)
+        if member is None:
+            return at - self._started_at
+        return 0.0 if _alive(member, at) else at - _expires_at(member)
+
     def is_live(self, worker_id: str) -> bool:
         member = self._members.get(worker_id)
         return member is not None and _alive(member, self._clock())
@@ -342,6 +354,26 @@ class Membership:
             # Wake on a new member or a world-size change, and at least every
             # 100 ms so members that stopped beating drop out of the sum.
             try:
+                async with asyncio.timeout(min(remaining, 0.1)):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
+
+    async def wait_for(
+        self, pick: Callable[[dict[str, Heartbeat]], _T | None], timeout_s: float
+    ) -> _T | None:
+        """``pick``'s first answer that is not None, of the live, ready
+        members' heartbeats as they change; None once ``timeout_s`` passed."""
+        deadline = self._clock() + timeout_s
+        while True:
+            raise_if_cancelled()
+            ready = {w: m.heartbeat for w, m in self.live().items() if m.heartbeat.ready}
+            picked = pick(ready)
+            remaining = deadline - self._clock()
+            if picked is not None or remaining <= 0:
+                return picked
+            self._changed.clear()
+            try:  # as wait_quorum: on a change, and every 100 ms for the silent
                 async with asyncio.timeout(min(remaining, 0.1)):
                     await self._changed.wait()
             except TimeoutError:

@@ -5,7 +5,7 @@ digest the serving members agreed on)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lorabus.coordinator.digests import agreed_digest
 from lorabus.coordinator.inflight import Journalled
@@ -22,6 +22,8 @@ class RunOutcome:
     journalled: Journalled | None
     """The in-flight record last sent for it (its writes have ended, stored
     or failed and logged), which the caller claims or clears; None if none."""
+    placed: list[str] = field(default_factory=list)
+    """The workers it placed the adapter on ([]: every worker: ``placement.py``)."""
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import msgspec
 
 from lorabus.adapters.store import digest_of
 from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.coordinator.placement import Placement, Served
 from lorabus.errors import BadRequest, StaleVersion
 from lorabus.schemas import CommittedRecord, Naming, UpdateMode, UpdateRequest
 from lorabus.schemas.bounds import MAX_KEEP
@@ -64,9 +65,14 @@ class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
     serve once it commits (``CheckedRequest.keep``)."""
     shared_with: list[str] = []
     """The other updates of its pause-mode round, whose pause it shares (``book.py``)."""
-    beside: list[str] = []
-    """What every engine serves while it runs, besides its new version: every
-    adapter's committed and kept versions (``capacity.py``)."""
+    beside: list[Served] = []
+    """What engines serve while it runs, besides its new version: every
+    adapter's committed and kept versions, where placed (``capacity.py``)."""
+    placement: Placement = Placement()
+    """On which workers it goes (``placement.py``; by default every worker)."""
+    placed_on: list[str] = []
+    """The workers the adapter's commit point lists now ([]: every worker,
+    or nothing committed): a placed update prefers them."""
 
 
 class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,6 +89,7 @@ class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
     """How many of the adapter's newest versions, this one among them, engines
     serve once it commits: the request's ``keep``, else the coordinator's
     ``--keep``. Not part of what an update id names (``book.py``)."""
+    placement: Placement = Placement()
 
     @property
     def update_id(self) -> str:
@@ -117,6 +124,8 @@ class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
             digest=request.digest or digest_of(self.path),
             live=self.live,
             keep=self.keep,
+            placement=self.placement,
+            placed_on=list(committed.workers) if committed is not None else [],
         )
 
 
@@ -151,12 +160,19 @@ def check_request(request: UpdateRequest, config: CoordinatorConfig) -> CheckedR
             f"keep {request.keep} needs versioned naming: this coordinator serves fixed "
             "names, one version of each adapter"
         )
+    placement = Placement(replicas=request.replicas, selector=dict(request.selector))
+    if not placement.everywhere and not live:
+        raise BadRequest(
+            "placement (replicas or a selector) runs in live mode only: ask for mode live "
+            "(lorabus update --mode live)"
+        )
     return CheckedRequest(
         request=request,
         path=path,
         live=live,
         replace=replace,
         keep=config.keep if request.keep is None else request.keep,
+        placement=placement,
     )
 
 

@@ -20,9 +20,12 @@ log = logging.getLogger(__name__)
 
 
 class QuorumPolicy:
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(self, config: CoordinatorConfig, *, world_size: int | None = None) -> None:
+        """``world_size``: the whole it counts (the workers an update is
+        placed on; None: the fleet's expected world size)."""
         self.quorum = config.quorum
-        self.needed_world_size = math.ceil(config.quorum * config.expected_world_size - 1e-9)
+        whole = config.expected_world_size if world_size is None else world_size
+        self.needed_world_size = math.ceil(config.quorum * whole - 1e-9)
         """The world size an update must keep to go on."""
 
     def going_on(

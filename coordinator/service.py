@@ -55,6 +55,7 @@ from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.ports import Frontend
 from lorabus.coordinator.recovery import recover
+from lorabus.coordinator.replacement import replace_departed
 from lorabus.coordinator.reports import Reports
 from lorabus.coordinator.signals import LeadershipLost, SteppedAside
 from lorabus.coordinator.status import fleet_status
@@ -262,6 +263,7 @@ class Coordinator:
                 tasks.create_task(self._watch_members(term))
                 tasks.create_task(self._check_streams(nc, term))
                 tasks.create_task(self._sweep_store(term))
+                tasks.create_task(replace_departed(term))
         except* LeadershipLost as lost:
             log.warning("epoch=%d stepped down: %s", term.epoch, lost.exceptions[0])
             if any(isinstance(exc, SteppedAside) for exc in lost.exceptions):

@@ -64,6 +64,7 @@ def fleet_status(
             missing=m.heartbeat.missing,
             unreadable_state=m.heartbeat.unreadable_state,
             capacity=m.heartbeat.capacity,
+            labels=m.heartbeat.labels,
         )
         for wid, m in sorted(live.items())
     ]
@@ -125,6 +126,7 @@ def _adapters(
             committed_at=record.committed_at,
             holders=holders[adapter],
             kept=[version.served_name for version in record.kept],
+            placed=record.workers,
         )
         for adapter, record in sorted(committed.items())
     ]

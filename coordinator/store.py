@@ -164,7 +164,9 @@ class FleetStore:
 
     async def commit(self, record: CommittedRecord) -> None:
         """The commit point: the adapter's own key. A successor checks an update
-        left in flight against it, and nothing rewrites it afterwards."""
+        left in flight against it, and nothing rewrites it afterwards but
+        the replacement of a placed worker that left, which changes only
+        where it is served (``replacement.py``)."""
         await self._put(self._state, f"{COMMITTED}.{record.adapter}", msgspec.json.encode(record))
 
     async def write_latest(self, record: CommittedRecord) -> None:

@@ -8,10 +8,11 @@ and nothing in a message is taken for it. The leader holds each request to
 the tenant's record (:class:`Tenant`, from the file ``--tenants`` names):
 
 - **update**: its adapter must match the tenant's pattern, and no other
-  tenant's, its path name an object of the fleet's store (or lie under the tenant's
-  ``roots``, directories on the workers), and its update id begin with ``<name>:`` (so no tenant can take
-  an id another will use; the orchestrator's own subject refuses such ids
-  too); ``forbidden`` otherwise, on arrival, before anything is looked up.
+  tenant's, its path name an object of the fleet's store (or lie under
+  the tenant's ``roots``, directories on the workers), and its update id
+  begin with ``<name>:`` (so no tenant can take an id another will use;
+  the orchestrator's own subject refuses such ids too); ``forbidden``
+  otherwise, on arrival, before anything is looked up.
   A new id may keep at most ``max_keep`` versions, and name a new adapter
   only while the tenant has fewer than ``max_adapters`` (committed, queued
   or running); ``quota`` otherwise, at its turn to join the book. Those

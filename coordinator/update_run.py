@@ -41,6 +41,7 @@ from lorabus.coordinator.gather import PhaseGather
 from lorabus.coordinator.inflight import InflightJournal
 from lorabus.coordinator.outcomes import Carried, Loaded, RunOutcome, Window, run_result
 from lorabus.coordinator.phases import Commands, Gathering, PhaseOutcome
+from lorabus.coordinator.placement import place, unplaceable
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import Frontend, Journal
 from lorabus.coordinator.quorum import QuorumPolicy
@@ -51,6 +52,7 @@ from lorabus.schemas import (
     FAILED,
     ErrorCode,
     ErrorInfo,
+    Heartbeat,
     LoadCommand,
     LoadSpec,
     Phase,
@@ -91,6 +93,8 @@ class UpdateRun:
         self._may_have_loaded: set[str] = set()
         """Members left out whose pause may still have landed, and with it
         the load it carried."""
+        self.placed: list[str] = []
+        """The workers it places the adapter on ([]: every worker)."""
 
     async def run(self) -> RunOutcome:
         """Run the plan to a terminal result; never leaves a member told to
@@ -100,17 +104,12 @@ class UpdateRun:
             result = await self._run()
         finally:
             journalled = await self._in_flight.ended()
-        return RunOutcome(result, journalled)
+        return RunOutcome(result, journalled, self.placed)
 
     async def _run(self) -> UpdateResult:
         try:
             with self._timing(Phase.QUORUM, metered=False):
-                self.members = await self.commands.membership.wait_quorum(
-                    self.config.expected_world_size,
-                    self.config.quorum_timeout_s,
-                    needed=self.quorum.needed_world_size,
-                    grace_s=self.config.quorum_grace_s,
-                )
+                self.members = await self._quorum()
         except QuorumNotReached as exc:
             quorum_error = ErrorInfo(code=ErrorCode.QUORUM_TIMEOUT, message=str(exc))
             return self._failed(quorum_error, {}, None)
@@ -138,6 +137,38 @@ class UpdateRun:
         if self.plan.live:
             return await self._run_live()
         return await self._run_paused()
+
+    async def _quorum(self) -> dict[str, int]:
+        """The members the update runs on: the fleet's quorum, or the workers
+        placed to serve the adapter, whose world sizes are then the whole
+        its quorum policy counts (``placement.py``)."""
+        membership, placement = self.commands.membership, self.plan.placement
+        if placement.everywhere:
+            return await membership.wait_quorum(
+                self.config.expected_world_size,
+                self.config.quorum_timeout_s,
+                needed=self.quorum.needed_world_size,
+                grace_s=self.config.quorum_grace_s,
+            )
+
+        def placed(beats: dict[str, Heartbeat]) -> dict[str, int] | None:
+            chosen = place(
+                self.plan.adapter,
+                placement,
+                beats,
+                now_on=self.plan.placed_on,
+                served_name=self.plan.served_name,
+                beside=self.plan.beside,
+            )
+            return None if chosen is None else {w: beats[w].world_size for w in chosen}
+
+        members = await membership.wait_for(placed, self.config.quorum_timeout_s)
+        if members is None:
+            ready = {w: m.heartbeat for w, m in membership.live().items() if m.heartbeat.ready}
+            raise QuorumNotReached(unplaceable(placement, ready, self.config.quorum_timeout_s))
+        self.placed = sorted(members)
+        self.quorum = QuorumPolicy(self.config, world_size=sum(members.values()))
+        return members
 
     async def _prepare(self) -> UpdateResult | None:
         """Every member fetches the adapter into its node's cache, before any

@@ -32,10 +32,10 @@ import msgspec
 
 from lorabus.coordinator.adapter_store import kept_beside
 from lorabus.coordinator.book import committed_result, failed_result
-from lorabus.coordinator.capacity import serving
 from lorabus.coordinator.commit import Executed, committed_notice, conclude, deposed_result
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.outcomes import RunOutcome
+from lorabus.coordinator.placement import serving
 from lorabus.coordinator.plan import CheckedRequest, UpdatePlan, is_committed, retired_names
 from lorabus.coordinator.resets import lineage, reset_unknown
 from lorabus.coordinator.signals import LeadershipLost, SteppedAside
@@ -159,6 +159,8 @@ async def _commit_of(
         kept=kept,
         dropped=dropped,
         committed_at=time.time(),
+        workers=ran.placed,
+        selector=plan.placement.selector if ran.placed else {},
     )
     retire: list[str] = []
     if not plan.replace:

@@ -31,6 +31,7 @@ import itertools
 import logging
 import os
 import uuid
+from collections.abc import Mapping
 from typing import TypeVar
 
 import msgspec
@@ -211,6 +212,8 @@ class UpdateClient:
         mode: UpdateMode | str | None = None,
         source: str | os.PathLike[str] | None = None,
         keep: int | None = None,
+        replicas: int | None = None,
+        selector: Mapping[str, str] | None = None,
     ) -> UpdateResult:
         """Request an update and wait for its result (committed or failed).
 
@@ -235,6 +238,12 @@ class UpdateClient:
         other adapter's. None leaves it to the coordinator's ``--keep``. It is
         not part of what ``update_id`` names: asked again with another
         ``keep``, an update id gets its first result.
+
+        ``replicas`` and ``selector`` place the adapter on some workers only
+        (live mode): ``replicas`` of them, among those whose labels (the
+        agents' ``--label``) hold every label of ``selector``; the leader
+        chooses, preferring those that serve the adapter now. The result's
+        rank map and the commit point name them. None and {}: every worker.
 
         A request can reach a leader that dies before it answers (killed,
         frozen, cut off), or that stops leading and answers ``not_leader``;
@@ -275,6 +284,8 @@ class UpdateClient:
             digest=digest,
             mode=None if mode is None else UpdateMode(mode),
             keep=keep,
+            replicas=replicas,
+            selector=dict(selector or {}),
         )
         subject = self._subject("update")
         started = now()

@@ -159,6 +159,13 @@ AGENT_FLAGS = (
         "no_capacity. 0: as the engine says, else not bounded.",
         type=click.IntRange(min=0),
     ),
+    Flag(
+        "labels",
+        "--label",
+        "KEY=VALUE the worker announces in its heartbeat (zone=us-east-1a, gpu=h100; "
+        "repeatable): an update's --selector places adapters by them.",
+        multiple=True,
+    ),
 )
 
 COORDINATOR_FLAGS = (

@@ -6,6 +6,8 @@ here, checked by the decoder itself (msgspec ``Meta`` constraints).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Annotated
 
 import msgspec
@@ -50,3 +52,29 @@ Capacity = Annotated[int, msgspec.Meta(ge=1, le=MAX_NAMES)]
 MAX_KEEP = 64
 """The most versions of one adapter a request may ask engines to keep."""
 Keep = Annotated[int, msgspec.Meta(ge=1, le=MAX_KEEP)]
+LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z"
+LabelText = Annotated[str, msgspec.Meta(pattern=LABEL_PATTERN)]
+"""A worker label's key or value (``zone``, ``us-east-1a``): 1-63 letters,
+digits, '_', '.' or '-', starting with a letter or digit."""
+MAX_LABELS = 16
+"""The most labels one worker announces, or one selector names."""
+Labels = Annotated[dict[LabelText, LabelText], msgspec.Meta(max_length=MAX_LABELS)]
+Replicas = Annotated[int, msgspec.Meta(ge=1, le=MAX_NAMES)]
+"""How many workers an update places its adapter on."""
+
+
+def parse_labels(specs: Iterable[str]) -> dict[str, str]:
+    """``KEY=VALUE`` specs as labels; ValueError, saying which, for a bad one."""
+    labels: dict[str, str] = {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        if not sep or not all(re.fullmatch(LABEL_PATTERN, part) for part in (key, value)):
+            raise ValueError(
+                f"label {spec!r} is not KEY=VALUE of 1-63 letters, digits, '_', '.' or '-' each"
+            )
+        if key in labels:
+            raise ValueError(f"label {key!r} is given twice")
+        labels[key] = value
+    if len(labels) > MAX_LABELS:
+        raise ValueError(f"at most {MAX_LABELS} labels, got {len(labels)}")
+    return labels

@@ -175,6 +175,9 @@ class CommittedNotice(_Command, frozen=True, kw_only=True, tag="committed"):
     kept: list[KeptVersion] = []
     """The adapter's earlier versions kept beside it, newest first: with it,
     what every engine serves for the adapter."""
+    workers: WorkerIds = []
+    """The workers placed to serve them ([]: every worker); the others
+    unload the adapter's versions they hold."""
 
 
 Command = (

@@ -58,6 +58,12 @@ class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
     deleted once it is written, unless something else still names them."""
     committed_at: float = 0.0
     """When it was committed (Unix time, the leader's clock; 0: not said)."""
+    workers: list[str] = []
+    """The workers placed to serve it and the versions kept beside it
+    ([]: every worker): the agents of the others do not load them."""
+    selector: dict[str, str] = {}
+    """The labels its update asked its workers to have: a worker that
+    leaves is replaced by one that has them too."""
 
 
 class ResetRecord(msgspec.Struct, frozen=True, kw_only=True):

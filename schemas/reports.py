@@ -15,6 +15,7 @@ from lorabus.schemas.bounds import (
     Capacity,
     Epoch,
     Interval,
+    Labels,
     Names,
     Seconds,
     SeenDigest,
@@ -83,6 +84,9 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
     ``--max-adapters``, or what the engine says of itself, the smaller):
     the coordinator never has it hold more. None: not bounded, as far as
     the agent knows."""
+    labels: Labels = {}
+    """The worker's labels (the agent's ``--label``), which an update's
+    ``selector`` chooses workers by: zone, engine, GPU type."""
     missing: Names = []
     """The served names of the fleet's committed state (every adapter's
     committed version and those kept beside it) that the engine lacks, as

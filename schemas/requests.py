@@ -17,9 +17,11 @@ from lorabus.schemas.bounds import (
     Digest,
     Epoch,
     Keep,
+    Labels,
     Name,
     Names,
     Path,
+    Replicas,
     SeenDigest,
     UpdateId,
     Version,
@@ -63,6 +65,11 @@ class UpdateRequest(_Message, frozen=True, kw_only=True, tag="update_request"):
     """How many of the adapter's newest versions, this one among them, every
     engine serves (async RL with staleness K: K + 1); None: the
     coordinator's ``--keep``."""
+    replicas: Replicas | None = None
+    """On how many workers to place the adapter (None: on every worker the
+    ``selector`` matches). The coordinator chooses them (coordinator/placement.py)."""
+    selector: Labels = {}
+    """Labels every worker that serves the adapter must announce ({}: any worker)."""
 
 
 class UpdateStatus(enum.StrEnum):
@@ -188,6 +195,8 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     """From its last heartbeat: the committed served names its engine lacks."""
     capacity: int | None = None
     """From its last heartbeat: the most adapters its engine holds at once."""
+    labels: dict[str, str] = {}
+    """From its last heartbeat: the labels placement selects workers by."""
 
 
 class RunningUpdate(msgspec.Struct, frozen=True, kw_only=True):
@@ -216,6 +225,8 @@ class AdapterStatus(msgspec.Struct, frozen=True, kw_only=True):
     """The live members whose engine lists ``served_name``."""
     kept: Names = []
     """The served names of the versions kept beside it, newest first."""
+    placed: WorkerIds = []
+    """The workers placed to serve it and its kept versions ([]: every worker)."""
 
 
 class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
@@ -242,7 +253,7 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     trimmed: Names = []
     """What was left out so that the status fits the bus's message size limit:
     ``adapters`` (each member's adapter list), then ``holders`` (each
-    adapter's holders), then ``phase_members`` (the ``acked`` and ``waiting``
+    adapter's holders and placed workers), then ``phase_members`` (the ``acked`` and ``waiting``
     lists), then ``rank_map`` (each member still shows its rank offset).
     Empty: the whole status."""
     running: list[RunningUpdate] = []

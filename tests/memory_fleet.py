@@ -126,9 +126,16 @@ class InMemoryFleet:
     """A coordinator and one agent per worker on one :class:`MemoryServer`."""
 
     def __init__(
-        self, world_sizes: Mapping[str, int], *, fleet: str = "memory", **settings: Any
+        self,
+        world_sizes: Mapping[str, int],
+        *,
+        fleet: str = "memory",
+        labels: Mapping[str, Mapping[str, str]] | None = None,
+        **settings: Any,
     ) -> None:
+        """``labels``: what each worker's agent announces, by worker id."""
         self.server = MemoryServer()
+        self.labels = {wid: dict(given) for wid, given in (labels or {}).items()}
         self.subjects = Subjects(fleet=fleet)
         self.world_sizes = dict(world_sizes)
         self.engines = {wid: MemoryEngine() for wid in world_sizes}
@@ -175,6 +182,7 @@ class InMemoryFleet:
             self.subjects,
             CommandExecutor(worker_id, world_size, engine),
             heartbeat_s=HEARTBEAT_S,
+            labels=self.labels.get(worker_id),
         )
         ready = asyncio.Event()
         self._agent_tasks[worker_id] = self._start(agent.run(conn, ready))  # type: ignore[arg-type]

@@ -93,10 +93,12 @@ async def test_every_process_on_its_own_identity_commits_and_no_secret_shows(
         env_of=lambda worker_id: _as(auth_dir / f"agent-{worker_id}"),
     )
 
-    async def update(adapter: str, step: int, version: int, identity: str) -> Finished:
+    async def update(
+        adapter: str, step: int, version: int, identity: str, *, where: str = "--path"
+    ) -> Finished:
         return await run_lorabus(
             "update", "--nats", url, "--fleet", fleet_name, "--adapter", adapter,
-            "--path", make_adapter(step), "--version", str(version), "--timeout", "60",
+            where, make_adapter(step), "--version", str(version), "--timeout", "60",
             "--json", env=_as(auth_dir / identity),
         )  # fmt: skip
 
@@ -106,10 +108,13 @@ async def test_every_process_on_its_own_identity_commits_and_no_secret_shows(
     assert '"status": "committed"' in update_.stdout
 
     # A tenant, as its identity (its lorabus.env names it; the coordinator's
-    # names the tenants file): its own adapter commits, another is refused.
+    # names the tenants file): its own adapter, pushed to the store, commits;
+    # from a path on the workers, or another's adapter, it is refused.
     tenant = _as(auth_dir / "tenant-team-a")
-    own = await update("team-a-policy", 2, 1, "tenant-team-a")
+    own = await update("team-a-policy", 2, 1, "tenant-team-a", where="--source")
     assert own.returncode == 0 and '"update_id": "team-a:' in own.stdout, own
+    on_disk = await update("team-a-policy", 4, 2, "tenant-team-a")
+    assert on_disk.returncode == 1 and '"code": "forbidden"' in on_disk.stdout, on_disk
     theirs = await update("policy", 3, 2, "tenant-team-a")
     assert theirs.returncode == 1 and '"code": "forbidden"' in theirs.stdout, theirs
     seen = await run_lorabus("status", "--nats", url, "--fleet", fleet_name, "--json", env=tenant)

@@ -142,6 +142,8 @@ def adapters_text(status: FleetStatus, *, now: float) -> list[str]:
         when = f"committed {age_text(now - a.committed_at)} ago" if a.committed_at else ""
         line = f"  {a.adapter}: {a.served_name} (version {a.version}, {digest})"
         line += f"{', ' + when if when else ''}; {_holders_text(a.holders, live, status.trimmed)}"
+        if a.placed:
+            line += f"; placed on {len(a.placed)}: {_names(a.placed, HOLDERS_SHOWN)}"
         if a.kept:
             line += f"; kept beside it: {', '.join(a.kept)}"
         lines.append(line)
@@ -260,10 +262,11 @@ def _member_table(members: Sequence[MemberStatus]) -> list[str]:
         offset = "-" if m.rank_offset is None else str(m.rank_offset)
         # A bounded engine shows how full it is: "3/4: a-v1, ...".
         full = f"{len(m.adapters)}/{m.capacity}: " if m.capacity is not None else ""
+        labels = "".join(f" [{k}={v}]" for k, v in sorted(m.labels.items()))
         lines.append(
             f"{m.worker_id:<12} {m.world_size:>5} {offset:>6} {m.engine:<8} "
             f"{'yes' if m.paused else 'no':<6} {'yes' if m.ready else 'no':<5} "
             f"{m.heartbeat_age_s:>5.1f}s  "
-            f"{full}{', '.join(m.adapters) or '-'}"
+            f"{full}{', '.join(m.adapters) or '-'}{labels}"
         )
     return lines

@@ -23,7 +23,7 @@ from lorabus.cli.common import (
 )
 from lorabus.client import UPDATE_TIMEOUT_S
 from lorabus.schemas import DIGEST_PATTERN, UPDATE_ID_PATTERN, UpdateMode
-from lorabus.schemas.bounds import MAX_KEEP
+from lorabus.schemas.bounds import MAX_KEEP, parse_labels
 
 if TYPE_CHECKING:
     from lorabus.audit.heartbeat_view import HeartbeatListener
@@ -124,6 +124,22 @@ async def _digest_of(path: str) -> str:
     "serves once it commits (async RL with staleness K: K+1); the adapter's other "
     "versions are unloaded. Default: the coordinator's --keep.",
 )
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Place the adapter on this many workers only (live mode), chosen by the "
+    "coordinator: those that serve it now first, then the least loaded. Default: every "
+    "worker --selector matches.",
+)
+@click.option(
+    "--selector",
+    "selector",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Place the adapter only on workers announcing this label (an agent's --label; "
+    "repeatable: every one must match; live mode).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def update(
     nats_url: str,
@@ -139,6 +155,8 @@ def update(
     digest: str | None,
     mode: str | None,
     keep: int | None,
+    replicas: int | None,
+    selector: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Request an update and wait for its result (exit 0 committed, 1 failed: refused,
@@ -155,6 +173,10 @@ def update(
 
     subjects_of(fleet)
     digest = _digest_to_send(path, source, digest)
+    try:
+        labels = parse_labels(selector)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--selector") from None
     # Chosen here, so that an interrupted wait can say which update to ask about.
     the_id = update_id or (f"{tenant}:" if tenant else "") + uuid.uuid4().hex
     # Progress is for a person at a terminal: scripts read stdout (the result)
@@ -184,6 +206,8 @@ def update(
                     mode=mode,
                     source=source,
                     keep=keep,
+                    replicas=replicas,
+                    selector=labels,
                 )
         except LorabusError as exc:
             if not as_json:
@@ -236,6 +260,8 @@ async def _update_showing_progress(
     mode: str | None,
     source: str | None,
     keep: int | None,
+    replicas: int | None,
+    selector: dict[str, str],
 ) -> UpdateResult:
     """``client.update()``, with where it stands shown on stderr meanwhile
     (if ``show_progress``); ``--digest auto`` is hashed from ``path`` first."""
@@ -251,6 +277,8 @@ async def _update_showing_progress(
             mode=mode,
             source=source,
             keep=keep,
+            replicas=replicas,
+            selector=selector,
         )
     finally:
         if progress is not None:

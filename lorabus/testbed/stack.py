@@ -65,6 +65,7 @@ class EmbeddedStack:
         adapter_roots: Sequence[str] = (),
         cache_root: str | None = None,
         tenants: Mapping[str, Tenant] | None = None,
+        labels: Sequence[Sequence[str]] = (),
         **coordinator: Any,
     ) -> None:
         if secure and nats_url is not None:
@@ -81,6 +82,8 @@ class EmbeddedStack:
         self.cache_root = cache_root
         """With it, each agent keeps adapters from the object store in a folder of
         its own under it, as agents on separate nodes would (None: a temporary one)."""
+        self.labels = [list(specs) for specs in labels]
+        """Each worker's agent's ``--label KEY=VALUE``s, in worker order (none past the end)."""
         self.tenants = dict(tenants or {})
         """The fleet's tenants (a secure stack gives each an identity: :meth:`client_as`)."""
         self.auth: FleetAuth | None = None
@@ -155,7 +158,7 @@ class EmbeddedStack:
         )
         self.coordinator = Coordinator(config)
         await self._serve("coordinator", self.coordinator.run, self.bus_as(Role.COORDINATOR))
-        for worker in self.sim.workers.values():
+        for index, worker in enumerate(self.sim.workers.values()):
             agent_config = AgentConfig(
                 fleet=self.fleet_name,
                 worker_id=worker.worker_id,
@@ -165,6 +168,7 @@ class EmbeddedStack:
                 coordinator_keys=[self.auth.signing_key] if self.auth is not None else [],
                 adapter_roots=self.adapter_roots,
                 cache_dir=str(Path(cache_root) / worker.worker_id),
+                labels=self.labels[index] if index < len(self.labels) else [],
             )
             driver = driver_for(agent_config)
             self._exit.push_async_callback(driver.aclose)

@@ -1,0 +1,164 @@
+"""Placement end to end: updates that ask for some workers only, with the real
+coordinator and agents on the in-memory bus (coordinator/placement.py).
+
+What must hold: only the chosen workers load the adapter; the result's rank
+map, the commit point and the status name them; the next version lands where
+the last one is served; workers dropped from the placement unload it; an
+agent that starts later loads only what is placed on it; a worker that leaves
+is replaced; pause mode and placements no live workers can meet fail clearly."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from memory_fleet import InMemoryFleet
+
+from lorabus.coordinator.replacement import REPLACE_AFTER_S
+from lorabus.schemas import ErrorCode, UpdateMode
+from lorabus.schemas.bounds import MAX_LABELS
+
+pytestmark = pytest.mark.looptime
+
+ZONES = {"w0": "a", "w1": "a", "w2": "b", "w3": "b"}
+
+
+def _fleet(**settings: object) -> InMemoryFleet:
+    settings.setdefault("mode", UpdateMode.LIVE)
+    return InMemoryFleet(
+        {"w0": 1, "w1": 2, "w2": 1, "w3": 1},
+        labels={w: {"zone": zone} for w, zone in ZONES.items()},
+        **settings,
+    )
+
+
+def _holding(fleet: InMemoryFleet, name: str) -> list[str]:
+    return sorted(w for w, engine in fleet.engines.items() if name in engine.adapters)
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    """Until ``check()`` holds: agents act on a notice after the answer."""
+    async with asyncio.timeout(30):
+        while not check():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+async def test_an_adapter_placed_on_some_workers_is_served_there_only() -> None:
+    async with _fleet() as fleet:
+        client = fleet.client()
+        first = await client.update("p", "/adapters/p/1", version=1, replicas=2)
+        assert first.committed, first
+        placed = sorted(first.workers)
+        assert len(placed) == 2, first.workers
+        assert sorted(e.worker_id for e in first.rank_map.entries) == placed  # type: ignore[union-attr]
+        assert first.rank_map.world_size == 1 + sum(  # type: ignore[union-attr]
+            fleet.world_sizes[w] for w in placed
+        )
+        assert _holding(fleet, "p-v1") == placed
+        assert fleet.coordinator.book.committed["p"].workers == placed  # the commit point
+        status = await client.status()
+        (adapter,) = status.adapters
+        assert adapter.placed == placed and sorted(adapter.holders) == placed
+        assert {m.worker_id: m.labels for m in status.members}["w2"] == {"zone": "b"}
+
+        # The next version lands where the last one is served.
+        second = await client.update("p", "/adapters/p/2", version=2, replicas=2)
+        assert second.committed and sorted(second.workers) == placed, second
+        assert _holding(fleet, "p-v2") == placed
+
+        # An adapter without placement is still everywhere.
+        everywhere = await client.update("q", "/adapters/q/1", version=1)
+        assert everywhere.committed and _holding(fleet, "q-v1") == sorted(ZONES)
+
+
+async def test_a_selector_places_by_labels_and_a_worker_dropped_unloads() -> None:
+    async with _fleet(keep=2) as fleet:
+        client = fleet.client()
+        zone_b = await client.update("p", "/adapters/p/1", version=1, selector={"zone": "b"})
+        assert zone_b.committed and sorted(zone_b.workers) == ["w2", "w3"], zone_b
+        assert _holding(fleet, "p-v1") == ["w2", "w3"]
+
+        # One replica of zone b: the other worker unloads every version it held.
+        one = await client.update(
+            "p", "/adapters/p/2", version=2, replicas=1, selector={"zone": "b"}
+        )
+        assert one.committed and len(one.workers) == 1, one
+        (kept_on,) = one.workers
+        dropped = ({"w2", "w3"} - {kept_on}).pop()
+        await _until(lambda: not fleet.engines[dropped].adapters)
+        assert fleet.engines[kept_on].adapters == ["p-v1", "p-v2"]  # keep=2: both versions
+        assert _holding(fleet, "p-v1") == [kept_on]
+
+
+async def test_an_agent_started_later_loads_only_what_is_placed_on_it() -> None:
+    async with _fleet() as fleet:
+        client = fleet.client()
+        placed = await client.update("p", "/adapters/p/1", version=1, replicas=1)
+        assert placed.committed, placed
+        (on,) = placed.workers
+        everywhere = await client.update("q", "/adapters/q/1", version=1)
+        assert everywhere.committed
+        others = sorted(set(ZONES) - {on})
+        for worker in (on, others[0]):
+            await fleet.kill_agent(worker)
+            fleet.engines[worker].adapters.clear()  # its engine restarted empty
+            await fleet.start_agent(worker, fleet.world_sizes[worker])
+        await _until(lambda: fleet.engines[on].adapters == ["p-v1", "q-v1"])
+        assert fleet.engines[others[0]].adapters == ["q-v1"]
+
+
+async def test_placements_that_cannot_be_met_fail_clearly() -> None:
+    async with _fleet(quorum_timeout_s=2.0) as fleet:
+        client = fleet.client()
+        too_many = await client.update("p", "/adapters/p/1", version=1, replicas=5)
+        assert too_many.error is not None and too_many.error.code == ErrorCode.QUORUM_TIMEOUT
+        assert "5 worker(s)" in too_many.error.message and "4 live" in too_many.error.message
+        nowhere = await client.update("p", "/adapters/p/1", version=1, selector={"zone": "c"})
+        assert nowhere.error is not None and nowhere.error.code == ErrorCode.QUORUM_TIMEOUT
+        assert "zone=c" in nowhere.error.message
+        paused = await client.update("p", "/adapters/p/1", version=1, replicas=1, mode="pause")
+        assert paused.error is not None and paused.error.code == ErrorCode.BAD_REQUEST
+        assert "live mode" in paused.error.message
+        assert all(not engine.adapters for engine in fleet.engines.values())
+        # A selector past the wire's bound is refused as it decodes.
+        labels = {f"k{i}": "v" for i in range(MAX_LABELS + 1)}
+        too_wide = await client.update("p", "/adapters/p/1", version=1, selector=labels)
+        assert too_wide.error is not None and too_wide.error.code == ErrorCode.BAD_REQUEST
+
+
+async def test_a_placed_worker_that_leaves_is_replaced() -> None:
+    """Killed for good, a placed worker's replica moves to another worker of
+    the selector, which loads the adapter; a restart within the grace moves
+    nothing."""
+    async with _fleet() as fleet:
+        client = fleet.client()
+        placed = await client.update(
+            "p", "/adapters/p/1", version=1, replicas=1, selector={"zone": "a"}
+        )
+        assert placed.committed, placed
+        (first,) = placed.workers
+        other = ({"w0", "w1"} - {first}).pop()
+
+        # Back within seconds: still placed where it was.
+        await fleet.kill_agent(first)
+        await asyncio.sleep(REPLACE_AFTER_S / 3)
+        await fleet.start_agent(first, fleet.world_sizes[first])
+        await asyncio.sleep(REPLACE_AFTER_S * 2)
+        assert fleet.coordinator.book.committed["p"].workers == [first]
+        assert _holding(fleet, "p-v1") == [first]
+
+        # Gone for good: the other zone-a worker takes its place, never zone b.
+        await fleet.kill_agent(first)
+        fleet.engines[first].adapters.clear()
+        await _until(lambda: _holding(fleet, "p-v1") == [other])
+        record = fleet.coordinator.book.committed["p"]
+        assert record.workers == [other] and record.selector == {"zone": "a"}
+        assert [e.worker_id for e in record.rank_map.entries] == [other]
+        status = await client.status()
+        assert [a.placed for a in status.adapters] == [[other]]
+        # The next version lands where it is served now.
+        second = await client.update(
+            "p", "/adapters/p/2", version=2, replicas=1, selector={"zone": "a"}
+        )
+        assert second.committed and list(second.workers) == [other], second
