@@ -66,6 +66,8 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     orphan_after_s: float = 3600.0
     """An object of the adapter store that no commit keeps and no queued
     request names is deleted at a commit once it is older than this."""
+    replace_after_s: float = 30.0
+    """A placed worker silent this long is replaced by another (``replacement.py``)."""
     naming: Naming = Naming.VERSIONED
     mode: UpdateMode = UpdateMode.PAUSE
     """How an update runs unless its request says: ``pause`` (the fleet pauses
@@ -116,6 +118,7 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
             "http_timeout_s",
             "pause_lease_s",
             "leader_lease_s",
+            "replace_after_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0")

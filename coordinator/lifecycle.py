@@ -25,6 +25,7 @@ from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
 from lorabus.coordinator.outcomes import RunOutcome
 from lorabus.coordinator.phases import Commands
+from lorabus.coordinator.placement import Served
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import CommandBus, Frontend, Journal
 from lorabus.coordinator.update_run import UpdateRun
@@ -53,6 +54,9 @@ class UpdateRunner:
         *,
         epoch: int,
     ) -> None:
+        self.placing: dict[str, Served] = {}
+        """Update id -> where each placed update of this term that runs now
+        loads its version: a placed update beside it counts those too."""
         self.frontend = frontend
         self.journal = journal
         self.commands = Commands(config, membership, bus, metrics, epoch)
@@ -62,7 +66,9 @@ class UpdateRunner:
         """Run ``plan`` to a terminal result; never leaves a member told to pause
         unresumed. The writes of the in-flight record have ended by then
         (stored, or failed and logged): the caller may clear it."""
-        return await UpdateRun(plan, self.commands, self.frontend, self.journal).run()
+        return await UpdateRun(
+            plan, self.commands, self.frontend, self.journal, placing=self.placing
+        ).run()
 
     async def roll_back(self, in_flight: InflightRecord) -> ErrorInfo:
         """Finish what a dead predecessor left: resume every member, withdraw the

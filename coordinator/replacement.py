@@ -2,8 +2,8 @@
 
 An adapter placed on some workers (``placement.py``) must not lose a replica
 for good when one of them leaves: its engine died, its node was drained. Once
-a placed worker has been silent for ``REPLACE_AFTER_S`` (so an agent's
-restart, back within seconds, moves nothing), the leader places the adapter
+a placed worker has been silent for ``--replace-after`` seconds (30 by
+default: an agent's restart, back within seconds, moves nothing), the leader places the adapter
 again, as an update would: the workers that still serve it stay, and others
 that match its selector, with room, the least loaded first, take the place
 of those gone. It rewrites the adapter's commit point with the new workers
@@ -34,8 +34,6 @@ from lorabus.schemas import CommittedRecord, build_rank_map
 
 log = logging.getLogger(__name__)
 
-REPLACE_AFTER_S = 30.0
-"""How long a placed worker is silent before the adapter moves off it."""
 CHECK_EVERY_S = 2.0
 
 
@@ -56,7 +54,8 @@ async def replace_departed(term: Term) -> None:
 
 
 def _departed(term: Term, record: CommittedRecord) -> list[str]:
-    return [w for w in record.workers if term.membership.silent_for(w) >= REPLACE_AFTER_S]
+    after_s = term.config.replace_after_s
+    return [w for w in record.workers if term.membership.silent_for(w) >= after_s]
 
 
 async def _replace(term: Term, adapter: str, stuck: dict[str, list[str]]) -> None:

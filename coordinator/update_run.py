@@ -41,7 +41,7 @@ from lorabus.coordinator.gather import PhaseGather
 from lorabus.coordinator.inflight import InflightJournal
 from lorabus.coordinator.outcomes import Carried, Loaded, RunOutcome, Window, run_result
 from lorabus.coordinator.phases import Commands, Gathering, PhaseOutcome
-from lorabus.coordinator.placement import place, unplaceable
+from lorabus.coordinator.placement import Served, place, unplaceable
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import Frontend, Journal
 from lorabus.coordinator.quorum import QuorumPolicy
@@ -72,9 +72,17 @@ class UpdateRun:
     """One update, from its quorum to its result, on its term's commands."""
 
     def __init__(
-        self, plan: UpdatePlan, commands: Commands, frontend: Frontend, journal: Journal
+        self,
+        plan: UpdatePlan,
+        commands: Commands,
+        frontend: Frontend,
+        journal: Journal,
+        *,
+        placing: dict[str, Served] | None = None,
     ) -> None:
         self.plan = plan
+        self._placing = {} if placing is None else placing
+        """Where the placed updates of the term running now load (``UpdateRunner``)."""
         self.commands = commands
         self.config = commands.config
         self.frontend = frontend
@@ -103,6 +111,7 @@ class UpdateRun:
         try:
             result = await self._run()
         finally:
+            self._placing.pop(self.plan.update_id, None)
             journalled = await self._in_flight.ended()
         return RunOutcome(result, journalled, self.placed)
 
@@ -115,7 +124,7 @@ class UpdateRun:
             return self._failed(quorum_error, {}, None)
         live = self.commands.membership.live()
         beats = {w: live[w].heartbeat for w in self.members if w in live}
-        short = no_room(self.plan.served_name, self.plan.beside, beats)
+        short = no_room(self.plan.served_name, self._beside(), beats)
         if short is not None:
             return self._failed(short, {}, None)
         await self.commands.bus.emit(
@@ -158,9 +167,13 @@ class UpdateRun:
                 beats,
                 now_on=self.plan.placed_on,
                 served_name=self.plan.served_name,
-                beside=self.plan.beside,
+                beside=self._beside(),
             )
-            return None if chosen is None else {w: beats[w].world_size for w in chosen}
+            if chosen is None:
+                return None
+            # Taken at once: the next placed update to choose counts it.
+            self._placing[self.plan.update_id] = Served(self.plan.served_name, tuple(chosen))
+            return {w: beats[w].world_size for w in chosen}
 
         members = await membership.wait_for(placed, self.config.quorum_timeout_s)
         if members is None:
@@ -169,6 +182,12 @@ class UpdateRun:
         self.placed = sorted(members)
         self.quorum = QuorumPolicy(self.config, world_size=sum(members.values()))
         return members
+
+    def _beside(self) -> list[Served]:
+        """What engines serve while it runs: what is committed, and the new
+        versions of the other placed updates running (``placement.py``)."""
+        others = (s for uid, s in self._placing.items() if uid != self.plan.update_id)
+        return [*self.plan.beside, *others]
 
     async def _prepare(self) -> UpdateResult | None:
         """Every member fetches the adapter into its node's cache, before any

@@ -212,6 +212,13 @@ COORDINATOR_FLAGS = (
         float,
     ),
     Flag(
+        "replace_after_s",
+        "--replace-after",
+        "Seconds a worker an adapter is placed on may be silent before the adapter moves "
+        "to another (a restart within it moves nothing).",
+        float,
+    ),
+    Flag(
         "signing_key_file",
         "--signing-key",
         "An nkey seed file: sign every command with it (lorabus auth init writes one "

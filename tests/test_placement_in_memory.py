@@ -15,7 +15,6 @@ from collections.abc import Callable
 import pytest
 from memory_fleet import InMemoryFleet
 
-from lorabus.coordinator.replacement import REPLACE_AFTER_S
 from lorabus.schemas import ErrorCode, UpdateMode
 from lorabus.schemas.bounds import MAX_LABELS
 
@@ -142,9 +141,9 @@ async def test_a_placed_worker_that_leaves_is_replaced() -> None:
 
         # Back within seconds: still placed where it was.
         await fleet.kill_agent(first)
-        await asyncio.sleep(REPLACE_AFTER_S / 3)
+        await asyncio.sleep(fleet.config.replace_after_s / 3)
         await fleet.start_agent(first, fleet.world_sizes[first])
-        await asyncio.sleep(REPLACE_AFTER_S * 2)
+        await asyncio.sleep(fleet.config.replace_after_s * 2)
         assert fleet.coordinator.book.committed["p"].workers == [first]
         assert _holding(fleet, "p-v1") == [first]
 
@@ -162,3 +161,17 @@ async def test_a_placed_worker_that_leaves_is_replaced() -> None:
             "p", "/adapters/p/2", version=2, replicas=1, selector={"zone": "a"}
         )
         assert second.committed and list(second.workers) == [other], second
+
+
+async def test_adapters_placed_at_once_spread_within_one_of_even() -> None:
+    """Placed updates that run at the same time count each other's choice:
+    eight adapters of 1 replica on four workers, requested together, land two
+    on each (the later of two at once would otherwise see an empty fleet)."""
+    async with _fleet() as fleet:
+        client = fleet.client()
+        results = await asyncio.gather(
+            *(client.update(f"t{k}", f"/adapters/t{k}/1", version=1, replicas=1) for k in range(8))
+        )
+        assert all(r.committed for r in results), results
+        counts = {w: len(engine.adapters) for w, engine in fleet.engines.items()}
+        assert sorted(counts.values()) == [2, 2, 2, 2], counts

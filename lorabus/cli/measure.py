@@ -92,6 +92,8 @@ _DIST = FULL.distribution
 _QUICK_DIST = QUICK.distribution
 _TENANTS = FULL.tenants
 _QUICK_TENANTS = QUICK.tenants
+_PLACEMENT = FULL.placement
+_QUICK_PLACEMENT = QUICK.placement
 
 
 @click.command()
@@ -101,14 +103,16 @@ _QUICK_TENANTS = QUICK.tenants
     help="Sizes up to 256, fewer updates, own connections only, no window case; "
     f"the distribution series at N={_csv(_QUICK_DIST.sizes)} with "
     f"{_csv(_QUICK_DIST.adapter_mb)} MB; the tenants series at N={_csv(_QUICK_TENANTS.sizes)} "
-    f"with T={_csv(_QUICK_TENANTS.tenants)}.",
+    f"with T={_csv(_QUICK_TENANTS.tenants)}; the placement series at "
+    f"N={_csv(_QUICK_PLACEMENT.sizes)} with T={_QUICK_PLACEMENT.tenants}.",
 )
 @click.option(
     "--series",
     help=f"Which of {', '.join(SERIES)} to run: the update modes size by size, "
     "an adapter of S MB to N agents over the bus beside path mode and an HTTP pull, "
-    "and/or T tenants each updating its own adapter in a loop "
-    f"[default: {_csv(FULL.series)}].",
+    "T tenants each updating its own adapter in a loop, and/or T tenants' adapters "
+    "placed on engines that cannot hold them all "
+    f"[default: {_csv(FULL.series)}; placement with --capacity].",
 )
 @click.option(
     "--sizes",
@@ -218,6 +222,15 @@ _QUICK_TENANTS = QUICK.tenants
     f"[default: {_TENANTS.seconds:g}; quick {_QUICK_TENANTS.seconds:g}].",
 )
 @click.option(
+    "--capacity",
+    type=click.IntRange(min=2),
+    help="Placement series (run by default when this is given): the adapters each "
+    f"engine holds at once (C) [default: {_PLACEMENT.capacity}]; with --tenants T (the "
+    f"first value) [default: {_PLACEMENT.tenants}; quick {_QUICK_PLACEMENT.tenants}], "
+    f"--tenant-sizes [default: {_csv(_PLACEMENT.sizes)}; quick "
+    f"{_csv(_QUICK_PLACEMENT.sizes)}] and --keep K [default: {_PLACEMENT.keep}].",
+)
+@click.option(
     "--out", "out_path", type=click.Path(dir_okay=False), help="Write the figures as JSON."
 )
 @click.option(
@@ -248,12 +261,14 @@ def bench(
     tenant_sizes: list[int] | None,
     tenant_modes: str | None,
     tenant_seconds: float | None,
+    capacity: int | None,
     out_path: str | None,
     run_dir: str | None,
 ) -> None:
     """Measure updates: lorabus (null and HTTP engines), direct HTTP, and the bare bus;
     with --series distribution, adapters over the bus beside path mode and an HTTP pull;
-    with --series tenants, many tenants updating their own adapters at once."""
+    with --series tenants, many tenants updating their own adapters at once; with
+    --capacity, more tenants' adapters than engines hold, placed on some workers each."""
     require_sim_extra()
     from lorabus.testbed.bench import report_json, table
     from lorabus.testbed.bench.runner import run_bench
@@ -277,6 +292,17 @@ def bench(
             "seconds": tenant_seconds,
         },
     )
+    placement = _with_changes(
+        profile.placement,
+        {
+            "capacity": capacity,
+            "tenants": tenants[0] if tenants else None,
+            "sizes": tuple(tenant_sizes) if tenant_sizes else None,
+            "keep": keep,
+        },
+    )
+    if capacity is not None and series is None:
+        series = "placement"
     window: dict[str, Any] = {}
     if window_case is not None:  # "off" turns the profile's window case off
         window["window_case"] = None if window_case == "off" else window_case
@@ -299,6 +325,7 @@ def bench(
         },
         distribution=distribution,
         tenants=tenants_case,
+        placement=placement,
         **window,
     )
     report = _report_of(lambda: run_bench(config, out=lambda line: click.echo(line, err=True)))

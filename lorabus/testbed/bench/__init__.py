@@ -8,7 +8,8 @@ nats-py fan-out and gather. Every measured part runs in a process of its own.
 The distribution series (``--series distribution``) gets an adapter of S MB to
 N agents over the bus, beside path mode and an HTTP pull of the same files; the
 tenants series (``--series tenants``) has T tenants update adapters of their
-own at once, in live and in pause mode.
+own at once, in live and in pause mode; the placement series (``--series
+placement``) places T tenants' adapters on engines that cannot hold them all.
 
 Modules: ``config`` (what to run), ``procinfo`` (CPU and memory from /proc),
 ``children`` and ``control`` (bench processes and their JSON-line protocol),
@@ -18,8 +19,9 @@ process), ``simhost`` (the simulated fleet), ``baseline`` (direct HTTP),
 ``floor`` (the bare bus), ``frontend`` (a model list for null engines),
 ``runner`` (the run: ``lorabus.testbed.bench.runner.run_bench``),
 ``distribution`` and ``httppull`` (the distribution series and its HTTP-pull
-reference), ``tenants`` (the tenants series), ``figures``, ``report``,
-``distreport`` and ``tenantsreport`` (figures, tables, targets).
+reference), ``tenants`` (the tenants series), ``placement`` (the placement
+series), ``figures``, ``report``, ``distreport``, ``tenantsreport`` and
+``placementreport`` (figures, tables, targets).
 
 Only the modules that need no ``sim`` extra are imported here, so that the
 CLI can read ``BenchConfig``'s defaults without it.
@@ -30,6 +32,7 @@ from lorabus.testbed.bench.config import (
     QUICK,
     BenchConfig,
     DistributionCase,
+    PlacementCase,
     TenantsCase,
     WindowCase,
 )
@@ -45,6 +48,7 @@ __all__ = [
     "DistributionCase",
     "DistributionResult",
     "ModeResult",
+    "PlacementCase",
     "Stats",
     "TenantResult",
     "TenantsCase",

@@ -14,7 +14,10 @@ adapters from the fleet's object store in its worker's directory there
 Run as ``python -m lorabus.testbed.bench.agenthost <spec>`` (see ``control.py``);
 answers ``times`` with what its engines went through since the last ask, and
 ``transitions`` with how many times each of its engines went from running to
-paused since the last ask of that.
+paused since the last ask of that, ``peaks`` with the most adapters each null
+engine held at once since the last ask of that, and ``stop_agent`` (with a
+``worker``) by stopping that worker's agent as a kill would: its connection
+closes, and nothing is said to the bus.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ async def host(spec: dict[str, Any]) -> None:
     connections: list[NatsClient] = []
     tasks: list[asyncio.Task[None]] = []
     drivers: list[EngineDriver] = []
+    nulls: dict[str, NullEngine] = {}
     times = EngineTimes()
     try:
         links = await _connections(spec, list(workers), connections)
@@ -59,7 +63,7 @@ async def host(spec: dict[str, Any]) -> None:
             for nc in connections:
                 await nc.flush(timeout=10)
         else:
-            await _start_agents(spec, workers, links, subjects, times, tasks, drivers)
+            await _start_agents(spec, workers, links, subjects, times, tasks, drivers, nulls)
         times.take()
         # The collector tuned as `lorabus agent` tunes its own, but once the
         # host's agents are up: a host's heap is that of a few hundred agents,
@@ -74,6 +78,14 @@ async def host(spec: dict[str, Any]) -> None:
                 return times.take()
             if request["op"] == "transitions":
                 return {"transitions": times.take_transitions()}
+            if request["op"] == "peaks":
+                return {"peaks": {wid: engine.take_peak() for wid, engine in nulls.items()}}
+            if request["op"] == "stop_agent":
+                index = list(workers).index(request["worker"])
+                tasks[index].cancel()
+                await asyncio.gather(tasks[index], return_exceptions=True)
+                await close(links[index])
+                return {"stopped": request["worker"]}
             raise ValueError(f"unknown request {request['op']!r}")
 
         await serve_requests(handle)
@@ -133,13 +145,14 @@ async def _start_agents(
     times: EngineTimes,
     tasks: list[asyncio.Task[None]],
     drivers: list[EngineDriver],
+    nulls: dict[str, NullEngine],
 ) -> None:
     readies: list[asyncio.Event] = []
     rng = random.Random(spec["seed"])
     for (worker_id, world_size), nc in zip(workers.items(), links, strict=True):
         engine: EngineDriver
         if spec["engine"] == "null":
-            engine = NullEngine(
+            engine = nulls[worker_id] = NullEngine(
                 load_latency_s=spec["load_latency_s"], load_jitter_s=spec["load_jitter_s"], rng=rng
             )
         else:
@@ -152,7 +165,13 @@ async def _start_agents(
         cache = AdapterCache(cache_dir) if cache_dir else None
         if cache is not None:
             cache.check_writable()
-        executor = CommandExecutor(worker_id, world_size, driver, adapter_cache=cache)
+        executor = CommandExecutor(
+            worker_id,
+            world_size,
+            driver,
+            adapter_cache=cache,
+            max_adapters=spec.get("max_adapters", 0),
+        )
         await executor.refresh()
         # In a secure run, each agent obeys only commands signed with the
         # coordinator key its identity pins, as a deployed agent does.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-SERIES = ("updates", "distribution", "tenants")
+SERIES = ("updates", "distribution", "tenants", "placement")
 MODES = ("floor", "null", "http", "live", "baseline")
 CONNECTIONS = ("own", "shared")
 FULL_SIZES = (8, 64, 256, 1024)
@@ -79,6 +79,38 @@ class TenantsCase:
 
 
 @dataclass(frozen=True)
+class PlacementCase:
+    """The placement series: T tenants' adapters, ``keep`` versions each, on N
+    workers whose engines hold ``capacity`` adapters, fewer than T x keep:
+    each adapter is placed on as many workers as the capacity allows."""
+
+    tenants: int = 32
+    sizes: tuple[int, ...] = (64,)
+    capacity: int = 6
+    keep: int = 2
+    rounds: int = 3
+    """Updates of every tenant before one worker is stopped, and again after."""
+
+    def __post_init__(self) -> None:
+        if self.tenants < 1 or not self.sizes or min(self.sizes) < 2:
+            raise ValueError("placement needs tenants >= 1 and fleets of 2 workers or more")
+        if self.keep < 1 or self.rounds < 1:
+            raise ValueError("placement keep and rounds must be >= 1")
+        if self.capacity < self.keep + 1:
+            raise ValueError(
+                f"capacity {self.capacity} cannot hold an adapter's {self.keep} kept "
+                "versions and its next one"
+            )
+
+    def replicas_for(self, n: int) -> int:
+        """The most workers per adapter whose load fits every engine once one
+        of the N is stopped: a worker holds T x R / (N - 1) adapters or one
+        more, each with ``keep`` versions, and its next one while it updates."""
+        per_worker = self.capacity // (self.keep + 1)
+        return max(1, min(n - 1, per_worker * (n - 1) // self.tenants))
+
+
+@dataclass(frozen=True)
 class BenchConfig:
     sizes: tuple[int, ...] = FULL_SIZES
     updates: int = 20
@@ -115,6 +147,7 @@ class BenchConfig:
     """``updates`` (the modes above, size by size), ``distribution`` and ``tenants``."""
     distribution: DistributionCase = DistributionCase()
     tenants: TenantsCase = TenantsCase()
+    placement: PlacementCase = PlacementCase()
 
     def __post_init__(self) -> None:
         if not self.series or set(self.series) - set(SERIES):
@@ -153,8 +186,9 @@ class BenchConfig:
                 "the distribution series runs on plain NATS (it reads the server's "
                 "monitoring endpoint and clears the adapter store between updates)"
             )
-        if self.secure and "tenants" in self.series:
-            raise ValueError("the tenants series runs on plain NATS (it taps the fleet's commands)")
+        for plain in ("tenants", "placement"):
+            if self.secure and plain in self.series:
+                raise ValueError(f"the {plain} series runs on plain NATS")
 
     def updates_for(self, case: str) -> int:
         if case != "window":
@@ -189,7 +223,9 @@ QUICK = BenchConfig(
     label="quick",
     distribution=DistributionCase(sizes=(8,), adapter_mb=(16,)),
     tenants=TenantsCase(tenants=(1, 8), sizes=(64,), seconds=5.0, warmup=1),
+    placement=PlacementCase(tenants=16, sizes=(16,), rounds=2),
 )
 """``lorabus bench --quick``: sizes up to 256, fewer updates, own connections only;
 the distribution series at N = 8 with a 16 MB adapter; the tenants series at
-N = 64 with 1 and 8 tenants, 5 s each."""
+N = 64 with 1 and 8 tenants, 5 s each; the placement series at N = 16 with 16
+tenants."""

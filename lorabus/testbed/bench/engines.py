@@ -36,6 +36,8 @@ class NullEngine:
         rng: random.Random | None = None,
     ) -> None:
         self._adapters: dict[str, None] = {}
+        self.peak = 0
+        """The most adapters it held at once since :meth:`take_peak`."""
         self._latency = load_latency_s
         self._jitter = load_jitter_s
         self._rng = rng or random.Random(0)
@@ -51,6 +53,12 @@ class NullEngine:
             jitter = self._rng.uniform(-self._jitter, self._jitter)
             await asyncio.sleep(max(0.0, self._latency + jitter))
         self._adapters[name] = None
+        self.peak = max(self.peak, len(self._adapters))
+
+    def take_peak(self) -> int:
+        """The most adapters it held at once since the last take; from now, what it holds."""
+        peak, self.peak = self.peak, len(self._adapters)
+        return peak
 
     async def unload_adapter(self, name: str) -> None:
         self._adapters.pop(name, None)

@@ -104,9 +104,11 @@ class BenchFleet:
         engine: str = "null",
         *,
         cache_dirs: dict[str, str] | None = None,
+        max_adapters: int = 0,
     ) -> list[Child]:
         """Agent host processes for ``workers`` (``cache_dirs``: each worker's
-        adapter cache, for adapters from the fleet's object store)."""
+        adapter cache, for adapters from the fleet's object store;
+        ``max_adapters``: each agent's ``--max-adapters``)."""
         assert self.nats is not None
         ids = list(workers)
         count = min(self.host_count, len(ids))
@@ -127,6 +129,7 @@ class BenchFleet:
                 "load_jitter_s": self.jitter,
                 "seed": self.n * 100 + i,
                 "cache_dirs": {wid: cache_dirs[wid] for wid in chunk} if cache_dirs else {},
+                "max_adapters": max_adapters,
             }
             for i, chunk in enumerate(chunks)
         ]

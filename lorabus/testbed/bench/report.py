@@ -19,6 +19,7 @@ import msgspec
 
 from lorabus.testbed.bench.distreport import DistributionResult, distribution_table
 from lorabus.testbed.bench.figures import Stats, Target, stats_of
+from lorabus.testbed.bench.placementreport import PlacementResult, placement_table
 from lorabus.testbed.bench.tenantsreport import TenantResult, tenants_table
 
 __all__ = [
@@ -133,6 +134,8 @@ class BenchReport(msgspec.Struct, kw_only=True):
     """The distribution series, when it ran (``--series distribution``)."""
     tenants: list[TenantResult] = []
     """The tenants series, when it ran (``--series tenants``)."""
+    placement: list[PlacementResult] = []
+    """The placement series, when it ran (``--series placement``)."""
 
 
 def find(
@@ -402,6 +405,7 @@ def table(report: BenchReport) -> list[str]:
         )
     lines.extend(distribution_table(report.distribution))
     lines.extend(tenants_table(report.tenants))
+    lines.extend(placement_table(report.placement))
     disturbed = [
         f"{r.label} N={r.n} ({r.foreign_load:.0%})"
         for r in report.results

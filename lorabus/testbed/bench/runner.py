@@ -50,6 +50,8 @@ from lorabus.testbed.bench.distribution import run_distribution
 from lorabus.testbed.bench.fleet import BenchFailed, BenchFleet, cpu_of, pause_window
 from lorabus.testbed.bench.floor import FloorGather
 from lorabus.testbed.bench.frontend import ListingFrontend
+from lorabus.testbed.bench.placement import run_placement
+from lorabus.testbed.bench.placementreport import PlacementResult, judge_placement
 from lorabus.testbed.bench.procinfo import ProcessGone, cpu_seconds, memory_mb, peak_rss_mb
 from lorabus.testbed.bench.report import (
     BASELINE,
@@ -89,6 +91,7 @@ async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
     results: list[ModeResult] = []
     distributed: list[DistributionResult] = []
     tenants: list[TenantResult] = []
+    placed: list[PlacementResult] = []
     try:
         if "updates" in config.series:
             results = await _run_updates(config, run_dir, out, unmeasured)
@@ -96,12 +99,15 @@ async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
             distributed = await run_distribution(config, run_dir, out, unmeasured)
         if "tenants" in config.series:
             tenants = await run_tenants(config, run_dir, out, unmeasured)
+        if "placement" in config.series:
+            placed = await run_placement(config, run_dir, out, unmeasured)
     finally:
         failed = (
             bool(unmeasured)
             or any(r.errors for r in results)
             or any(r.errors for r in distributed)
             or any(r.errors for r in tenants)
+            or any(r.errors for r in placed)
         )
         if own_dir and not failed:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -121,11 +127,15 @@ async def run_bench(config: BenchConfig, out: Out) -> BenchReport:
         settings=_settings(config),
         results=results,
         ratios=ratios,
-        targets=targets + judge_distribution(distributed) + judge_tenants(tenants),
+        targets=targets
+        + judge_distribution(distributed)
+        + judge_tenants(tenants)
+        + judge_placement(placed),
         unmeasured=unmeasured,
         notes=notes,
         distribution=distributed,
         tenants=tenants,
+        placement=placed,
     )
 
 
@@ -153,7 +163,9 @@ async def _run_updates(
 def _settings(config: BenchConfig) -> dict[str, Any]:
     settings = asdict(config)
     settings["run_dir"] = None
-    sizes = sorted({*config.sizes, *config.distribution.sizes, *config.tenants.sizes})
+    sizes = sorted(
+        {*config.sizes, *config.distribution.sizes, *config.tenants.sizes, *config.placement.sizes}
+    )
     settings["heartbeat_s"] = {n: config.heartbeat_for(n) for n in sizes}
     return settings
 
