@@ -277,7 +277,9 @@ class Convergence:
     # -- the work that converges ---------------------------------------------
 
     def reconcile_if_needed(self) -> None:
-        """Start a round of reloads if the engine lacks something it must serve."""
+        """Start a round of reloads if the engine lacks something it must
+        serve; unload what it holds of adapters placed elsewhere."""
+        self._retire_unplaced()
         if self.reconciling:
             return
         self._round.clear()
@@ -335,16 +337,29 @@ class Convergence:
     def _retire(self, notice: CommittedNotice) -> None:
         """Unload the versions the fleet no longer keeps, behind whatever is
         queued; never one the engine must serve."""
-        # Placed elsewhere: its versions here go too, the committed one among them.
-        unplaced = self._desired.unplaced(notice.adapter, self._executor.adapters)
         unload = UnloadCommand(
             update_id=notice.update_id,
             targets=[self._worker_id],
             budget_s=_RETIRE_BUDGET_S,
             epoch=notice.epoch,
-            names=[*notice.retire, *unplaced],
+            names=notice.retire,
         )
         self._queue_retiring(unload)
+
+    def _retire_unplaced(self) -> None:
+        """Unload what the engine holds of adapters placed on other workers:
+        a worker that missed the notice that moved them (away, restarted)
+        finds them when it looks at its engine next (every quiet beat)."""
+        names = self._desired.all_unplaced(list(self._executor.adapters))
+        if names:
+            unload = UnloadCommand(
+                update_id="placement",
+                targets=[self._worker_id],
+                budget_s=_RETIRE_BUDGET_S,
+                epoch=self._fencing.epoch_seen,
+                names=names,
+            )
+            self._queue_retiring(unload)
 
     def put_off(self, unload: PhasedCommand) -> None:
         """Retiring waited for an update's pause: it runs once the engine is

@@ -266,21 +266,37 @@ class DesiredState:
             if name in required:
                 continue
             for adapter, target in self._targets.items():
+                if not self._here(adapter):
+                    if name in self.unplaced(adapter, [name]):
+                        found.append((-1, name))
+                        break
+                    continue
                 prefix = target.adapter + (f"-r{target.lineage}" if target.lineage else "")
                 version = _version_in(name, prefix)
-                newest = target.version if self._here(adapter) else target.version + 1
-                if version is not None and version < newest:
+                if version is not None and version < target.version:
                     found.append((version, name))
                     break
         return [name for _, name in sorted(found)]
 
     def unplaced(self, adapter: str, held: Iterable[str]) -> list[str]:
         """The versions of ``adapter`` in ``held`` to unload because it is
-        placed on other workers (none if it is placed here)."""
+        placed on other workers (none if it is placed here): of any earlier
+        lineage, and of its own up to the committed one (a newer one may be
+        what an update that places it here is loading now)."""
         target = self._targets.get(adapter)
         if target is None or self._here(adapter):
             return []
-        return [name for name in self.stale(held) if own_version(adapter, name)]
+        found = []
+        for name in held:
+            at = lineage_and_version(adapter, name)
+            if at is not None and at <= (target.lineage, target.version):
+                found.append(name)
+        return sorted(found)
+
+    def all_unplaced(self, held: Iterable[str]) -> list[str]:
+        """:meth:`unplaced` of every adapter."""
+        names = list(held)
+        return sorted({n for adapter in self._targets for n in self.unplaced(adapter, names)})
 
     def missing(self, held: Iterable[str]) -> list[Wanted]:
         """What the engine must hold and does not, in :meth:`wanted`'s order."""
@@ -317,6 +333,10 @@ def _version_in(name: str, prefix: str) -> int | None:
     return int(tail)
 
 
-def own_version(adapter: str, name: str) -> bool:
-    """Whether ``name`` is a versioned served name of ``adapter``, of any lineage."""
-    return re.fullmatch(rf"{re.escape(adapter)}(?:-r\d+)?-v\d+", name) is not None
+def lineage_and_version(adapter: str, name: str) -> tuple[int, int] | None:
+    """(lineage, version) of ``name`` if it is a versioned served name of
+    ``adapter`` (``<adapter>-v<n>``, ``<adapter>-r<lineage>-v<n>``), else None."""
+    found = re.fullmatch(rf"{re.escape(adapter)}(?:-r(\d+))?-v(\d+)", name)
+    if found is None:
+        return None
+    return int(found.group(1) or 0), int(found.group(2))

@@ -27,13 +27,16 @@ _NAMED = 8
 
 
 def no_room(
-    served_name: str, beside: Sequence[Served], members: Mapping[str, Heartbeat]
+    own: Sequence[str], beside: Sequence[Served], members: Mapping[str, Heartbeat]
 ) -> ErrorInfo | None:
-    """Why members cannot hold ``served_name`` beside ``beside``, or None. It
+    """Why members cannot hold ``own`` (an update's new served name first,
+    then the versions of its adapter they will keep) beside ``beside``,
+    or None. It
     counts what they hold, and names none of it: the answer goes to the
     requester, who may be a tenant, and the names are other tenants'
     (``lorabus status`` shows an operator each member's list)."""
-    needs = {worker: len(needed_on(worker, served_name, beside)) for worker in members}
+    served_name = own[0]
+    needs = {worker: len(needed_on(worker, own, beside)) for worker in members}
     short = sorted(
         (worker, beat)
         for worker, beat in members.items()

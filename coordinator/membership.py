@@ -299,6 +299,14 @@ class Membership:
         at = self._clock()
         return {wid: m for wid, m in self._members.copy().items() if _alive(m, at)}
 
+    def listening_for(self) -> float:
+        """Seconds since this membership began to hear heartbeats."""
+        return self._clock() - self._started_at
+
+    def remembered(self) -> dict[str, Heartbeat]:
+        """The last heartbeat of every worker still remembered, live or not."""
+        return {wid: m.heartbeat for wid, m in self._members.copy().items()}
+
     def known(self) -> list[str]:
         """Every worker still remembered, live or not."""
         return sorted(self._members.copy())
@@ -362,13 +370,12 @@ class Membership:
     async def wait_for(
         self, pick: Callable[[dict[str, Heartbeat]], _T | None], timeout_s: float
     ) -> _T | None:
-        """``pick``'s first answer that is not None, of the live, ready
-        members' heartbeats as they change; None once ``timeout_s`` passed."""
+        """``pick``'s first answer that is not None, of the live members'
+        heartbeats (ready or not) as they change; None once ``timeout_s`` passed."""
         deadline = self._clock() + timeout_s
         while True:
             raise_if_cancelled()
-            ready = {w: m.heartbeat for w, m in self.live().items() if m.heartbeat.ready}
-            picked = pick(ready)
+            picked = pick({w: m.heartbeat for w, m in self.live().items()})
             remaining = deadline - self._clock()
             if picked is not None or remaining <= 0:
                 return picked

@@ -73,6 +73,16 @@ class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
     placed_on: list[str] = []
     """The workers the adapter's commit point lists now ([]: every worker,
     or nothing committed): a placed update prefers them."""
+    previous: list[str] = []
+    """The adapter's served names committed now, newest first: its
+    committed version, then those kept beside it."""
+
+    @property
+    def own_names(self) -> list[str]:
+        """What a worker serving the adapter holds once this commits: its new
+        version, and the newest of the versions committed now it keeps."""
+        older = [name for name in self.previous if name != self.served_name]
+        return [self.served_name, *older[: self.keep - 1]]
 
 
 class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,6 +136,7 @@ class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
             keep=self.keep,
             placement=self.placement,
             placed_on=list(committed.workers) if committed is not None else [],
+            previous=_served_names(committed) if committed is not None else [],
         )
 
 
@@ -174,6 +185,10 @@ def check_request(request: UpdateRequest, config: CoordinatorConfig) -> CheckedR
         keep=config.keep if request.keep is None else request.keep,
         placement=placement,
     )
+
+
+def _served_names(committed: CommittedRecord) -> list[str]:
+    return [committed.served_name, *(k.served_name for k in committed.kept if k.served_name)]
 
 
 def versioned_name(adapter: str, lineage: int, version: int) -> str:

@@ -169,6 +169,15 @@ class FleetStore:
         where it is served (``replacement.py``)."""
         await self._put(self._state, f"{COMMITTED}.{record.adapter}", msgspec.json.encode(record))
 
+    async def read_commit_point(self, adapter: str) -> tuple[CommittedRecord | None, int]:
+        """The adapter's commit point and its revision, for :meth:`move_commit_point`."""
+        return await self._read(self._state, f"{COMMITTED}.{adapter}", CommittedRecord)
+
+    async def move_commit_point(self, record: CommittedRecord, last_revision: int) -> None:
+        """Rewrite a commit point with other ``workers``, by compare-and-set on
+        the revision it was read at: LostRace if anything wrote it since."""
+        await self._swap(f"{COMMITTED}.{record.adapter}", "the commit point", record, last_revision)
+
     async def write_latest(self, record: CommittedRecord) -> None:
         """The fleet's latest commit, which an agent reads when it (re)connects.
         Written after the commit point: a successor that finds the update in

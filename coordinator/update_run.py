@@ -30,6 +30,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Iterator
+from functools import partial
 
 import msgspec
 
@@ -39,17 +40,25 @@ from lorabus.coordinator.carrying import Carrying, carried_load, may_have_landed
 from lorabus.coordinator.digests import digest_problem
 from lorabus.coordinator.gather import PhaseGather
 from lorabus.coordinator.inflight import InflightJournal
+from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.outcomes import Carried, Loaded, RunOutcome, Window, run_result
 from lorabus.coordinator.phases import Commands, Gathering, PhaseOutcome
-from lorabus.coordinator.placement import Served, place, unplaceable
+from lorabus.coordinator.placement import (
+    Served,
+    never_placeable,
+    place,
+    unplaceable,
+    wait_for_whom,
+)
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import Frontend, Journal
 from lorabus.coordinator.quorum import QuorumPolicy
-from lorabus.errors import FrontendUnverified, QuorumNotReached
+from lorabus.errors import BadRequest, FrontendUnverified, QuorumNotReached
 from lorabus.runtime.clock import now
 from lorabus.schemas import (
     COMMITTED,
     FAILED,
+    PLACED_SINCE,
     ErrorCode,
     ErrorInfo,
     Heartbeat,
@@ -66,6 +75,12 @@ from lorabus.schemas import (
 )
 
 log = logging.getLogger(__name__)
+
+HEARD_EVERYONE_AFTER_S = 10.0
+"""A coordinator that has listened this long has heard every agent that
+beats at least that often (every second by default): from then on, a
+placement no worker it remembers can meet fails at once; before, it waits
+for its quorum as any update does."""
 
 
 class UpdateRun:
@@ -124,7 +139,7 @@ class UpdateRun:
             return self._failed(quorum_error, {}, None)
         live = self.commands.membership.live()
         beats = {w: live[w].heartbeat for w in self.members if w in live}
-        short = no_room(self.plan.served_name, self._beside(), beats)
+        short = no_room(self.plan.own_names, self._beside(), beats)
         if short is not None:
             return self._failed(short, {}, None)
         await self.commands.bus.emit(
@@ -160,28 +175,48 @@ class UpdateRun:
                 grace_s=self.config.quorum_grace_s,
             )
 
-        def placed(beats: dict[str, Heartbeat]) -> dict[str, int] | None:
+        never = never_placeable(placement, membership.remembered())
+        if never is not None and membership.listening_for() >= HEARD_EVERYONE_AFTER_S:
+            raise BadRequest(never)
+        older = sorted(w for w, m in membership.live().items() if m.heartbeat.v < PLACED_SINCE)
+        if older:
+            raise BadRequest(
+                f"placement needs every agent at wire version {PLACED_SINCE} or later, which "
+                f"loads only what is placed on it; {', '.join(older[:8])} run(s) an older one"
+            )
+        not_gone = partial(self._not_gone, membership)
+
+        def placed(live: dict[str, Heartbeat], *, wait: bool = True) -> dict[str, int] | None:
+            if wait and wait_for_whom(placement, live, self.plan.placed_on, not_gone):
+                return None  # a worker that serves it now, or may, comes back first
+            ready = {w: beat for w, beat in live.items() if beat.ready}
             chosen = place(
                 self.plan.adapter,
                 placement,
-                beats,
+                ready,
                 now_on=self.plan.placed_on,
-                served_name=self.plan.served_name,
+                own=self.plan.own_names,
                 beside=self._beside(),
             )
             if chosen is None:
                 return None
             # Taken at once: the next placed update to choose counts it.
             self._placing[self.plan.update_id] = Served(self.plan.served_name, tuple(chosen))
-            return {w: beats[w].world_size for w in chosen}
+            return {w: ready[w].world_size for w in chosen}
 
         members = await membership.wait_for(placed, self.config.quorum_timeout_s)
+        if members is None:  # waited long enough for those away: choose without them
+            live = {w: m.heartbeat for w, m in membership.live().items()}
+            members = placed(live, wait=False)
         if members is None:
             ready = {w: m.heartbeat for w, m in membership.live().items() if m.heartbeat.ready}
             raise QuorumNotReached(unplaceable(placement, ready, self.config.quorum_timeout_s))
         self.placed = sorted(members)
         self.quorum = QuorumPolicy(self.config, world_size=sum(members.values()))
         return members
+
+    def _not_gone(self, membership: Membership, worker: str) -> bool:
+        return membership.silent_for(worker) < self.config.replace_after_s
 
     def _beside(self) -> list[Served]:
         """What engines serve while it runs: what is committed, and the new

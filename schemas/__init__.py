@@ -97,7 +97,7 @@ from lorabus.schemas.requests import (
     WorkerOutcome,
 )
 from lorabus.schemas.subjects import Subjects, check_token
-from lorabus.schemas.wire import INSTANCE_BOUND_SINCE, WIRE_VERSION, Phase, tag_of
+from lorabus.schemas.wire import INSTANCE_BOUND_SINCE, PLACED_SINCE, WIRE_VERSION, Phase, tag_of
 
 __all__ = [
     "COMMITTED",
@@ -108,6 +108,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_WORLD_SIZE",
     "PENDING",
+    "PLACED_SINCE",
     "UNKNOWN",
     "UPDATE_ID_PATTERN",
     "WIRE_VERSION",

@@ -195,7 +195,7 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     """From its last heartbeat: the committed served names its engine lacks."""
     capacity: int | None = None
     """From its last heartbeat: the most adapters its engine holds at once."""
-    labels: dict[str, str] = {}
+    labels: Labels = {}
     """From its last heartbeat: the labels placement selects workers by."""
 
 

@@ -52,7 +52,7 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         if not 1 <= self.max_keep <= MAX_KEEP:
             raise ValueError(f"a tenant's max_keep must be 1-{MAX_KEEP}")
         for root in self.roots:
-            if not posixpath.isabs(root) or posixpath.normpath(root) == "/":
+            if not posixpath.isabs(root) or not posixpath.normpath(root).strip("/"):
                 raise ValueError(f"a tenant's root must be an absolute directory, not {root!r}")
 
     def owns(self, adapter: str) -> bool:

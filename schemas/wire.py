@@ -18,7 +18,7 @@ import enum
 
 import msgspec
 
-WIRE_VERSION = 7
+WIRE_VERSION = 8
 """2: commands address a pause's cohort and committed notices reach every
 agent; a version-1 agent acts only on commands that name it, so in an
 upgrade the agents go first and the coordinators last.
@@ -42,7 +42,15 @@ kept beside it (``CommittedRecord.kept``, read from KV, and a committed
 notice's ``adapter`` and ``kept``); a version-6 agent converges on the
 newest commit only. A request may ask for its adapter's ``keep``, and a
 status lists every adapter (``FleetStatus.adapters``); a version-6 peer
-ignores both."""
+ignores both.
+8: placement: a request may ask for ``replicas`` and a ``selector`` over
+the labels heartbeats announce (``Heartbeat.labels``), and a commit point
+and its notice list the workers placed (``workers``); a version-7 agent
+would load every adapter everywhere, so a coordinator refuses a placed
+update while any live agent beats with an older version."""
+
+PLACED_SINCE = 8
+"""The wire version from which an agent loads only what is placed on it."""
 
 INSTANCE_BOUND_SINCE = 5
 """The wire version from which a command sent by name carries ``instance``."""

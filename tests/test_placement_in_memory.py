@@ -13,9 +13,10 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
-from memory_fleet import InMemoryFleet
+from memory_fleet import HEARTBEAT_S, InMemoryFleet
 
-from lorabus.schemas import ErrorCode, UpdateMode
+from lorabus.coordinator.update_run import HEARD_EVERYONE_AFTER_S
+from lorabus.schemas import PLACED_SINCE, ErrorCode, Heartbeat, UpdateMode, encode
 from lorabus.schemas.bounds import MAX_LABELS
 
 pytestmark = pytest.mark.looptime
@@ -110,12 +111,20 @@ async def test_an_agent_started_later_loads_only_what_is_placed_on_it() -> None:
 async def test_placements_that_cannot_be_met_fail_clearly() -> None:
     async with _fleet(quorum_timeout_s=2.0) as fleet:
         client = fleet.client()
+        # Just started, the coordinator may not have heard every agent yet: it waits.
+        early = await client.update("p", "/adapters/p/1", version=1, replicas=5)
+        assert early.error is not None and early.error.code == ErrorCode.QUORUM_TIMEOUT
+        assert "5 worker(s)" in early.error.message and "4 live" in early.error.message
+        # Once it has heard them all, what no worker can meet fails at once.
+        await asyncio.sleep(HEARD_EVERYONE_AFTER_S)
+        started = asyncio.get_running_loop().time()
         too_many = await client.update("p", "/adapters/p/1", version=1, replicas=5)
-        assert too_many.error is not None and too_many.error.code == ErrorCode.QUORUM_TIMEOUT
-        assert "5 worker(s)" in too_many.error.message and "4 live" in too_many.error.message
+        assert too_many.error is not None and too_many.error.code == ErrorCode.BAD_REQUEST
+        assert "the fleet has 4 such worker(s)" in too_many.error.message
         nowhere = await client.update("p", "/adapters/p/1", version=1, selector={"zone": "c"})
-        assert nowhere.error is not None and nowhere.error.code == ErrorCode.QUORUM_TIMEOUT
+        assert nowhere.error is not None and nowhere.error.code == ErrorCode.BAD_REQUEST
         assert "zone=c" in nowhere.error.message
+        assert asyncio.get_running_loop().time() - started < fleet.config.quorum_timeout_s
         paused = await client.update("p", "/adapters/p/1", version=1, replicas=1, mode="pause")
         assert paused.error is not None and paused.error.code == ErrorCode.BAD_REQUEST
         assert "live mode" in paused.error.message
@@ -145,7 +154,6 @@ async def test_a_placed_worker_that_leaves_is_replaced() -> None:
         await fleet.start_agent(first, fleet.world_sizes[first])
         await asyncio.sleep(fleet.config.replace_after_s * 2)
         assert fleet.coordinator.book.committed["p"].workers == [first]
-        assert _holding(fleet, "p-v1") == [first]
 
         # Gone for good: the other zone-a worker takes its place, never zone b.
         await fleet.kill_agent(first)
@@ -175,3 +183,90 @@ async def test_adapters_placed_at_once_spread_within_one_of_even() -> None:
         assert all(r.committed for r in results), results
         counts = {w: len(engine.adapters) for w, engine in fleet.engines.items()}
         assert sorted(counts.values()) == [2, 2, 2, 2], counts
+
+
+async def test_a_worker_that_restarts_keeps_its_place_and_one_that_missed_a_move_unloads() -> None:
+    """An update waits for a placed worker that is only restarting, rather
+    than placing the next version elsewhere; a worker dropped from the
+    placement while it was away unloads the adapter at its return."""
+    async with _fleet(keep=1) as fleet:
+        client = fleet.client()
+        first = await client.update("p", "/adapters/p/1", version=1, selector={"zone": "b"})
+        assert first.committed and sorted(first.workers) == ["w2", "w3"], first
+        # w3 restarts while v2 is requested: v2 waits for it, and lands on both.
+        await fleet.kill_agent("w3")
+        await asyncio.sleep(1.0)  # no longer live (3 beats missed), not yet gone
+        second = asyncio.ensure_future(
+            client.update("p", "/adapters/p/2", version=2, selector={"zone": "b"})
+        )
+        await asyncio.sleep(3.0)
+        assert not second.done()
+        await fleet.start_agent("w3", fleet.world_sizes["w3"])
+        assert (await second).committed and sorted((await second).workers) == ["w2", "w3"]
+        assert _holding(fleet, "p-v2") == ["w2", "w3"]
+
+        # w3 away while the adapter moves to w2 alone: back, it unloads it.
+        await fleet.kill_agent("w3")
+        third = await client.update(
+            "p", "/adapters/p/3", version=3, replicas=1, selector={"zone": "b"}
+        )
+        assert third.committed and list(third.workers) == ["w2"], third
+        assert "p-v2" in fleet.engines["w3"].adapters  # it heard nothing
+        await fleet.start_agent("w3", fleet.world_sizes["w3"])
+        await _until(lambda: not fleet.engines["w3"].adapters)
+        assert _holding(fleet, "p-v3") == ["w2"]
+
+
+async def test_a_replacement_goes_only_where_there_is_room() -> None:
+    """The worker that left has no replacement with room: the adapter stays
+    on the others, a replica short, and no engine is pushed past its capacity."""
+    async with _fleet() as fleet:
+        client = fleet.client()
+        # w0 and w1 (zone a) hold one adapter at most.
+        for worker in ("w0", "w1"):
+            fleet.agents[worker].executor.max_adapters = 1
+        everywhere = await client.update("q", "/adapters/q/1", version=1)
+        assert everywhere.committed, everywhere
+        placed = await client.update("p", "/adapters/p/1", version=1, selector={"zone": "b"})
+        assert placed.committed and sorted(placed.workers) == ["w2", "w3"], placed
+        record = fleet.coordinator.book.committed["p"]
+        assert record.selector == {"zone": "b"}
+        await fleet.kill_agent("w3")
+        await asyncio.sleep(fleet.config.replace_after_s * 2)
+        # No zone-b worker left to take w3's place: it stays listed.
+        assert fleet.coordinator.book.committed["p"].workers == ["w2", "w3"]
+        assert all(len(fleet.engines[w].adapters) <= 1 for w in ("w0", "w1"))
+
+
+async def test_no_placement_while_an_agent_of_an_older_wire_version_beats() -> None:
+    """A version-7 agent ignores ``workers`` and would serve a placed adapter
+    everywhere: while one beats, placed updates are refused, others run."""
+    async with _fleet() as fleet:
+        old = Heartbeat(
+            v=PLACED_SINCE - 1,
+            worker_id="w9",
+            world_size=1,
+            engine="memory",
+            adapters=[],
+            paused=False,
+            interval_s=HEARTBEAT_S,
+        )
+        conn = fleet.server.connect("old-agent")
+        stop = asyncio.Event()
+
+        async def beat() -> None:
+            while not stop.is_set():
+                await conn.publish(fleet.subjects.heartbeat("w9"), encode(old))
+                await asyncio.sleep(HEARTBEAT_S)
+
+        beating = asyncio.ensure_future(beat())
+        try:
+            await asyncio.sleep(1.0)
+            client = fleet.client()
+            refused = await client.update("p", "/adapters/p/1", version=1, replicas=1)
+            assert refused.error is not None and refused.error.code == ErrorCode.BAD_REQUEST
+            assert "w9" in refused.error.message and "wire version" in refused.error.message
+            assert all(not engine.adapters for engine in fleet.engines.values())
+        finally:
+            stop.set()
+            await beating

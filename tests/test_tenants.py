@@ -62,6 +62,12 @@ def test_a_tenants_file_that_is_not_one_is_refused_saying_where(
     assert not Tenants.load("")
 
 
+@pytest.mark.parametrize("root", ["/", "//", "///", "relative/dir", ""])
+def test_a_root_must_be_a_directory_below_the_filesystems_root(root: str) -> None:
+    with pytest.raises(ValueError, match="root"):
+        Tenant(adapters="a-*", roots=[root])
+
+
 def test_the_rules_of_an_update() -> None:
     a = Tenant(adapters="a-*", max_adapters=2, max_keep=3, roots=["/adapters/a"])
     tenants = Tenants({"a": a, "b": Tenant(adapters="b-*"), "ab": Tenant(adapters="*-shared")})

@@ -142,7 +142,7 @@ def adapters_text(status: FleetStatus, *, now: float) -> list[str]:
         when = f"committed {age_text(now - a.committed_at)} ago" if a.committed_at else ""
         line = f"  {a.adapter}: {a.served_name} (version {a.version}, {digest})"
         line += f"{', ' + when if when else ''}; {_holders_text(a.holders, live, status.trimmed)}"
-        if a.placed:
+        if a.placed:  # (the holders' trimming leaves it out too)
             line += f"; placed on {len(a.placed)}: {_names(a.placed, HOLDERS_SHOWN)}"
         if a.kept:
             line += f"; kept beside it: {', '.join(a.kept)}"
