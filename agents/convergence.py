@@ -350,7 +350,7 @@ class Convergence:
         """Unload what the engine holds of adapters placed on other workers:
         a worker that missed the notice that moved them (away, restarted)
         finds them when it looks at its engine next (every quiet beat)."""
-        names = self._desired.all_unplaced(list(self._executor.adapters))
+        names = self._desired.unplaced(list(self._executor.adapters))
         if names:
             unload = UnloadCommand(
                 update_id="placement",

@@ -39,6 +39,10 @@ COMMIT_POINTS = f"{COMMITTED_KEY}.>"
 
 UNREADY_REASON_MAX = 4096
 """A heartbeat's ``unready_reason`` is at most this long (schemas/reports.py)."""
+_VERSIONED = re.compile(r"(?P<adapter>.+?)(?:-r(?P<lineage>\d+))?-v(?P<version>\d+)")
+"""A versioned served name: ``<adapter>-v<n>``, after a reset
+``<adapter>-r<lineage>-v<n>`` (no adapter name ends like ``-r<n>``: the
+coordinator refuses one)."""
 _NAMED_AT_MOST = 4
 """Missing names an unready reason spells out; the rest are counted."""
 
@@ -256,47 +260,49 @@ class DesiredState:
     def stale(self, held: Iterable[str]) -> list[str]:
         """The names of ``held`` an engine may give up to make room, oldest
         first: versions of a committed adapter older than its committed one
-        (of its lineage) that it does not keep, and, of an adapter placed on
-        other workers, the committed one too. Nothing else: not a version
-        of an adapter no commit names, nor one newer than the committed (an
-        update may be loading it now)."""
+        (of its lineage) that it does not keep, and those :meth:`unplaced`
+        names. Nothing else: not a version of an adapter no commit names,
+        nor one newer than the committed (an update may be loading it now)."""
         required = self.names()
         found: list[tuple[int, str]] = []
         for name in held:
-            if name in required:
+            seen = None if name in required else self._version_of(name)
+            if seen is None:
                 continue
-            for adapter, target in self._targets.items():
-                if not self._here(adapter):
-                    if name in self.unplaced(adapter, [name]):
-                        found.append((-1, name))
-                        break
-                    continue
-                prefix = target.adapter + (f"-r{target.lineage}" if target.lineage else "")
-                version = _version_in(name, prefix)
-                if version is not None and version < target.version:
-                    found.append((version, name))
-                    break
+            target, lineage, version = seen
+            if not target.placed_on(self._worker_id):
+                if (lineage, version) <= target.order:
+                    found.append((-1, name))
+            elif lineage == target.lineage and version < target.version:
+                found.append((version, name))
         return [name for _, name in sorted(found)]
 
-    def unplaced(self, adapter: str, held: Iterable[str]) -> list[str]:
-        """The versions of ``adapter`` in ``held`` to unload because it is
-        placed on other workers (none if it is placed here): of any earlier
+    def unplaced(self, held: Iterable[str], adapter: str | None = None) -> list[str]:
+        """The names of ``held`` to unload because their adapter (``adapter``,
+        or any) is placed on other workers: its versions of any earlier
         lineage, and of its own up to the committed one (a newer one may be
         what an update that places it here is loading now)."""
-        target = self._targets.get(adapter)
-        if target is None or self._here(adapter):
-            return []
         found = []
         for name in held:
-            at = lineage_and_version(adapter, name)
-            if at is not None and at <= (target.lineage, target.version):
+            seen = self._version_of(name)
+            if seen is None or (adapter is not None and seen[0].adapter != adapter):
+                continue
+            target, lineage, version = seen
+            if not target.placed_on(self._worker_id) and (lineage, version) <= target.order:
                 found.append(name)
         return sorted(found)
 
-    def all_unplaced(self, held: Iterable[str]) -> list[str]:
-        """:meth:`unplaced` of every adapter."""
-        names = list(held)
-        return sorted({n for adapter in self._targets for n in self.unplaced(adapter, names)})
+    def _version_of(self, name: str) -> tuple[Target, int, int] | None:
+        """The target of the adapter ``name`` is a versioned served name of,
+        with the name's lineage and version; None for any other name. One
+        parse and one look-up, whatever the number of adapters."""
+        found = _VERSIONED.fullmatch(name)
+        if found is None:
+            return None
+        target = self._targets.get(found["adapter"])
+        if target is None:
+            return None
+        return target, int(found["lineage"] or 0), int(found["version"])
 
     def missing(self, held: Iterable[str]) -> list[Wanted]:
         """What the engine must hold and does not, in :meth:`wanted`'s order."""
@@ -323,20 +329,3 @@ def unready_text(missing: list[Wanted], failures: Mapping[str, tuple[int, str]])
     if len(ranked) > len(shown):
         parts.append(f"and {len(ranked) - len(shown)} more missing")
     return "; ".join(parts)[:UNREADY_REASON_MAX]
-
-
-def _version_in(name: str, prefix: str) -> int | None:
-    """The version of served name ``<prefix>-v<version>``, else None."""
-    head, sep, tail = name.rpartition("-v")
-    if not sep or head != prefix or not tail.isdigit():
-        return None
-    return int(tail)
-
-
-def lineage_and_version(adapter: str, name: str) -> tuple[int, int] | None:
-    """(lineage, version) of ``name`` if it is a versioned served name of
-    ``adapter`` (``<adapter>-v<n>``, ``<adapter>-r<lineage>-v<n>``), else None."""
-    found = re.fullmatch(rf"{re.escape(adapter)}(?:-r(\d+))?-v(\d+)", name)
-    if found is None:
-        return None
-    return int(found.group(1) or 0), int(found.group(2))

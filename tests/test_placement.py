@@ -203,13 +203,13 @@ def test_a_worker_unloads_what_is_placed_elsewhere_up_to_the_committed_version()
     held = ["p-v9", "p-r1-v4", "p-r1-v5", "p-r1-v6", "q-v1", "q-v2", "pq-v1"]
     # Every version of an earlier lineage, its own up to the committed one;
     # not a newer one (an update placing it here may be loading it now).
-    assert desired.unplaced("p", held) == ["p-r1-v4", "p-r1-v5", "p-v9"]
-    assert desired.all_unplaced(held) == ["p-r1-v4", "p-r1-v5", "p-v9"]
-    assert desired.unplaced("q", held) == []  # placed everywhere
+    assert desired.unplaced(held, "p") == ["p-r1-v4", "p-r1-v5", "p-v9"]
+    assert desired.unplaced(held) == ["p-r1-v4", "p-r1-v5", "p-v9"]
+    assert desired.unplaced(held, "q") == []  # placed everywhere
     assert {w.served_name for w in desired.wanted()} == {"q-v2"}
     # What a load at capacity may give up: those, and q's older version.
     assert set(desired.stale(held)) == {"p-r1-v4", "p-r1-v5", "p-v9", "q-v1"}
     # On w0, where p is placed, p's committed version is required.
     here = DesiredState("w0")
     here.learn(desired.targets["p"])
-    assert here.unplaced("p", held) == [] and "p-r1-v5" in here.names()
+    assert here.unplaced(held) == [] and "p-r1-v5" in here.names()
