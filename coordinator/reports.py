@@ -6,7 +6,9 @@ lorabus would not have made. Each is logged, with the epoch, where it is
 handled, and audited as a ``bad_message`` event, at most ``_BAD_EVENTS_PER_S``
 a second, so that junk cannot flood the audit trail too. A tenant's request
 refused for what it asked (``tenants.py``) is a ``request_refused`` event,
-within the same budget. (Heartbeats and
+within a budget of that tenant's own, as many a second: no tenant's flood
+of refused requests keeps another's refusals, or junk, out of the trail
+(those of names no tenant has share the common budget). (Heartbeats and
 acks are reported by ``bus.py``, on a budget of their own.)
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nats.aio.msg import Msg
 
@@ -31,11 +33,20 @@ _BAD_EVENTS_PER_S = 10
 
 
 class Reports:
-    def __init__(self, bus: CommandBus, subjects: Subjects, epoch: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        bus: CommandBus,
+        subjects: Subjects,
+        epoch: Callable[[], int],
+        *,
+        tenants: Iterable[str] = (),
+    ) -> None:
         self.bus = bus
         self.subjects = subjects
         self._epoch = epoch
         self._budget = PerSecond(_BAD_EVENTS_PER_S)
+        self._tenant_budgets = {name: PerSecond(_BAD_EVENTS_PER_S) for name in tenants}
+        """One per tenant the coordinator knows (a bounded set)."""
 
     async def bad_request(self, msg: Msg, error: str) -> None:
         """A request that is not served as sent (it does not decode, or its
@@ -72,7 +83,7 @@ class Reports:
         log.warning(
             "epoch=%d tenant=%s %s %s refused: %s", self._epoch(), tenant, kind, update_id, error
         )
-        if self._budget.take():
+        if self._tenant_budgets.get(tenant, self._budget).take():
             await self.bus.emit(
                 RequestRefused(
                     ts=time.time(),

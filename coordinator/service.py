@@ -186,7 +186,7 @@ class Coordinator:
             signer=self.signer,
         )
         self._acks = bus.acks
-        reports = Reports(bus, self.subjects, lambda: self.epoch)
+        reports = Reports(bus, self.subjects, lambda: self.epoch, tenants=self.tenants.by_name)
         # JetStream can take a while (a cluster electing its meta leader, a
         # server restarting), so keep trying with a growing pause.
         store = await until_stored(lambda: FleetStore.open(nc, self.config, self.signer))

@@ -205,3 +205,26 @@ async def test_a_tenants_quotas_bound_its_queue_and_its_adapters(tmp_path: Path)
             "committed",
         ], results
         assert refusals == []  # busy is no refusal: the same request may come again
+
+
+async def test_one_tenants_flood_of_refusals_keeps_no_other_out_of_the_trail(
+    tmp_path: Path,
+) -> None:
+    """Refusal events are budgeted per tenant: a's flood fills a's budget
+    for the second (the rest are answered and logged, not audited), and b's
+    refusal in that same second is still in the trail."""
+    async with _fleet(tmp_path) as fleet:
+        refusals = await _refusals(fleet)
+        a, b = fleet.client("a"), fleet.client("b")
+        started = asyncio.get_running_loop().time()
+        flood = await asyncio.gather(
+            *(a.update("b-policy", "/adapters/b/1", update_id=f"a:x{k}") for k in range(30))
+        )
+        assert all(r.error is not None and r.error.code == ErrorCode.FORBIDDEN for r in flood)
+        theirs = await b.update("a-policy", "/adapters/a/1", update_id="b:y")
+        assert theirs.error is not None and theirs.error.code == ErrorCode.FORBIDDEN
+        assert asyncio.get_running_loop().time() - started < 1.0  # one second's budget
+        async with asyncio.timeout(5):
+            while not any(r.tenant == "b" for r in refusals):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert sum(r.tenant == "a" for r in refusals) == 10
