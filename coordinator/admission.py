@@ -137,10 +137,13 @@ class Admission:
         status: Callable[[], FleetStatus],
         own_inbox: str,
         tenants: Tenants | None = None,
+        probe: bytes = b"",
     ) -> None:
         self.term = term
         self._status = status
         self._tenants = tenants or Tenants()
+        self._probe = probe
+        """The body of this coordinator's own probes (``service.py``), dropped unanswered."""
         self._own_inbox = own_inbox
         """This coordinator's inbox prefix, where no request may have its answer sent."""
         self._last_joined: dict[str, asyncio.Event] = {}
@@ -205,6 +208,8 @@ class Admission:
         is refused before anything is done for it (see the module docstring)."""
 
         async def on_request(msg: Msg) -> None:
+            if self._probe and msg.data == self._probe:
+                return  # its own probe: it reached the subscription, which is all it asks
             why = reply_refusal(msg.reply, self.term.subjects, self._own_inbox)
             if why is None:
                 await serve(msg)

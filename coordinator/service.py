@@ -29,12 +29,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
@@ -74,6 +76,8 @@ log = logging.getLogger(__name__)
 
 ALERT_CHECK_S = 1.0
 """How often the leader looks for members that need a person's look."""
+_UNROUTED_PROBES = 3
+"""Probes answered "no responders" in a row before a leader steps aside."""
 _SWEEP_TICK_S = 1.0
 """The shortest wait between two looks whether a sweep of the store is due."""
 
@@ -126,6 +130,8 @@ class Coordinator:
         self._max_payload: Callable[[], int] = lambda: MAX_MESSAGE_BYTES
         """The largest message the bus carries (the server's, once connected)."""
         self._own_inbox = ""
+        self._probe = b"lorabus-probe:" + secrets.token_hex(16).encode()
+        """What this process's probes of its own subscriptions carry (:meth:`_check_routed`)."""
         """This coordinator's inbox prefix, where no request may have its answer sent."""
 
     async def run(self, nc: NatsClient, ready: asyncio.Event | None = None) -> None:
@@ -264,6 +270,7 @@ class Coordinator:
                 tasks.create_task(self._check_streams(nc, term))
                 tasks.create_task(self._sweep_store(term))
                 tasks.create_task(replace_departed(term))
+                tasks.create_task(self._check_routed(nc, term))
         except* LeadershipLost as lost:
             log.warning("epoch=%d stepped down: %s", term.epoch, lost.exceptions[0])
             if any(isinstance(exc, SteppedAside) for exc in lost.exceptions):
@@ -290,7 +297,11 @@ class Coordinator:
                 )
             )
             admission = Admission(
-                term, status=self.status, own_inbox=self._own_inbox, tenants=self.tenants
+                term,
+                status=self.status,
+                own_inbox=self._own_inbox,
+                tenants=self.tenants,
+                probe=self._probe,
             )
             subs = await admission.subscribe(nc)
             self.leading.set()
@@ -363,6 +374,35 @@ class Coordinator:
                 continue  # still recovering, or a sweep came sooner
             async with term.records.deleting():
                 await housekeep(term, sweep=True)
+
+    async def _check_routed(self, nc: NatsClient, term: Term) -> None:
+        """For one term: every lease, while leading and connected, ask the
+        fleet's status subject with a body only this process knows, which
+        its own subscription drops unanswered (so the ask times out). The
+        server answering that nobody listens there (no responders) means it
+        no longer routes the fleet's requests to this leader, which lost its
+        subscriptions (seen once after two server restarts, with the leader
+        stopped during its reconnect): after ``_UNROUTED_PROBES`` such
+        answers in a row it steps aside, and the next term, its own or a
+        standby's, subscribes afresh."""
+        every_s = self.config.leader_lease_s
+        unrouted = 0
+        while True:
+            await asyncio.sleep(every_s)
+            if not self.leading.is_set() or not nc.is_connected:
+                unrouted = 0
+                continue
+            try:
+                await nc.request(term.subjects.status_request(), self._probe, timeout=every_s)
+            except nats.errors.NoRespondersError:
+                unrouted += 1
+            except (TimeoutError, nats.errors.Error):
+                unrouted = 0  # it reached a subscription
+            if unrouted >= _UNROUTED_PROBES:
+                raise SteppedAside(
+                    f"the server has routed none of {unrouted} probes of "
+                    f"{term.subjects.status_request()} to this leader: its subscriptions are gone"
+                )
 
     def _highest_epoch_seen(self) -> int:
         """The highest epoch the live agents' heartbeats say they have seen."""

@@ -158,6 +158,10 @@ class MemoryNats:
         self._subs: list[MemorySubscription] = []
         self._inboxes = itertools.count(1)
 
+    @property
+    def is_connected(self) -> bool:
+        return not (self.is_cut or self.is_closed)
+
     def cut(self) -> None:
         """Partition this connection: what it sends and what is sent to it is lost."""
         self.is_cut = True

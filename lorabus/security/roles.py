@@ -138,6 +138,9 @@ def _coordinator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
             *object_deletes(subjects, JS_API),
             f"$KV.{subjects.state_bucket()}.>",
             f"$KV.{subjects.results_bucket()}.>",
+            # The leader's probe that the server still routes requests to it
+            # (coordinator/service.py); it answers its own probe with nothing.
+            subjects.status_request(),
         ),
         subscribe=(
             subjects.heartbeat_any(),
