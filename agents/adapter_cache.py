@@ -47,6 +47,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Collection
+from typing import Protocol
 
 from lorabus.adapters.archive import BadArchive, Unpacker
 from lorabus.adapters.digest import adapter_digest, adapter_files
@@ -54,11 +55,20 @@ from lorabus.adapters.store import ChunkSink, check_digest
 from lorabus.agents.cache_holders import HolderFiles
 from lorabus.errors import DigestMismatch, FetchFailed
 
-__all__ = ["AdapterCache", "Fetch"]
+__all__ = ["AdapterCache", "Fetch", "StoreFetch"]
 
 log = logging.getLogger(__name__)
 
 Fetch = Callable[[str, ChunkSink], Awaitable[int]]
+
+
+class StoreFetch(Protocol):
+    """Writes the adapter ``digest`` of ``store`` ("": the fleet's, else a
+    tenant's) into ``into``; its size (the agent's ``AgentBus.fetch_adapter``)."""
+
+    def __call__(self, digest: str, into: ChunkSink, *, store: str = "") -> Awaitable[int]: ...
+
+
 """Writes the object store's adapter of a digest, chunk by chunk, into a
 sink (the cache's :class:`~lorabus.adapters.archive.Unpacker`); returns its
 size. The agent's connection gives one (``AgentBus.fetch_adapter``)."""

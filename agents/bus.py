@@ -99,11 +99,12 @@ class AgentBus:
         )
         return sorted(subject.removeprefix(prefix) for subject in info.state.subjects or {})
 
-    async def fetch_adapter(self, digest: str, into: ChunkSink) -> int:
-        """Write the object store's adapter ``digest`` into ``into``; its size."""
+    async def fetch_adapter(self, digest: str, into: ChunkSink, *, store: str = "") -> int:
+        """Write the adapter ``digest`` of the fleet's object store (``store``:
+        that tenant's) into ``into``; its size."""
         return await fetch_object(
             self._nc,
-            self._subjects,
+            self._subjects.for_store(store),
             digest,
             into,
             timeout_s=_FETCH_TIMEOUT_S,

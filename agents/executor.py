@@ -41,9 +41,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from functools import partial
 
-from lorabus.adapters.store import digest_of
-from lorabus.agents.adapter_cache import AdapterCache, Fetch
+from lorabus.adapters.store import digest_of, store_of
+from lorabus.agents.adapter_cache import AdapterCache, StoreFetch
 from lorabus.agents.adapter_paths import check_served_name
 from lorabus.agents.cache_holders import CacheKeeper
 from lorabus.agents.capacity import capacity_of, dropped_text, room_for
@@ -128,8 +129,8 @@ class CommandExecutor:
         self.adapter_cache = adapter_cache
         """This node's adapters from the fleet's object store (None: it takes
         filesystem paths only)."""
-        self.fetch: Fetch | None = None
-        """Reads the fleet's object store: the agent's connection sets it."""
+        self.fetch: StoreFetch | None = None
+        """Reads the fleet's object stores: the agent's connection sets it."""
         if cache_keeper is None and adapter_cache is not None:
             cache_keeper = CacheKeeper(adapter_cache)
         self.cache_keeper = cache_keeper
@@ -301,13 +302,14 @@ class CommandExecutor:
         self, command: PhasedCommand, budget_s: float, *, retire: bool, shared_pause: bool
     ) -> None:
         match command:
-            case PrepareCommand(digest=digest):
+            case PrepareCommand(digest=digest, path=path):
+                store = self._stored(path)[0]
                 self._prepared.pop(digest, None)
                 self._prepared[digest] = None  # newest last
                 for oldest in list(self._prepared)[:-PREPARED_KEPT]:
                     del self._prepared[oldest]
                 self._hold()
-                await self._from_store(digest, budget_s)
+                await self._from_store(store, digest, budget_s)
             case PauseCommand() | ResumeCommand() if shared_pause and self.paused:
                 pass  # another update of its round holds the engine paused
             case PauseCommand():
@@ -331,8 +333,11 @@ class CommandExecutor:
                 self.paused = False
             case LoadCommand(served_name=name, path=path, replace=replace, digest=asked):
                 self._check_names([name])
-                if (stored := self._stored_digest(path)) is not None:
-                    await self._load_stored(name, stored, asked, replace=replace, budget_s=budget_s)
+                store, stored = self._stored(path)
+                if stored is not None:
+                    await self._load_stored(
+                        name, store, stored, asked, replace=replace, budget_s=budget_s
+                    )
                     return
                 real = await checked_dir(
                     path, self.adapter_roots, self.worker_id, command.update_id
@@ -360,25 +365,38 @@ class CommandExecutor:
                 self._check_names(names)
                 await self._unload(names)
 
-    def _stored_digest(self, path: str) -> str | None:
+    def _stored(self, path: str) -> tuple[str, str | None]:
+        """The store ("": the fleet's, else a tenant's) and the digest a bus
+        path names; the digest None for a path on a filesystem."""
         try:
-            return digest_of(path)
+            return store_of(path), digest_of(path)
         except ValueError as exc:
             raise BadRequest(f"{self.worker_id} refused the load: {exc}") from exc
 
-    async def _from_store(self, digest: str, budget_s: float) -> str:
-        """The cached directory of ``digest``, fetched first if this node lacks it."""
+    async def _from_store(self, store: str, digest: str, budget_s: float) -> str:
+        """The cached directory of ``digest``, fetched from ``store`` first if
+        this node lacks it (the cache checks the bytes against the digest,
+        whichever store they came from)."""
         if self.adapter_cache is None or self.fetch is None:
             raise FetchFailed(
                 f"{self.worker_id} has no adapter cache: it cannot take {digest} "
                 "from the fleet's object store"
             )
-        path = await self.adapter_cache.get(digest, self.fetch, timeout_s=budget_s)
+        path = await self.adapter_cache.get(
+            digest, partial(self.fetch, store=store), timeout_s=budget_s
+        )
         self._seen_digest = digest  # verified by the cache before it was handed out
         return path
 
     async def _load_stored(
-        self, name: str, digest: str, asked: str | None, *, replace: bool, budget_s: float
+        self,
+        name: str,
+        store: str,
+        digest: str,
+        asked: str | None,
+        *,
+        replace: bool,
+        budget_s: float,
     ) -> None:
         if asked is not None and asked != digest:
             raise DigestMismatch(f"{self.worker_id} was asked to load {digest} as {asked}: refused")
@@ -389,7 +407,7 @@ class CommandExecutor:
         self._hold()
         started = now()
         try:
-            real = await self._from_store(digest, budget_s)
+            real = await self._from_store(store, digest, budget_s)
             await self._load(name, real, replace=replace, budget_s=budget_s - (now() - started))
         finally:
             self._loading = ""

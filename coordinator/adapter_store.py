@@ -55,8 +55,10 @@ from lorabus.adapters.store import (
     delete_chunks,
     delete_meta,
     delete_object,
-    digest_of,
+    key_of,
+    object_key,
     object_size,
+    split_key,
     store_contents,
 )
 from lorabus.coordinator.store import FleetStore
@@ -89,15 +91,20 @@ class AdapterStore:
         *,
         orphan_after_s: float = 3600.0,
         clock: Callable[[], float] = now,
+        tenants: Iterable[str] = (),
     ) -> None:
         self._nc = nc
         self._subjects = subjects
+        self.stores = ["", *sorted(tenants)]
+        """The fleet's store ("") and each tenant's, by tenant."""
         self._clock = clock
         self.orphan_after_s = orphan_after_s
         self.sweep_every_s = min(orphan_after_s, SWEEP_EVERY_S)
         self._admitting: Counter[str] = Counter()
-        """Digests of requests admission is taking in (:meth:`admitting`),
-        on their way into the queue: their objects must not be deleted under them."""
+        """Object keys (``<digest>``, ``<tenant>/<digest>``) of requests
+        admission is taking in (:meth:`admitting`), on their way into the
+        queue: their objects must not be deleted under them. Every digest
+        this class speaks of is such a key."""
         self._deleting: set[str] = set()
         self._next_sweep = clock()
         self.pending: set[str] = set()
@@ -162,9 +169,10 @@ class AdapterStore:
                 "update keeps it): push it again (lorabus adapter push DIR), then ask"
             )
         with self.admitting(digest):
+            store, stored = split_key(digest)
             try:
                 size = await object_size(
-                    self._nc, self._subjects, digest, timeout_s=_LOOK_TIMEOUT_S
+                    self._nc, self._subjects.for_store(store), stored, timeout_s=_LOOK_TIMEOUT_S
                 )
             except (TimeoutError, BusError) as exc:
                 raise BadRequest(
@@ -180,19 +188,25 @@ class AdapterStore:
         """Delete the object of ``digest``; False when it was not there. While
         it goes, admission refuses requests for it (see :meth:`check_stored`)."""
         self._deleting.add(digest)
+        store, stored = split_key(digest)
         try:
-            return await delete_object(self._nc, self._subjects, digest)
+            return await delete_object(self._nc, self._subjects.for_store(store), stored)
         finally:
             self._deleting.discard(digest)
 
-    async def contents(self) -> StoreContents:
-        return await store_contents(self._nc, self._subjects)
+    async def contents(self) -> dict[str, StoreContents]:
+        """Every store's contents, by tenant ("": the fleet's); a store that
+        cannot be listed fails the whole listing."""
+        return {
+            store: await store_contents(self._nc, self._subjects.for_store(store))
+            for store in self.stores
+        }
 
-    async def delete_meta(self, subject: str) -> None:
-        await delete_meta(self._nc, self._subjects, subject)
+    async def delete_meta(self, store: str, subject: str) -> None:
+        await delete_meta(self._nc, self._subjects.for_store(store), subject)
 
-    async def delete_chunks(self, key: str) -> None:
-        await delete_chunks(self._nc, self._subjects, key)
+    async def delete_chunks(self, store: str, key: str) -> None:
+        await delete_chunks(self._nc, self._subjects.for_store(store), key)
 
 
 def kept_beside(
@@ -229,15 +243,15 @@ def kept_beside(
         if version.served_name not in names:
             unique.append(version)
     kept = unique[: max(keep, 1) - 1]
-    still = {object_of(v) for v in kept} | {digest_of(path)}
+    still = {object_of(v) for v in kept} | {key_of(path)}
     dropped = sorted({d for v in earlier if (d := object_of(v)) is not None} - still)
     return kept, dropped
 
 
 def object_of(version: KeptVersion) -> str | None:
-    """The digest of a kept version's object in the store (None: from a
-    filesystem). A version-6 record names it by ``digest`` alone."""
-    return digest_of(version.path) if version.path else (version.digest or None)
+    """The object key of a kept version (None: from a filesystem). A
+    version-6 record names it by ``digest`` alone, in the fleet's store."""
+    return key_of(version.path) if version.path else (version.digest or None)
 
 
 def keepers(
@@ -256,7 +270,7 @@ def keepers(
             kept.setdefault(digest, []).append(why)
 
     for adapter, record in sorted(committed.items()):
-        keep(digest_of(record.path), f"{adapter} v{record.version} committed")
+        keep(key_of(record.path), f"{adapter} v{record.version} committed")
         for version in record.kept:
             keep(object_of(version), f"{adapter} v{version.version} kept")
     for adapter, reset in sorted(resets.items()):
@@ -264,7 +278,7 @@ def keepers(
             for version in reset.kept:
                 keep(object_of(version), f"{adapter} v{version.version} kept by its reset")
     for update in in_flight:
-        keep(digest_of(update.path), f"update {update.update_id} in flight")
+        keep(key_of(update.path), f"update {update.update_id} in flight")
         if update.committing is not None:
             for digest in keepers({update.adapter: update.committing}, {}):
                 keep(digest, f"update {update.update_id} committing")
@@ -289,11 +303,14 @@ class Listed:
     """Empty: nothing keeps it (deleted once older than the orphan age)."""
 
 
-def listing(contents: StoreContents, kept: Mapping[str, list[str]]) -> list[Listed]:
-    """Every stored object with what keeps it; the kept first, oldest first."""
+def listing(contents: Mapping[str, StoreContents], kept: Mapping[str, list[str]]) -> list[Listed]:
+    """Every stored object of every store (by object key) with what keeps
+    it; the kept first, oldest first."""
     listed = [
-        Listed(digest, contents.sizes.get(digest, 0), at, list(kept.get(digest, [])))
-        for digest, at in contents.objects.items()
+        Listed(key, found.sizes.get(digest, 0), at, list(kept.get(key, [])))
+        for store, found in contents.items()
+        for digest, at in found.objects.items()
+        if (key := object_key(digest, store))
     ]
     return sorted(listed, key=lambda o: (not o.kept_by, o.stored_at or 0.0, o.digest))
 
@@ -343,25 +360,31 @@ async def delete_unkept(
     if not sweep:
         return deleted
     # Listed whole before anything goes: a listing that fails deletes nothing.
-    contents = await objects.contents()
-    for digest in sorted(objects.pending):
-        objects.pending.discard(digest)
-        if digest in contents.objects and await may_go(digest) and await objects.delete(digest):
-            deleted.append(digest)
-    for digest, at in sorted(contents.objects.items()):
-        if digest not in deleted and old(at) and await may_go(digest):
-            if await objects.delete(digest):
-                deleted.append(digest)
-    for meta, at in sorted(contents.stray_metas.items()):
-        named = _digest_of_meta(meta)
-        if old(at) and (named is None or await may_go(named)):
-            log.warning("adapter store: removing %s, a meta record of no pushed adapter", meta)
-            await objects.delete_meta(meta)
-            deleted.append(meta)
-    for key, at in sorted(contents.stray_chunks.items()):
-        if old(at) and await leading():
-            await objects.delete_chunks(key)
-            deleted.append(f"chunks {key}")
+    every = await objects.contents()
+    stored = {
+        object_key(digest, store): at
+        for store, contents in every.items()
+        for digest, at in contents.objects.items()
+    }
+    for key in sorted(objects.pending):
+        objects.pending.discard(key)
+        if key in stored and await may_go(key) and await objects.delete(key):
+            deleted.append(key)
+    for key, at in sorted(stored.items()):
+        if key not in deleted and old(at) and await may_go(key):
+            if await objects.delete(key):
+                deleted.append(key)
+    for store, contents in sorted(every.items()):
+        for meta, at in sorted(contents.stray_metas.items()):
+            named = _digest_of_meta(meta)
+            if old(at) and (named is None or await may_go(object_key(named, store))):
+                log.warning("adapter store: removing %s, a meta record of no pushed adapter", meta)
+                await objects.delete_meta(store, meta)
+                deleted.append(meta)
+        for chunks, at in sorted(contents.stray_chunks.items()):
+            if old(at) and await leading():
+                await objects.delete_chunks(store, chunks)
+                deleted.append(f"chunks {store + '/' if store else ''}{chunks}")
     return deleted
 
 

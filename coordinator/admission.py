@@ -60,7 +60,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from lorabus.adapters.store import digest_of
+from lorabus.adapters.store import key_of
 from lorabus.coordinator.book import QueueShare, committed_result, failed_result
 from lorabus.coordinator.bus import reply_refusal
 from lorabus.coordinator.fit import fit_result, fit_status
@@ -183,7 +183,7 @@ class Admission:
     def _forbidden(self, asker: _Asker | None, request: UpdateRequest) -> ErrorInfo | None:
         """Why the request may not be asked for at all on the subject it came on."""
         if asker is None:
-            return forbidden_on_generic(self._tenants, request.update_id)
+            return forbidden_on_generic(self._tenants, request.update_id, request.path)
         return forbidden(
             asker.name, self._tenants, request.update_id, request.adapter, request.path
         )
@@ -302,7 +302,7 @@ class Admission:
         except LorabusError as exc:
             yield _LookedUp(stored, committed, exc.info())
             return
-        pushed = digest_of(checked.path)
+        pushed = key_of(checked.path)
         with term.adapters.admitting(pushed):
             not_stored = None
             if pushed is not None:

@@ -41,7 +41,7 @@ from functools import partial
 
 import msgspec
 
-from lorabus.adapters.store import digest_of
+from lorabus.adapters.store import key_of
 from lorabus.coordinator.adapter_store import delete_unkept
 from lorabus.coordinator.book import failed_result
 from lorabus.coordinator.fit import fit_result
@@ -239,7 +239,7 @@ async def housekeep(term: Term, *, dropped: Sequence[str] = (), sweep: bool) -> 
             term.store,
             term.adapters,
             dropped=dropped,
-            in_use=lambda: {d for p in term.book.held_paths() if (d := digest_of(p))},
+            in_use=lambda: {k for p in term.book.held_paths() if (k := key_of(p))},
             leading=term.still_leading,
             sweep=sweep,
             wall_now=time.time(),

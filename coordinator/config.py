@@ -31,6 +31,10 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     the rest of JetStream's storage. The server reserves it on its disk when
     the store is made. -1: as large as the server allows, which lets pushes
     take the room of the leader's lease and commit points: not advised."""
+    tenants_file: str = ""
+    """The fleet's tenants, each held to its adapters and quotas, with an
+    adapter store of its own bounded by its ``max_bytes`` (``tenants.py``;
+    ``lorabus auth init --tenant`` writes it). "": none."""
 
     def __post_init__(self) -> None:
         check_token("fleet", self.fleet)
@@ -98,9 +102,6 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     max_concurrent: int = 16
     """Updates of different adapters that may run at once (pause-mode ones
     in rounds that share one pause of the fleet, ``book.py``)."""
-    tenants_file: str = ""
-    """The fleet's tenants, each held to its adapters and quotas
-    (``tenants.py``; ``lorabus auth init --tenant`` writes it). "": none."""
     min_heartbeat_s: float = 0.05
     max_heartbeat_s: float = 60.0
     """Heartbeat periods outside this range are dropped as bad messages: a huge

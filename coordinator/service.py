@@ -208,7 +208,12 @@ class Coordinator:
                 remedy="elected over by compare-and-set on its revision, once no lease runs",
             ),
         )
-        adapters = AdapterStore(nc, self.subjects, orphan_after_s=self.config.orphan_after_s)
+        adapters = AdapterStore(
+            nc,
+            self.subjects,
+            orphan_after_s=self.config.orphan_after_s,
+            tenants=self.tenants.by_name,
+        )
         return _Followed(bus, reports, store, election, adapters, frontend)
 
     async def _lead_when_elected(self, nc: NatsClient, followed: _Followed) -> None:

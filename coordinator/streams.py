@@ -15,6 +15,7 @@ set (:func:`unsafe_settings`).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -26,6 +27,7 @@ from nats.js.client import JetStreamContext
 from lorabus.adapters.store import store_config
 from lorabus.coordinator.config import StorageConfig
 from lorabus.schemas import Subjects
+from lorabus.schemas.tenants import decode_tenants
 
 RESULTS_KEPT_S = 24 * 3600.0
 _CALL_DEADLINE_S = 5.0
@@ -88,8 +90,14 @@ def fleet_streams(config: StorageConfig) -> tuple[StreamConfig, ...]:
     adapters = store_config(
         subjects, replicas=config.kv_replicas, max_bytes=config.adapter_store_max_bytes
     )
+    # Each tenant's own store, as large as its quota of bytes.
+    tenants = decode_tenants(Path(config.tenants_file).read_bytes()) if config.tenants_file else {}
+    own = tuple(
+        store_config(subjects.for_store(name), replicas=config.kv_replicas, max_bytes=t.max_bytes)
+        for name, t in sorted(tenants.items())
+    )
     # The audit stream last: unsafe_settings checks more of it.
-    return (*buckets, adapters, audit)
+    return (*buckets, adapters, *own, audit)
 
 
 async def provision(nc: NatsClient, config: StorageConfig) -> list[str]:
@@ -169,7 +177,8 @@ async def unsafe_settings(js: JetStreamContext, config: StorageConfig) -> list[t
     read is said so too."""
     found = []
     streams = fleet_streams(config)
-    audit_name, store_name = streams[-1].name, streams[-2].name
+    audit_name = streams[-1].name
+    stores = {s.name for s in streams if str(s.name).startswith("OBJ_")}
     for canonical in streams:
         name = str(canonical.name)
         try:
@@ -181,7 +190,7 @@ async def unsafe_settings(js: JetStreamContext, config: StorageConfig) -> list[t
         guarded = (
             *_GUARDED,
             *(_AUDIT_GUARDED if name == audit_name else ()),
-            *(_STORE_GUARDED if name == store_name else ()),
+            *(_STORE_GUARDED if name in stores else ()),
         )
         for field in guarded:
             wanted = _setting(field, getattr(canonical, field))

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from lorabus.adapters.store import BUS_SCHEME
+from lorabus.adapters.store import BUS_SCHEME, store_of
 from lorabus.schemas import (
     UNKNOWN,
     ErrorCode,
@@ -105,10 +105,15 @@ def forbidden(
         )
     if not path.startswith(BUS_SCHEME) and not tenant.may_load(path):
         return _forbidden(
-            f"tenant {name!r} may load adapters only from the fleet's store "
-            f"({BUS_SCHEME}<digest>: `lorabus adapter push` gives it)"
+            f"tenant {name!r} may load adapters only from its own store "
+            f"({BUS_SCHEME}{name}/<digest>: `lorabus adapter push` gives it)"
             + (f" or under its roots {tenant.roots}" if tenant.roots else "")
             + f", not from {path[:256]!r}"
+        )
+    if path.startswith(BUS_SCHEME) and _store_of(path) not in (name, None):
+        return _forbidden(
+            f"tenant {name!r} may load adapters only from its own store "
+            f"({BUS_SCHEME}{name}/<digest>), not from {path[:256]!r}"
         )
     if len(tenants.owners(adapter)) > 1:
         return _forbidden(
@@ -118,15 +123,27 @@ def forbidden(
     return None
 
 
-def forbidden_on_generic(tenants: Tenants, update_id: str) -> ErrorInfo | None:
-    """Why an update on the orchestrator's own subject may not use ``update_id``:
-    the ids that begin with a tenant's name and ``:`` are that tenant's."""
+def forbidden_on_generic(tenants: Tenants, update_id: str, path: str = "") -> ErrorInfo | None:
+    """Why an update on the orchestrator's own subject may not use
+    ``update_id`` or ``path``: the ids that begin with a tenant's name and
+    ``:`` are that tenant's, and so are the objects of its store."""
     owner, sep, _ = update_id.partition(ID_SEPARATOR)
     if sep and tenants.get(owner) is not None:
         return _forbidden(
             f"update ids that begin with {owner + ID_SEPARATOR!r} are tenant {owner!r}'s"
         )
+    if _store_of(path):
+        return _forbidden(f"{path[:256]!r} names an object of a tenant's store: it is theirs")
     return None
+
+
+def _store_of(path: str) -> str | None:
+    """The tenant whose store ``path`` names ("": the fleet's; None: not a
+    valid bus path, which the plan refuses as bad_request)."""
+    try:
+        return store_of(path)
+    except ValueError:
+        return None
 
 
 def over_quota(

@@ -196,8 +196,11 @@ class UpdateClient:
         node's cache, so trainer and workers share no filesystem. Content the
         store holds already is not sent again. Raises
         :class:`~lorabus.errors.BadRequest` for a directory that is not an
-        adapter (no ``adapter_config.json``, no weights), before any upload."""
-        digest, _ = await push_adapter(self.nc, self.subjects, directory, timeout_s=timeout_s)
+        adapter (no ``adapter_config.json``, no weights), before any upload.
+        A tenant's client pushes into the tenant's own store, which no other
+        tenant writes and its quota of bytes bounds."""
+        store = self.subjects.for_store(self.tenant or "")
+        digest, _ = await push_adapter(self.nc, store, directory, timeout_s=timeout_s)
         return digest
 
     async def update(
@@ -273,7 +276,7 @@ class UpdateClient:
                 digest = pushed
             if digest is None:
                 raise BadRequest("give the adapter's path, its digest, or a source directory")
-            path = bus_path(digest)
+            path = bus_path(digest, self.tenant or "")
         elif source is not None:
             raise BadRequest("give a path or a source directory, not both")
         request = UpdateRequest(

@@ -54,7 +54,8 @@ class CommittedRecord(msgspec.Struct, frozen=True, kw_only=True):
     adapter besides it (agents converge on it), and, for those from the
     object store, what the store must hold (coordinator/adapter_store.py)."""
     dropped: list[str] = []
-    """The object store digests this commit let go of (fallen out of ``kept``):
+    """The keys of the objects this commit let go of (fallen out of ``kept``:
+    a digest, or ``<tenant>/<digest>`` in a tenant's store):
     deleted once it is written, unless something else still names them."""
     committed_at: float = 0.0
     """When it was committed (Unix time, the leader's clock; 0: not said)."""

@@ -32,11 +32,21 @@ class Subjects(msgspec.Struct, frozen=True):
 
     fleet: str
     prefix: str = "lorabus"
+    store: str = ""
+    """The tenant whose object store :meth:`adapter_store` names ("": the
+    fleet's own): each tenant pushes into a store of its own (:meth:`for_store`)."""
 
     def __post_init__(self) -> None:
         check_token("fleet", self.fleet)
         for part in self.prefix.split("."):
             check_token("subject prefix part", part)
+        if self.store:
+            check_token("tenant", self.store)
+
+    def for_store(self, tenant: str) -> Subjects:
+        """These subjects, with :meth:`adapter_store` naming ``tenant``'s store
+        ("": the fleet's own)."""
+        return msgspec.structs.replace(self, store=tenant)
 
     @property
     def _base(self) -> str:
@@ -111,8 +121,10 @@ class Subjects(msgspec.Struct, frozen=True):
         return f"{self.prefix.replace('.', '_')}_{self.fleet}_results"
 
     def adapter_store(self) -> str:
-        """The fleet's JetStream object store of adapters, keyed by content digest."""
-        return f"{self.prefix.replace('.', '_')}_{self.fleet}_adapters"
+        """The fleet's JetStream object store of adapters, keyed by content
+        digest; with :attr:`store`, that tenant's (``..._adapters_t_<tenant>``)."""
+        own = f"{self.prefix.replace('.', '_')}_{self.fleet}_adapters"
+        return f"{own}_t_{self.store}" if self.store else own
 
     def audit_stream(self) -> str:
         """JetStream stream that records the fleet's commands, acks and events."""

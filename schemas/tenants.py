@@ -1,7 +1,8 @@
 """A fleet's tenants as its tenants file holds them (``lorabus auth init
 --tenant`` writes it, the coordinator reads it: ``coordinator/tenants.py``)::
 
-    {"team-a": {"adapters": "team-a-*", "max_queued": 4, "max_adapters": 8, "max_keep": 4}}
+    {"team-a": {"adapters": "team-a-*", "max_queued": 4, "max_adapters": 8, "max_keep": 4,
+                "max_bytes": 1073741824}}
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Adapters it may have, committed, queued or running."""
     max_keep: int = 4
     """Versions of one adapter a request of its may ask to keep."""
+    max_bytes: int = 1 << 30
+    """The most bytes of adapters it may keep pushed: the size of its own
+    adapter store, which refuses a push beyond it (the server reserves it
+    when the store is made)."""
     roots: list[str] = []
     """Directories on the workers its adapters may be loaded from (none: only
     from the fleet's store, ``bus:<digest>``). The check is of the path's
@@ -49,6 +54,8 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         for field in ("max_queued", "max_adapters"):
             if getattr(self, field) < 1:
                 raise ValueError(f"a tenant's {field} must be >= 1")
+        if self.max_bytes < 1 << 20:
+            raise ValueError("a tenant's max_bytes must be at least 1 MiB")
         if not 1 <= self.max_keep <= MAX_KEEP:
             raise ValueError(f"a tenant's max_keep must be 1-{MAX_KEEP}")
         for root in self.roots:

@@ -31,7 +31,7 @@ class Store:
         self.adapters[digest] = adapter
         return digest
 
-    async def fetch(self, digest: str, into: ChunkSink) -> int:
+    async def fetch(self, digest: str, into: ChunkSink, *, store: str = "") -> int:
         """As the bus's fetch does: the object's bytes in chunks, each written
         from a thread (a write unpacks the chunk to disk)."""
         self.fetches.append(digest)

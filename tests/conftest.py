@@ -127,7 +127,7 @@ def make_stack(nats_url: str, fleet_name: str) -> Callable[..., EmbeddedStack]:
 
 
 SECURED_TENANTS = {
-    "a": Tenant(adapters="a-*", max_queued=2, max_adapters=4),
+    "a": Tenant(adapters="a-*", max_queued=2, max_adapters=4, max_bytes=3 << 20),
     "b": Tenant(adapters="b-*"),
 }
 

@@ -132,7 +132,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     engine = FileEngine(spec["engine_state"], spec["violations"], crash_loading=spec["crash"])
     executor = CommandExecutor(worker, 1, engine, adapter_cache=cache, cache_keeper=keeper)
 
-    async def fetch(digest: str, into: ChunkSink) -> int:
+    async def fetch(digest: str, into: ChunkSink, *, store: str = "") -> int:
         packed = io.BytesIO()
         pack(pool[digest], packed)
         await asyncio.to_thread(into.write, packed.getvalue())

@@ -153,7 +153,7 @@ async def test_a_commit_a_successor_finished_keeps_its_adapter_through_another_c
 async def _stored_digests(stack: EmbeddedStack, subjects: Subjects) -> set[str]:
     assert stack.client is not None
     objects = AdapterStore(stack.client.nc, subjects)
-    return set((await objects.contents()).objects)
+    return set((await objects.contents())[""].objects)
 
 
 async def test_only_what_nothing_names_and_is_old_is_swept(

@@ -185,6 +185,7 @@ def test_the_security_doc_lists_every_permission_of_every_role(role: Role) -> No
         Subjects(fleet="prod"),
         inbox_prefix="<inbox>",
         worker_id={Role.AGENT: "w000", Role.TENANT: "a"}.get(role),
+        tenants=["a"],
     )
     missing = [s for s in (*granted.publish, *granted.subscribe) if f"`{s}`" not in security]
     assert missing == [], f"{role} permissions missing from docs/security.md: {missing}"

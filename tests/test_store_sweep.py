@@ -276,3 +276,44 @@ async def test_a_successor_leaves_what_a_recovered_commit_dropped_to_its_first_s
 
     assert finished.committed, finished.error
     assert again.committed and again.digest == v1, again.error
+
+
+async def test_each_tenants_store_is_swept_by_the_same_rule(
+    nats_url: str, fleet_name: str, subjects: Subjects, tmp_path: Path
+) -> None:
+    """A tenant's store holds what its commits keep and loses its orphans,
+    as the fleet's does; an object of one store keeps nothing of another."""
+    tenants = tmp_path / "tenants.json"
+    tenants.write_bytes(b'{"a": {"adapters": "a-*", "max_bytes": 16777216}}')
+    nc = await connect(nats_url, name="test-sweep-tenants")
+    config = CoordinatorConfig(
+        fleet=fleet_name,
+        frontend_url="http://frontend.invalid",
+        expected_world_size=1,
+        tenants_file=str(tenants),
+    )
+    try:
+        records = await FleetStore.open(nc, config)  # provisions a's store too
+        own = subjects.for_store("a")
+        kept, _ = await push_adapter(nc, own, _write_adapter(tmp_path / "k", b"kept"))
+        orphan, _ = await push_adapter(nc, own, _write_adapter(tmp_path / "o", b"orphan"))
+        # The same bytes in the fleet's store: another object, kept by nothing.
+        shared, _ = await push_adapter(nc, subjects, _write_adapter(tmp_path / "k2", b"kept"))
+        assert shared == kept
+        record = CommittedRecord(
+            adapter="a-policy",
+            version=1,
+            path=bus_path(kept, "a"),
+            served_name="a-policy-v1",
+            rank_map=build_rank_map(MEMBERS),
+        )
+        await records.write_committed(record)
+
+        objects = AdapterStore(nc, subjects, orphan_after_s=0.0, tenants=["a"])
+        deleted = await _sweep(records, objects)
+        assert sorted(deleted) == sorted([f"a/{orphan}", kept]), deleted
+        assert await object_size(nc, own, kept) is not None
+        assert await object_size(nc, own, orphan) is None
+        assert await object_size(nc, subjects, kept) is None
+    finally:
+        await close(nc)

@@ -71,10 +71,11 @@ def test_a_root_must_be_a_directory_below_the_filesystems_root(root: str) -> Non
 def test_the_rules_of_an_update() -> None:
     a = Tenant(adapters="a-*", max_adapters=2, max_keep=3, roots=["/adapters/a"])
     tenants = Tenants({"a": a, "b": Tenant(adapters="b-*"), "ab": Tenant(adapters="*-shared")})
-    stored = "bus:sha256:" + "0" * 64
+    digest = "sha256:" + "0" * 64
+    stored, in_b, shared = f"bus:a/{digest}", f"bus:b/{digest}", f"bus:{digest}"
     for path in (stored, "/adapters/a/1", "/adapters/a/x/../2"):
         assert forbidden("a", tenants, "a:1", "a-x", path) is None, path
-    assert forbidden("b", tenants, "b:1", "b-x", stored) is None
+    assert forbidden("b", tenants, "b:1", "b-x", in_b) is None
     cases = [
         ("c", "c:1", "c-x", stored),  # unknown tenant
         ("a", "b:1", "a-x", stored),  # another's id
@@ -88,6 +89,9 @@ def test_the_rules_of_an_update() -> None:
         ("a", "a:1", "a-x", "/adapters/ab/1"),
         ("a", "a:1", "a-x", "adapters/a/1"),
         ("b", "b:1", "b-x", "/adapters/b/1"),  # no roots: the store only
+        # Objects of another's store, or of the fleet's: not its own.
+        ("a", "a:1", "a-x", in_b),
+        ("a", "a:1", "a-x", shared),
     ]
     for name, update_id, adapter, path in cases:
         refused = forbidden(name, tenants, update_id, adapter, path)
@@ -95,6 +99,9 @@ def test_the_rules_of_an_update() -> None:
     # The orchestrator's own subject: any id but a tenant's.
     assert forbidden_on_generic(tenants, "step-2") is None
     assert forbidden_on_generic(tenants, "c:2") is None
+    assert forbidden_on_generic(tenants, "step-2", shared) is None
+    refused = forbidden_on_generic(tenants, "step-2", in_b)  # b's object, b's
+    assert refused is not None and refused.code == ErrorCode.FORBIDDEN
     refused = forbidden_on_generic(tenants, "b:2")
     assert refused is not None and refused.code == ErrorCode.FORBIDDEN
     # Quotas, for a new id.

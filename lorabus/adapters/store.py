@@ -27,7 +27,11 @@ leader sweeps them (coordinator/adapter_store.py). The stream has a size
 limit of its own, so a full store refuses pushes and leaves the fleet's
 buckets their room.
 
-A request names such an adapter by a *bus path*: ``bus:sha256:<hex>``.
+A request names such an adapter by a *bus path*: ``bus:sha256:<hex>`` in
+the fleet's store, ``bus:<tenant>/sha256:<hex>`` in a tenant's. Each tenant
+pushes into a store of its own (``Subjects.for_store``), bounded by its
+quota of bytes, where no other tenant may write: the part of a bus path
+before the digest, its *object key*, says which store holds it.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from nats.js.client import JetStreamContext
 from lorabus.adapters.archive import AdapterChanged, BadArchive, check_adapter_dir, pack
 from lorabus.bus.connect import js_api_of
 from lorabus.errors import BadRequest, BusError, FetchFailed
-from lorabus.schemas import Subjects
+from lorabus.schemas import Subjects, check_token
 
 __all__ = [
     "BUS_SCHEME",
@@ -75,10 +79,14 @@ __all__ = [
     "delete_object",
     "digest_of",
     "fetch_object",
+    "key_of",
+    "object_key",
     "object_size",
     "push_adapter",
+    "split_key",
     "store_config",
     "store_contents",
+    "store_of",
 ]
 
 BUS_SCHEME = "bus:"
@@ -129,22 +137,54 @@ def check_digest(digest: str) -> str:
     return digest
 
 
-def bus_path(digest: str) -> str:
-    """The path that names the adapter of ``digest`` in the fleet's store."""
-    return BUS_SCHEME + check_digest(digest)
+def bus_path(digest: str, store: str = "") -> str:
+    """The path that names the adapter of ``digest`` in the fleet's store, or
+    in tenant ``store``'s."""
+    return BUS_SCHEME + object_key(check_digest(digest), store)
+
+
+def object_key(digest: str, store: str = "") -> str:
+    """What names an object among every store of the fleet: its digest in the
+    fleet's own store, ``<tenant>/<digest>`` in a tenant's."""
+    return f"{check_token('tenant', store)}/{digest}" if store else digest
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """An object key's store ("": the fleet's) and digest; ValueError for
+    anything else."""
+    store, sep, digest = key.rpartition("/")
+    if sep:
+        check_token("tenant", store)
+    return store, check_digest(digest)
+
+
+def key_of(path: str) -> str | None:
+    """The object key a bus path names; None for a path on a filesystem.
+    ValueError for a ``bus:`` path that names no valid object."""
+    if not path.startswith(BUS_SCHEME):
+        return None
+    key = path.removeprefix(BUS_SCHEME)
+    try:
+        split_key(key)
+    except ValueError:
+        raise ValueError(
+            f"{path!r} is not a valid bus path: expected {BUS_SCHEME}sha256:<64 hex digits>, "
+            f"or {BUS_SCHEME}<tenant>/sha256:<64 hex digits>"
+        ) from None
+    return key
 
 
 def digest_of(path: str) -> str | None:
     """The digest a bus path names; None for a path on a filesystem. ValueError
-    for a ``bus:`` path that names no valid digest."""
-    if not path.startswith(BUS_SCHEME):
-        return None
-    try:
-        return check_digest(path.removeprefix(BUS_SCHEME))
-    except ValueError:
-        raise ValueError(
-            f"{path!r} is not a valid bus path: expected {BUS_SCHEME}sha256:<64 hex digits>"
-        ) from None
+    for a ``bus:`` path that names no valid object."""
+    key = key_of(path)
+    return None if key is None else split_key(key)[1]
+
+
+def store_of(path: str) -> str:
+    """The tenant whose store a bus path names ("": the fleet's, or no bus path)."""
+    key = key_of(path)
+    return "" if key is None else split_key(key)[0]
 
 
 def store_config(
@@ -493,11 +533,13 @@ async def _publish(js: JetStreamContext, subjects: Subjects, subject: str, data:
         if "per subject" in said:
             raise _SubjectTaken(said) from exc
         if "maximum bytes" in said or "resource limits" in said or "insufficient" in said:
+            whose = f"tenant {subjects.store!r}'s" if subjects.store else "the fleet's"
+            limit = "its max_bytes in the tenants file" if subjects.store else "its limit"
             raise BusError(
-                f"the fleet's adapter store {subjects.adapter_store()!r} is full ({said}): "
+                f"{whose} adapter store {subjects.adapter_store()!r} is full ({said}): "
                 "the leader deletes what nothing keeps once it is older than its "
-                "--orphan-after (lorabus adapter list shows what the store holds); the "
-                "store's limit is set when it is provisioned (docs/security.md, 'The "
+                "--orphan-after (lorabus adapter list shows what the store holds); "
+                f"{limit} is set when the store is provisioned (docs/security.md, 'The "
                 "fleet's streams')"
             ) from exc
         raise

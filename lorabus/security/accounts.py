@@ -35,6 +35,7 @@ from lorabus.security.roles import (
     FLEET_JS_API,
     JS_API,
     Role,
+    adapter_stores,
     audit_reads,
     kv_reads,
     object_reads,
@@ -176,27 +177,30 @@ def _share_jetstream(layout: _Layout, subjects: Subjects) -> None:
     readers = [*(a.name for a in layout.agents.values()), operator]
     for subject in kv_reads(subjects.state_bucket(), JS_API):
         layout.share(fleet, subject, readers, service=True)
-    for subject in object_reads(subjects, JS_API):
+    stores = adapter_stores(subjects, list(layout.tenants))
+    for subject in (s for store in stores for s in object_reads(store, JS_API)):
         # A batch read answers with many messages: the import must let them all back.
         layout.share(fleet, subject, readers, service=True, streamed=".DIRECT.GET." in subject)
     # The pusher's chunks and meta record reach the store's stream in the
     # fleet's account as requests: JetStream's acks come back into its own.
     for subject in object_writes(subjects, JS_API):
         layout.share(fleet, subject, [layout.orchestrator.name], service=True)
-    # A tenant pushes too. Its account imports the store's reads by subject as
-    # they are exported (one export per subject: a narrower second one would
-    # overlap it), and its user's permissions narrow them to what a push
-    # reads: a meta record by its subject (roles.object_pushes).
-    tenants = [a.name for a in layout.tenants.values()]
-    if tenants:
-        store = f"OBJ_{subjects.adapter_store()}"
-        for subject in (*object_subjects(subjects), f"{JS_API}.DIRECT.GET.{store}.>"):
-            layout.share(fleet, subject, tenants, service=True, streamed=".DIRECT.GET." in subject)
+    # A tenant pushes too, into its own store alone. Its account imports that
+    # store's reads by subject as they are exported (one export per subject:
+    # a narrower second one would overlap it), and its user's permissions
+    # narrow them to what a push reads: a meta record by its subject
+    # (roles.object_pushes).
+    for tenant, account in layout.tenants.items():
+        own = subjects.for_store(tenant)
+        stream = f"OBJ_{own.adapter_store()}"
+        for subject in (*object_subjects(own), f"{JS_API}.DIRECT.GET.{stream}.>"):
+            streamed = ".DIRECT.GET." in subject
+            layout.share(fleet, subject, [account.name], service=True, streamed=streamed)
     for subject in audit_reads(subjects, JS_API):
         # A batch read answers with many messages: the import must let them all back.
         streamed = ".DIRECT.GET." in subject
         layout.share(fleet, subject, [layout.auditor.name], service=True, streamed=streamed)
-    for subject in stream_admin(subjects, JS_API):
+    for subject in stream_admin(subjects, JS_API, stores):
         layout.share(fleet, subject, [operator], service=True)
 
 

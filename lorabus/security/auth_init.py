@@ -142,16 +142,18 @@ def write_fleet_auth(
     server_tls = authority.issue_server(directory, hosts) if authority else None
     cluster = _cluster_block(authority, directory, routes) if authority and routes else ""
     layout = fleet_accounts(subjects, worker_ids, list(tenants))
-    writer = _IdentityWriter(directory, subjects, layout, method, authority)
+    writer = _IdentityWriter(directory, subjects, layout, method, authority, list(tenants))
     roles = [Role.COORDINATOR, Role.ORCHESTRATOR, Role.AUDITOR, Role.OPERATOR]
     identities = [writer.write(role) for role in roles]
     identities += [writer.write(Role.AGENT, worker_id) for worker_id in worker_ids]
     identities += [writer.write(Role.TENANT, tenant) for tenant in tenants]
     if tenants:
-        coordinator = identities[0]
-        write_secret(coordinator.folder / TENANTS_FILE, encode_tenants(tenants))
-        with open(coordinator.env_file, "a") as env:
-            env.write(f"{TENANTS_ENV}={coordinator.folder / TENANTS_FILE}\n")
+        # The coordinator enforces it; the operator makes each tenant's
+        # adapter store by it (lorabus provision) and lists them.
+        for identity in (identities[0], identities[3]):
+            write_secret(identity.folder / TENANTS_FILE, encode_tenants(tenants))
+            with open(identity.env_file, "a") as env:
+                env.write(f"{TENANTS_ENV}={identity.folder / TENANTS_FILE}\n")
     accounts = writer.accounts_conf(jetstream_max_bytes)
     conf = directory / SERVER_CONF
     write_secret(conf, (_server_conf(subjects, accounts, server_tls, method) + cluster).encode())
@@ -204,8 +206,10 @@ class _IdentityWriter:
         layout: FleetAccounts,
         method: str,
         authority: CertificateAuthority | None,
+        tenants: Sequence[str] = (),
     ) -> None:
         self._directory, self._subjects, self._layout = directory, subjects, layout
+        self._tenants = tuple(tenants)
         self._method, self._authority = method, authority
         self._jwts = JwtAuthority.create(layout) if method == "jwt" else None
         self._users: dict[str, list[str]] = {name: [] for name in layout.accounts}
@@ -223,7 +227,13 @@ class _IdentityWriter:
             prefix, env, user_key = (
                 _nkey_user(folder) if self._method == "nkey" else _cert_user(name)
             )
-            allowed = permissions(role, self._subjects, inbox_prefix=prefix, worker_id=worker_id)
+            allowed = permissions(
+                role,
+                self._subjects,
+                inbox_prefix=prefix,
+                worker_id=worker_id,
+                tenants=self._tenants,
+            )
             account = self._layout.of_role[(role, worker_id)]
             self._users[account].append(_user_block(user_key, allowed, name))
         if self._authority is not None:
@@ -252,7 +262,13 @@ class _IdentityWriter:
         # The user's key is in its JWT: the inbox prefix comes from it too.
         seed = _new_user_seed()
         prefix = inbox_prefix_for(public_key_of(seed))
-        allowed = permissions(role, self._subjects, inbox_prefix=prefix, worker_id=worker_id)
+        allowed = permissions(
+            role,
+            self._subjects,
+            inbox_prefix=prefix,
+            worker_id=worker_id,
+            tenants=self._tenants,
+        )
         account, name = self._layout.of_role[(role, worker_id)], identity_name(role, worker_id)
         write_secret(folder / CREDS_FILE, jwts.user_creds(account, name, allowed, seed))
         return prefix, {ENV["creds_file"]: str(folder / CREDS_FILE)}

@@ -54,6 +54,7 @@ has its ``$JS.API`` answered by the server with "not enabled").
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lorabus.schemas import Subjects
@@ -92,11 +93,18 @@ def identity_name(role: Role, worker_id: str | None = None) -> str:
 
 
 def permissions(
-    role: Role, subjects: Subjects, *, inbox_prefix: str, worker_id: str | None = None
+    role: Role,
+    subjects: Subjects,
+    *,
+    inbox_prefix: str,
+    worker_id: str | None = None,
+    tenants: Sequence[str] = (),
 ) -> Permissions:
     """What ``role`` (the agent of ``worker_id``, or the tenant it names) may
-    publish and subscribe to."""
+    publish and subscribe to, in a fleet of ``tenants``, each with an
+    adapter store of its own."""
     inbox = (f"{inbox_prefix}.>",)
+    stores = adapter_stores(subjects, tenants)
     match role:
         case Role.TENANT:
             if worker_id is None:
@@ -104,26 +112,34 @@ def permissions(
             return Permissions(
                 publish=(
                     *tenant_requests(subjects, worker_id),
-                    *object_pushes(subjects, FLEET_JS_API),
+                    # Its own store, which no other tenant writes.
+                    *object_pushes(subjects.for_store(worker_id), FLEET_JS_API),
                 ),
                 subscribe=inbox,
             )
         case Role.COORDINATOR:
-            return _coordinator(subjects, inbox)
+            return _coordinator(subjects, stores, inbox)
         case Role.AGENT:
             if worker_id is None:
                 raise ValueError("an agent's permissions name its worker")
-            return _agent(subjects, worker_id, inbox)
+            return _agent(subjects, stores, worker_id, inbox)
         case Role.ORCHESTRATOR:
             return _orchestrator(subjects, inbox)
         case Role.AUDITOR:
             return Permissions(publish=audit_reads(subjects, FLEET_JS_API), subscribe=inbox)
         case Role.OPERATOR:
-            return _operator(subjects, inbox)
+            return _operator(subjects, stores, inbox)
     raise ValueError(f"unknown role {role!r}")
 
 
-def _coordinator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
+def adapter_stores(subjects: Subjects, tenants: Sequence[str] = ()) -> tuple[Subjects, ...]:
+    """The fleet's adapter store, then each tenant's (``Subjects.for_store``)."""
+    return (subjects, *(subjects.for_store(t) for t in sorted(tenants)))
+
+
+def _coordinator(
+    subjects: Subjects, stores: Sequence[Subjects], inbox: tuple[str, ...]
+) -> Permissions:
     return Permissions(
         publish=(
             subjects.cmd(),
@@ -135,7 +151,7 @@ def _coordinator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
             f"{JS_API}.STREAM.INFO.{subjects.audit_stream()}",
             # Admission looks for the object an update names; the
             # leader deletes those nothing keeps (coordinator/adapter_store.py).
-            *object_deletes(subjects, JS_API),
+            *(call for store in stores for call in object_deletes(store, JS_API)),
             f"$KV.{subjects.state_bucket()}.>",
             f"$KV.{subjects.results_bucket()}.>",
             # The leader's probe that the server still routes requests to it
@@ -156,14 +172,16 @@ def _coordinator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
     )
 
 
-def _agent(subjects: Subjects, worker_id: str, inbox: tuple[str, ...]) -> Permissions:
+def _agent(
+    subjects: Subjects, stores: Sequence[Subjects], worker_id: str, inbox: tuple[str, ...]
+) -> Permissions:
     return Permissions(
         publish=(
             subjects.ack(worker_id),
             subjects.heartbeat(worker_id),
             subjects.agent_event(worker_id, ">"),
             *kv_reads(subjects.state_bucket(), FLEET_JS_API),
-            *object_reads(subjects, FLEET_JS_API),
+            *(call for store in stores for call in object_reads(store, FLEET_JS_API)),
         ),
         subscribe=(subjects.cmd(), subjects.cmd_worker(worker_id), *inbox),
     )
@@ -181,13 +199,15 @@ def _orchestrator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
     )
 
 
-def _operator(subjects: Subjects, inbox: tuple[str, ...]) -> Permissions:
+def _operator(
+    subjects: Subjects, stores: Sequence[Subjects], inbox: tuple[str, ...]
+) -> Permissions:
     return Permissions(
         publish=(
-            *stream_admin(subjects, FLEET_JS_API),
-            # What the store holds and what keeps it (lorabus adapter list).
+            *stream_admin(subjects, FLEET_JS_API, stores),
+            # What the stores hold and what keeps it (lorabus adapter list).
             *kv_reads(subjects.state_bucket(), FLEET_JS_API),
-            *object_reads(subjects, FLEET_JS_API),
+            *(call for store in stores for call in object_reads(store, FLEET_JS_API)),
             subjects.reset_request(),
             subjects.status_request(),
         ),
@@ -270,13 +290,14 @@ def audit_reads(subjects: Subjects, api: str) -> tuple[str, ...]:
     return (f"{api}.STREAM.INFO.{audit}", f"{api}.DIRECT.GET.{audit}")
 
 
-def stream_admin(subjects: Subjects, api: str) -> tuple[str, ...]:
-    """The JetStream calls that create the fleet's buckets and audit stream
-    (``lorabus provision``): no update, which could aim JetStream."""
+def stream_admin(subjects: Subjects, api: str, stores: Sequence[Subjects] = ()) -> tuple[str, ...]:
+    """The JetStream calls that create the fleet's buckets, adapter stores
+    (``stores``: by default the fleet's alone) and audit stream (``lorabus
+    provision``): no update, which could aim JetStream."""
     streams = (
         f"KV_{subjects.state_bucket()}",
         f"KV_{subjects.results_bucket()}",
-        f"OBJ_{subjects.adapter_store()}",
+        *(f"OBJ_{store.adapter_store()}" for store in stores or (subjects,)),
         subjects.audit_stream(),
     )
     return (f"{api}.INFO", *(f"{api}.STREAM.{verb}.{s}" for verb in _STREAM_ADMIN for s in streams))

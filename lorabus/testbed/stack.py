@@ -198,6 +198,10 @@ class EmbeddedStack:
                 for name, value in self._coordinator_settings.items()
                 if name in StorageConfig.__struct_fields__
             }
+            if self.tenants:
+                assert self.auth is not None
+                folder = self.auth.identity(Role.OPERATOR).folder
+                storage["tenants_file"] = str(folder / TENANTS_FILE)
             await provision(nc, StorageConfig(fleet=self.fleet_name, **storage))
         finally:
             await close(nc)
