@@ -155,10 +155,17 @@ class AdapterCache:
                     exc.errno, f"adapter cache {folder!r} cannot be written: {exc.strerror or exc}"
                 ) from exc
 
-    async def get(self, digest: str, fetch: Fetch, *, timeout_s: float) -> str:
+    async def get(self, digest: str, fetch: Fetch, *, timeout_s: float, source: str = "") -> str:
         """The directory of the adapter ``digest``, fetched with ``fetch`` when this
         node has no good copy. FetchFailed when it cannot be had in ``timeout_s``
-        (or ``fetch`` fails), DigestMismatch when the fetched files are others."""
+        (or ``fetch`` fails), DigestMismatch when the fetched files are others.
+
+        ``source``: the object (``<tenant>/<digest>``) the caller must hold
+        these bytes from. A copy the node holds from another source is used
+        only once ``fetch`` has brought them from this one too, checked
+        against the digest: else a tenant that writes a meta record naming
+        another's digest into its own store would be served the other's
+        adapter from the node's cache, without ever having its bytes."""
         hex_digest = check_digest(digest).removeprefix("sha256:")
         entry = os.path.join(self.directory, hex_digest)
         deadline = asyncio.timeout(timeout_s)
@@ -171,6 +178,10 @@ class AdapterCache:
                 try:
                     if not await self._holds(entry, digest):
                         await self._fetch(entry, digest, fetch)
+                    elif source and source not in self._sources(entry):
+                        await self._fetch(entry, digest, fetch, into_place=False)
+                    if source:
+                        self._note_source(entry, source)
                     os.utime(entry)  # its last use, for prune
                     return entry
                 finally:
@@ -201,10 +212,13 @@ class AdapterCache:
         await asyncio.to_thread(self._discard, entry)
         return False
 
-    async def _fetch(self, entry: str, digest: str, fetch: Fetch) -> None:
+    async def _fetch(
+        self, entry: str, digest: str, fetch: Fetch, *, into_place: bool = True
+    ) -> None:
         """Fetch ``digest``, unpacked and hashed as its chunks are written (no
         archive file, no second read), and rename it into place if it is
-        ``digest``. A chunk that cannot be the archive stops the fetch."""
+        ``digest`` (``into_place`` False: only check that it is, the node
+        holding it already). A chunk that cannot be the archive stops the fetch."""
         tag = os.path.basename(entry) + "."  # prune's sweep tells whose leftover it is
         unpacked = tempfile.mkdtemp(prefix=tag, dir=self._partial)
         os.chmod(unpacked, 0o755)  # an engine may run as another user
@@ -225,8 +239,9 @@ class AdapterCache:
                 raise DigestMismatch(
                     f"adapter {digest} was asked for; the store's object holds {found}"
                 )
-            os.rename(unpacked, entry)
-            await asyncio.to_thread(self._note_hashed, entry)
+            if into_place:
+                os.rename(unpacked, entry)
+                await asyncio.to_thread(self._note_hashed, entry)
         finally:
             # In one thread: a write still under way there (the fetch was
             # cancelled) ends before the folder goes, and a second cancel
@@ -240,8 +255,9 @@ class AdapterCache:
     def _take_out(self, path: str) -> str:
         """Take ``path`` out of the cache (one rename); returns the folder under
         ``.partial/`` that now holds it, to delete."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._hash_note(path))
+        for note in (self._hash_note(path), self._sources_note(path)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(note)
         trash = tempfile.mkdtemp(prefix=os.path.basename(path) + ".", dir=self._partial)
         try:
             os.rename(path, os.path.join(trash, "old"))
@@ -252,6 +268,23 @@ class AdapterCache:
 
     def _hash_note(self, entry: str) -> str:
         return os.path.join(self._locks, os.path.basename(entry) + ".hashed")
+
+    def _sources_note(self, entry: str) -> str:
+        return os.path.join(self._locks, os.path.basename(entry) + ".sources")
+
+    def _sources(self, entry: str) -> set[str]:
+        """The objects (``<tenant>/<digest>``) ``entry``'s bytes were fetched
+        from and checked, under the entry's lock (:meth:`get`)."""
+        try:
+            with open(self._sources_note(entry)) as note:
+                return set(note.read().split())
+        except FileNotFoundError:
+            return set()
+
+    def _note_source(self, entry: str, source: str) -> None:
+        if source not in self._sources(entry):
+            with open(self._sources_note(entry), "a") as note:
+                note.write(source + "\n")
 
     def _note_hashed(self, entry: str) -> None:
         """Record, for every agent of the node, that ``entry`` was just hashed

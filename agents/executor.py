@@ -43,7 +43,7 @@ import logging
 from collections.abc import Callable
 from functools import partial
 
-from lorabus.adapters.store import digest_of, store_of
+from lorabus.adapters.store import digest_of, object_key, store_of
 from lorabus.agents.adapter_cache import AdapterCache, StoreFetch
 from lorabus.agents.adapter_paths import check_served_name
 from lorabus.agents.cache_holders import CacheKeeper
@@ -383,7 +383,11 @@ class CommandExecutor:
                 "from the fleet's object store"
             )
         path = await self.adapter_cache.get(
-            digest, partial(self.fetch, store=store), timeout_s=budget_s
+            digest,
+            partial(self.fetch, store=store),
+            timeout_s=budget_s,
+            # A tenant's object: its bytes must have come from its own store.
+            source=object_key(digest, store) if store else "",
         )
         self._seen_digest = digest  # verified by the cache before it was handed out
         return path

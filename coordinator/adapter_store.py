@@ -47,6 +47,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from lorabus.adapters.store import (
@@ -187,20 +188,25 @@ class AdapterStore:
     async def delete(self, digest: str) -> bool:
         """Delete the object of ``digest``; False when it was not there. While
         it goes, admission refuses requests for it (see :meth:`check_stored`)."""
-        self._deleting.add(digest)
         store, stored = split_key(digest)
+        self._deleting.add(digest)
         try:
             return await delete_object(self._nc, self._subjects.for_store(store), stored)
         finally:
             self._deleting.discard(digest)
 
     async def contents(self) -> dict[str, StoreContents]:
-        """Every store's contents, by tenant ("": the fleet's); a store that
-        cannot be listed fails the whole listing."""
-        return {
-            store: await store_contents(self._nc, self._subjects.for_store(store))
-            for store in self.stores
-        }
+        """Every store's contents, by tenant ("": the fleet's). A store that
+        cannot be listed (missing, unreadable) is left out, and said: what it
+        holds is unknown, so nothing of it is deleted, and the others are
+        swept as ever (a tenant's store never stops the fleet's sweep)."""
+        found = {}
+        for store in self.stores:
+            try:
+                found[store] = await store_contents(self._nc, self._subjects.for_store(store))
+            except (TimeoutError, BusError, nats.errors.Error) as exc:
+                log.warning("adapter store %r not listed, not swept this time: %s", store, exc)
+        return found
 
     async def delete_meta(self, store: str, subject: str) -> None:
         await delete_meta(self._nc, self._subjects.for_store(store), subject)

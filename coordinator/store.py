@@ -35,7 +35,7 @@ from nats.js.kv import KeyValue
 
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.signals import LostRace, StoreUnavailable
-from lorabus.coordinator.streams import provision
+from lorabus.coordinator.streams import make_tenant_stores, provision
 from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.runtime.clock import now
 from lorabus.schemas import (
@@ -118,17 +118,20 @@ class FleetStore:
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S * 2):
                 try:
-                    return cls(*await _bind(js, subjects), signer)
+                    bound = cls(*await _bind(js, subjects), signer)
                 except nats.js.errors.BucketNotFoundError:
                     log.info("fleet %s has no KV buckets yet: setting them up", config.fleet)
-                await provision(nc, config)
-                return cls(*await _bind(js, subjects), signer)
+                    await provision(nc, config)
+                    return cls(*await _bind(js, subjects), signer)
         except (TimeoutError, nats.errors.Error) as exc:
             raise StoreUnavailable(
                 f"cannot open the KV buckets of fleet {config.fleet!r} ({exc!r}); if they do "
                 "not exist and this identity may not create them, run lorabus provision "
                 "as the fleet's operator"
             ) from exc
+        if config.tenants_file:
+            await make_tenant_stores(nc, config)
+        return bound
 
     @classmethod
     async def bind(cls, nc: NatsClient, subjects: Subjects) -> FleetStore:

@@ -15,6 +15,7 @@ set (:func:`unsafe_settings`).
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from lorabus.coordinator.config import StorageConfig
 from lorabus.schemas import Subjects
 from lorabus.schemas.tenants import decode_tenants
 
+log = logging.getLogger(__name__)
+
 RESULTS_KEPT_S = 24 * 3600.0
 _CALL_DEADLINE_S = 5.0
 _NAME_IN_USE = 10058
@@ -39,7 +42,7 @@ _KV_DUPLICATE_WINDOW_S = 120.0
 
 class StreamChangeRefused(Exception):
     """Raised when a fleet's stream exists with other settings than those asked
-    for, and this identity may not change them."""
+    for, and this identity may not change them, or cannot be made at all."""
 
 
 def fleet_streams(config: StorageConfig) -> tuple[StreamConfig, ...]:
@@ -96,8 +99,9 @@ def fleet_streams(config: StorageConfig) -> tuple[StreamConfig, ...]:
         store_config(subjects.for_store(name), replicas=config.kv_replicas, max_bytes=t.max_bytes)
         for name, t in sorted(tenants.items())
     )
-    # The audit stream last: unsafe_settings checks more of it.
-    return (*buckets, adapters, *own, audit)
+    # The tenants' stores last: one the account's budget cannot hold leaves
+    # the fleet's own streams made (provision says which could not be).
+    return (*buckets, adapters, audit, *own)
 
 
 async def provision(nc: NatsClient, config: StorageConfig) -> list[str]:
@@ -115,7 +119,9 @@ async def provision(nc: NatsClient, config: StorageConfig) -> list[str]:
             continue
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != _NAME_IN_USE:
-                raise
+                raise StreamChangeRefused(_not_made(stream, exc)) from exc
+        except nats.js.errors.APIError as exc:
+            raise StreamChangeRefused(_not_made(stream, exc)) from exc
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S):
                 await js.update_stream(stream)
@@ -128,6 +134,52 @@ async def provision(nc: NatsClient, config: StorageConfig) -> list[str]:
             ) from exc
         changed.append(str(stream.name))
     return changed
+
+
+def _not_made(stream: StreamConfig, exc: nats.js.errors.APIError) -> str:
+    said = exc.description or repr(exc)
+    hint = (
+        ": the account's JetStream storage cannot hold it beside the others "
+        "(lorabus auth init --jetstream-max-bytes; each tenant's store takes its max_bytes)"
+        if "insufficient" in said or "resources" in said
+        else ""
+    )
+    return f"stream {stream.name} could not be made ({said}){hint}"
+
+
+async def make_tenant_stores(nc: NatsClient, config: StorageConfig) -> list[str]:
+    """Make each tenant's adapter store that does not exist yet, where this
+    identity may (a server without roles; with roles the operator's
+    ``lorabus provision`` does): a tenant added to a running fleet's file
+    gets its store at the coordinator's next start. The stores it could not
+    make, each said in the log."""
+    js = nc.jetstream()
+    subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
+    missing = []
+    for stream in fleet_streams(config):
+        if not str(stream.name).startswith(f"OBJ_{subjects.adapter_store()}_t_"):
+            continue
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                await js.stream_info(str(stream.name))
+            continue
+        except nats.js.errors.NotFoundError:
+            pass
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("tenant store %s could not be looked at: %r", stream.name, exc)
+            continue
+        try:
+            async with asyncio.timeout(_CALL_DEADLINE_S):
+                await js.add_stream(stream)
+        except (TimeoutError, nats.errors.Error) as exc:
+            missing.append(str(stream.name))
+            log.warning(
+                "tenant store %s does not exist, and this identity could not make it (%r): "
+                "run lorabus provision --tenants FILE as the fleet's operator",
+                stream.name,
+                exc,
+            )
+    return missing
 
 
 # Each would have JetStream write or answer somewhere else, or let the trail
@@ -177,7 +229,7 @@ async def unsafe_settings(js: JetStreamContext, config: StorageConfig) -> list[t
     read is said so too."""
     found = []
     streams = fleet_streams(config)
-    audit_name = streams[-1].name
+    audit_name = Subjects(fleet=config.fleet, prefix=config.subject_prefix).audit_stream()
     stores = {s.name for s in streams if str(s.name).startswith("OBJ_")}
     for canonical in streams:
         name = str(canonical.name)

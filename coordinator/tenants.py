@@ -42,7 +42,7 @@ from lorabus.schemas import (
     ErrorInfo,
     FleetStatus,
     UpdateResult,
-    check_token,
+    check_tenant,
 )
 from lorabus.schemas.tenants import ID_SEPARATOR, Tenant, decode_tenants
 
@@ -53,7 +53,7 @@ class Tenants:
     def __init__(self, tenants: Mapping[str, Tenant] | None = None) -> None:
         self.by_name = dict(tenants or {})
         for name in self.by_name:
-            check_token("tenant", name)
+            check_tenant(name)
 
     @classmethod
     def load(cls, path: str) -> Tenants:

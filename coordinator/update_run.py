@@ -34,7 +34,7 @@ from functools import partial
 
 import msgspec
 
-from lorabus.adapters.store import digest_of
+from lorabus.adapters.store import digest_of, store_of
 from lorabus.coordinator.capacity import no_room
 from lorabus.coordinator.carrying import Carrying, carried_load, may_have_landed
 from lorabus.coordinator.digests import digest_problem
@@ -59,6 +59,7 @@ from lorabus.schemas import (
     COMMITTED,
     FAILED,
     PLACED_SINCE,
+    TENANT_STORES_SINCE,
     ErrorCode,
     ErrorInfo,
     Heartbeat,
@@ -131,6 +132,7 @@ class UpdateRun:
         return RunOutcome(result, journalled, self.placed)
 
     async def _run(self) -> UpdateResult:
+        self._check_versions()
         try:
             with self._timing(Phase.QUORUM, metered=False):
                 self.members = await self._quorum()
@@ -162,6 +164,26 @@ class UpdateRun:
             return await self._run_live()
         return await self._run_paused()
 
+    def _check_versions(self) -> None:
+        """Refuse what live agents of older wire versions would get wrong: a
+        tenant's store (``bus:<tenant>/...``) and placement."""
+        live = self.commands.membership.live()
+        needs = [
+            (
+                TENANT_STORES_SINCE,
+                "an adapter from a tenant's store",
+                bool(store_of(self.plan.path)),
+            ),
+            (PLACED_SINCE, "placement", not self.plan.placement.everywhere),
+        ]
+        for since, what, asked in needs:
+            older = sorted(w for w, m in live.items() if m.heartbeat.v < since)
+            if asked and older:
+                raise BadRequest(
+                    f"{what} needs every agent at wire version {since} or later; "
+                    f"{', '.join(older[:8])} run(s) an older one"
+                )
+
     async def _quorum(self) -> dict[str, int]:
         """The members the update runs on: the fleet's quorum, or the workers
         placed to serve the adapter, whose world sizes are then the whole
@@ -178,12 +200,6 @@ class UpdateRun:
         never = never_placeable(placement, membership.remembered())
         if never is not None and membership.listening_for() >= HEARD_EVERYONE_AFTER_S:
             raise BadRequest(never)
-        older = sorted(w for w, m in membership.live().items() if m.heartbeat.v < PLACED_SINCE)
-        if older:
-            raise BadRequest(
-                f"placement needs every agent at wire version {PLACED_SINCE} or later, which "
-                f"loads only what is placed on it; {', '.join(older[:8])} run(s) an older one"
-            )
         not_gone = partial(self._not_gone, membership)
 
         def placed(live: dict[str, Heartbeat], *, wait: bool = True) -> dict[str, int] | None:

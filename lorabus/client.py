@@ -64,7 +64,7 @@ from lorabus.schemas import (
     UpdateMode,
     UpdateRequest,
     UpdateResult,
-    check_token,
+    check_tenant,
     encode,
     fleet_status_decoder,
     update_result_decoder,
@@ -130,7 +130,7 @@ class UpdateClient:
         self.no_coordinator_wait_s = no_coordinator_wait_s
         self.reask_s = reask_s
         self.subjects = Subjects(fleet=fleet)
-        self.tenant = check_token("tenant", tenant) if tenant else None
+        self.tenant = check_tenant(tenant) if tenant else None
         self._owns_connection = owns_connection
 
     def _subject(self, kind: str) -> str:

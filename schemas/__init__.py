@@ -96,8 +96,15 @@ from lorabus.schemas.requests import (
     WorkerIdConflict,
     WorkerOutcome,
 )
-from lorabus.schemas.subjects import Subjects, check_token
-from lorabus.schemas.wire import INSTANCE_BOUND_SINCE, PLACED_SINCE, WIRE_VERSION, Phase, tag_of
+from lorabus.schemas.subjects import Subjects, check_tenant, check_token
+from lorabus.schemas.wire import (
+    INSTANCE_BOUND_SINCE,
+    PLACED_SINCE,
+    TENANT_STORES_SINCE,
+    WIRE_VERSION,
+    Phase,
+    tag_of,
+)
 
 __all__ = [
     "COMMITTED",
@@ -109,6 +116,7 @@ __all__ = [
     "MAX_WORLD_SIZE",
     "PENDING",
     "PLACED_SINCE",
+    "TENANT_STORES_SINCE",
     "UNKNOWN",
     "UPDATE_ID_PATTERN",
     "WIRE_VERSION",
@@ -176,6 +184,7 @@ __all__ = [
     "any_decoder",
     "build_rank_map",
     "carried_load",
+    "check_tenant",
     "check_token",
     "command_decoder",
     "encode",

@@ -16,6 +16,18 @@ DEFAULT_FLEET = "default"
 """The fleet of a process that names none."""
 
 
+_TENANT = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+
+
+def check_tenant(value: str) -> str:
+    """Return ``value`` if it can name a tenant, else raise ValueError. As a
+    token, without '_': a tenant's store is named ``<...>_adapters_t_<tenant>``,
+    and a '_' in it could make that another fleet's or tenant's store name."""
+    if not _TENANT.fullmatch(value):
+        raise ValueError(f"tenant {value!r} is not valid: use 1-64 letters, digits or '-'")
+    return value
+
+
 def check_token(kind: str, value: str) -> str:
     """Return ``value`` if it can stand as one subject token, else raise ValueError.
 
@@ -41,7 +53,7 @@ class Subjects(msgspec.Struct, frozen=True):
         for part in self.prefix.split("."):
             check_token("subject prefix part", part)
         if self.store:
-            check_token("tenant", self.store)
+            check_tenant(self.store)
 
     def for_store(self, tenant: str) -> Subjects:
         """These subjects, with :meth:`adapter_store` naming ``tenant``'s store

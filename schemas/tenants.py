@@ -13,7 +13,7 @@ import posixpath
 import msgspec
 
 from lorabus.schemas.bounds import MAX_KEEP
-from lorabus.schemas.subjects import check_token
+from lorabus.schemas.subjects import check_tenant
 
 TENANTS_ENV = "LORABUS_TENANTS_FILE"
 """Where a coordinator finds its tenants file when ``--tenants`` is not given
@@ -79,7 +79,7 @@ def decode_tenants(raw: bytes) -> dict[str, Tenant]:
     """A tenants file's content; ValueError (msgspec's) for anything else."""
     tenants = msgspec.json.decode(raw, type=dict[str, Tenant])
     for name in tenants:
-        check_token("tenant", name)
+        check_tenant(name)
     return tenants
 
 
@@ -92,4 +92,4 @@ def parse_tenant(spec: str) -> tuple[str, Tenant]:
     name, sep, pattern = spec.partition("=")
     if not sep:
         raise ValueError(f"tenant {spec!r} is not NAME=PATTERN")
-    return check_token("tenant", name), Tenant(adapters=pattern)
+    return check_tenant(name), Tenant(adapters=pattern)

@@ -18,7 +18,7 @@ import enum
 
 import msgspec
 
-WIRE_VERSION = 8
+WIRE_VERSION = 9
 """2: commands address a pause's cohort and committed notices reach every
 agent; a version-1 agent acts only on commands that name it, so in an
 upgrade the agents go first and the coordinators last.
@@ -47,10 +47,16 @@ ignores both.
 the labels heartbeats announce (``Heartbeat.labels``), and a commit point
 and its notice list the workers placed (``workers``); a version-7 agent
 would load every adapter everywhere, so a coordinator refuses a placed
-update while any live agent beats with an older version."""
+update while any live agent beats with an older version.
+9: each tenant has an adapter store of its own, whose objects a path names
+``bus:<tenant>/<digest>``; a version-8 agent refuses such a path, so a
+coordinator refuses an update from a tenant's store while any live agent
+beats with an older version."""
 
 PLACED_SINCE = 8
 """The wire version from which an agent loads only what is placed on it."""
+TENANT_STORES_SINCE = 9
+"""The wire version from which an agent fetches from a tenant's store."""
 
 INSTANCE_BOUND_SINCE = 5
 """The wire version from which a command sent by name carries ``instance``."""

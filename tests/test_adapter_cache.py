@@ -185,6 +185,35 @@ async def test_a_damaged_entry_is_fetched_again_never_served(
     assert leftovers(cache_dir) == [entry.name]
 
 
+async def test_a_tenants_object_is_served_from_the_cache_only_once_its_store_gave_it(
+    store: Store, cache_dir: Path
+) -> None:
+    """Tenant a's adapter is cached; tenant b names the same digest in its own
+    store, where it wrote a meta record but has not the bytes: b is refused,
+    the cached entry stays, and only once b's store gives the bytes is b
+    served from the cache (checked, not fetched into place again)."""
+    digest, other = store.add(b"a's weights"), store.add(b"b's junk")
+    cache = AdapterCache(str(cache_dir))
+    entry = await cache.get(digest, store.fetch, timeout_s=10, source=f"a/{digest}")
+
+    async def bs_store(wanted: str, into: ChunkSink) -> int:
+        return await store.fetch(other, into)  # b never had a's bytes
+
+    with pytest.raises(DigestMismatch):
+        await cache.get(digest, bs_store, timeout_s=10, source=f"b/{digest}")
+    assert adapter_digest(entry) == digest
+    assert leftovers(cache_dir) == [Path(entry).name]  # nothing of b's fetch stays
+    # a again, and the fleet's own store: from the cache, no fetch.
+    fetched = len(store.fetches)
+    assert await cache.get(digest, store.fetch, timeout_s=10, source=f"a/{digest}") == entry
+    assert await cache.get(digest, store.fetch, timeout_s=10) == entry
+    assert len(store.fetches) == fetched
+    # b pushes the bytes for real: checked once, then from the cache.
+    assert await cache.get(digest, store.fetch, timeout_s=10, source=f"b/{digest}") == entry
+    assert await cache.get(digest, store.fetch, timeout_s=10, source=f"b/{digest}") == entry
+    assert len(store.fetches) == fetched + 1
+
+
 async def test_other_content_is_a_digest_mismatch_and_leaves_nothing(
     store: Store, cache_dir: Path
 ) -> None:

@@ -105,17 +105,21 @@ async def test_no_role_but_the_coordinator_can_remove_or_replace_an_object(
 ) -> None:
     stack = secured_stack
     assert stack.client is not None
-    subjects = Subjects(fleet=stack.fleet_name)
+    # A tenant attacks the store it may write, its own; the others the fleet's.
+    own = role is Role.TENANT
+    fleet_subjects = Subjects(fleet=stack.fleet_name)
+    subjects = fleet_subjects.for_store("a") if own else fleet_subjects
     stream = f"OBJ_{subjects.adapter_store()}"
-    digest = await stack.client.push_adapter(make_adapter(1))
+    pusher = await stack.client_as("a") if own else stack.client
+    digest = await pusher.push_adapter(make_adapter(1))
     reader = await stack.bus_as(Role.OPERATOR).connect("test-store-reader")
     try:
         before = (await reader.jetstream().stream_info(stream)).state.messages
         meta_subject = (
             f"$O.{subjects.adapter_store()}.M.{base64.urlsafe_b64encode(digest.encode()).decode()}"
         )
-        found = await stack.client.nc.request(
-            f"{js_api_prefix(Role.ORCHESTRATOR)}.DIRECT.GET.{stream}.{meta_subject}", b"", timeout=5
+        found = await reader.request(
+            f"{js_api_prefix(Role.OPERATOR)}.DIRECT.GET.{stream}.{meta_subject}", b"", timeout=5
         )
         meta = json.loads(found.data)
         api = js_api_prefix(role) or "$JS.API"
@@ -126,9 +130,7 @@ async def test_no_role_but_the_coordinator_can_remove_or_replace_an_object(
             answers = await _answers(client, attempts)
         after = (await reader.jetstream().stream_info(stream)).state.messages
         into = io.BytesIO()
-        size = await fetch_object(
-            stack.client.nc, subjects, digest, into, timeout_s=10, max_bytes=1 << 30
-        )
+        size = await fetch_object(reader, subjects, digest, into, timeout_s=10, max_bytes=1 << 30)
     finally:
         await close(reader)
 
@@ -136,7 +138,8 @@ async def test_no_role_but_the_coordinator_can_remove_or_replace_an_object(
     assert all(a == "refused by its permissions" or '"error"' in a for a in answers), answers
     assert after == before
     assert size == into.tell() > 0
-    result = await stack.client.update("policy", digest=digest, version=1, timeout_s=30)
+    policy = "a-policy" if own else "policy"
+    result = await pusher.update(policy, digest=digest, version=1, timeout_s=30)
     assert result.committed, result.error
 
 

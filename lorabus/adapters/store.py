@@ -65,7 +65,7 @@ from nats.js.client import JetStreamContext
 from lorabus.adapters.archive import AdapterChanged, BadArchive, check_adapter_dir, pack
 from lorabus.bus.connect import js_api_of
 from lorabus.errors import BadRequest, BusError, FetchFailed
-from lorabus.schemas import Subjects, check_token
+from lorabus.schemas import Subjects, check_tenant
 
 __all__ = [
     "BUS_SCHEME",
@@ -146,7 +146,7 @@ def bus_path(digest: str, store: str = "") -> str:
 def object_key(digest: str, store: str = "") -> str:
     """What names an object among every store of the fleet: its digest in the
     fleet's own store, ``<tenant>/<digest>`` in a tenant's."""
-    return f"{check_token('tenant', store)}/{digest}" if store else digest
+    return f"{check_tenant(store)}/{digest}" if store else digest
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -154,7 +154,7 @@ def split_key(key: str) -> tuple[str, str]:
     anything else."""
     store, sep, digest = key.rpartition("/")
     if sep:
-        check_token("tenant", store)
+        check_tenant(store)
     return store, check_digest(digest)
 
 

@@ -100,14 +100,19 @@ room for the adapter store's default limit (10 GiB) and the audit stream's
 (1 GiB), which they never outgrow, and 5 GiB that only the KV buckets (the
 leader's lease, the commit points, the results) use, so that a full store
 never blocks a lease renewal or a commit. The server reserves each stream's
-limit when it is made, and refuses one the budget cannot hold."""
+limit when it is made, and refuses one the budget cannot hold. Each
+tenant's adapter store adds its ``max_bytes`` (:func:`default_jetstream_bytes`)."""
 MIN_JETSTREAM_BYTES = 64 << 20
 
 
-def default_jetstream_bytes(cluster_nodes: Sequence[str] = ()) -> int:
-    """The fleet account's JetStream storage: JetStream counts every replica of
-    a stream against it, so on a cluster it is the budget times the nodes."""
-    return JETSTREAM_BYTES_PER_REPLICA * max(1, len(cluster_nodes))
+def default_jetstream_bytes(
+    cluster_nodes: Sequence[str] = (), tenants: Mapping[str, Tenant] | None = None
+) -> int:
+    """The fleet account's JetStream storage: the budget above and each
+    tenant's store; JetStream counts every replica of a stream against it,
+    so on a cluster it is that times the nodes."""
+    own = sum(tenant.max_bytes for tenant in (tenants or {}).values())
+    return (JETSTREAM_BYTES_PER_REPLICA + own) * max(1, len(cluster_nodes))
 
 
 def write_fleet_auth(
@@ -131,7 +136,7 @@ def write_fleet_auth(
     _check_request(worker_ids, tls=tls, method=method, cluster_nodes=cluster_nodes)
     routes = [_route_address(node) for node in cluster_nodes]
     if jetstream_max_bytes is None:
-        jetstream_max_bytes = default_jetstream_bytes(cluster_nodes)
+        jetstream_max_bytes = default_jetstream_bytes(cluster_nodes, tenants)
     if jetstream_max_bytes < MIN_JETSTREAM_BYTES:
         raise ValueError(
             f"the fleet's JetStream storage must be at least {MIN_JETSTREAM_BYTES} bytes "
