@@ -232,13 +232,7 @@ class _IdentityWriter:
             prefix, env, user_key = (
                 _nkey_user(folder) if self._method == "nkey" else _cert_user(name)
             )
-            allowed = permissions(
-                role,
-                self._subjects,
-                inbox_prefix=prefix,
-                worker_id=worker_id,
-                tenants=self._tenants,
-            )
+            allowed = self._permissions(role, worker_id, prefix)
             account = self._layout.of_role[(role, worker_id)]
             self._users[account].append(_user_block(user_key, allowed, name))
         if self._authority is not None:
@@ -260,6 +254,11 @@ class _IdentityWriter:
         _write_env(identity.env_file, env)
         return identity
 
+    def _permissions(self, role: Role, worker_id: str | None, prefix: str) -> Permissions:
+        return permissions(
+            role, self._subjects, inbox_prefix=prefix, worker_id=worker_id, tenants=self._tenants
+        )
+
     def _jwt_user(
         self, jwts: JwtAuthority, folder: Path, role: Role, worker_id: str | None
     ) -> tuple[str, dict[str, str]]:
@@ -267,13 +266,7 @@ class _IdentityWriter:
         # The user's key is in its JWT: the inbox prefix comes from it too.
         seed = _new_user_seed()
         prefix = inbox_prefix_for(public_key_of(seed))
-        allowed = permissions(
-            role,
-            self._subjects,
-            inbox_prefix=prefix,
-            worker_id=worker_id,
-            tenants=self._tenants,
-        )
+        allowed = self._permissions(role, worker_id, prefix)
         account, name = self._layout.of_role[(role, worker_id)], identity_name(role, worker_id)
         write_secret(folder / CREDS_FILE, jwts.user_creds(account, name, allowed, seed))
         return prefix, {ENV["creds_file"]: str(folder / CREDS_FILE)}
