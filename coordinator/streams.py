@@ -42,7 +42,13 @@ _KV_DUPLICATE_WINDOW_S = 120.0
 
 class StreamChangeRefused(Exception):
     """Raised when a fleet's stream exists with other settings than those asked
-    for, and this identity may not change them, or cannot be made at all."""
+    for, and this identity may not change them."""
+
+
+class StreamNotMade(nats.errors.Error):
+    """Raised when the server refuses to make a fleet's stream, saying which
+    and why. A NATS error: a coordinator setting up its fleet tries again
+    (a cluster still placing its peers), ``lorabus provision`` says it."""
 
 
 def fleet_streams(config: StorageConfig) -> tuple[StreamConfig, ...]:
@@ -119,9 +125,9 @@ async def provision(nc: NatsClient, config: StorageConfig) -> list[str]:
             continue
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != _NAME_IN_USE:
-                raise StreamChangeRefused(_not_made(stream, exc)) from exc
+                raise StreamNotMade(_not_made(stream, exc)) from exc
         except nats.js.errors.APIError as exc:
-            raise StreamChangeRefused(_not_made(stream, exc)) from exc
+            raise StreamNotMade(_not_made(stream, exc)) from exc
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S):
                 await js.update_stream(stream)

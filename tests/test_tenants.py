@@ -223,3 +223,13 @@ def test_auth_init_writes_an_identity_per_tenant_and_the_coordinators_file(
         ],
     )
     assert twice.exit_code != 0 and "different tenant" in twice.output
+
+
+def test_the_fleets_jetstream_budget_holds_every_tenants_store() -> None:
+    from lorabus.security.auth_init import JETSTREAM_BYTES_PER_REPLICA, default_jetstream_bytes
+
+    tenants = {"a": Tenant(adapters="a-*"), "b": Tenant(adapters="b-*", max_bytes=3 << 30)}
+    assert default_jetstream_bytes() == JETSTREAM_BYTES_PER_REPLICA
+    assert default_jetstream_bytes(tenants=tenants) == JETSTREAM_BYTES_PER_REPLICA + (4 << 30)
+    three = default_jetstream_bytes(["n1", "n2", "n3"], tenants)
+    assert three == 3 * (JETSTREAM_BYTES_PER_REPLICA + (4 << 30))

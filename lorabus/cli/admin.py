@@ -171,7 +171,7 @@ def provision(nats_url: str, bus: BusOptions, fleet: str, **settings: Any) -> No
     settings, only an identity that may change a stream's configuration (a
     server without roles) brings them to these."""
     from lorabus.bus.connect import close
-    from lorabus.coordinator.streams import StreamChangeRefused
+    from lorabus.coordinator.streams import StreamChangeRefused, StreamNotMade
     from lorabus.coordinator.streams import provision as set_up
 
     config = build_config(StorageConfig, STORAGE_FLAGS, settings, fleet=fleet)
@@ -180,7 +180,7 @@ def provision(nats_url: str, bus: BusOptions, fleet: str, **settings: Any) -> No
         nc = await Bus(nats_url, bus).connect(f"lorabus-operator-{fleet}")
         try:
             changed = await set_up(nc, config)
-        except StreamChangeRefused as exc:
+        except (StreamChangeRefused, StreamNotMade) as exc:
             click.echo(f"error: {exc}", err=True)
             return 1
         finally:
