@@ -30,39 +30,29 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Iterator
-from functools import partial
 
 import msgspec
 
-from lorabus.adapters.store import digest_of, store_of
+from lorabus.adapters.store import digest_of
 from lorabus.coordinator.capacity import no_room
 from lorabus.coordinator.carrying import Carrying, carried_load, may_have_landed
 from lorabus.coordinator.digests import digest_problem
 from lorabus.coordinator.gather import PhaseGather
 from lorabus.coordinator.inflight import InflightJournal
-from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.outcomes import Carried, Loaded, RunOutcome, Window, run_result
 from lorabus.coordinator.phases import Commands, Gathering, PhaseOutcome
-from lorabus.coordinator.placement import (
-    Served,
-    never_placeable,
-    place,
-    unplaceable,
-    wait_for_whom,
-)
+from lorabus.coordinator.placed_members import beside, check_versions, wait_placed
+from lorabus.coordinator.placement import Served
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import Frontend, Journal
 from lorabus.coordinator.quorum import QuorumPolicy
-from lorabus.errors import BadRequest, FrontendUnverified, QuorumNotReached
+from lorabus.errors import FrontendUnverified, QuorumNotReached
 from lorabus.runtime.clock import now
 from lorabus.schemas import (
     COMMITTED,
     FAILED,
-    PLACED_SINCE,
-    TENANT_STORES_SINCE,
     ErrorCode,
     ErrorInfo,
-    Heartbeat,
     LoadCommand,
     LoadSpec,
     Phase,
@@ -76,12 +66,6 @@ from lorabus.schemas import (
 )
 
 log = logging.getLogger(__name__)
-
-HEARD_EVERYONE_AFTER_S = 10.0
-"""A coordinator that has listened this long has heard every agent that
-beats at least that often (every second by default): from then on, a
-placement no worker it remembers can meet fails at once; before, it waits
-for its quorum as any update does."""
 
 
 class UpdateRun:
@@ -132,7 +116,7 @@ class UpdateRun:
         return RunOutcome(result, journalled, self.placed)
 
     async def _run(self) -> UpdateResult:
-        self._check_versions()
+        check_versions(self.plan, self.commands.membership.live())
         try:
             with self._timing(Phase.QUORUM, metered=False):
                 self.members = await self._quorum()
@@ -164,81 +148,25 @@ class UpdateRun:
             return await self._run_live()
         return await self._run_paused()
 
-    def _check_versions(self) -> None:
-        """Refuse what live agents of older wire versions would get wrong: a
-        tenant's store (``bus:<tenant>/...``) and placement."""
-        live = self.commands.membership.live()
-        needs = [
-            (
-                TENANT_STORES_SINCE,
-                "an adapter from a tenant's store",
-                bool(store_of(self.plan.path)),
-            ),
-            (PLACED_SINCE, "placement", not self.plan.placement.everywhere),
-        ]
-        for since, what, asked in needs:
-            older = sorted(w for w, m in live.items() if m.heartbeat.v < since)
-            if asked and older:
-                raise BadRequest(
-                    f"{what} needs every agent at wire version {since} or later; "
-                    f"{', '.join(older[:8])} run(s) an older one"
-                )
-
     async def _quorum(self) -> dict[str, int]:
         """The members the update runs on: the fleet's quorum, or the workers
         placed to serve the adapter, whose world sizes are then the whole
-        its quorum policy counts (``placement.py``)."""
-        membership, placement = self.commands.membership, self.plan.placement
-        if placement.everywhere:
+        its quorum policy counts (``placed_members.py``)."""
+        membership = self.commands.membership
+        if self.plan.placement.everywhere:
             return await membership.wait_quorum(
                 self.config.expected_world_size,
                 self.config.quorum_timeout_s,
                 needed=self.quorum.needed_world_size,
                 grace_s=self.config.quorum_grace_s,
             )
-
-        never = never_placeable(placement, membership.remembered())
-        if never is not None and membership.listening_for() >= HEARD_EVERYONE_AFTER_S:
-            raise BadRequest(never)
-        not_gone = partial(self._not_gone, membership)
-
-        def placed(live: dict[str, Heartbeat], *, wait: bool = True) -> dict[str, int] | None:
-            if wait and wait_for_whom(placement, live, self.plan.placed_on, not_gone):
-                return None  # a worker that serves it now, or may, comes back first
-            ready = {w: beat for w, beat in live.items() if beat.ready}
-            chosen = place(
-                self.plan.adapter,
-                placement,
-                ready,
-                now_on=self.plan.placed_on,
-                own=self.plan.own_names,
-                beside=self._beside(),
-            )
-            if chosen is None:
-                return None
-            # Taken at once: the next placed update to choose counts it.
-            self._placing[self.plan.update_id] = Served(self.plan.served_name, tuple(chosen))
-            return {w: ready[w].world_size for w in chosen}
-
-        members = await membership.wait_for(placed, self.config.quorum_timeout_s)
-        if members is None:  # waited long enough for those away: choose without them
-            live = {w: m.heartbeat for w, m in membership.live().items()}
-            members = placed(live, wait=False)
-        if members is None:
-            ready = {w: m.heartbeat for w, m in membership.live().items() if m.heartbeat.ready}
-            raise QuorumNotReached(unplaceable(placement, ready, self.config.quorum_timeout_s))
+        members = await wait_placed(self.plan, membership, self.config, self._placing)
         self.placed = sorted(members)
         self.quorum = QuorumPolicy(self.config, world_size=sum(members.values()))
         return members
 
-    def _not_gone(self, membership: Membership, worker: str) -> bool:
-        return membership.silent_for(worker) < self.config.replace_after_s
-
     def _beside(self) -> list[Served]:
-        """What engines serve while it runs: what is committed, and the new
-        versions of the other placed updates running (``placement.py``)."""
-        others = (s for uid, s in self._placing.items() if uid != self.plan.update_id)
-        return [*self.plan.beside, *others]
+        return beside(self.plan, self._placing)
 
     async def _prepare(self) -> UpdateResult | None:
         """Every member fetches the adapter into its node's cache, before any

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 from memory_fleet import HEARTBEAT_S, InMemoryFleet
 
-from lorabus.coordinator.update_run import HEARD_EVERYONE_AFTER_S
+from lorabus.coordinator.placed_members import HEARD_EVERYONE_AFTER_S
 from lorabus.schemas import PLACED_SINCE, ErrorCode, Heartbeat, UpdateMode, encode
 from lorabus.schemas.bounds import MAX_LABELS
 

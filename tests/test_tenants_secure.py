@@ -111,7 +111,10 @@ async def test_a_tenant_cannot_reach_another_tenants_adapters(
         assert await b.push_adapter(write_adapter(big, 3, hidden=4096, layers=4))
 
         # A flood of a's own: bounded by its quotas (4 adapters, 2 waiting),
-        # while b's next version commits.
+        # while b's next version commits. It starts a second after a's
+        # refusals above: each tenant's refusals are audited at most 10 a
+        # second, and this test counts every one of them in the trail.
+        await asyncio.sleep(1.1)
         flood = [
             asyncio.ensure_future(a.update(f"a-{i}", digest=mine, version=1, timeout_s=60))
             for i in range(12)
