@@ -64,6 +64,7 @@ from lorabus.schemas import (
     Ack,
     BadMessage,
     BadPayload,
+    CanaryCommand,
     CommittedNotice,
     EngineResumed,
     LeaseExpired,
@@ -367,9 +368,13 @@ class Agent:
                 # is waited for, and no second message is.
                 await parts.queue.pause_then_load(command, command.then_load, work.received)
                 continue
+            if isinstance(command, CanaryCommand) and self.executor.paused:
+                parts.queue.defer(work)  # another update of its round holds the pause
+                continue
             await parts.queue.run(command, work.received)
             if isinstance(command, ResumeCommand) and not self.executor.paused:
                 parts.convergence.retire_put_off()
+                parts.queue.undefer()
 
     async def _after_internal(self, parts: _Parts, work: Work, ack: Ack) -> None:
         if work.internal == "reconcile":
@@ -382,6 +387,7 @@ class Agent:
             if ack.ok:
                 self.lease.release()
                 self.executor.late_pause_undone()
+                parts.queue.undefer()
             await parts.bus.emit(
                 LeaseExpired(
                     ts=time.time(),

@@ -78,6 +78,8 @@ class CommandQueue:
         self._queue: asyncio.Queue[Work] = asyncio.Queue()
         self._queued: set[_CommandKey] = set()
         self._acks: OrderedDict[_CommandKey, Ack] = OrderedDict()
+        self._deferred: list[Work] = []
+        """Canaries held back until the engine runs again (:meth:`defer`)."""
 
     async def accept(self, command: PhasedCommand) -> None:
         """Queue ``command``, unless it is queued already; a command that already
@@ -109,6 +111,20 @@ class CommandQueue:
 
     async def next(self) -> Work:
         return await self._queue.get()
+
+    def defer(self, work: Work) -> None:
+        """Hold a canary back while the engine is paused: a paused engine holds
+        generations, and one waiting here would keep the resume of another
+        update of its round (queued behind it) from ever running. It stays
+        queued, so a copy sent again is dropped."""
+        self._deferred.append(work)
+
+    def undefer(self) -> None:
+        """The engine runs again: the canaries held back go to the queue's end,
+        their budgets counted from now."""
+        for work in self._deferred:
+            self._queue.put_nowait(msgspec.structs.replace(work, received=now()))
+        self._deferred.clear()
 
     def empty(self) -> bool:
         return self._queue.empty()

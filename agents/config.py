@@ -84,6 +84,13 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     Dynamo's per worker; SGLang says its own, and the smaller counts): a load
     beyond unloads the oldest versions nothing keeps, or fails
     ``no_capacity``. 0: as the engine says, else not bounded."""
+    frontend_url: str = ""
+    """Dynamo: the frontend the canary generates through, routed to this
+    worker ("": a canary fails, saying so; vLLM and SGLang generate at
+    ``system_url``)."""
+    frontend_discovery_url: str = ""
+    """Dynamo: where the frontend serves ``/v1/rl/workers`` (its RL port),
+    which gives this worker's instance id ("": ``frontend_url``)."""
     labels: list[str] = []
     """``KEY=VALUE`` labels the heartbeat announces (``zone=us-east-1a``,
     ``gpu=h100``): an update's selector places adapters by them."""
@@ -112,6 +119,16 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"an admin key is for SGLang's --admin-api-key; {self.engine} has none "
                 "(give its key with --api-key-env)"
             )
+        for url in (self.frontend_url, self.frontend_discovery_url):
+            if url:
+                check_engine_url(url)
+        if (self.frontend_url or self.frontend_discovery_url) and self.engine != "dynamo":
+            raise ValueError(
+                f"a frontend URL is for a Dynamo worker's canary; {self.engine} generates "
+                "at its own --system-url"
+            )
+        if self.frontend_discovery_url and not self.frontend_url:
+            raise ValueError("--frontend-discovery-url needs --frontend-url")
         if self.cache_keep < 0:
             raise ValueError(f"cache keep must be >= 0, got {self.cache_keep}")
         if self.max_adapters < 0:

@@ -24,6 +24,15 @@ answer, a 5xx, a 408/429, an older release's status-200 error body) are
 retried; a 4xx or an answer that says the directory holds no adapter fails
 the call at once.
 
+The canary (:mod:`lorabus.agents.canary`): a Dynamo worker serves no
+generation of its own, so the agent asks the frontend (``--frontend-url``)
+for one greedy token of ``POST /v1/completions`` with
+``"nvext": {"backend_instance_id": <id>}``, which routes it to this worker
+only. The id is the worker's ``instance_id`` in the frontend's
+``/v1/rl/workers`` (its RL port, ``--frontend-discovery-url``), found by
+this worker's ``system_url`` and looked up again when a canary fails (a
+restarted worker registers under a new id).
+
 Pause asks for ``keep`` mode (in-flight requests are held, then continue).
 Dynamo 1.6.1's vLLM backend refuses ``keep`` while requests for a LoRA
 adapter are in flight; the driver then pauses in ``wait`` mode, which lets
@@ -37,6 +46,7 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
+from lorabus.agents.canary import completion_of, generated
 from lorabus.agents.config import ENGINE_TIMEOUT_S
 from lorabus.agents.http_engine import (
     HttpEngine,
@@ -45,7 +55,9 @@ from lorabus.agents.http_engine import (
     json_or_none,
     url_segment,
 )
-from lorabus.errors import EngineError
+from lorabus.canary import completion_body
+from lorabus.errors import CanaryFailed, EngineError
+from lorabus.runtime.clock import now
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +80,12 @@ class DynamoDriver(HttpEngine):
         admin_headers: Mapping[str, str] | None = None,
         timeout_s: float = ENGINE_TIMEOUT_S,
         attempts: int = 5,
+        frontend_url: str = "",
+        discovery_url: str = "",
     ) -> None:
+        """``frontend_url``: the frontend the canary generates through (none:
+        the canary fails, saying so); ``discovery_url``: where it serves
+        ``/v1/rl/workers`` (its RL port; default ``frontend_url``)."""
         super().__init__(
             system_url,
             headers=headers,
@@ -76,6 +93,23 @@ class DynamoDriver(HttpEngine):
             timeout_s=timeout_s,
             attempts=attempts,
         )
+        self._frontend = (
+            HttpEngine(frontend_url, headers=headers, timeout_s=timeout_s, attempts=attempts)
+            if frontend_url
+            else None
+        )
+        self._discovery = (
+            HttpEngine(discovery_url, headers=headers, timeout_s=timeout_s, attempts=attempts)
+            if discovery_url and frontend_url
+            else self._frontend
+        )
+        self._instance_id: int | None = None
+        """This worker's instance id, as the frontend's discovery last said."""
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        for client in {id(c): c for c in (self._frontend, self._discovery) if c}.values():
+            await client.aclose()
 
     @property
     def system_url(self) -> str:
@@ -119,6 +153,57 @@ class DynamoDriver(HttpEngine):
         if not isinstance(loras, dict):  # no JSON object with a map of loras: not Dynamo's answer
             raise EngineError(f"GET /v1/loras answered an unexpected body: {body!r}")
         return sorted(loras)
+
+    async def canary(self, name: str, *, budget_s: float) -> str:
+        if self._frontend is None:
+            raise CanaryFailed(
+                f"the agent of Dynamo worker {self.system_url} has no --frontend-url: a "
+                "Dynamo worker generates only through its frontend (give the agent "
+                "--frontend-url, or turn the canary off for the fleet: lorabus "
+                "coordinator --no-canary)"
+            )
+        frontend = self._frontend
+        started = now()
+        instance = self._instance_id
+        if instance is None:
+            instance = await self._find_instance_id()
+        body = completion_body(name) | {"nvext": {"backend_instance_id": instance}}
+        read = completion_of(name)
+        try:
+            return await generated(frontend, "/v1/completions", body, read, budget_s)
+        except CanaryFailed:
+            if self._instance_id is None:
+                raise
+            # A worker that restarted registers under a new instance id: look
+            # it up again, once, before taking the failure as the adapter's.
+            self._instance_id = None
+            fresh = await self._find_instance_id()
+            if fresh == instance:
+                raise
+            body["nvext"] = {"backend_instance_id": fresh}
+            return await generated(
+                frontend, "/v1/completions", body, read, budget_s - (now() - started)
+            )
+
+    async def _find_instance_id(self) -> int:
+        """This worker's instance id, from the frontend's RL discovery: the
+        entry whose ``system_url`` is this worker's."""
+        assert self._discovery is not None
+        response = await self._discovery.send("GET", "/v1/rl/workers")
+        payload = json_or_none(response)
+        workers = payload.get("workers") if isinstance(payload, dict) else None
+        mine = self.system_url.rstrip("/")
+        for entry in workers if isinstance(workers, list) else []:
+            if not isinstance(entry, dict):
+                continue
+            url, instance = entry.get("system_url"), entry.get("instance_id")
+            if isinstance(url, str) and url.rstrip("/") == mine and type(instance) is int:
+                self._instance_id = instance
+                return instance
+        raise CanaryFailed(
+            f"the frontend's discovery at {response.url} lists no worker with system "
+            f"URL {mine} (is --system-url the URL the worker advertises?)"
+        )
 
     async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         response = await self.send(method, path, body)

@@ -5,7 +5,9 @@ engine kind, so the command logic never sees an engine's paths or payloads.
 A driver that can tell whether its engine was started able to take LoRA
 updates at all also implements :class:`SetupCheck`; one whose engine swaps
 an adapter's weights under the same name, keeping the old ones when the new
-ones fail to load, implements :class:`InPlaceReplace`.
+ones fail to load, implements :class:`InPlaceReplace`; one whose engine
+caches prefixes per adapter name, with a route to drop them, implements
+:class:`CacheReset`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ class EngineDriver(Protocol):
 
     async def list_adapters(self) -> list[str]: ...
 
+    async def canary(self, name: str, *, budget_s: float) -> str:
+        """Generate one greedy token with the adapter served as ``name`` and
+        return the text; CanaryFailed when the engine does not answer it as
+        that name (retrying transient failures within ``budget_s``)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -45,6 +53,16 @@ class SetupCheck(Protocol):
         """What keeps the engine from taking LoRA updates however often asked,
         and how to fix it (None: nothing known), found without changing
         anything. Raises EngineError when the engine does not answer."""
+        ...
+
+
+@runtime_checkable
+class CacheReset(Protocol):
+    async def reset_cache(self, *, budget_s: float) -> None:
+        """Drop what the engine cached from earlier requests (its prefix
+        cache), so that nothing computed with a name's old weights serves
+        the new ones loaded under the same name (retrying transient
+        failures within ``budget_s``)."""
         ...
 
 

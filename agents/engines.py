@@ -26,6 +26,14 @@ def driver_for(config: AgentConfig) -> EngineDriver:
     driver = _DRIVERS.get(config.engine)
     if driver is None:
         raise ValueError(f"unknown engine {config.engine!r}: use one of {', '.join(ENGINE_KINDS)}")
+    if driver is DynamoDriver:
+        return DynamoDriver(
+            config.system_url,
+            headers=config.headers,
+            timeout_s=config.engine_timeout_s,
+            frontend_url=config.frontend_url,
+            discovery_url=config.frontend_discovery_url,
+        )
     return driver(
         config.system_url,
         headers=config.headers,

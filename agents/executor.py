@@ -48,11 +48,12 @@ from lorabus.agents.adapter_cache import AdapterCache, StoreFetch
 from lorabus.agents.adapter_paths import check_served_name
 from lorabus.agents.cache_holders import CacheKeeper
 from lorabus.agents.capacity import capacity_of, dropped_text, room_for
-from lorabus.agents.engine import EngineDriver, InPlaceReplace, SetupCheck
+from lorabus.agents.engine import CacheReset, EngineDriver, InPlaceReplace, SetupCheck
 from lorabus.agents.load_source import checked_dir, refuse_other_bytes, seen_digest
 from lorabus.agents.pending_pause import PendingPause
 from lorabus.errors import (
     BadRequest,
+    CanaryFailed,
     DigestMismatch,
     EngineError,
     FetchFailed,
@@ -62,6 +63,7 @@ from lorabus.errors import (
 from lorabus.runtime.clock import now
 from lorabus.schemas import (
     Ack,
+    CanaryCommand,
     ErrorCode,
     ErrorInfo,
     LoadCommand,
@@ -358,6 +360,15 @@ class CommandExecutor:
                     await asyncio.gather(hashing, return_exceptions=True)
                     raise
                 await hashing  # under the command's budget, like the load
+            case CanaryCommand(served_name=name):
+                self._check_names([name])
+                try:
+                    await self.driver.canary(name, budget_s=budget_s)
+                except EngineError as exc:
+                    raise CanaryFailed(
+                        f"{self.worker_id} did not answer a generation as {name!r}: {exc}",
+                        status=exc.status,
+                    ) from exc
             case UnloadCommand(names=names) if retire:
                 self._check_names(names)
                 await self._retire(names)
@@ -466,6 +477,10 @@ class CommandExecutor:
         except EngineError:
             await self._read_back_quietly()  # the load's own error is the one to report
             raise
+        if in_place and isinstance(self.driver, CacheReset):
+            # Same name, new weights: what the engine cached for the name was
+            # computed with the old ones (the canary comes after this).
+            await self.driver.reset_cache(budget_s=budget_s)
         self.adapters = await self.driver.list_adapters()
         if name not in self.adapters:
             raise NotListed(

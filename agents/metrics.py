@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from lorabus.agents.engine import EngineDriver, InPlaceReplace, SetupCheck
+from lorabus.agents.engine import CacheReset, EngineDriver, InPlaceReplace, SetupCheck
 
 _T = TypeVar("_T")
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -89,6 +89,15 @@ class InstrumentedDriver:
 
     async def list_adapters(self) -> list[str]:
         return await self._timed("list", self.driver.list_adapters)
+
+    async def canary(self, name: str, *, budget_s: float) -> str:
+        return await self._timed("canary", lambda: self.driver.canary(name, budget_s=budget_s))
+
+    async def reset_cache(self, *, budget_s: float) -> None:
+        """The wrapped driver's, if it has one (else nothing to reset)."""
+        driver = self.driver
+        if isinstance(driver, CacheReset):
+            await self._timed("reset", lambda: driver.reset_cache(budget_s=budget_s))
 
     async def setup_problem(self) -> str | None:
         if not isinstance(self.driver, SetupCheck):

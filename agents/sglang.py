@@ -67,6 +67,13 @@ handler), 408 or 429 are retried within the load's budget. A load of a name
 SGLang already holds is read back as the vLLM driver does: done when that
 name was loaded from the same path, a final error when from another.
 Names travel only in JSON bodies, never in URLs.
+
+The canary (:mod:`lorabus.agents.canary`) asks ``POST /generate`` with the
+adapter's name as ``lora_path`` (a name SGLang does not hold is refused with
+a 400), for one greedy token. After a fixed-name replace the driver asks
+``POST /flush_cache`` (a control route: the admin key) to drop prefixes the
+old weights computed; SGLang refuses it (400) while any request runs or
+waits, which a pause keeps, and the driver then logs it and goes on.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from lorabus.agents.canary import generated, generation_of
 from lorabus.agents.http_engine import (
     EngineAnswer,
     HttpEngine,
@@ -82,6 +90,7 @@ from lorabus.agents.http_engine import (
     json_or_none,
     route_not_served,
 )
+from lorabus.canary import CANARY_PROMPT
 from lorabus.errors import EngineError
 
 __all__ = ["SglangDriver"]
@@ -145,6 +154,23 @@ class SglangDriver(HttpEngine):
     async def list_adapters(self) -> list[str]:
         return sorted(await self.served_adapters())
 
+    async def canary(self, name: str, *, budget_s: float) -> str:
+        return await generated(self, "/generate", generate_body(name), generation_of, budget_s)
+
+    async def reset_cache(self, *, budget_s: float) -> None:
+        # SGLang flushes only with no request running or waiting (400
+        # otherwise), and a pause keeps them: then prefixes computed with the
+        # old weights may stay cached. Said in the log, not failed: the new
+        # weights did load (docs/engines.md).
+        response = await self.request("POST", "/flush_cache", admin=True)
+        if response.status_code >= 400:
+            log.warning(
+                "%s did not flush its cache after a load in place (%d): %s",
+                self.base_url,
+                response.status_code,
+                response.text[:200],
+            )
+
     async def setup_problem(self) -> str | None:
         """(Also learns :attr:`capacity`, from the same server info.)"""
         size = await self._data_parallel_size()
@@ -189,6 +215,16 @@ class SglangDriver(HttpEngine):
             self.capacity = _positive_int(info.get("max_loaded_loras"))
             return _positive_int(info.get("dp_size"))
         return None
+
+
+def generate_body(name: str) -> dict[str, Any]:
+    """SGLang's native ``/generate`` for one greedy token with adapter ``name``
+    (its OpenAI routes select an adapter by another syntax across releases)."""
+    return {
+        "text": CANARY_PROMPT,
+        "lora_path": name,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+    }
 
 
 def _positive_int(value: object) -> int | None:

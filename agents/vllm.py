@@ -78,6 +78,18 @@ takes the load as done when that name was loaded from the same path (a retry
 after a lost answer, an agent restarted mid-update), and as a final error when
 it was loaded from another path: those are other weights under the same name.
 
+The canary (:mod:`lorabus.agents.canary`) asks ``POST /v1/completions``
+with the adapter's name as ``model`` for one greedy token; vLLM answers a
+name it does not serve with 404 "The model `<name>` does not exist.", and
+the answer must name the adapter as its ``model``. After a load in place
+(``--naming fixed``) the driver asks ``POST
+/reset_prefix_cache?reset_running_requests=true`` (dev mode): vLLM keys its
+prefix cache by the adapter's id, which the name keeps, so blocks computed
+with the old weights would otherwise be reused; the requests the pause froze
+lose theirs too and recompute them with the new weights. vLLM 0.32 answers
+``{"success": bool}`` (false while a KV transfer holds blocks: retried),
+older releases an empty 200.
+
 Names travel only in JSON bodies, never in URLs, so no name reaches another
 route. Retries follow :mod:`lorabus.agents.http_engine`: vLLM's 404 for a
 directory without an adapter, its 400s and a refused token are final; no
@@ -89,7 +101,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from lorabus.agents.canary import completion_of, generated
 from lorabus.agents.http_engine import EngineAnswer, HttpEngine, json_or_none, route_not_served
+from lorabus.canary import completion_body
 from lorabus.errors import EngineError
 
 __all__ = ["VllmDriver"]
@@ -108,7 +122,11 @@ ROUTE_NEEDS = {
     "/pause": DEV_MODE,
     "/resume": DEV_MODE,
     "/is_paused": DEV_MODE,
+    "/reset_prefix_cache": DEV_MODE,
 }
+#: Also the blocks of requests a keep-mode pause froze: they were computed
+#: with the old weights, and are recomputed with the new ones.
+RESET_PARAMS = {"reset_running_requests": "true"}
 
 
 class VllmDriver(HttpEngine):
@@ -146,6 +164,25 @@ class VllmDriver(HttpEngine):
 
     async def list_adapters(self) -> list[str]:
         return sorted(await self.served_adapters())
+
+    async def canary(self, name: str, *, budget_s: float) -> str:
+        body = completion_body(name)
+        return await generated(self, "/v1/completions", body, completion_of(name), budget_s)
+
+    async def reset_cache(self, *, budget_s: float) -> None:
+        async def call() -> None:
+            response = await self.send("POST", "/reset_prefix_cache", params=RESET_PARAMS)
+            payload: Any = json_or_none(response)
+            # Older releases answer an empty 200; 0.32 and later {"success": bool},
+            # false while blocks are held by transfers still under way.
+            if isinstance(payload, dict) and payload.get("success") is False:
+                raise EngineError(
+                    f"POST {self.base_url}/reset_prefix_cache answered success false",
+                    retryable=True,
+                    status=response.status_code,
+                )
+
+        await self.retrying(call, budget_s)
 
     async def setup_problem(self) -> str | None:
         problems = []

@@ -64,6 +64,10 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     store (``bus:`` paths), before anything is paused."""
     quorum_timeout_s: float = 30.0
     """Deadline for live agents' world sizes to reach the expected sum."""
+    canary: bool = True
+    """After the load (live mode) or the resume (pause mode), every member's
+    engine and the frontend generate one token with the new served name
+    before the update commits (``canary.py``); False turns it off."""
     keep: int = 2
     """Versions of an adapter kept loaded after its commit, the committed one
     among them (versioned naming), unless the request says (``keep``)."""

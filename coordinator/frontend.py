@@ -1,4 +1,5 @@
-"""The coordinator's view of the Dynamo frontend: which models it lists.
+"""The coordinator's view of the Dynamo frontend: which models it lists, and
+whether a model answers a generation through it (the canary phase).
 
 ``/v1/models`` is a union over workers, so a listing proves that some worker
 published the adapter, not that all did; the per-worker read-backs in the load
@@ -20,9 +21,16 @@ import logging
 from collections.abc import Mapping
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    retry_if_result,
+    stop_after_delay,
+    wait_exponential,
+)
 
-from lorabus.errors import FrontendUnverified
+from lorabus.canary import completion_body, read_completion
+from lorabus.errors import CanaryFailed, FrontendUnverified
 from lorabus.runtime.clock import now
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,34 @@ class FrontendClient:
         response.raise_for_status()
         return {entry["id"] for entry in response.json().get("data", []) if "id" in entry}
 
+    async def generate(self, model: str, timeout_s: float) -> str:
+        """One greedy token from ``model``, routed as any client's request is
+        (the canary phase); CanaryFailed unless answered as ``model``. No
+        answer or a 5xx is asked again within ``timeout_s``."""
+        url = f"{self.base_url}/v1/completions"
+
+        async def ask() -> str:
+            try:
+                response = await self._http.post(
+                    "/v1/completions", json=completion_body(model), timeout=timeout_s
+                )
+            except httpx.HTTPError as exc:
+                raise CanaryFailed(f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
+            return read_completion(response.status_code, response.content, f"POST {url}", model)
+
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(timeout_s),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception(_may_answer_later),
+            reraise=True,
+        )
+        try:
+            return await retrying(ask)
+        except CanaryFailed as exc:
+            raise CanaryFailed(
+                f"the frontend did not answer a generation as {model!r}: {exc}"
+            ) from exc
+
     async def wait_listed(self, model: str, timeout_s: float) -> float:
         """Poll until ``model`` is listed; return seconds taken or raise FrontendUnverified."""
         started = now()
@@ -86,3 +122,8 @@ class FrontendClient:
                 f"({last_problem})"
             )
         return now() - started
+
+
+def _may_answer_later(exc: BaseException) -> bool:
+    """No answer, or a 5xx (a worker restarting, a proxy): asked again."""
+    return isinstance(exc, CanaryFailed) and (exc.status is None or exc.status >= 500)

@@ -91,6 +91,9 @@ def run_result(
         version=plan.version,
         rank_map=rank_map,
         phases={str(k): round(v, 6) for k, v in durations.items()},
+        # What each engine's own load took: a load the pause carried is
+        # inside the pause's time, and the load phase holds only what followed.
+        load_s=round(max((a.duration_s for a in acks.values() if a.ok), default=0.0), 6),
         workers=workers,
         error=error,
         path=plan.path,

@@ -42,6 +42,7 @@ from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.runtime.clock import now
 from lorabus.schemas import (
     Ack,
+    CanaryCommand,
     ErrorCode,
     ErrorInfo,
     LoadCommand,
@@ -59,7 +60,9 @@ from lorabus.schemas import (
 
 log = logging.getLogger(__name__)
 
-_C = TypeVar("_C", PrepareCommand, PauseCommand, LoadCommand, ResumeCommand, UnloadCommand)
+_C = TypeVar(
+    "_C", PrepareCommand, PauseCommand, LoadCommand, ResumeCommand, UnloadCommand, CanaryCommand
+)
 
 
 class PhaseOutcome(msgspec.Struct, kw_only=True):
@@ -112,6 +115,8 @@ class PhaseOutcome(msgspec.Struct, kw_only=True):
         code = ErrorCode.WORKER_FAILED if self.failed else ErrorCode.PHASE_TIMEOUT
         if self.phase is Phase.RESUME:
             code = ErrorCode.RESUME_FAILED
+        elif self.phase is Phase.CANARY and self.failed:
+            code = ErrorCode.CANARY_FAILED
         details = "; ".join(f"{wid}: {err.message}" for wid, err in sorted(errors.items())[:10])
         more = f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""
         return ErrorInfo(

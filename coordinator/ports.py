@@ -29,10 +29,15 @@ class CommandBus(Protocol):
 
 
 class Frontend(Protocol):
-    """What the verify phase asks of the frontend (an HTTP client; a fake in tests)."""
+    """What the verify and canary phases ask of the frontend (an HTTP client; a fake in tests)."""
 
     async def wait_listed(self, model: str, timeout_s: float) -> float:
         """Seconds until ``model`` was listed; raises FrontendUnverified at the deadline."""
+        ...
+
+    async def generate(self, model: str, timeout_s: float) -> str:
+        """One greedy token from ``model`` through the frontend; raises
+        CanaryFailed unless it answered as ``model``."""
         ...
 
 

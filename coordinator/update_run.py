@@ -1,4 +1,5 @@
-"""One update's run: quorum -> prepare -> pause (carrying the load) -> verify -> resume.
+"""One update's run: quorum -> prepare -> pause (carrying the load) -> verify ->
+resume -> canary.
 
 An :class:`UpdateRun` lives for one update and ends as one
 :class:`RunOutcome`: the result, and the in-flight record sent for it, if
@@ -18,7 +19,9 @@ then they are left out. Resume runs in a ``finally``: whatever failed,
 every member that may have paused is told to resume. A version that did
 not commit is unloaded where it may have loaded. Retiring versions beyond
 ``keep`` is not a phase: the committed notice names them and each agent
-unloads them itself. Live mode loads and verifies with no pause at all.
+unloads them itself. Live mode loads, verifies and runs the canary with no
+pause at all; pause mode runs the canary after the resume, since a paused
+engine holds generations (``canary.py``).
 An adapter from the fleet's object store (a ``bus:`` path) is fetched by
 every member first (prepare), so no pause window holds a transfer.
 """
@@ -34,6 +37,7 @@ from collections.abc import Awaitable, Iterator
 import msgspec
 
 from lorabus.adapters.store import digest_of
+from lorabus.coordinator.canary import canary
 from lorabus.coordinator.capacity import no_room
 from lorabus.coordinator.carrying import Carrying, carried_load, may_have_landed
 from lorabus.coordinator.digests import digest_problem
@@ -207,6 +211,10 @@ class UpdateRun:
                 error = resume.summary()
             else:
                 serving = resumed
+        if error is None:
+            # After the resume: a paused engine holds generations.
+            error, serving, failed = await self._canary(serving, among=targets)
+            errors |= failed
         if error is not None:
             await self._withdraw_uncommitted(window.load)
             return self._failed(error, errors, window.load)
@@ -235,8 +243,10 @@ class UpdateRun:
         serving = self.quorum.going_on(load, targets, self.members) if error is None else None
         if serving is not None:
             error = await self._verify(load, serving, loaded.listed)
+        if serving is not None and error is None:
+            error, serving, failed = await self._canary(serving, among=None)
             if error is None:
-                return self._committed(serving, load.worker_errors(), load)
+                return self._committed(serving, load.worker_errors() | failed, load)
         await self._withdraw_uncommitted(load)
         # No error of its own: too few members loaded it.
         return self._failed(error or load.summary(), load.worker_errors(), load)
@@ -398,6 +408,26 @@ class UpdateRun:
             except FrontendUnverified as exc:
                 return ErrorInfo(code=ErrorCode.VERIFY_TIMEOUT, message=str(exc))
             return None
+
+    async def _canary(
+        self, serving: list[str], *, among: list[str] | None
+    ) -> tuple[ErrorInfo | None, list[str], dict[str, ErrorInfo]]:
+        """The canary phase (``canary.py``), unless the fleet turned it off:
+        why the update fails, the members going on, and those left out."""
+        if not self.config.canary:
+            return None, serving, {}
+        with self._timing(Phase.CANARY, metered=False):  # the bus phase meters itself
+            outcome = await canary(
+                self.commands,
+                self.frontend,
+                self.quorum,
+                update_id=self.plan.update_id,
+                served_name=self.plan.served_name,
+                serving=serving,
+                members=self.members,
+                among=among,
+            )
+        return outcome.error, outcome.serving, outcome.left_out
 
     async def _withdraw_uncommitted(self, load: PhaseOutcome | None) -> None:
         """Unload a version that failed to commit where it did load, so no

@@ -10,7 +10,8 @@ they are raised as one of these, each carrying its :class:`ErrorCode`::
     │   │   └── StaleMembership   a rank map older than the one to join (lorabus.rank_group)
     │   └── TorchMissing          a rank group joined without torch installed
     ├── EngineError               an engine call failed, or the engine did not answer
-    │   └── NotListed             the engine accepted a load its own list does not show
+    │   ├── NotListed             the engine accepted a load its own list does not show
+    │   └── CanaryFailed          an engine or the frontend did not answer as the new name
     ├── BusError                  NATS could not be used
     │   ├── BusUnreachable        the first connection could not be made in time
     │   ├── PermissionDenied      NATS refused the credentials, a publish or a subscribe
@@ -57,6 +58,7 @@ __all__ = [
     "BusError",
     "BusUnreachable",
     "Busy",
+    "CanaryFailed",
     "DigestMismatch",
     "DuplicateWorker",
     "EngineError",
@@ -137,6 +139,13 @@ class NotListed(EngineError):
     """Raised when an engine accepted a load but its adapter list does not show it."""
 
     code = ErrorCode.NOT_LISTED
+
+
+class CanaryFailed(EngineError):
+    """Raised when an engine (or the frontend) did not answer a one-token
+    generation with an adapter's served name as that name."""
+
+    code = ErrorCode.CANARY_FAILED
 
 
 class BusError(LorabusError):

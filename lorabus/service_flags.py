@@ -71,6 +71,11 @@ class Flag:
         # A required option gets no default at all: click 8.3+ counts an
         # explicit default=None as given, and no longer reports it missing.
         defaults = {} if required else {"default": _as_option_value(default)}
+        if self.type is bool:  # an on/off switch: --name and --no-name
+            off = f"--no-{self.name.removeprefix('--')}"
+            return click.option(
+                f"{self.name}/{off}", self.field, default=default, show_default=True, help=self.help
+            )
         return click.option(
             self.name,
             self.field,
@@ -84,6 +89,8 @@ class Flag:
         )
 
     def render(self, value: Any) -> list[str]:
+        if self.type is bool:
+            return [self.name if value else f"--no-{self.name.removeprefix('--')}"]
         if self.multiple:
             return [part for item in value for part in (self.name, str(item))]
         if isinstance(self.type, QuorumType) and value == 1.0:
@@ -160,6 +167,18 @@ AGENT_FLAGS = (
         type=click.IntRange(min=0),
     ),
     Flag(
+        "frontend_url",
+        "--frontend-url",
+        "Dynamo: the frontend's base URL; the canary generates through it, routed to "
+        "this worker (vLLM and SGLang generate at --system-url).",
+    ),
+    Flag(
+        "frontend_discovery_url",
+        "--frontend-discovery-url",
+        "Dynamo: where the frontend serves /v1/rl/workers (its RL port), which gives "
+        "this worker's instance id. Default: --frontend-url.",
+    ),
+    Flag(
         "labels",
         "--label",
         "KEY=VALUE the worker announces in its heartbeat (zone=us-east-1a, gpu=h100; "
@@ -203,6 +222,14 @@ COORDINATOR_FLAGS = (
         QuorumType(),
     ),
     Flag("keep", "--keep", "Versions of an adapter kept loaded after a commit.", int),
+    Flag(
+        "canary",
+        "--canary",
+        "Before a commit, every member's engine and the frontend generate one token "
+        "with the new served name (after the resume in pause mode); --no-canary turns "
+        "it off for the fleet.",
+        bool,
+    ),
     Flag(
         "orphan_after_s",
         "--orphan-after",

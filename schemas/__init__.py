@@ -32,6 +32,7 @@ from lorabus.schemas.codec import (
 )
 from lorabus.schemas.commands import (
     Addressing,
+    CanaryCommand,
     Command,
     CommittedNotice,
     LoadCommand,
@@ -98,6 +99,7 @@ from lorabus.schemas.requests import (
 )
 from lorabus.schemas.subjects import Subjects, check_tenant, check_token
 from lorabus.schemas.wire import (
+    CANARY_SINCE,
     INSTANCE_BOUND_SINCE,
     PLACED_SINCE,
     TENANT_STORES_SINCE,
@@ -107,6 +109,7 @@ from lorabus.schemas.wire import (
 )
 
 __all__ = [
+    "CANARY_SINCE",
     "COMMITTED",
     "DIGEST_PATTERN",
     "FAILED",
@@ -126,6 +129,7 @@ __all__ = [
     "Addressing",
     "BadMessage",
     "BadPayload",
+    "CanaryCommand",
     "Command",
     "CommandHandled",
     "CommandRefused",

@@ -133,6 +133,16 @@ class UnloadCommand(_Command, frozen=True, kw_only=True, tag="unload"):
     names: Names
 
 
+class CanaryCommand(_Command, frozen=True, kw_only=True, tag="canary"):
+    """Ask this worker's own engine for one token (greedy, a fixed prompt)
+    with ``served_name``, and ack ok only when the engine answered as that
+    name: what a request routed to this replica would get. Sent after the
+    load in live mode and after the resume in pause mode (a paused engine
+    holds generations)."""
+
+    served_name: Name
+
+
 class RenewLeaseCommand(_Command, frozen=True, kw_only=True, tag="renew_lease"):
     """Extends the pause lease of the targets; not acked (the next one, or a
     resume, follows soon, and a lost one only shortens the lease)."""
@@ -186,11 +196,14 @@ Command = (
     | LoadCommand
     | ResumeCommand
     | UnloadCommand
+    | CanaryCommand
     | RenewLeaseCommand
     | CommittedNotice
     | RefuseInstance
 )
-PhasedCommand = PrepareCommand | PauseCommand | LoadCommand | ResumeCommand | UnloadCommand
+PhasedCommand = (
+    PrepareCommand | PauseCommand | LoadCommand | ResumeCommand | UnloadCommand | CanaryCommand
+)
 
 
 class Addressing(enum.Enum):

@@ -49,6 +49,10 @@ class ErrorCode(enum.StrEnum):
     resume came first."""
     NOT_LISTED = "not_listed"
     """The engine said it loaded the adapter, but its own list does not show it."""
+    CANARY_FAILED = "canary_failed"
+    """A generation with the new served name was not answered as that name: on
+    a member's own engine (the message names the worker and the engine's
+    answer) or through the frontend."""
     NO_COORDINATOR = "no_coordinator"
     """Nobody answered on the fleet's update subject."""
     TIMEOUT = "timeout"

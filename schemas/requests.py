@@ -115,6 +115,10 @@ class UpdateResult(_Message, frozen=True, kw_only=True, tag="update_result"):
     rank_map: RankMap | None = None
     phases: dict[str, float] = {}
     """Seconds spent in each phase that ran."""
+    load_s: float = 0.0
+    """The slowest member's own load, in seconds, as its ack measured it (0:
+    none acked one). A load the pause carried runs inside the pause, so the
+    ``load`` phase holds only what came after the fleet's pause."""
     workers: dict[str, WorkerOutcome] = {}
     error: ErrorInfo | None = None
     path: Path | None = None

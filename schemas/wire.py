@@ -18,7 +18,7 @@ import enum
 
 import msgspec
 
-WIRE_VERSION = 9
+WIRE_VERSION = 10
 """2: commands address a pause's cohort and committed notices reach every
 agent; a version-1 agent acts only on commands that name it, so in an
 upgrade the agents go first and the coordinators last.
@@ -51,12 +51,19 @@ update while any live agent beats with an older version.
 9: each tenant has an adapter store of its own, whose objects a path names
 ``bus:<tenant>/<digest>``; a version-8 agent refuses such a path, so a
 coordinator refuses an update from a tenant's store while any live agent
-beats with an older version."""
+beats with an older version.
+10: a canary phase: after the load (live mode) or the resume (pause mode),
+each member asks its own engine for one token with the new served name
+(``CanaryCommand``); a version-9 agent does not know the command, so a
+coordinator asks only members of version 10 or later, and says whom it
+did not ask."""
 
 PLACED_SINCE = 8
 """The wire version from which an agent loads only what is placed on it."""
 TENANT_STORES_SINCE = 9
 """The wire version from which an agent fetches from a tenant's store."""
+CANARY_SINCE = 10
+"""The wire version from which an agent runs a canary generation."""
 
 INSTANCE_BOUND_SINCE = 5
 """The wire version from which a command sent by name carries ``instance``."""
@@ -72,6 +79,9 @@ class Phase(enum.StrEnum):
     LOAD = "load"
     VERIFY = "verify"
     RESUME = "resume"
+    CANARY = "canary"
+    """One generation with the new served name: on every member's own engine,
+    then once through the frontend (after the resume in pause mode)."""
     UNLOAD = "unload"
 
 

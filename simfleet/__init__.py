@@ -1,16 +1,18 @@
 """A simulated inference fleet over real HTTP, for tests, demo and benchmarks.
 
 One aiohttp server plays the Dynamo frontend (``/v1/models``,
-``/v1/rl/workers``, ``/v1/chat/completions``) and the system server of every
-worker (under ``/workers/{id}``: a Dynamo system server by default, or a
-vLLM or SGLang server, per worker), with faults that tests inject per worker
-(latency, hang, failed loads, the old status-200 error quirk) and a control API
+``/v1/rl/workers``, ``/v1/chat/completions``, ``/v1/completions``) and the
+system server of every worker (under ``/workers/{id}``: a Dynamo system server
+by default, or a vLLM or SGLang server, per worker, which also generates), with
+faults that tests inject per worker (latency, hang, failed loads, the old
+status-200 error quirk, adapters listed but unroutable) and a control API
 under ``/sim`` for driving a fleet in another process. How each worker's engine
 was started (``EngineSetup``: vLLM without its LoRA or dev-mode routes, SGLang
 with an admin key or data parallelism) is set per worker.
 
 Modules: ``identity`` (deterministic ids), ``state`` (worker state and waits),
-``lora_source`` (load URI checks), ``http_utils`` (shared replies and auth),
+``lora_source`` (load URI checks), ``generation`` (what a worker generates,
+and for which names), ``http_utils`` (shared replies, auth and request records),
 ``worker_routes`` (with the ``vllm_routes`` and ``sglang_routes`` personalities),
 ``frontend_routes``, ``control_routes`` (one route table each), ``fleet`` (server
 lifecycle), ``serve`` (run until cancelled).

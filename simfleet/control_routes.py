@@ -31,6 +31,7 @@ class _FaultsPatch(msgspec.Struct, forbid_unknown_fields=True):
     hang: bool | msgspec.UnsetType = msgspec.UNSET
     status_error_quirk: bool | msgspec.UnsetType = msgspec.UNSET
     busy_loras: list[str] | msgspec.UnsetType = msgspec.UNSET
+    unroutable: list[str] | msgspec.UnsetType = msgspec.UNSET
 
 
 _PATCH_DECODER = msgspec.json.Decoder(_FaultsPatch)

@@ -1,8 +1,9 @@
 """Small HTTP helpers shared by the simulator's route modules.
 
 Kept apart so that the worker, frontend and control routes answer errors and
-check bearer tokens the same way, and the vLLM and SGLang workers list their
-models the same way.
+check bearer tokens the same way, the vLLM and SGLang workers list their
+models the same way, and a worker's log records a request the same way
+whether the worker's own server received it or the frontend routed it there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .state import SimWorker
+from .state import RecordedRequest, SimWorker
 
 __all__ = [
     "UNAUTHORIZED",
@@ -23,6 +24,7 @@ __all__ = [
     "json_or_none",
     "models_reply",
     "plain_text_reply",
+    "recorded",
 ]
 
 #: Body of every 401 answer.
@@ -54,6 +56,19 @@ def json_or_none(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError:
         return None
+
+
+def recorded(request: web.Request, raw: bytes, *, prefix: str = "") -> RecordedRequest:
+    """``request`` (its body ``raw``) as a worker's log keeps it, with its path
+    relative to ``prefix`` (a worker's system URL under the fleet's)."""
+    return RecordedRequest(
+        method=request.method,
+        path=request.path.removeprefix(prefix),
+        headers={name.lower(): value for name, value in request.headers.items()},
+        body=json_or_none(raw),
+        ts=time.time(),
+        raw_path=request.raw_path.removeprefix(prefix),
+    )
 
 
 _STARTED = int(time.time())

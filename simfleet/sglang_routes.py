@@ -1,4 +1,5 @@
-"""The SGLang personality of a simulated worker: its LoRA, model-list and pause routes.
+"""The SGLang personality of a simulated worker: its LoRA, model-list, pause and
+generate routes.
 
 Paths, status codes and bodies follow the source of SGLang 0.5.23
 (``python/sglang/srt/entrypoints/http_server.py``, ``srt/managers/io_struct.py``,
@@ -15,6 +16,18 @@ Paths, status codes and bodies follow the source of SGLang 0.5.23
   ``{"object": "error", "message", "type": "Bad Request", "param", "code"}``.
 - ``POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`` and
   ``POST /continue_generation`` answer ``{"message": ..., "status": "ok"}``.
+- ``POST /generate {"text", "lora_path", "sampling_params": {"max_new_tokens",
+  "temperature"}}`` answers ``{"text", "meta_info": {"id", "finish_reason",
+  "prompt_tokens", "completion_tokens"}}`` for one token (:mod:`.generation`);
+  without ``lora_path`` the base model answers. It first waits while
+  generation is paused (the tokenizer manager's pause gate comes before its
+  LoRA lookup), then a ``lora_path`` the worker does not hold, or one made
+  unroutable, is a 400 ``{"error": {"message": "The following requested LoRA
+  adapters are not loaded: <name>"}}`` and a second line listing the loaded
+  ones (``LoRARegistry``'s ValueError, as ``http_server.generate_request``
+  answers it).
+- ``POST /flush_cache`` (and ``GET``) answers SGLang's plain text "Cache
+  flushed. ..." and counts the flush on the worker (``SimWorker.cache_resets``).
 - ``GET /v1/models`` lists the served model and each adapter with ``root``
   (its path) and ``parent``.
 - ``GET /server_info`` (and the older ``/get_server_info``) lists the
@@ -22,7 +35,8 @@ Paths, status codes and bodies follow the source of SGLang 0.5.23
   (``dp_size``, ``enable_lora``, ``max_loaded_loras``, ...) and ``version``.
 - Keys (``srt/utils/auth.py``): the LoRA, pause and continue routes take the
   worker's admin key when it has one (``EngineSetup.admin_api_key``, SGLang's
-  ``--admin-api-key``), else the fleet's API key; every other route but
+  ``--admin-api-key``), else the fleet's API key; so does ``/flush_cache``;
+  every other route (``/generate`` too) but
   ``/health`` takes the API key only. A refusal is 401 ``{"error":
   "Unauthorized"}``; an unknown path is FastAPI's 404 ``{"detail": "Not Found"}``.
 - With ``EngineSetup.dp_size`` above 1 a load or unload that validates fails
@@ -49,11 +63,13 @@ not match on it (every SGLang refusal is final).
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from aiohttp import web
 
-from .http_utils import models_reply
+from .generation import generates, prompt_tokens, reply_text
+from .http_utils import error_reply, models_reply
 from .lora_source import NotAnAdapter, check_local_adapter
 from .state import SimWorker
 
@@ -67,9 +83,17 @@ _ADMIN_ROUTES = frozenset(
         ("POST", "/unload_lora_adapter"),
         ("POST", "/pause_generation"),
         ("POST", "/continue_generation"),
+        ("GET", "/flush_cache"),
+        ("POST", "/flush_cache"),
     }
 )
 _OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+#: SGLang's ``max_new_tokens`` when a request asks none.
+_DEFAULT_MAX_NEW_TOKENS = 128
+_FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
 
 
 def _bad_request(message: str) -> web.Response:
@@ -215,6 +239,45 @@ async def _continue(request: web.Request, worker: SimWorker, raw: bytes) -> web.
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
+async def _generate(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    body = _json_body(raw, "text")
+    if isinstance(body, web.Response):
+        return body
+    lora_path, sampling = body.get("lora_path"), body.get("sampling_params") or {}
+    if lora_path is not None and not isinstance(lora_path, str):
+        return _bad_request("Invalid type for `lora_path` - at `$.lora_path`")
+    if not isinstance(sampling, dict):
+        return _bad_request("Expected `object` - at `$.sampling_params`")
+    max_new_tokens = sampling.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
+    if not await worker.wait_resumed():
+        return error_reply(503, "simulated fleet is stopping")
+    model = lora_path or worker.base_model
+    if lora_path and (lora_path == worker.base_model or not generates(worker, lora_path)):
+        known = [name for name in worker.adapters if generates(worker, name)]
+        message = (
+            f"The following requested LoRA adapters are not loaded: {lora_path}\n"
+            f"Loaded adapters: odict_keys({known!r})."
+        )
+        return web.json_response({"error": {"message": message}}, status=400)
+    if max_new_tokens == 1:
+        finish_reason: dict[str, Any] = {"type": "length", "length": 1}
+    else:
+        finish_reason = {"type": "stop", "matched": None}
+    meta_info = {
+        "id": uuid.uuid4().hex,
+        "finish_reason": finish_reason,
+        "prompt_tokens": prompt_tokens(body["text"]),
+        "completion_tokens": 1,
+    }
+    return web.json_response({"text": reply_text(worker, model), "meta_info": meta_info})
+
+
+async def _flush_cache(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    worker.reset_cache()
+    # SGLang sends no Content-Type; aiohttp adds application/octet-stream.
+    return web.Response(body=_FLUSHED.encode())
+
+
 async def _server_info(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
     info = {
         "model_path": worker.base_model,
@@ -242,6 +305,9 @@ ROUTES = (
     ("GET", "/v1/models", "list", _models),
     ("POST", "/pause_generation", "pause", _pause),
     ("POST", "/continue_generation", "resume", _continue),
+    ("POST", "/generate", None, _generate),
+    ("GET", "/flush_cache", None, _flush_cache),
+    ("POST", "/flush_cache", None, _flush_cache),
     ("GET", "/server_info", None, _server_info),
     ("GET", "/get_server_info", None, _server_info),
     ("GET", "/health", "health", _health),

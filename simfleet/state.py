@@ -77,6 +77,10 @@ class WorkerFaults:
     #: Adapters with generation requests in flight. Dynamo 1.6.1's vLLM handler
     #: then refuses a pause in ``keep`` mode; ``wait`` and ``abort`` drain them.
     busy_loras: list[str] = field(default_factory=list)
+    #: Adapters the worker lists and loads, but that its generations do not
+    #: know (a stale registration, as in Dynamo issue #11163): a generation for
+    #: one answers as for an unknown name, on every engine kind.
+    unroutable: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.latency_s) - OPERATIONS)
@@ -88,6 +92,9 @@ class WorkerFaults:
         for name in ("fail_next_loads", "fail_next_unloads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        blank = [name for name in self.unroutable if not isinstance(name, str) or not name]
+        if blank:
+            raise ValueError(f"unroutable names must be non-empty strings, got {blank}")
         if not 400 <= self.load_failure_status <= 599:
             raise ValueError(
                 f"load_failure_status must be an HTTP error (400-599), "
@@ -180,6 +187,9 @@ class SimWorker:
         self.requests_total = 0
         #: Generation requests currently held back by a pause.
         self.waiting_for_resume = 0
+        #: Cache resets the engine performed (vLLM's prefix-cache reset, SGLang's
+        #: flush).
+        self.cache_resets = 0
         self._paused = False
         self._changed = asyncio.Event()
         self._released = asyncio.Event()
@@ -207,8 +217,9 @@ class SimWorker:
         """Replace some fault fields; raises TypeError/ValueError for bad ones."""
         if "latency_s" in changes:
             changes["latency_s"] = dict(changes["latency_s"])
-        if "busy_loras" in changes:
-            changes["busy_loras"] = list(changes["busy_loras"])
+        for name in ("busy_loras", "unroutable"):
+            if name in changes:
+                changes[name] = list(changes[name])
         self.faults = dataclasses.replace(self.faults, **changes)
         self._notify()
 
@@ -244,6 +255,11 @@ class SimWorker:
         self.adapter_paths.pop(lora_name, None)
         self._notify()
         return lora_id
+
+    def reset_cache(self) -> None:
+        """Drop the engine's cached prefixes; the sim caches none, it counts."""
+        self.cache_resets += 1
+        self._notify()
 
     def record(self, request: RecordedRequest) -> None:
         self.requests.append(request)

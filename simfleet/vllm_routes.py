@@ -1,4 +1,5 @@
-"""The vLLM personality of a simulated worker: its LoRA, model-list and pause routes.
+"""The vLLM personality of a simulated worker: its LoRA, model-list, pause and
+completion routes.
 
 Paths, status codes, content types and bodies follow a real vLLM 0.32.0
 (``tests/real_vllm/test_vllm_vs_sim.py`` sends both the same requests) and the
@@ -22,6 +23,16 @@ and ``VLLM_SERVER_DEV_MODE=1``:
 - ``POST /pause?mode=abort|wait|keep`` (vLLM's default: abort) answers
   ``{"status": "paused"}``, ``/resume`` ``{"status": "resumed"}``,
   ``GET /is_paused`` ``{"is_paused": bool}``.
+- ``POST /v1/completions {"model", "prompt", "max_tokens", "temperature"}``
+  for the base model or an adapter the worker holds answers an OpenAI
+  ``text_completion`` of one token (:mod:`.generation`); ``model`` left out
+  means the base model. Any other name, or one made unroutable, is a 404
+  ``NotFoundError`` "The model `<name>` does not exist." with ``param``
+  ``"model"``, answered at once, as vLLM checks the name before its engine
+  sees the request; a known one waits while the engine is paused, as vLLM's
+  engine holds new requests until it resumes.
+- ``POST /reset_prefix_cache`` answers ``{"success": true}`` and counts the
+  reset on the worker (``SimWorker.cache_resets``).
 - Only ``/v1/...`` paths need the API key (401 ``{"error": "Unauthorized"}``);
   an unknown path is FastAPI's 404 ``{"detail": "Not Found"}``, and a served
   path asked with another method its 405 ``{"detail": "Method Not Allowed"}``
@@ -30,7 +41,8 @@ and ``VLLM_SERVER_DEV_MODE=1``:
 A worker's :class:`~.state.EngineSetup` says how vLLM was started: without
 ``lora_updating`` (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) it serves neither
 LoRA route, without ``dev_mode`` (``VLLM_SERVER_DEV_MODE``) none of
-``/pause``, ``/resume``, ``/is_paused``: each is then an unknown path
+``/pause``, ``/resume``, ``/is_paused``, ``/reset_prefix_cache``: each is
+then an unknown path
 (``vllm/entrypoints/serve/lora/api_router.py``,
 ``vllm/entrypoints/launchers/api_server/routers.py``).
 """
@@ -43,7 +55,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .http_utils import models_reply
+from .generation import generates, text_completion
+from .http_utils import error_reply, models_reply
 from .lora_source import NotAnAdapter, check_local_adapter
 from .state import SimWorker
 
@@ -53,6 +66,8 @@ _Handler = Callable[[web.Request, SimWorker, bytes], Awaitable[web.Response]]
 _PAUSE_MODES = ("abort", "wait", "keep")
 #: vLLM's AuthenticationMiddleware guards only these prefixes.
 _GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+#: vLLM's ``max_tokens`` when a completion asks none.
+_DEFAULT_MAX_TOKENS = 16
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
@@ -122,6 +137,7 @@ _MOUNTED_WITH = {
     "/pause": "dev_mode",
     "/resume": "dev_mode",
     "/is_paused": "dev_mode",
+    "/reset_prefix_cache": "dev_mode",
 }
 
 
@@ -227,6 +243,36 @@ async def _is_paused(request: web.Request, worker: SimWorker, raw: bytes) -> web
     return web.json_response({"is_paused": worker.paused})
 
 
+async def _completions(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    body = _json_body(request, raw, "prompt")
+    if isinstance(body, web.Response):
+        return body
+    model = body.get("model", worker.base_model)
+    if not isinstance(model, str):
+        return _invalid(
+            {"type": "string_type", "loc": "body.model", "msg": "Input should be a valid string",
+             "input": model}
+        )  # fmt: skip
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = _DEFAULT_MAX_TOKENS
+    elif type(max_tokens) is not int:
+        return _invalid(
+            {"type": "int_type", "loc": "body.max_tokens",
+             "msg": "Input should be a valid integer", "input": max_tokens}
+        )  # fmt: skip
+    if not generates(worker, model):
+        return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    if not await worker.wait_resumed():
+        return error_reply(503, "simulated fleet is stopping")
+    return web.json_response(text_completion(worker, model, body["prompt"], max_tokens))
+
+
+async def _reset_prefix_cache(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    worker.reset_cache()
+    return web.json_response({"success": True})
+
+
 async def _health(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
     return web.Response(status=200)
 
@@ -239,5 +285,7 @@ ROUTES = (
     ("POST", "/pause", "pause", _if_mounted(_pause)),
     ("POST", "/resume", "resume", _if_mounted(_resume)),
     ("GET", "/is_paused", None, _if_mounted(_is_paused)),
+    ("POST", "/v1/completions", None, _completions),
+    ("POST", "/reset_prefix_cache", None, _if_mounted(_reset_prefix_cache)),
     ("GET", "/health", "health", _health),
 )

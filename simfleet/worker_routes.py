@@ -19,6 +19,9 @@ request, quirks included:
   that is not JSON is a 400 ``{"error":"Invalid JSON",...}``.
 - An unknown ``/engine/<name>`` route is a 404 with a JSON body, any other
   unknown path a plain-text 404.
+- It serves no generation route: a Dynamo worker generates what the frontend
+  routes to it (:mod:`.frontend_routes`), so ``/v1/completions`` here is an
+  unknown path.
 
 Every request is first recorded in the worker's log, then waits out an
 injected ``hang`` and latency, then is checked for the bearer token its engine
@@ -29,7 +32,6 @@ then handled.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +40,9 @@ import msgspec
 from aiohttp import web
 
 from . import sglang_routes, vllm_routes
-from .http_utils import UNAUTHORIZED, error_reply, is_authorized, json_or_none, plain_text_reply
+from .http_utils import UNAUTHORIZED, error_reply, is_authorized, plain_text_reply, recorded
 from .lora_source import NotAnAdapter, SourceNotFound, check_adapter_dir, resolve_local
-from .state import RecordedRequest, SimWorker
+from .state import SimWorker
 
 __all__ = ["PERSONALITIES", "WORKER_PREFIX", "Personality", "WorkerRoutes"]
 
@@ -150,17 +152,8 @@ class WorkerRoutes:
             if worker is None:
                 return error_reply(404, "unknown worker")
             raw = await request.read()
-            path = request.path.removeprefix(f"/workers/{worker_id}")
-            worker.record(
-                RecordedRequest(
-                    method=request.method,
-                    path=path,
-                    headers={name.lower(): value for name, value in request.headers.items()},
-                    body=json_or_none(raw),
-                    ts=time.time(),
-                    raw_path=request.raw_path.removeprefix(f"/workers/{worker_id}"),
-                )
-            )
+            received = recorded(request, raw, prefix=f"/workers/{worker_id}")
+            worker.record(received)
             if not await worker.wait_until(lambda: not worker.faults.hang):
                 return error_reply(503, "simulated fleet is stopping")
             personality = PERSONALITIES[worker.engine]
@@ -169,7 +162,7 @@ class WorkerRoutes:
                 await worker.delay(worker.faults.latency_s.get(op, 0.0))
             if worker.released:
                 return error_reply(503, "simulated fleet is stopping")
-            key = personality.key_for(request.method, path, worker, self._api_key)
+            key = personality.key_for(request.method, received.path, worker, self._api_key)
             if key is not None and not is_authorized(request, key):
                 return personality.unauthorized()
             return await handler(request, worker, raw)

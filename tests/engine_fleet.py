@@ -93,6 +93,7 @@ async def engine_fleets(
                     fleet=fleet_name,
                     worker_id=worker_id,
                     system_url=sim.system_url(worker_id),
+                    frontend_url=sim.url if kind == "dynamo" else "",
                     engine=kind,
                     heartbeat_s=0.2,
                     cache_dir=str(tmp_path / "cache" / worker_id),

@@ -26,7 +26,7 @@ from lorabus.agents import Agent, CommandExecutor
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.service import Coordinator
-from lorabus.errors import EngineError, FrontendUnverified
+from lorabus.errors import CanaryFailed, EngineError, FrontendUnverified
 from lorabus.schemas import (
     Ack,
     Command,
@@ -60,6 +60,10 @@ class MemoryEngine:
     """Served names whose load fails, by prefix (one adapter's versions)."""
     calls: list[str] = field(default_factory=list)
     """What the engine was asked, in order: "pause", "resume", "load", "unload"."""
+    unroutable: set[str] = field(default_factory=set)
+    """Names it lists but does not serve: a generation with one fails."""
+    canaries: list[str] = field(default_factory=list)
+    """Every name it was asked to generate with, in order."""
 
     async def pause(self) -> None:
         self.calls.append("pause")
@@ -89,6 +93,14 @@ class MemoryEngine:
     async def list_adapters(self) -> list[str]:
         return list(self.adapters)
 
+    async def canary(self, name: str, *, budget_s: float) -> str:
+        self.canaries.append(name)
+        if self.paused:
+            raise CanaryFailed(f"a paused engine was asked to generate with {name!r}")
+        if name not in self.adapters or name in self.unroutable:
+            raise CanaryFailed(f"the model `{name}` does not exist")
+        return " Paris"
+
     async def aclose(self) -> None:
         return None
 
@@ -102,6 +114,17 @@ class ListingFrontend:
         """Models, by prefix, that the frontend does not list until their event is set."""
         self.asked: list[str] = []
         """Every model asked for, in order."""
+        self.generated: list[str] = []
+        """Every model a generation was asked of, in order."""
+        self.unanswered: set[str] = set()
+        """Models it lists but does not route a generation of."""
+
+    async def generate(self, model: str, timeout_s: float) -> str:
+        self.generated.append(model)
+        routable = [e for e in self.engines.values() if model not in e.unroutable]
+        if model in self.unanswered or not any(model in e.adapters for e in routable):
+            raise CanaryFailed(f"the frontend did not answer a generation as {model!r}")
+        return " Paris"
 
     async def wait_listed(self, model: str, timeout_s: float) -> float:
         loop = asyncio.get_running_loop()

@@ -83,15 +83,18 @@ class Processes(ChildGroup[ChildProcess]):
         nats_url: str,
         extra: Sequence[str] = (),
         env_of: Callable[[str], Mapping[str, str | None]] = lambda _worker: {},
+        frontend_url: str = "",
     ) -> dict[str, ChildProcess]:
         """One ``lorabus agent`` per worker of ``world_sizes`` (fast heartbeats),
-        each at ``system_url(worker)``, with ``env_of(worker)`` (an identity, say)."""
+        each at ``system_url(worker)``, with ``env_of(worker)`` (an identity, say);
+        ``frontend_url``: where a Dynamo worker's canary generates."""
         started = {}
         for worker_id, world_size in world_sizes.items():
             config = AgentConfig(
                 fleet=fleet,
                 worker_id=worker_id,
                 system_url=system_url(worker_id),
+                frontend_url=frontend_url,
                 world_size=world_size,
                 heartbeat_s=0.2,
             )
@@ -137,7 +140,9 @@ class Processes(ChildGroup[ChildProcess]):
                 mode=mode,
             )
             coordinators[holder] = await self.start_coordinator(config, nats_url=nats_url)
-        await self.start_agents(world_sizes, sim.system_url, fleet=fleet, nats_url=nats_url)
+        await self.start_agents(
+            world_sizes, sim.system_url, frontend_url=sim.url, fleet=fleet, nats_url=nats_url
+        )
         return coordinators
 
     def check_alive(self) -> None:

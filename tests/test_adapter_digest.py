@@ -224,6 +224,7 @@ def _agent(fleet: str, worker_id: str, world_size: int, sim: SimFleet) -> AgentC
         fleet=fleet,
         worker_id=worker_id,
         system_url=sim.system_url(worker_id),
+        frontend_url=sim.url,
         world_size=world_size,
         heartbeat_s=0.2,
     )

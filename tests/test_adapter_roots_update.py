@@ -95,6 +95,7 @@ async def start_fleet(
                     fleet=fleet_name,
                     worker_id=worker_id,
                     system_url=sim.system_url(worker_id),
+                    frontend_url=sim.url,
                     world_size=world_size,
                     heartbeat_s=0.2,
                     adapter_roots=[str(r) for r in agent_roots],

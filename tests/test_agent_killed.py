@@ -126,7 +126,7 @@ async def _update_killing_the_victim_mid_load(
     make_adapter: Callable[[int], str],
 ) -> UpdateResult:
     agents = await processes.start_agents(
-        WORLD_SIZES, sim.system_url, fleet=fleet_name, nats_url=nats_url
+        WORLD_SIZES, sim.system_url, frontend_url=sim.url, fleet=fleet_name, nats_url=nats_url
     )
     await wait_live_workers(client, WORLD_SIZES, processes=processes)
     victim = sim.workers[VICTIM]

@@ -482,7 +482,7 @@ async def test_an_agent_restarted_after_the_fleet_state_was_reset_verifies_clean
 
     async def start_agent() -> ChildProcess:
         started = await processes.start_agents(
-            {"w000": 1}, sim.system_url, fleet=fleet_name, nats_url=nats_url
+            {"w000": 1}, sim.system_url, frontend_url=sim.url, fleet=fleet_name, nats_url=nats_url
         )
         await wait_live_workers(client, ["w000"], processes=processes)
         return started["w000"]

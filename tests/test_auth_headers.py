@@ -57,6 +57,7 @@ async def _start_fleet(
     await processes.start_agents(
         WORLD_SIZES,
         sim.system_url,
+        frontend_url=sim.url,
         fleet=fleet,
         nats_url=nats_url,
         extra=auth,

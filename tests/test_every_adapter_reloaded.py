@@ -67,6 +67,7 @@ class _Fleet:
             fleet=self.fleet_name,
             worker_id=worker_id,
             system_url=self.sim.system_url(worker_id),
+            frontend_url=self.sim.url,
             heartbeat_s=0.2,
             cache_dir=str(cache_dir),
         )

@@ -49,6 +49,7 @@ async def mixed(
             fleet=fleet_name,
             worker_id=worker_id,
             system_url=sim.system_url(worker_id),
+            frontend_url=sim.url if worker.engine == "dynamo" else "",
             world_size=worker.world_size,
             engine=worker.engine,
             heartbeat_s=0.2,

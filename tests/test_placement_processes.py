@@ -51,6 +51,7 @@ async def test_a_killed_placed_worker_is_replaced_by_one_of_its_selector(
                 fleet=fleet_name,
                 worker_id=worker,
                 system_url=sim.system_url(worker),
+                frontend_url=sim.url,
                 heartbeat_s=0.2,
                 labels=[f"zone={zone}"],
             ),

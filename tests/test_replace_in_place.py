@@ -92,7 +92,9 @@ async def test_a_fixed_name_on_sglang_is_unloaded_while_generation_runs_not_whil
         "/unload_lora_adapter",
         "/pause_generation",
         "/load_lora_adapter",
+        "/flush_cache",  # the same name, new weights: no prefix of the old ones
         "/continue_generation",
+        "/generate",  # the canary, after the resume
     ], calls
     assert busy.adapter_paths == {"policy": second}
     assert not any(worker.paused for worker in sim.workers.values())

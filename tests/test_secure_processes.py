@@ -88,6 +88,7 @@ async def test_every_process_on_its_own_identity_commits_and_no_secret_shows(
     await processes.start_agents(
         WORLD_SIZES,
         sim.system_url,
+        frontend_url=sim.url,
         fleet=fleet_name,
         nats_url=url,
         env_of=lambda worker_id: _as(auth_dir / f"agent-{worker_id}"),

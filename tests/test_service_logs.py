@@ -27,7 +27,11 @@ async def test_services_say_when_they_are_ready_and_what_each_update_did(
         fleet=fleet_name, frontend_url=sim.url, expected_world_size=1
     )
     agent_config = AgentConfig(
-        fleet=fleet_name, worker_id="w000", system_url=sim.system_url("w000"), heartbeat_s=0.2
+        fleet=fleet_name,
+        worker_id="w000",
+        system_url=sim.system_url("w000"),
+        frontend_url=sim.url,
+        heartbeat_s=0.2,
     )
     # No --log-level: the default, as an operator starts them.
     coordinator = await _start(

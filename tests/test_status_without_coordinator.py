@@ -74,7 +74,9 @@ async def _start_agents(
     fleet_name: str,
 ) -> SimFleet:
     sim = await start_sim(world_sizes)
-    await processes.start_agents(world_sizes, sim.system_url, fleet=fleet_name, nats_url=nats_url)
+    await processes.start_agents(
+        world_sizes, sim.system_url, frontend_url=sim.url, fleet=fleet_name, nats_url=nats_url
+    )
     await beats.wait_for(lambda last: set(world_sizes) <= set(last))
     return sim
 

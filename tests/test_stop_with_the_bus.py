@@ -44,7 +44,7 @@ async def test_sigterm_to_everything_at_once_stops_each_part_quietly(
             nats_url=server.url,
         )
         agents = await processes.start_agents(
-            WORKERS, sim.system_url, fleet=fleet_name, nats_url=server.url
+            WORKERS, sim.system_url, frontend_url=sim.url, fleet=fleet_name, nats_url=server.url
         )
         tap = await processes.start(
             "tap", ["tap", "--follow", "--nats", server.url, "--fleet", fleet_name]
@@ -125,7 +125,7 @@ async def test_an_agent_stopped_with_its_engine_paused_resumes_it(
             nats_url=server.url,
         )
         agents = await processes.start_agents(
-            WORKERS, sim.system_url, fleet=fleet_name, nats_url=server.url
+            WORKERS, sim.system_url, frontend_url=sim.url, fleet=fleet_name, nats_url=server.url
         )
         async with await UpdateClient.connect(server.url, fleet_name) as client:
             await wait_live_workers(client, WORKERS, processes=processes)

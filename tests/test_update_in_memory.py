@@ -104,8 +104,11 @@ async def test_every_member_acks_and_the_update_commits_with_its_rank_map(
         pause = fleet.sent_to(worker_id)[0]
         assert isinstance(pause, PauseCommand) and pause.then_load is not None
         assert pause.then_load.served_name == "policy-v1"
-        assert _phases(fleet, worker_id) == [Phase.PAUSE, Phase.RESUME], worker_id
-        assert fleet.phases_acked(worker_id) == [Phase.LOAD, Phase.RESUME], worker_id
+        # The canary comes after the resume: a paused engine holds generations.
+        assert _phases(fleet, worker_id) == [Phase.PAUSE, Phase.RESUME, Phase.CANARY], worker_id
+        assert fleet.phases_acked(worker_id) == [Phase.LOAD, Phase.RESUME, Phase.CANARY]
+        assert engine.canaries == ["policy-v1"], worker_id
+        assert not engine.paused
     _nobody_paused(fleet)
     recorded = _inflight_records(fleet)
     assert recorded and recorded[-1].phase is Phase.LOAD
@@ -323,7 +326,12 @@ async def test_a_fixed_name_load_waits_for_the_whole_fleet_pause(open_fleet: Ope
     for worker_id, engine in fleet.engines.items():
         pause = fleet.sent_to(worker_id)[0]
         assert isinstance(pause, PauseCommand) and pause.then_load is None
-        assert _phases(fleet, worker_id) == [Phase.PAUSE, Phase.LOAD, Phase.RESUME]
+        assert _phases(fleet, worker_id) == [
+            Phase.PAUSE,
+            Phase.LOAD,
+            Phase.RESUME,
+            Phase.CANARY,
+        ]
         assert engine.adapters == ["policy"], worker_id
     # Every engine paused before any loaded.
     kinds = [kind for kind, _ in calls]

@@ -24,25 +24,25 @@ COMMITTED_TODAY = (
     b'"adapter":"policy-v1","version":1,"rank_map":{"world_size":2,"entries":'
     b'[{"worker_id":"w000","world_size":2,"rank_offset":1}],'
     b'"membership_version":"4a530be5806083b5"},"phases":{"pause":0.1,"load":0.2},'
-    b'"workers":{"w000":{"ok":true,"world_size":2,"error":null,"adapters":["policy-v1"]}},'
+    b'"load_s":0.2,"workers":{"w000":{"ok":true,"world_size":2,"error":null,"adapters":["policy-v1"]}},'
     b'"error":null,"path":"/adapters/1","digest":"","trimmed":[]}'
 )
-"""An update's result as a coordinator of wire version 5 sends it."""
+"""An update's result as a coordinator sends it (``load_s`` since wire version 10)."""
 FAILED_TODAY = (
     b'{"type":"update_result","v":5,"update_id":"u-2","status":"failed",'
-    b'"adapter":"policy-v2","version":2,"rank_map":null,"phases":{},"workers":{},'
+    b'"adapter":"policy-v2","version":2,"rank_map":null,"phases":{},"load_s":0.0,"workers":{},'
     b'"error":{"code":"phase_timeout","message":"load timed out"},'
     b'"path":"/adapters/2","digest":"","trimmed":[]}'
 )
 PENDING_TODAY = (
     b'{"type":"update_result","v":5,"update_id":"u-3","status":"pending",'
-    b'"adapter":"policy","version":3,"rank_map":null,"phases":{},"workers":{},'
+    b'"adapter":"policy","version":3,"rank_map":null,"phases":{},"load_s":0.0,"workers":{},'
     b'"error":null,"path":"/adapters/3","digest":"","trimmed":[]}'
 )
 """The answer to a ``result_request`` for an update that is queued or running."""
 UNKNOWN_TODAY = (
     b'{"type":"update_result","v":5,"update_id":"u-4","status":"unknown",'
-    b'"adapter":"","version":null,"rank_map":null,"phases":{},"workers":{},'
+    b'"adapter":"","version":null,"rank_map":null,"phases":{},"load_s":0.0,"workers":{},'
     b'"error":null,"path":null,"digest":"","trimmed":[]}'
 )
 

@@ -293,7 +293,7 @@ async def test_a_fleet_started_before_nats_answers_waits_for_it_then_serves(
                 extra=["--metrics-port", str(metrics_port)],
             )
             agents = await processes.start_agents(
-                {"w000": 1}, sim.system_url, fleet=fleet_name, nats_url=url
+                {"w000": 1}, sim.system_url, frontend_url=sim.url, fleet=fleet_name, nats_url=url
             )
             tap = await processes.start(
                 "tap", ["tap", "--nats", url, "--fleet", fleet_name, "--out", str(trail)]
@@ -343,7 +343,7 @@ async def test_a_running_fleet_rides_out_nats_frozen_then_killed_and_restarted(
             nats_url=server.url,
         )
         agents = await processes.start_agents(
-            {"w000": 1}, sim.system_url, fleet=fleet_name, nats_url=server.url
+            {"w000": 1}, sim.system_url, frontend_url=sim.url, fleet=fleet_name, nats_url=server.url
         )
         tap = await processes.start(
             "tap",

@@ -50,7 +50,7 @@ def test_commands_round_trip_with_tag_and_version(command: object) -> None:
     wire = encode(command)  # type: ignore[arg-type]
     as_json = json.loads(wire)
 
-    assert as_json["v"] == WIRE_VERSION == 9 and "type" in as_json
+    assert as_json["v"] == WIRE_VERSION == 10 and "type" in as_json
     assert command_decoder.decode(wire) == command
 
 

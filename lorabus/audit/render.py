@@ -30,11 +30,15 @@ def printable(text: str) -> str:
 
 
 def phase_timeline(result: UpdateResult) -> str:
-    parts = [
-        f"{name} {result.phases[name] * 1000:.0f}ms"
-        for name in _PHASE_ORDER
-        if name in result.phases
-    ]
+    parts = []
+    for name in _PHASE_ORDER:
+        if name not in result.phases:
+            continue
+        part = f"{name} {result.phases[name] * 1000:.0f}ms"
+        if name == Phase.LOAD and result.load_s > result.phases[name]:
+            # Carried by the pause: the engines' own load ran inside it.
+            part = f"load {result.load_s * 1000:.0f}ms (in the pause)"
+        parts.append(part)
     return " | ".join(parts)
 
 

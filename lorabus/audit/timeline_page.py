@@ -49,12 +49,12 @@ h1 { font-size: 18px; } h2 { font-size: 15px; margin: 24px 0 4px; }
 .phase-quorum { background: #9e9e9e; } .phase-prepare { background: #8e6c8a; }
 .phase-pause { background: #c9a227; } .phase-load { background: #2a7ab9; }
 .phase-verify { background: #17a2b8; } .phase-resume { background: #3b9c5b; }
-.phase-unload { background: #777; }
+.phase-canary { background: #d9822b; } .phase-unload { background: #777; }
 .axis { display: flex; justify-content: space-between; margin-left: 330px; color: #666; }
 """
 _LISTED = 20
 """Failed members listed with their errors under an update's summary."""
-_PHASES = ("quorum", "prepare", "pause", "load", "verify", "resume", "unload")
+_PHASES = ("quorum", "prepare", "pause", "load", "verify", "resume", "canary", "unload")
 
 
 def render_page(

@@ -163,6 +163,7 @@ class EmbeddedStack:
                 fleet=self.fleet_name,
                 worker_id=worker.worker_id,
                 system_url=self.sim.system_url(worker.worker_id),
+                frontend_url=self.sim.url,
                 world_size=worker.world_size,
                 heartbeat_s=self._heartbeat_s,
                 coordinator_keys=[self.auth.signing_key] if self.auth is not None else [],

@@ -30,6 +30,7 @@ async def test_control_lists_worker_states(client):
             "hang": False,
             "status_error_quirk": False,
             "busy_loras": [],
+            "unroutable": [],
         },
     }
 

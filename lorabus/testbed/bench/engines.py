@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from lorabus.agents import EngineDriver
+from lorabus.errors import CanaryFailed
 
 
 class NullEngine:
@@ -65,6 +66,11 @@ class NullEngine:
 
     async def list_adapters(self) -> list[str]:
         return list(self._adapters)
+
+    async def canary(self, name: str, *, budget_s: float) -> str:
+        if name not in self._adapters:
+            raise CanaryFailed(f"the null engine holds no {name!r}")
+        return ""
 
     async def aclose(self) -> None:
         pass
@@ -157,6 +163,9 @@ class TimedEngine:
 
     async def list_adapters(self) -> list[str]:
         return await self.driver.list_adapters()
+
+    async def canary(self, name: str, *, budget_s: float) -> str:
+        return await self.driver.canary(name, budget_s=budget_s)
 
     async def aclose(self) -> None:
         await self.driver.aclose()

@@ -6,7 +6,8 @@ the bench is about to request, so the coordinator's verify step still makes
 its real HTTP poll (and, as against a real frontend right after the loads,
 finds the adapter at the first poll). Many adapters updated at once (the
 tenants series) are each announced under their adapter's name, and each
-adapter's newest announcement stays listed.
+adapter's newest announcement stays listed. A completion of a listed model
+is answered at once (the canary phase's request through the frontend).
 """
 
 from __future__ import annotations
@@ -38,9 +39,19 @@ class ListingFrontend:
         data = [{"id": m, "object": "model", "owned_by": "nvidia"} for m in names]
         return web.json_response({"object": "list", "data": data})
 
+    async def _completions(self, request: web.Request) -> web.Response:
+        """The canary through the frontend: a completion of any model listed."""
+        model = (await request.json()).get("model")
+        if model not in (self.base_model, *self.models, *self.newest.values()):
+            return web.json_response({"message": "Model not found", "code": 404}, status=404)
+        choice = {"index": 0, "text": " Paris", "finish_reason": "length"}
+        return web.json_response({"object": "text_completion", "model": model, "choices": [choice]})
+
     async def __aenter__(self) -> ListingFrontend:
         app = web.Application()
-        app.add_routes([web.get("/v1/models", self._models)])
+        app.add_routes(
+            [web.get("/v1/models", self._models), web.post("/v1/completions", self._completions)]
+        )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         try:

@@ -353,6 +353,7 @@ class _SizeRun(BenchFleet):
                     fleet=fleet,
                     worker_id=wid,
                     system_url=f"{self.sim_url}/workers/{wid}",
+                    frontend_url=self.sim_url,
                     world_size=size,
                     heartbeat_s=self.heartbeat_s,
                 )

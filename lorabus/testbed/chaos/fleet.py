@@ -275,6 +275,7 @@ class ChaosFleet:
             fleet=s.fleet,
             worker_id=worker_id,
             system_url=self.sim.system_url(worker_id),
+            frontend_url=self.sim.url,
             world_size=worker.world_size,
             heartbeat_s=s.heartbeat_s,
             engine_timeout_s=s.engine_timeout_s,
