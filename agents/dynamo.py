@@ -27,11 +27,14 @@ the call at once.
 The canary (:mod:`lorabus.agents.canary`): a Dynamo worker serves no
 generation of its own, so the agent asks the frontend (``--frontend-url``)
 for one greedy token of ``POST /v1/completions`` with
-``"nvext": {"backend_instance_id": <id>}``, which routes it to this worker
-only. The id is the worker's ``instance_id`` in the frontend's
-``/v1/rl/workers`` (its RL port, ``--frontend-discovery-url``), found by
-this worker's ``system_url`` and looked up again when a canary fails (a
-restarted worker registers under a new id).
+``"nvext": {"backend_instance_id": <id>, "extra_fields": ["worker_id"]}``,
+which Dynamo 1.6.1's KV router routes to this worker only (its round-robin
+router ignores the id: the answer's ``nvext.worker_id`` then names another
+worker, and the canary fails, saying to run ``--router-mode kv``). The id
+is the worker's ``instance_id`` in the frontend's ``/v1/rl/workers`` (its
+RL port, ``--frontend-discovery-url``), found by this worker's
+``system_url`` and looked up again when a canary fails (a restarted worker
+registers under a new id).
 
 Pause asks for ``keep`` mode (in-flight requests are held, then continue).
 Dynamo 1.6.1's vLLM backend refuses ``keep`` while requests for a LoRA
@@ -42,13 +45,14 @@ those requests finish first.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
 from lorabus.agents.canary import completion_of, generated
 from lorabus.agents.config import ENGINE_TIMEOUT_S
 from lorabus.agents.http_engine import (
+    EngineAnswer,
     HttpEngine,
     error_message,
     is_transient,
@@ -167,8 +171,8 @@ class DynamoDriver(HttpEngine):
         instance = self._instance_id
         if instance is None:
             instance = await self._find_instance_id()
-        body = completion_body(name) | {"nvext": {"backend_instance_id": instance}}
-        read = completion_of(name)
+        body = completion_body(name) | {"nvext": _routed_to(instance)}
+        read = self._served_here(completion_of(name))
         try:
             return await generated(frontend, "/v1/completions", body, read, budget_s)
         except CanaryFailed:
@@ -180,10 +184,34 @@ class DynamoDriver(HttpEngine):
             fresh = await self._find_instance_id()
             if fresh == instance:
                 raise
-            body["nvext"] = {"backend_instance_id": fresh}
+            body["nvext"] = _routed_to(fresh)
             return await generated(
                 frontend, "/v1/completions", body, read, budget_s - (now() - started)
             )
+
+    def _served_here(self, read: Callable[[EngineAnswer], str]) -> Callable[[EngineAnswer], str]:
+        """``read``, and the answer must come from this worker where the
+        frontend says who served it (``nvext.worker_id``): a router that does
+        not route by instance id (Dynamo 1.6.1's round-robin) answers from
+        any worker that holds the name, which proves nothing of this one."""
+
+        def checked(answer: EngineAnswer) -> str:
+            text = read(answer)
+            payload = json_or_none(answer)
+            nvext = payload.get("nvext") if isinstance(payload, dict) else None
+            served = nvext.get("worker_id") if isinstance(nvext, dict) else None
+            decode = served.get("decode_worker_id") if isinstance(served, dict) else None
+            if type(decode) is int and decode != self._instance_id:
+                raise CanaryFailed(
+                    f"the frontend answered the canary from worker {decode}, not this "
+                    f"one ({self._instance_id}): its router does not route by instance "
+                    "id; run the frontend with --router-mode kv (Dynamo 1.6.1 routes "
+                    "nvext.backend_instance_id there), or turn the canary off "
+                    "(lorabus coordinator --no-canary)"
+                )
+            return text
+
+        return checked
 
     async def _find_instance_id(self) -> int:
         """This worker's instance id, from the frontend's RL discovery: the
@@ -219,3 +247,8 @@ class DynamoDriver(HttpEngine):
                 status=status,
             )
         return payload if isinstance(payload, dict) else {}
+
+
+def _routed_to(instance: int) -> dict[str, object]:
+    """Route to worker ``instance`` alone, and say in the answer who served it."""
+    return {"backend_instance_id": instance, "extra_fields": ["worker_id"]}

@@ -84,10 +84,12 @@ class Processes(ChildGroup[ChildProcess]):
         extra: Sequence[str] = (),
         env_of: Callable[[str], Mapping[str, str | None]] = lambda _worker: {},
         frontend_url: str = "",
+        frontend_discovery_url: str = "",
     ) -> dict[str, ChildProcess]:
         """One ``lorabus agent`` per worker of ``world_sizes`` (fast heartbeats),
         each at ``system_url(worker)``, with ``env_of(worker)`` (an identity, say);
-        ``frontend_url``: where a Dynamo worker's canary generates."""
+        ``frontend_url``: where a Dynamo worker's canary generates, and
+        ``frontend_discovery_url`` where that frontend serves its workers."""
         started = {}
         for worker_id, world_size in world_sizes.items():
             config = AgentConfig(
@@ -95,6 +97,7 @@ class Processes(ChildGroup[ChildProcess]):
                 worker_id=worker_id,
                 system_url=system_url(worker_id),
                 frontend_url=frontend_url,
+                frontend_discovery_url=frontend_discovery_url,
                 world_size=world_size,
                 heartbeat_s=0.2,
             )

@@ -175,6 +175,11 @@ _QUICK_PLACEMENT = QUICK.placement
     "mutual TLS), every process as its own identity; own connections only.",
 )
 @click.option(
+    "--no-canary",
+    is_flag=True,
+    help="The coordinators run no canary phase (its cost: the same run without it).",
+)
+@click.option(
     "--dist-sizes",
     type=INT_LIST,
     help="Distribution series: fleet sizes "
@@ -253,6 +258,7 @@ def bench(
     heartbeat_s: float | None,
     keep: int | None,
     secure: bool,
+    no_canary: bool,
     dist_sizes: list[int] | None,
     adapter_mb: list[int] | None,
     agents_per_node: int | None,
@@ -318,6 +324,7 @@ def bench(
             "modes": _names(modes),
             "connections": _names(connections) or (("own",) if secure else None),
             "secure": secure or None,
+            "canary": False if no_canary else None,
             "agent_procs": agent_procs,
             "heartbeat_s": heartbeat_s,
             "keep": keep,

@@ -53,12 +53,19 @@ def dynamo(
 @pytest.fixture
 def make_dynamo_fleet(
     dynamo_install: Install, tmp_path: Path
-) -> Iterator[Callable[[Mapping[str, Mapping[str, str]]], DynamoFleet]]:
-    """Start a fleet of this test's own, with extra environment per worker."""
+) -> Iterator[Callable[..., DynamoFleet]]:
+    """Start a fleet of this test's own, with extra environment per worker (and
+    the frontend's router mode)."""
     started: list[DynamoFleet] = []
 
-    def make(worker_env: Mapping[str, Mapping[str, str]]) -> DynamoFleet:
-        fleet = DynamoFleet(dynamo_install, tmp_path / "dynamo", list(WORLD_SIZES), worker_env)
+    def make(worker_env: Mapping[str, Mapping[str, str]], router_mode: str = "kv") -> DynamoFleet:
+        fleet = DynamoFleet(
+            dynamo_install,
+            tmp_path / "dynamo",
+            list(WORLD_SIZES),
+            worker_env,
+            router_mode=router_mode,
+        )
         started.append(fleet)
         fleet.start()
         return fleet
@@ -92,7 +99,14 @@ async def start_lorabus(
         **(COORDINATOR_TIMEOUTS | coordinator),
     )
     await processes.start_coordinator(config, nats_url=nats_url)
-    await processes.start_agents(WORLD_SIZES, dynamo.system_url, fleet=fleet, nats_url=nats_url)
+    await processes.start_agents(
+        WORLD_SIZES,
+        dynamo.system_url,
+        fleet=fleet,
+        nats_url=nats_url,
+        frontend_url=dynamo.frontend_url,
+        frontend_discovery_url=dynamo.rl_url,
+    )
     await wait_live_workers(client, WORLD_SIZES, processes=processes, deadline_s=30)
 
 

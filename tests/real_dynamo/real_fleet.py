@@ -113,6 +113,8 @@ class DynamoFleet:
     worker_ids: Sequence[str]
     #: Extra environment per worker id (e.g. a slow load for one of them).
     worker_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    router_mode: str = "kv"
+    """The frontend's ``--router-mode``."""
     frontend: DynamoProcess | None = None
     workers: dict[str, DynamoProcess] = field(default_factory=dict)
     http_port: int = 0
@@ -184,7 +186,7 @@ class DynamoFleet:
             "DYN_RL_PORT": str(self.rl_port),
         }
         argv = [python, "-m", "dynamo.frontend", "--http-port", str(self.http_port)]
-        argv += ["--router-mode", "round-robin"]
+        argv += ["--router-mode", self.router_mode]
         self.frontend = self._spawn("frontend", argv, frontend_env)
         for worker_id in self.worker_ids:
             port = free_port()

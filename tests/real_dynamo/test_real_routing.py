@@ -1,10 +1,10 @@
-"""The real frontend, configured as the README says, routes an adapter only to its holders.
+"""The real frontend, configured as the README says, routes an adapter only to its holders,
+and an agent's canary to its own worker.
 
 The shared fleet's frontend runs with ``DYN_LORA_ENABLED=true
-DYN_LORA_ALLOCATION_ENABLED=false --router-mode round-robin``. An adapter is
+DYN_LORA_ALLOCATION_ENABLED=false --router-mode kv``. An adapter is
 loaded on w001 alone (straight on its system server, no lorabus); every chat
-completion for it must be served by w001, while the base model is served
-round-robin by all three. Which worker served a request is read from the
+completion for it must be served by w001. Which worker served a request is read from the
 workers' own logs, where the runtime logs each request id it receives on its
 ``generate`` endpoint (the frontend's completion id carries the same id).
 """
@@ -18,6 +18,9 @@ import httpx
 import pytest
 from conftest import WORLD_SIZES, frontend_models
 from real_fleet import BASE_MODEL, DynamoFleet
+
+from lorabus.agents import DynamoDriver
+from lorabus.errors import CanaryFailed
 
 pytestmark = pytest.mark.real_dynamo
 
@@ -79,6 +82,62 @@ async def test_adapter_requests_reach_only_the_worker_that_loaded_it(
             servers = await served_by(dynamo, request_id)
             assert len(servers) == 1, (request_id, servers)
             base_servers |= servers
-        assert base_servers == set(WORLD_SIZES)
+        # The KV router picks by cache overlap: the base model may stay on one.
+        assert base_servers <= set(WORLD_SIZES)
     finally:
         await http.delete(f"{holder_url}/v1/loras/{name}")
+
+
+async def test_an_agents_canary_is_answered_by_its_own_worker(
+    dynamo: DynamoFleet, http: httpx.AsyncClient, make_adapter: Callable[[int], str]
+) -> None:
+    """The agent's canary goes through the real frontend (``--router-mode kv``)
+    with ``nvext.backend_instance_id``, found in ``/v1/rl/workers`` by the
+    worker's system URL, and is answered by that worker: the answer's
+    ``nvext.worker_id`` says so, and the driver checks it."""
+    name = "canary-v1"
+    load = {"lora_name": name, "source": {"uri": f"file://{make_adapter(1)}"}}
+    for worker_id in WORLD_SIZES:
+        loaded = await http.post(f"{dynamo.system_url(worker_id)}/v1/loras", json=load)
+        assert loaded.status_code == 200, loaded.text
+    drivers = [
+        DynamoDriver(
+            dynamo.system_url(worker_id),
+            frontend_url=dynamo.frontend_url,
+            discovery_url=dynamo.rl_url,
+        )
+        for worker_id in WORLD_SIZES
+    ]
+    try:
+        await wait_listed(http, dynamo, name)
+        for driver in drivers:
+            await driver.canary(name, budget_s=DEADLINE_S)
+    finally:
+        for driver in drivers:
+            await driver.aclose()
+        for worker_id in WORLD_SIZES:
+            await http.delete(f"{dynamo.system_url(worker_id)}/v1/loras/{name}")
+
+
+async def test_a_canary_the_router_sends_to_another_worker_fails_saying_why(
+    make_dynamo_fleet: Callable[..., DynamoFleet],
+    http: httpx.AsyncClient,
+    make_adapter: Callable[[int], str],
+) -> None:
+    """Dynamo 1.6.1's round-robin router ignores ``backend_instance_id``: with
+    the adapter on w001 alone, w000's canary is answered by w001, which proves
+    nothing of w000, so it fails, naming the router mode that routes it."""
+    fleet = make_dynamo_fleet({}, router_mode="round-robin")
+    name = "canary-v1"
+    load = {"lora_name": name, "source": {"uri": f"file://{make_adapter(1)}"}}
+    loaded = await http.post(f"{fleet.system_url(HOLDER)}/v1/loras", json=load)
+    assert loaded.status_code == 200, loaded.text
+    driver = DynamoDriver(
+        fleet.system_url("w000"), frontend_url=fleet.frontend_url, discovery_url=fleet.rl_url
+    )
+    try:
+        await wait_listed(http, fleet, name)
+        with pytest.raises(CanaryFailed, match="--router-mode kv"):
+            await driver.canary(name, budget_s=DEADLINE_S)
+    finally:
+        await driver.aclose()

@@ -37,6 +37,8 @@ UPDATE_TIMEOUT_S = 120.0
 RETIRE_DEADLINE_S = 30.0
 PAUSE, RESUME = ("POST", "/pause?mode=keep"), ("POST", "/resume")
 UNLOAD = ("POST", "/v1/unload_lora_adapter")
+COMPLETION = ("POST", "/v1/completions")
+RESET = ("POST", "/reset_prefix_cache?reset_running_requests=true")
 
 
 async def _tokens(http: httpx.AsyncClient, vllm: VllmFleet, model: str) -> dict[str, list[int]]:
@@ -84,12 +86,15 @@ async def test_versions_commit_in_pause_and_live_mode_and_both_servers_answer_wi
     # Version 2 (adapter b), pause mode asked for by the request: each engine
     # is paused once and resumed, and not left paused.
     pauses, resumes = _counts(vllm, PAUSE), _counts(vllm, RESUME)
+    completions = _counts(vllm, COMPLETION)
     second = await client.update(
         "served", str(adapters / "b"), version=2, mode=UpdateMode.PAUSE, timeout_s=UPDATE_TIMEOUT_S
     )
     assert second.committed, second.error
     assert second.adapter == "served-v2"
-    assert {"pause", "load", "verify", "resume"} <= set(second.phases), second.phases
+    assert {"pause", "load", "verify", "resume", "canary"} <= set(second.phases), second.phases
+    # Each agent's canary asked its own server (and the coordinator's, one of them).
+    assert all(_counts(vllm, COMPLETION)[w] > n for w, n in completions.items()), completions
     for worker_id in MAX_LORA_RANKS:
         assert not await is_paused(http, vllm.url(worker_id)), worker_id
     assert _counts(vllm, PAUSE) == {w: n + 1 for w, n in pauses.items()}
@@ -138,7 +143,7 @@ async def test_a_fixed_name_is_replaced_in_place_and_a_version_that_fails_keeps_
     )
     assert first.committed, first.error
     with_a = await _tokens(http, vllm, "served")
-    unloads = _counts(vllm, UNLOAD)
+    unloads, resets = _counts(vllm, UNLOAD), _counts(vllm, RESET)
 
     second = await client.update(
         "served", str(adapters / "b"), version=2, timeout_s=UPDATE_TIMEOUT_S
@@ -152,6 +157,8 @@ async def test_a_fixed_name_is_replaced_in_place_and_a_version_that_fails_keeps_
         served = await served_adapters(http, vllm.url(worker_id))
         assert served.get("served") == str(adapters / "b"), (worker_id, served)
     assert _counts(vllm, UNLOAD) == unloads, "the name was unloaded, not replaced"
+    # No prefix the old weights computed serves the new ones under the name.
+    assert _counts(vllm, RESET) == {w: n + 1 for w, n in resets.items()}
 
     empty = tmp_path / "no-adapter"
     empty.mkdir()

@@ -135,6 +135,8 @@ class BenchConfig:
     keep: int | None = None
     """The coordinator's ``--keep``; default every version of the run, so that
     lorabus does the same engine work as the baseline, which unloads nothing."""
+    canary: bool = True
+    """Whether the coordinators run the canary phase (off: to measure its cost)."""
     idle_s: float = 2.0
     """How long the coordinator's idle CPU is watched before the updates."""
     run_dir: Path | None = None

@@ -335,6 +335,7 @@ class _SizeRun(BenchFleet):
             verify_timeout_s=30,
             keep=self.config.keep_versions(),
             mode=UpdateMode.LIVE if live else UpdateMode.PAUSE,
+            canary=self.config.canary,
         )
         coordinator = await self.children.lorabus(
             f"{fleet}-coordinator",
