@@ -165,6 +165,7 @@ class Agent:
                 adapter_cache=cache,
                 cache_keeper=keeper,
                 max_adapters=config.max_adapters,
+                role=config.role,
                 pending_pause=PendingPause.in_cache(
                     cache_dir, holder, config.engine_timeout_s, config.max_pause_lease_s
                 ),

@@ -8,7 +8,7 @@ any engine call's (a 5xx or no answer is asked again within the budget, a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lorabus.agents.http_engine import (
@@ -46,13 +46,16 @@ async def generated(
     body: dict[str, Any],
     read: Callable[[EngineAnswer], str],
     budget_s: float,
+    *,
+    headers: Mapping[str, str] | None = None,
 ) -> str:
-    """``POST path`` with ``body`` on ``engine`` and the text ``read`` finds
-    in the answer, asked again while it fails transiently, within ``budget_s``."""
+    """``POST path`` with ``body`` (and ``headers``) on ``engine`` and the text
+    ``read`` finds in the answer, asked again while it fails transiently,
+    within ``budget_s``."""
     texts: list[str] = []
 
     async def ask() -> None:
-        texts.append(read(await engine.request("POST", path, body)))
+        texts.append(read(await engine.request("POST", path, body, headers=headers)))
 
     await engine.retrying(ask, budget_s)
     return texts[-1]

@@ -11,7 +11,7 @@ import os
 import msgspec
 
 from lorabus.bus.connect import redact
-from lorabus.schemas import MAX_WORLD_SIZE, check_token
+from lorabus.schemas import MAX_WORLD_SIZE, WorkerRole, check_token
 from lorabus.schemas.bounds import MAX_SECONDS, parse_labels
 
 ENGINE_KINDS = ("dynamo", "vllm", "sglang")
@@ -84,6 +84,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     Dynamo's per worker; SGLang says its own, and the smaller counts): a load
     beyond unloads the oldest versions nothing keeps, or fails
     ``no_capacity``. 0: as the engine says, else not bounded."""
+    role: WorkerRole = WorkerRole.AGGREGATED
+    """What the worker does in serving: both phases, or disaggregated serving's
+    prefill or decode (each loads the adapter; a Dynamo canary is routed to
+    the worker in its role)."""
     frontend_url: str = ""
     """Dynamo: the frontend the canary generates through, routed to this
     worker ("": a canary fails, saying so; vLLM and SGLang generate at
@@ -119,6 +123,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"an admin key is for SGLang's --admin-api-key; {self.engine} has none "
                 "(give its key with --api-key-env)"
             )
+        if self.role not in set(WorkerRole):
+            roles = ", ".join(WorkerRole)
+            raise ValueError(f"unknown role {self.role!r}: use one of {roles}")
         for url in (self.frontend_url, self.frontend_discovery_url):
             if url:
                 check_engine_url(url)

@@ -34,7 +34,9 @@ worker, and the canary fails, saying to run ``--router-mode kv``). The id
 is the worker's ``instance_id`` in the frontend's ``/v1/rl/workers`` (its
 RL port, ``--frontend-discovery-url``), found by this worker's
 ``system_url`` and looked up again when a canary fails (a restarted worker
-registers under a new id).
+registers under a new id). In disaggregated serving a prefill worker's
+canary names it as ``prefill_worker_id`` and a decode worker's as
+``decode_worker_id``: each is proven in the phase it serves.
 
 Pause asks for ``keep`` mode (in-flight requests are held, then continue).
 Dynamo 1.6.1's vLLM backend refuses ``keep`` while requests for a LoRA
@@ -62,6 +64,7 @@ from lorabus.agents.http_engine import (
 from lorabus.canary import completion_body
 from lorabus.errors import CanaryFailed, EngineError
 from lorabus.runtime.clock import now
+from lorabus.schemas import WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class DynamoDriver(HttpEngine):
         attempts: int = 5,
         frontend_url: str = "",
         discovery_url: str = "",
+        role: WorkerRole = WorkerRole.AGGREGATED,
     ) -> None:
         """``frontend_url``: the frontend the canary generates through (none:
         the canary fails, saying so); ``discovery_url``: where it serves
@@ -109,6 +113,9 @@ class DynamoDriver(HttpEngine):
         )
         self._instance_id: int | None = None
         """This worker's instance id, as the frontend's discovery last said."""
+        self.role = role
+        """A prefill worker's canary is routed to it for the prefill, a decode
+        worker's for the decode (disaggregated serving), else for both."""
 
     async def aclose(self) -> None:
         await super().aclose()
@@ -171,7 +178,7 @@ class DynamoDriver(HttpEngine):
         instance = self._instance_id
         if instance is None:
             instance = await self._find_instance_id()
-        body = completion_body(name) | {"nvext": _routed_to(instance)}
+        body = completion_body(name) | {"nvext": _routed_to(instance, self.role)}
         read = self._served_here(completion_of(name))
         try:
             return await generated(frontend, "/v1/completions", body, read, budget_s)
@@ -184,7 +191,7 @@ class DynamoDriver(HttpEngine):
             fresh = await self._find_instance_id()
             if fresh == instance:
                 raise
-            body["nvext"] = _routed_to(fresh)
+            body["nvext"] = _routed_to(fresh, self.role)
             return await generated(
                 frontend, "/v1/completions", body, read, budget_s - (now() - started)
             )
@@ -200,10 +207,11 @@ class DynamoDriver(HttpEngine):
             payload = json_or_none(answer)
             nvext = payload.get("nvext") if isinstance(payload, dict) else None
             served = nvext.get("worker_id") if isinstance(nvext, dict) else None
-            decode = served.get("decode_worker_id") if isinstance(served, dict) else None
-            if type(decode) is int and decode != self._instance_id:
+            phase = "prefill" if self.role == WorkerRole.PREFILL else "decode"
+            worker = served.get(f"{phase}_worker_id") if isinstance(served, dict) else None
+            if type(worker) is int and worker != self._instance_id:
                 raise CanaryFailed(
-                    f"the frontend answered the canary from worker {decode}, not this "
+                    f"the frontend answered the canary's {phase} from worker {worker}, not this "
                     f"one ({self._instance_id}): its router does not route by instance "
                     "id; run the frontend with --router-mode kv (Dynamo 1.6.1 routes "
                     "nvext.backend_instance_id there), or turn the canary off "
@@ -249,6 +257,12 @@ class DynamoDriver(HttpEngine):
         return payload if isinstance(payload, dict) else {}
 
 
-def _routed_to(instance: int) -> dict[str, object]:
-    """Route to worker ``instance`` alone, and say in the answer who served it."""
-    return {"backend_instance_id": instance, "extra_fields": ["worker_id"]}
+def _routed_to(instance: int, role: WorkerRole) -> dict[str, object]:
+    """Route to worker ``instance`` alone in its ``role`` (a prefill worker
+    for the prefill, a decode worker for the decode, else for both), and say
+    in the answer who served it."""
+    key = {
+        WorkerRole.PREFILL: "prefill_worker_id",
+        WorkerRole.DECODE: "decode_worker_id",
+    }.get(role, "backend_instance_id")
+    return {key: instance, "extra_fields": ["worker_id"]}

@@ -33,6 +33,7 @@ def driver_for(config: AgentConfig) -> EngineDriver:
             timeout_s=config.engine_timeout_s,
             frontend_url=config.frontend_url,
             discovery_url=config.frontend_discovery_url,
+            role=config.role,
         )
     return driver(
         config.system_url,

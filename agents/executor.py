@@ -72,6 +72,7 @@ from lorabus.schemas import (
     PrepareCommand,
     ResumeCommand,
     UnloadCommand,
+    WorkerRole,
     phase_of,
 )
 
@@ -100,6 +101,7 @@ class CommandExecutor:
         cache_keeper: CacheKeeper | None = None,
         pending_pause: PendingPause | None = None,
         max_adapters: int = 0,
+        role: WorkerRole = WorkerRole.AGGREGATED,
     ) -> None:
         """``cache_keeper``: prunes ``adapter_cache`` for this agent (by default
         one without a holder file: what the engine serves is kept from the
@@ -111,6 +113,8 @@ class CommandExecutor:
         """Directories adapters may be loaded from, on this host (empty: any path,
         passed to the engine unchecked)."""
         self.world_size = world_size
+        self.role = role
+        """What the worker does in serving (its heartbeat says it)."""
         self.driver = driver
         self.paused = False
         self.maybe_paused = False
@@ -177,6 +181,13 @@ class CommandExecutor:
         """The most adapters the engine holds at once (None: not bounded as
         far as this agent knows; :mod:`lorabus.agents.capacity`)."""
         return capacity_of(self.max_adapters, getattr(self.driver, "capacity", None))
+
+    @property
+    def data_parallel(self) -> int:
+        """The data-parallel ranks behind the engine server, as the driver
+        found at its set-up check (1 where it knows of none)."""
+        ranks = getattr(self.driver, "data_parallel", 1)
+        return ranks if isinstance(ranks, int) and ranks >= 1 else 1
 
     async def refresh(self) -> None:
         """Read the engine's adapter list (at start, so heartbeats tell the

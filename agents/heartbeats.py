@@ -157,4 +157,6 @@ class Heartbeats:
             missing=[w.served_name for w in self._convergence.missing()][:MISSING_SHOWN],
             capacity=ex.capacity,
             labels=self._labels,
+            role=ex.role,
+            data_parallel=ex.data_parallel,
         )

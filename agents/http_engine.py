@@ -204,26 +204,28 @@ class HttpEngine:
         *,
         params: Mapping[str, str] | None = None,
         admin: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> EngineAnswer:
         """``method path`` with ``body`` as JSON, and the answer whatever its
         status; an EngineError only when no answer came. ``admin``: a control
-        route, sent with the admin headers."""
+        route, sent with the admin headers; ``headers``: added to this call."""
         what = f"{method} {self.base_url}{path}"
         where = path + (f"?{urlencode(params)}" if params else "")
-        headers = list(self._admin_headers if admin else self._headers)
+        sent = list(self._admin_headers if admin else self._headers)
+        sent += _encoded(headers or {})
         content = b""
         if body is not None:
             content = json.dumps(
                 body, ensure_ascii=False, separators=(",", ":"), allow_nan=False
             ).encode()
-            headers += self._json_type
+            sent += self._json_type
         if content or method not in _BODYLESS:
-            headers.append((b"Content-Length", str(len(content)).encode()))
+            sent.append((b"Content-Length", str(len(content)).encode()))
         try:
             answer = await self._http.request(
                 method,
                 self._url + where,
-                headers=headers,
+                headers=sent,
                 content=content,
                 extensions=self._extensions,
             )

@@ -75,6 +75,17 @@ class InstrumentedDriver:
         self.kind = driver.kind
         self.unload_waits_for_running = getattr(driver, "unload_waits_for_running", False)
 
+    @property
+    def capacity(self) -> int | None:
+        """What the wrapped driver learnt of its engine's capacity (SGLang's
+        server info), read each time: it learns it at its set-up checks."""
+        return getattr(self.driver, "capacity", None)
+
+    @property
+    def data_parallel(self) -> int:
+        """The wrapped driver's data-parallel ranks, as it last found them."""
+        return getattr(self.driver, "data_parallel", 1)
+
     async def pause(self) -> None:
         await self._timed("pause", self.driver.pause)
 

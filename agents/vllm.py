@@ -90,6 +90,26 @@ lose theirs too and recompute them with the new weights. vLLM 0.32 answers
 ``{"success": bool}`` (false while a KV transfer holds blocks: retried),
 older releases an empty 200.
 
+Data parallelism (``--data-parallel-size N``): one API server broadcasts a
+runtime LoRA load to every data-parallel engine it fronts (``add_lora`` is
+a utility call ``DPLBAsyncMPClient`` sends to all, vllm/v1/engine/
+core_client.py), but each API server keeps its own registry of names
+(``OpenAIServingModels.lora_requests``), and vLLM starts N API servers by
+default: a load then registers the name in the one that answered, and
+requests through the others fail. The set-up check reads the server's
+config (``GET /server_info?config_format=json``, dev mode:
+``parallel_config``) and reports a server with more than one API server
+(``_api_process_count``) as unable to take updates until it runs with
+``--api-server-count 1``; it also learns the ranks the server fronts (all
+of them, its node's in hybrid mode, its own behind an external balancer),
+which the heartbeat announces (``data_parallel``). The canary then asks
+each of those ranks (``X-data-parallel-rank: r``), so every engine serves
+the name before the commit (an engine without it loads it from its path on
+that request, as vLLM does; one that cannot fails the canary, naming its
+rank). An adapter list read back comes from one
+engine only, so only the canary sees every rank. A release without the JSON
+config is taken as one rank, as before.
+
 Names travel only in JSON bodies, never in URLs, so no name reaches another
 route. Retries follow :mod:`lorabus.agents.http_engine`: vLLM's 404 for a
 directory without an adapter, its 400s and a refused token are final; no
@@ -104,7 +124,8 @@ from typing import Any
 from lorabus.agents.canary import completion_of, generated
 from lorabus.agents.http_engine import EngineAnswer, HttpEngine, json_or_none, route_not_served
 from lorabus.canary import completion_body
-from lorabus.errors import EngineError
+from lorabus.errors import CanaryFailed, EngineError
+from lorabus.runtime.clock import now
 
 __all__ = ["VllmDriver"]
 
@@ -127,12 +148,20 @@ ROUTE_NEEDS = {
 #: Also the blocks of requests a keep-mode pause froze: they were computed
 #: with the old weights, and are recomputed with the new ones.
 RESET_PARAMS = {"reset_running_requests": "true"}
+SERVER_INFO_PARAMS = {"config_format": "json"}
+#: Runs a completion on one data-parallel rank (vllm/entrypoints/generate/base/serving.py).
+DP_RANK_HEADER = "X-data-parallel-rank"
 
 
 class VllmDriver(HttpEngine):
     """Drives one vLLM server at ``base_url`` (its OpenAI API root, without ``/v1``)."""
 
     kind = "vllm"
+    data_parallel = 1
+    """The data-parallel ranks the server fronts, as its config says (read
+    with the set-up check)."""
+    _ranks: list[int] = []
+    """Those ranks' numbers when more than one: the canary asks each."""
 
     async def pause(self) -> None:
         response = await self.send("POST", "/pause", params=PAUSE_PARAMS)
@@ -166,8 +195,29 @@ class VllmDriver(HttpEngine):
         return sorted(await self.served_adapters())
 
     async def canary(self, name: str, *, budget_s: float) -> str:
-        body = completion_body(name)
-        return await generated(self, "/v1/completions", body, completion_of(name), budget_s)
+        body, read = completion_body(name), completion_of(name)
+        if not self._ranks:
+            return await generated(self, "/v1/completions", body, read, budget_s)
+        # One generation per data-parallel rank: a load one engine missed
+        # shows only on that rank.
+        started, texts = now(), []
+        for rank in self._ranks:
+            try:
+                texts.append(
+                    await generated(
+                        self,
+                        "/v1/completions",
+                        body,
+                        read,
+                        budget_s - (now() - started),
+                        headers={DP_RANK_HEADER: str(rank)},
+                    )
+                )
+            except CanaryFailed as exc:
+                raise CanaryFailed(
+                    f"data-parallel rank {rank}: {exc}", retryable=False, status=exc.status
+                ) from exc
+        return texts[0]
 
     async def reset_cache(self, *, budget_s: float) -> None:
         async def call() -> None:
@@ -185,13 +235,40 @@ class VllmDriver(HttpEngine):
         await self.retrying(call, budget_s)
 
     async def setup_problem(self) -> str | None:
+        """(Also learns the data-parallel ranks behind the server.)"""
         problems = []
         # POST only: answered 405 by the route table when mounted; nothing runs.
         if route_not_served(await self.request("GET", "/v1/load_lora_adapter")):
             problems.append(self.not_served("/v1/load_lora_adapter"))
         if route_not_served(await self.request("GET", "/is_paused")):
             problems.append(self.not_served("/pause"))
+        else:
+            problems.extend(filter(None, [await self._parallel_layout()]))
         return "; ".join(problems) or None
+
+    async def _parallel_layout(self) -> str | None:
+        """Learn the data-parallel ranks this server fronts from its config
+        (``/server_info``, dev mode), and say what keeps runtime LoRA updates
+        from reaching them all (None: nothing)."""
+        response = await self.request("GET", "/server_info", params=SERVER_INFO_PARAMS)
+        payload: Any = json_or_none(response) if response.status_code == 200 else None
+        config = payload.get("vllm_config") if isinstance(payload, dict) else None
+        parallel = config.get("parallel_config") if isinstance(config, dict) else None
+        if not isinstance(parallel, dict):
+            return None  # an older release (its config as text): one rank, as before
+        ranks = fronted_ranks(parallel)
+        self.data_parallel = len(ranks)
+        self._ranks = ranks if len(ranks) > 1 else []
+        servers = _count(parallel.get("_api_process_count"))
+        if servers > 1:
+            return (
+                f"vLLM at {self.base_url} runs {servers} API servers (--api-server-count, "
+                "by default the data-parallel size): a runtime LoRA load registers the "
+                "name in the one that answered, and requests through the others fail; "
+                "start it with --api-server-count 1 (every data-parallel engine still "
+                "gets the load)"
+            )
+        return None
 
     def not_served(self, path: str) -> str:
         """What a vLLM that does not serve ``path`` lacks, and how to turn it on."""
@@ -216,6 +293,26 @@ class VllmDriver(HttpEngine):
             retryable=False,
             status=refusal.status,
         ) from refusal
+
+
+def fronted_ranks(parallel: dict[str, Any]) -> list[int]:
+    """The data-parallel ranks a server with this ``parallel_config`` sends
+    requests to (vllm/engine/arg_utils.py): its own rank behind an external
+    load balancer, its node's ranks from its start rank in hybrid mode, and
+    every rank with vLLM's own balancing."""
+    size = _count(parallel.get("data_parallel_size"))
+    rank = parallel.get("data_parallel_rank")
+    start = rank if type(rank) is int and rank >= 0 else 0
+    if parallel.get("data_parallel_external_lb"):
+        return [start]
+    if parallel.get("data_parallel_hybrid_lb"):
+        return list(range(start, start + _count(parallel.get("data_parallel_size_local"))))
+    return list(range(size))
+
+
+def _count(value: object) -> int:
+    """A positive count from a config value; 1 when it is none."""
+    return value if type(value) is int and value >= 1 else 1
 
 
 def _expect_status(response: EngineAnswer, status: str) -> None:

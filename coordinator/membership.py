@@ -38,7 +38,7 @@ import msgspec
 from lorabus.errors import QuorumNotReached
 from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.runtime.clock import now
-from lorabus.schemas import Ack, Heartbeat
+from lorabus.schemas import Ack, Heartbeat, WorkerRole
 
 _T = TypeVar("_T")
 
@@ -302,6 +302,16 @@ class Membership:
     def listening_for(self) -> float:
         """Seconds since this membership began to hear heartbeats."""
         return self._clock() - self._started_at
+
+    def layouts(self, workers: Iterable[str]) -> dict[str, tuple[WorkerRole, int]]:
+        """The role and data-parallel ranks of each of ``workers`` that is live,
+        as its heartbeat says (for the rank map)."""
+        live = self.live()
+        return {
+            w: (live[w].heartbeat.role, live[w].heartbeat.data_parallel)
+            for w in workers
+            if w in live
+        }
 
     def remembered(self) -> dict[str, Heartbeat]:
         """The last heartbeat of every worker still remembered, live or not."""

@@ -11,7 +11,14 @@ from lorabus.coordinator.digests import agreed_digest
 from lorabus.coordinator.inflight import Journalled
 from lorabus.coordinator.phases import PhaseOutcome
 from lorabus.coordinator.plan import UpdatePlan, own_names
-from lorabus.schemas import Ack, ErrorInfo, RankMap, UpdateResult, UpdateStatus, WorkerOutcome
+from lorabus.schemas import (
+    Ack,
+    ErrorInfo,
+    RankMap,
+    UpdateResult,
+    UpdateStatus,
+    WorkerOutcome,
+)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,9 @@ async def _replace(term: Term, adapter: str, stuck: dict[str, list[str]]) -> Non
         moved = msgspec.structs.replace(
             record,
             workers=chosen,
-            rank_map=build_rank_map({w: sizes[w] for w in chosen if w in sizes}),
+            rank_map=build_rank_map(
+                {w: sizes[w] for w in chosen if w in sizes}, term.membership.layouts(chosen)
+            ),
         )
         if not await term.still_leading():
             return

@@ -47,7 +47,9 @@ def fleet_status(
     rank_map = (
         latest.rank_map
         if latest
-        else build_rank_map({wid: m.heartbeat.world_size for wid, m in live.items()})
+        else build_rank_map(
+            {wid: m.heartbeat.world_size for wid, m in live.items()}, membership.layouts(live)
+        )
     )
     offsets = {entry.worker_id: entry.rank_offset for entry in rank_map.entries}
     members = [
@@ -65,6 +67,8 @@ def fleet_status(
             unreadable_state=m.heartbeat.unreadable_state,
             capacity=m.heartbeat.capacity,
             labels=m.heartbeat.labels,
+            role=m.heartbeat.role,
+            data_parallel=m.heartbeat.data_parallel,
         )
         for wid, m in sorted(live.items())
     ]

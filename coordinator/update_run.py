@@ -478,7 +478,10 @@ class UpdateRun:
     def _committed(
         self, serving: list[str], errors: dict[str, ErrorInfo], load: PhaseOutcome | None
     ) -> UpdateResult:
-        rank_map = build_rank_map({wid: self.members[wid] for wid in serving})
+        rank_map = build_rank_map(
+            {wid: self.members[wid] for wid in serving},
+            self.commands.membership.layouts(serving),
+        )
         return self._result(COMMITTED, errors=errors, load=load, rank_map=rank_map)
 
     def _result(

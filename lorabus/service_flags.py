@@ -22,7 +22,7 @@ import msgspec
 from lorabus.agents.config import AgentConfig
 from lorabus.agents.engines import ENGINE_KINDS
 from lorabus.coordinator.config import CoordinatorConfig
-from lorabus.schemas import Naming, UpdateMode
+from lorabus.schemas import Naming, UpdateMode, WorkerRole
 from lorabus.schemas.tenants import TENANTS_ENV
 from lorabus.security.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, TRUST_FILE_ENV
 
@@ -165,6 +165,13 @@ AGENT_FLAGS = (
         "counts): a load beyond unloads the oldest versions nothing keeps first, or fails "
         "no_capacity. 0: as the engine says, else not bounded.",
         type=click.IntRange(min=0),
+    ),
+    Flag(
+        "role",
+        "--role",
+        "What the worker does in serving: both phases, or disaggregated serving's "
+        "prefill or decode (Dynamo's prefill and decode workers each load the adapter).",
+        click.Choice([r.value for r in WorkerRole]),
     ),
     Flag(
         "frontend_url",

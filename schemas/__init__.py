@@ -67,7 +67,13 @@ from lorabus.schemas.events import (
     UpdateStarted,
     WorkerConflict,
 )
-from lorabus.schemas.rankmap import RankEntry, RankMap, build_rank_map
+from lorabus.schemas.rankmap import (
+    DataParallel,
+    RankEntry,
+    RankMap,
+    WorkerRole,
+    build_rank_map,
+)
 from lorabus.schemas.records import (
     CommittedRecord,
     InflightRecord,
@@ -136,6 +142,7 @@ __all__ = [
     "CommittedNotice",
     "CommittedRecord",
     "CommittedReset",
+    "DataParallel",
     "EngineResumed",
     "ErrorCode",
     "ErrorInfo",
@@ -182,6 +189,7 @@ __all__ = [
     "WorkerConflict",
     "WorkerIdConflict",
     "WorkerOutcome",
+    "WorkerRole",
     "ack_decoder",
     "acks_in",
     "addressing_of",

@@ -9,18 +9,42 @@ same ranks. Each worker owns ``world_size`` consecutive ranks starting at its
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections.abc import Mapping
+from typing import Annotated
 
 import msgspec
 
 from lorabus.schemas.bounds import WorkerId, WorldSize
 
 
-class RankEntry(msgspec.Struct, frozen=True, kw_only=True):
+class WorkerRole(enum.StrEnum):
+    """What a worker does in serving: both phases, or one of disaggregated
+    serving's (Dynamo's prefill and decode workers each load the adapter)."""
+
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+DataParallel = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+"""Data-parallel ranks behind one engine server (vLLM ``--data-parallel-size``)."""
+
+
+class RankEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One worker's ranks. Its ``role`` and ``data_parallel`` are sent only
+    when not their defaults: a rank map lists every member, and stays the
+    size it was for a fleet of aggregated single-rank workers."""
+
     worker_id: WorkerId
     world_size: WorldSize
     rank_offset: int
+    role: WorkerRole = WorkerRole.AGGREGATED
+    data_parallel: DataParallel = 1
+    """Its engine's data-parallel ranks: its ``world_size`` ranks are
+    ``data_parallel`` groups of ``world_size // data_parallel`` consecutive
+    ranks, one per data-parallel rank, in order."""
 
 
 class RankMap(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,8 +61,12 @@ class RankMap(msgspec.Struct, frozen=True, kw_only=True):
         return None
 
 
-def build_rank_map(world_sizes: Mapping[str, int]) -> RankMap:
-    """Build the rank map of a membership given as ``{worker_id: world_size}``."""
+def build_rank_map(
+    world_sizes: Mapping[str, int], layouts: Mapping[str, tuple[WorkerRole, int]] | None = None
+) -> RankMap:
+    """Build the rank map of a membership given as ``{worker_id: world_size}``;
+    ``layouts``: each worker's role and data-parallel ranks, where not the
+    default (aggregated, 1)."""
     entries: list[RankEntry] = []
     next_rank = 1
     digest = hashlib.sha256()
@@ -46,8 +74,20 @@ def build_rank_map(world_sizes: Mapping[str, int]) -> RankMap:
         size = world_sizes[worker_id]
         if size < 1:
             raise ValueError(f"worker {worker_id!r} has world size {size}; it must be >= 1")
-        entries.append(RankEntry(worker_id=worker_id, world_size=size, rank_offset=next_rank))
+        role, ranks = (layouts or {}).get(worker_id, (WorkerRole.AGGREGATED, 1))
+        entries.append(
+            RankEntry(
+                worker_id=worker_id,
+                world_size=size,
+                rank_offset=next_rank,
+                role=role,
+                data_parallel=ranks,
+            )
+        )
         digest.update(f"{worker_id}={size};".encode())
+        if (role, ranks) != (WorkerRole.AGGREGATED, 1):
+            # Another layout of the same ranks is another group to build.
+            digest.update(f"{worker_id}:{role}/{ranks};".encode())
         next_rank += size
     return RankMap(
         world_size=next_rank, entries=entries, membership_version=digest.hexdigest()[:16]

@@ -25,6 +25,7 @@ from lorabus.schemas.bounds import (
     WorldSize,
 )
 from lorabus.schemas.errors import ErrorInfo
+from lorabus.schemas.rankmap import DataParallel, WorkerRole
 from lorabus.schemas.wire import Phase, _Message
 
 
@@ -87,6 +88,12 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
     labels: Labels = {}
     """The worker's labels (the agent's ``--label``), which an update's
     ``selector`` chooses workers by: zone, engine, GPU type."""
+    role: WorkerRole = WorkerRole.AGGREGATED
+    """What the worker does in serving: both phases, or disaggregated
+    serving's prefill or decode (``lorabus agent --role``)."""
+    data_parallel: DataParallel = 1
+    """Data-parallel ranks behind the worker's engine server, as the engine
+    says (vLLM ``--data-parallel-size``); ``world_size`` counts them all."""
     missing: Names = []
     """The served names of the fleet's committed state (every adapter's
     committed version and those kept beside it) that the engine lacks, as

@@ -32,6 +32,7 @@ class _FaultsPatch(msgspec.Struct, forbid_unknown_fields=True):
     status_error_quirk: bool | msgspec.UnsetType = msgspec.UNSET
     busy_loras: list[str] | msgspec.UnsetType = msgspec.UNSET
     unroutable: list[str] | msgspec.UnsetType = msgspec.UNSET
+    load_misses_ranks: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 _PATCH_DECODER = msgspec.json.Decoder(_FaultsPatch)
@@ -47,6 +48,7 @@ def worker_state(worker: SimWorker) -> dict[str, Any]:
         "instance_id": worker.instance_id,
         "world_size": worker.world_size,
         "engine": worker.engine,
+        "role": worker.role,
         "paused": worker.paused,
         "adapters": sorted(worker.adapters),
         "faults": dataclasses.asdict(worker.faults),

@@ -6,7 +6,9 @@ frontend answers at the root, each worker's system server under
 one process hold a thousand workers. Each worker plays one engine kind
 (Dynamo by default; vLLM or SGLang with ``engines``), and a fleet may mix
 them: the frontend lists the union of every worker's adapters whatever its
-kind, as a router in front of a mixed fleet would.
+kind, as a router in front of a mixed fleet would. Each worker also has a
+role (``roles``: aggregated by default, or Dynamo's disaggregated prefill and
+decode workers).
 
 Stopping first releases every request held by a ``hang``, a latency or a pause
 (they answer 503), so the server's graceful shutdown does not wait on them.
@@ -49,11 +51,16 @@ class SimFleet:
         load_latency_s: float = 0.0,
         paused_wait_s: float = PAUSED_WAIT_S,
         engines: Sequence[str] = ("dynamo",),
+        roles: Sequence[str] = ("aggregated",),
     ):
-        """``engines`` is cycled over the workers, like world sizes in :meth:`of_size`."""
+        """``engines`` and ``roles`` (``ROLES``: a prefill worker makes the
+        frontend disaggregate) are cycled over the workers, like world sizes
+        in :meth:`of_size`."""
         ids, sizes = list(worker_ids), list(world_sizes)
         if not engines:
             raise ValueError("engines must not be empty")
+        if not roles:
+            raise ValueError("roles must not be empty")
         if len(ids) != len(sizes):
             raise ValueError(f"{len(ids)} worker ids but {len(sizes)} world sizes")
         duplicates = sorted(i for i, count in Counter(ids).items() if count > 1)
@@ -67,6 +74,7 @@ class SimFleet:
                 faults=WorkerFaults(latency_s=dict(load_latency)),
                 engine=engines[i % len(engines)],
                 base_model=base_model,
+                role=roles[i % len(roles)],
             )
             for i, (worker_id, size) in enumerate(zip(ids, sizes, strict=True))
         }

@@ -2,31 +2,34 @@
 
 It sits at the root of the fleet's server. Like the real frontend it lists the
 base model plus the union of adapters any worker holds (listing proves nothing
-about every replica), and routes a chat or completion request round-robin only
-among the workers that hold the requested model — the strict routing lorabus
-tells operators to configure. A completion whose ``nvext.backend_instance_id``
-names a worker (its ``instance_id`` in ``/v1/rl/workers``) goes to that worker
-only: an agent's canary asks its own engine. A request that lands on a paused
-worker is held until that worker resumes, for at most ``paused_wait_s``; one
-that reaches a worker whose generation does not know the name (an adapter made
-unroutable, :mod:`.generation`) is a 404 "Model not found", as for a name no
-worker holds. Dynamo's workers serve no generation route of their own: the
-frontend records a completion in the log of the worker it routed it to, as
-``POST /v1/completions``.
+about every replica), and routes a chat or completion request only among the
+workers that hold the requested model, round-robin — the strict routing
+lorabus tells operators to configure — or to exactly the worker its ``nvext``
+names (``backend_instance_id`` or ``decode_worker_id``: an agent's canary asks
+its own engine). A fleet with prefill workers (``SimWorker.role``) runs each
+request disaggregated, on a prefill and a decode worker that both hold the
+model (:mod:`.placement` decides, also ``nvext.prefill_worker_id``). A request
+that lands on a paused worker is held until that worker resumes, for at most
+``paused_wait_s``; one that reaches a worker whose generation does not know
+the name (an adapter made unroutable, :mod:`.generation`) is a 404 "Model not
+found", as for a name no worker holds. Dynamo's workers serve no generation
+route of their own: the frontend records a completion in the log of each
+worker it placed it on, as ``POST /v1/completions``.
 
 Shapes follow a real Dynamo 1.6.1 frontend: errors are flat
 ``{"message", "type", "code"}`` bodies (``{"message": "Model not found",
 "type": "Not Found", "code": 404}``), and each ``/v1/rl/workers`` entry
 describes the worker's ``rl`` endpoint (``endpoint``, ``transport``,
 ``request_plane_url``) with a full 64-bit ``instance_id`` and no
-``admin_base_url``. A completion answers OpenAI's ``text_completion``.
+``admin_base_url``, under the component its role registers with (``prefill``
+for prefill workers, else ``backend``). A completion answers OpenAI's
+``text_completion``; when ``nvext.extra_fields`` asks for ``"worker_id"``, the
+answer carries ``"nvext": {"worker_id": {"prefill_worker_id",
+"decode_worker_id"}}`` (one worker's id twice when aggregated).
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import itertools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,6 +42,7 @@ from aiohttp import web
 
 from .generation import generates, reply_text, text_completion
 from .http_utils import UNAUTHORIZED, is_authorized, recorded
+from .placement import Placement, Placer, Refusal, Targets
 from .state import SimWorker
 
 __all__ = ["PAUSED_WAIT_S", "RL_ROUTES", "FrontendRoutes"]
@@ -50,13 +54,27 @@ PAUSED_WAIT_S = 30.0
 RL_ROUTES = ("liveness_probe", "load_lora", "pause_generation", "resume_generation", "unload_lora")
 
 
-class _ChatRequest(msgspec.Struct):
-    model: str
-    messages: list[Any]
+#: The component each role registers its endpoints under (Dynamo's default).
+_COMPONENTS = {"aggregated": "backend", "decode": "backend", "prefill": "prefill"}
 
 
 class _NvExt(msgspec.Struct):
     backend_instance_id: int | None = None
+    prefill_worker_id: int | None = None
+    decode_worker_id: int | None = None
+    extra_fields: list[str] | None = None
+
+    def targets(self) -> Targets:
+        decode = self.backend_instance_id
+        if self.decode_worker_id is not None:
+            decode = self.decode_worker_id
+        return Targets(prefill=self.prefill_worker_id, decode=decode)
+
+
+class _ChatRequest(msgspec.Struct):
+    model: str
+    messages: list[Any]
+    nvext: _NvExt | None = None
 
 
 class _CompletionRequest(msgspec.Struct):
@@ -95,9 +113,8 @@ class FrontendRoutes:
         self._api_key = api_key
         self._base_model = base_model
         self._system_url = system_url
-        self._paused_wait_s = paused_wait_s
+        self._placer = Placer(workers, base_model=base_model, paused_wait_s=paused_wait_s)
         self._created = int(time.time())
-        self._turns: dict[str, itertools.count[int]] = {}
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -127,15 +144,16 @@ class FrontendRoutes:
         entries = []
         for worker in self._workers.values():
             url = self._system_url(worker.worker_id)
-            tcp = f"{urlsplit(url).netloc}/{worker.instance_id:016x}/dynamo/backend/rl"
+            component = _COMPONENTS[worker.role]
+            tcp = f"{urlsplit(url).netloc}/{worker.instance_id:016x}/dynamo/{component}/rl"
             entries.append(
                 {
                     "namespace": "dynamo",
-                    "component": "backend",
+                    "component": component,
                     "endpoint": "rl",
                     "instance_id": worker.instance_id,
                     "transport": {"tcp": tcp},
-                    "request_plane_url": "dyn://dynamo.backend.rl",
+                    "request_plane_url": f"dyn://dynamo.{component}.rl",
                     "system_url": url,
                     "model": self._base_model,
                     "routes": list(RL_ROUTES),
@@ -147,77 +165,56 @@ class FrontendRoutes:
         body = {"protocol_version": 1, "namespace": "dynamo", "workers": entries}
         return web.json_response(body)
 
-    def _holders(self, model: str) -> list[SimWorker]:
-        if model == self._base_model:
-            return list(self._workers.values())
-        return [w for w in self._workers.values() if model in w.adapters]
-
-    def _next_holder(self, model: str) -> SimWorker | None:
-        holders = self._holders(model)
-        if not holders:
-            return None
-        turn = next(self._turns.setdefault(model, itertools.count()))
-        return holders[turn % len(holders)]
-
-    async def _route(
-        self, model: str, pick: Callable[[str], SimWorker | None]
-    ) -> SimWorker | web.Response:
-        """The worker ``pick`` chooses for ``model``, once it is not paused; a 404
-        when it chooses none, a 503 when the worker stays paused too long."""
-        try:
-            async with asyncio.timeout(self._paused_wait_s):
-                while True:
-                    worker = pick(model)
-                    if worker is None:
-                        return _frontend_error(404, "Model not found")
-                    if not await worker.wait_resumed():
-                        return _frontend_error(503, "simulated fleet is stopping")
-                    # It may have dropped the adapter while paused: route again.
-                    if worker in self._holders(model):
-                        return worker
-        except TimeoutError:
-            message = f"worker for model '{model}' stayed paused for {self._paused_wait_s} s"
-            return _frontend_error(503, message)
-
-    def _if_holder(self, worker: SimWorker, model: str) -> SimWorker | None:
-        """``worker`` when it holds ``model``: the only choice of a targeted request."""
-        return worker if worker in self._holders(model) else None
-
-    def _instance(self, instance_id: int) -> SimWorker | None:
-        return next((w for w in self._workers.values() if w.instance_id == instance_id), None)
+    async def _place(
+        self, model: str, nvext: _NvExt | None, *, logged: tuple[web.Request, bytes] | None = None
+    ) -> Placement | web.Response:
+        """The workers that run a request for ``model``, each of which logs the
+        ``logged`` request (and its body) once placed, or the frontend's refusal."""
+        placement = await self._placer.place(model, nvext.targets() if nvext else Targets())
+        if isinstance(placement, Refusal):
+            return _frontend_error(placement.status, placement.message)
+        if logged is not None:
+            for worker in placement.workers:
+                worker.record(recorded(*logged))
+        if not all(generates(worker, model) for worker in placement.workers):
+            return _frontend_error(404, "Model not found")
+        return placement
 
     async def _chat(self, request: web.Request) -> web.Response:
         chat = _decode(_CHAT_DECODER, await request.read())
         if isinstance(chat, web.Response):
             return chat
-        worker = await self._route(chat.model, self._next_holder)
-        if isinstance(worker, web.Response):
-            return worker
-        if not generates(worker, chat.model):
-            return _frontend_error(404, "Model not found")
-        return _chat_completion(worker, chat.model)
+        # Unlike a completion, a chat is not logged (no agent sends one).
+        placement = await self._place(chat.model, chat.nvext)
+        if isinstance(placement, web.Response):
+            return placement
+        body = _chat_completion(placement.decode, chat.model)
+        return _served(body, placement, chat.nvext)
 
     async def _completions(self, request: web.Request) -> web.Response:
         raw = await request.read()
         completion = _decode(_COMPLETION_DECODER, raw)
         if isinstance(completion, web.Response):
             return completion
-        target = completion.nvext.backend_instance_id if completion.nvext else None
-        if target is None:
-            pick = self._next_holder
-        else:
-            chosen = self._instance(target)
-            if chosen is None:
-                return _frontend_error(404, f"No worker with instance id {target}")
-            pick = functools.partial(self._if_holder, chosen)
-        worker = await self._route(completion.model, pick)
-        if isinstance(worker, web.Response):
-            return worker
-        worker.record(recorded(request, raw))
-        if not generates(worker, completion.model):
-            return _frontend_error(404, "Model not found")
-        body = text_completion(worker, completion.model, completion.prompt, completion.max_tokens)
-        return web.json_response(body, headers={"x-served-by": worker.worker_id})
+        placement = await self._place(completion.model, completion.nvext, logged=(request, raw))
+        if isinstance(placement, web.Response):
+            return placement
+        body = text_completion(
+            placement.decode, completion.model, completion.prompt, completion.max_tokens
+        )
+        return _served(body, placement, completion.nvext)
+
+
+def _served(body: dict[str, Any], placement: Placement, nvext: _NvExt | None) -> web.Response:
+    """``body`` as the frontend answers it: with the worker ids when the
+    request asks for them, and the decode worker in ``x-served-by``."""
+    if nvext is not None and nvext.extra_fields and "worker_id" in nvext.extra_fields:
+        ids = {
+            "prefill_worker_id": placement.prefill.instance_id,
+            "decode_worker_id": placement.decode.instance_id,
+        }
+        body["nvext"] = {"worker_id": ids}
+    return web.json_response(body, headers={"x-served-by": placement.decode.worker_id})
 
 
 def _decode(decoder: msgspec.json.Decoder[_Decoded], raw: bytes) -> _Decoded | web.Response:
@@ -228,8 +225,8 @@ def _decode(decoder: msgspec.json.Decoder[_Decoded], raw: bytes) -> _Decoded | w
         return _frontend_error(400, message)
 
 
-def _chat_completion(worker: SimWorker, model: str) -> web.Response:
-    body = {
+def _chat_completion(worker: SimWorker, model: str) -> dict[str, Any]:
+    return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
@@ -244,4 +241,3 @@ def _chat_completion(worker: SimWorker, model: str) -> web.Response:
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
         "served_by": worker.worker_id,
     }
-    return web.json_response(body, headers={"x-served-by": worker.worker_id})

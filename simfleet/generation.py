@@ -11,6 +11,10 @@ engine kinds: its base model and the adapters it holds, except those made
 unroutable (``WorkerFaults.unroutable``: listed and loaded, yet unknown to
 generation, like the stale registration of Dynamo issue #11163). Each route
 module answers a name that does not reach it with its own engine's error.
+
+A vLLM engine with data parallelism generates on one DP rank: a name reaches
+that rank's engine when the rank holds the adapter (a load may have missed it,
+``WorkerFaults.load_misses_ranks``), and its answer names the rank.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 from .state import SimWorker
 
-__all__ = ["generates", "prompt_tokens", "reply_text", "text_completion"]
+__all__ = ["generates", "generates_on_rank", "prompt_tokens", "reply_text", "text_completion"]
 
 
 def generates(worker: SimWorker, model: str) -> bool:
@@ -31,9 +35,20 @@ def generates(worker: SimWorker, model: str) -> bool:
     return model == worker.base_model or model in worker.adapters
 
 
-def reply_text(worker: SimWorker, model: str) -> str:
-    """The text every generation of ``worker`` for ``model`` answers."""
-    return f"simulated reply from worker {worker.worker_id} using model {model}"
+def generates_on_rank(worker: SimWorker, model: str, rank: int) -> bool:
+    """Whether a generation for ``model`` reaches the engine of DP rank ``rank``."""
+    if model in worker.faults.unroutable:
+        return False
+    return model == worker.base_model or rank in worker.ranks_holding(model)
+
+
+def reply_text(worker: SimWorker, model: str, rank: int | None = None) -> str:
+    """The text every generation of ``worker`` for ``model`` answers; with
+    data parallelism, it names the DP ``rank`` that generated."""
+    who = f"worker {worker.worker_id}"
+    if rank is not None and worker.setup.data_parallel_size > 1:
+        who += f" rank {rank}"
+    return f"simulated reply from {who} using model {model}"
 
 
 def prompt_tokens(prompt: str) -> int:
@@ -41,9 +56,12 @@ def prompt_tokens(prompt: str) -> int:
     return len(prompt.split())
 
 
-def text_completion(worker: SimWorker, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def text_completion(
+    worker: SimWorker, model: str, prompt: str, max_tokens: int, rank: int | None = None
+) -> dict[str, Any]:
     """An OpenAI ``text_completion`` of one token, as vLLM and Dynamo's frontend
-    answer it: cut at ``max_tokens`` when that is 1, else at its end."""
+    answer it: cut at ``max_tokens`` when that is 1, else at its end; ``rank``:
+    the DP rank that generated it."""
     prompt_count = prompt_tokens(prompt)
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
@@ -53,7 +71,7 @@ def text_completion(worker: SimWorker, model: str, prompt: str, max_tokens: int)
         "choices": [
             {
                 "index": 0,
-                "text": reply_text(worker, model),
+                "text": reply_text(worker, model, rank),
                 "logprobs": None,
                 "finish_reason": "length" if max_tokens <= 1 else "stop",
             }

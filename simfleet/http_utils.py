@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from aiohttp import web
@@ -75,10 +76,13 @@ _STARTED = int(time.time())
 """The ``created`` of every model card: the engines give their start time."""
 
 
-def models_reply(worker: SimWorker, *, owned_by: str, **fields: Any) -> web.Response:
+def models_reply(
+    worker: SimWorker, *, owned_by: str, adapters: Iterable[str] | None = None, **fields: Any
+) -> web.Response:
     """``GET /v1/models`` as vLLM and SGLang answer it: the base model
-    (``max_model_len`` 4096), then each adapter, with its path as ``root``
-    and the base model as ``parent``; ``fields``: the engine's own, on every card."""
+    (``max_model_len`` 4096), then each adapter (``adapters``, by default every
+    one the worker holds), with its path as ``root`` and the base model as
+    ``parent``; ``fields``: the engine's own, on every card."""
     base = worker.base_model
 
     def card(model_id: str, root: str, parent: str | None, max_len: int | None) -> dict[str, Any]:
@@ -94,5 +98,6 @@ def models_reply(worker: SimWorker, *, owned_by: str, **fields: Any) -> web.Resp
         }
 
     data = [card(base, base, None, 4096)]
-    data += [card(n, worker.adapter_paths.get(n, ""), base, None) for n in worker.adapters]
+    names = worker.adapters if adapters is None else adapters
+    data += [card(n, worker.adapter_paths.get(n, ""), base, None) for n in names]
     return web.json_response({"object": "list", "data": data})

@@ -12,6 +12,17 @@ waits in :meth:`SimWorker.wait_until`: hung requests wait for ``hang`` to clear,
 generation requests wait for a resume, tests wait for a request to arrive.
 Nothing here polls or sleeps to find out that something changed.
 
+A vLLM engine started with data parallelism (``EngineSetup.data_parallel_size``)
+runs one engine per DP rank behind ``api_server_count`` API servers, and each
+API server keeps its own LoRA registry (vLLM's ``OpenAIServingModels``): a load
+reaches every rank but is registered only by the API server that answered it.
+``adapters`` stays the worker's one list of what it holds (every engine kind
+reads it); :attr:`SimWorker.adapter_ranks` and
+:attr:`SimWorker.adapter_api_servers` narrow it down for an adapter that only
+some ranks hold or only some API servers know, and say nothing about the rest
+(held everywhere, known everywhere), so that a worker without data parallelism
+never needs them.
+
 Waking works by pulsing an :class:`asyncio.Event`: ``_notify`` sets the current
 event and replaces it with a fresh one, so every waiter re-checks its condition
 exactly once per change. :meth:`SimWorker.release` (called when the fleet
@@ -23,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +45,7 @@ __all__ = [
     "LOAD_ROUTES",
     "OPERATIONS",
     "REQUEST_LOG_LIMIT",
+    "ROLES",
     "EngineSetup",
     "RecordedRequest",
     "SimWorker",
@@ -42,6 +54,9 @@ __all__ = [
 
 #: Engine kinds a simulated worker can play (the agent's ``--engine`` choices).
 ENGINES = ("dynamo", "vllm", "sglang")
+#: What a Dynamo worker does for a request: all of it, or one half of a
+#: disaggregated one (Dynamo's ``--disaggregation-mode`` agg, prefill, decode).
+ROLES = ("aggregated", "prefill", "decode")
 #: Each engine kind's load request, as the worker's request log records it.
 LOAD_ROUTES = {
     "dynamo": ("POST", "/v1/loras"),
@@ -81,6 +96,10 @@ class WorkerFaults:
     #: know (a stale registration, as in Dynamo issue #11163): a generation for
     #: one answers as for an unknown name, on every engine kind.
     unroutable: list[str] = field(default_factory=list)
+    #: vLLM data parallelism: DP ranks a load never reaches. A load that
+    #: succeeds still registers the name, but these ranks do not hold the
+    #: adapter, and a generation placed on one of them fails.
+    load_misses_ranks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.latency_s) - OPERATIONS)
@@ -95,6 +114,13 @@ class WorkerFaults:
         blank = [name for name in self.unroutable if not isinstance(name, str) or not name]
         if blank:
             raise ValueError(f"unroutable names must be non-empty strings, got {blank}")
+        bad_ranks = [
+            rank
+            for rank in self.load_misses_ranks
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0
+        ]
+        if bad_ranks:
+            raise ValueError(f"load_misses_ranks must be ranks (ints >= 0), got {bad_ranks}")
         if not 400 <= self.load_failure_status <= 599:
             raise ValueError(
                 f"load_failure_status must be an HTTP error (400-599), "
@@ -124,10 +150,18 @@ class EngineSetup:
     #: release's does not: its agent then knows no capacity, and meets the
     #: evictions).
     shows_max_loaded_loras: bool = True
+    #: vLLM: ``--data-parallel-size``; one engine per DP rank, each holding its
+    #: own adapters, a completion placed on one of them.
+    data_parallel_size: int = 1
+    #: vLLM: ``--api-server-count`` (with data parallelism vLLM starts one per
+    #: rank by default); each keeps its own LoRA registry, and requests go to
+    #: them in turn.
+    api_server_count: int = 1
 
     def __post_init__(self) -> None:
-        if self.dp_size < 1:
-            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        for name in ("dp_size", "data_parallel_size", "api_server_count"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_loaded_loras is not None and self.max_loaded_loras < 1:
             raise ValueError(f"max_loaded_loras must be >= 1, got {self.max_loaded_loras}")
 
@@ -160,9 +194,12 @@ class SimWorker:
         engine: str = "dynamo",
         base_model: str = "sim-base",
         setup: EngineSetup | None = None,
+        role: str = "aggregated",
     ):
         if engine not in ENGINES:
             raise ValueError(f"engine of {worker_id} must be one of {ENGINES}, got {engine!r}")
+        if role not in ROLES:
+            raise ValueError(f"role of {worker_id} must be one of {ROLES}, got {role!r}")
         if not worker_id or "/" in worker_id:
             raise ValueError(f"worker id must be non-empty and without '/': {worker_id!r}")
         if world_size < 1:
@@ -172,12 +209,20 @@ class SimWorker:
         self.instance_id = instance_id_for(worker_id)
         #: The engine kind this worker plays: which routes it serves, how it answers.
         self.engine = engine
+        #: Its part of a request behind Dynamo's frontend (one of ``ROLES``).
+        self.role = role
         #: The model the engine serves (vLLM and SGLang list it, and adapters' parent).
         self.base_model = base_model
         #: Loaded adapters: name -> lora_id.
         self.adapters: dict[str, int] = {}
         #: Where each loaded adapter was loaded from (vLLM and SGLang list it as ``root``).
         self.adapter_paths: dict[str, str] = {}
+        #: vLLM data parallelism: the DP ranks that hold an adapter, for one
+        #: that not every rank holds (absent: every rank).
+        self.adapter_ranks: dict[str, frozenset[int]] = {}
+        #: vLLM API servers whose registry knows an adapter, for one that not
+        #: every API server knows (absent: every one).
+        self.adapter_api_servers: dict[str, frozenset[int]] = {}
         self.faults = faults if faults is not None else WorkerFaults()
         #: How the engine was started (the routes it serves, what it refuses).
         self.setup = setup if setup is not None else EngineSetup()
@@ -190,6 +235,8 @@ class SimWorker:
         #: Cache resets the engine performed (vLLM's prefix-cache reset, SGLang's
         #: flush).
         self.cache_resets = 0
+        self._api_server_turns = 0
+        self._dp_rank_turns = 0
         self._paused = False
         self._changed = asyncio.Event()
         self._released = asyncio.Event()
@@ -217,7 +264,7 @@ class SimWorker:
         """Replace some fault fields; raises TypeError/ValueError for bad ones."""
         if "latency_s" in changes:
             changes["latency_s"] = dict(changes["latency_s"])
-        for name in ("busy_loras", "unroutable"):
+        for name in ("busy_loras", "unroutable", "load_misses_ranks"):
             if name in changes:
                 changes[name] = list(changes[name])
         self.faults = dataclasses.replace(self.faults, **changes)
@@ -244,17 +291,94 @@ class SimWorker:
         self.set_faults(fail_next_unloads=self.faults.fail_next_unloads - 1)
         return True
 
-    def add_adapter(self, lora_name: str, path: str = "") -> int:
+    def add_adapter(
+        self,
+        lora_name: str,
+        path: str = "",
+        *,
+        api_server: int | None = None,
+        missing_ranks: Collection[int] = (),
+    ) -> int:
+        """Hold ``lora_name``, loaded from ``path``, on every DP rank but
+        ``missing_ranks`` (ranks that held it before keep it).
+
+        ``api_server``: the one vLLM API server that registers the name (beside
+        those that knew it already); None: every one, as for an engine without
+        several API servers.
+        """
+        known = lora_name in self.adapters
+        ranks = self.ranks_holding(lora_name) if known else frozenset()
+        ranks |= self._all_ranks() - frozenset(missing_ranks)
+        if api_server is None:
+            servers = self._all_api_servers()
+        else:
+            servers = self.api_servers_knowing(lora_name) if known else frozenset()
+            servers |= {api_server}
         lora_id = self.adapters[lora_name] = lora_id_for(lora_name)
         self.adapter_paths[lora_name] = path
+        _narrow(self.adapter_ranks, lora_name, ranks, self._all_ranks())
+        _narrow(self.adapter_api_servers, lora_name, servers, self._all_api_servers())
         self._notify()
         return lora_id
 
-    def remove_adapter(self, lora_name: str) -> int | None:
+    def remove_adapter(self, lora_name: str, *, api_server: int | None = None) -> int | None:
+        """Drop ``lora_name``; its lora_id, or None when it was not held.
+
+        ``api_server``: unregister it from that vLLM API server only (None when
+        that one did not know it); every DP rank drops the adapter, and the
+        worker holds it no more once no API server knows it.
+        """
+        if api_server is not None:
+            if not self.registered_in(lora_name, api_server):
+                return None
+            servers = self.api_servers_knowing(lora_name) - {api_server}
+            if servers:
+                self.adapter_ranks[lora_name] = frozenset()
+                self.adapter_api_servers[lora_name] = servers
+                self._notify()
+                return self.adapters[lora_name]
         lora_id = self.adapters.pop(lora_name, None)
         self.adapter_paths.pop(lora_name, None)
+        self.adapter_ranks.pop(lora_name, None)
+        self.adapter_api_servers.pop(lora_name, None)
         self._notify()
         return lora_id
+
+    def ranks_holding(self, lora_name: str) -> frozenset[int]:
+        """The DP ranks whose engine holds ``lora_name`` (none when not held)."""
+        if lora_name not in self.adapters:
+            return frozenset()
+        return self.adapter_ranks.get(lora_name, self._all_ranks())
+
+    def api_servers_knowing(self, lora_name: str) -> frozenset[int]:
+        """The API servers whose registry knows ``lora_name`` (none when not held)."""
+        if lora_name not in self.adapters:
+            return frozenset()
+        return self.adapter_api_servers.get(lora_name, self._all_api_servers())
+
+    def registered_in(self, lora_name: str, api_server: int) -> bool:
+        """Whether API server ``api_server``'s registry knows ``lora_name``."""
+        return api_server in self.api_servers_knowing(lora_name)
+
+    def registry(self, api_server: int) -> list[str]:
+        """The adapters API server ``api_server`` knows, in load order."""
+        return [name for name in self.adapters if self.registered_in(name, api_server)]
+
+    def take_api_server(self) -> int:
+        """The API server that answers the next request: each in turn."""
+        turn, self._api_server_turns = self._api_server_turns, self._api_server_turns + 1
+        return turn % self.setup.api_server_count
+
+    def take_dp_rank(self) -> int:
+        """The DP rank of the next generation that names none: each in turn."""
+        turn, self._dp_rank_turns = self._dp_rank_turns, self._dp_rank_turns + 1
+        return turn % self.setup.data_parallel_size
+
+    def _all_ranks(self) -> frozenset[int]:
+        return frozenset(range(self.setup.data_parallel_size))
+
+    def _all_api_servers(self) -> frozenset[int]:
+        return frozenset(range(self.setup.api_server_count))
 
     def reset_cache(self) -> None:
         """Drop the engine's cached prefixes; the sim caches none, it counts."""
@@ -324,3 +448,13 @@ class SimWorker:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+def _narrow(
+    narrowed: dict[str, frozenset[int]], name: str, chosen: frozenset[int], every: frozenset[int]
+) -> None:
+    """Keep ``chosen`` for ``name`` in ``narrowed``, or nothing when it is ``every`` one."""
+    if chosen >= every:
+        narrowed.pop(name, None)
+    else:
+        narrowed[name] = chosen

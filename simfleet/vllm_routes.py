@@ -44,7 +44,29 @@ LoRA route, without ``dev_mode`` (``VLLM_SERVER_DEV_MODE``) none of
 ``/pause``, ``/resume``, ``/is_paused``, ``/reset_prefix_cache``: each is
 then an unknown path
 (``vllm/entrypoints/serve/lora/api_router.py``,
-``vllm/entrypoints/launchers/api_server/routers.py``).
+``vllm/entrypoints/launchers/api_server/routers.py``). With ``dev_mode`` it
+also serves ``GET /get_world_size?include_dp=`` (``{"world_size"}``: TP*PP,
+times the DP size unless ``include_dp=false``) and ``GET
+/server_info?config_format=text|json`` (``{"vllm_config", "vllm_env",
+"system_env"}``, the config a string, or with ``json`` an object whose
+``parallel_config`` the sim fills in).
+
+Data parallelism (``EngineSetup.data_parallel_size`` N and
+``api_server_count`` K, as vLLM 0.32 runs ``--data-parallel-size`` with
+internal load balancing): each of the K API servers keeps its own LoRA
+registry, and each request (load, unload, model list, completion) is answered
+by the next one in turn. A load registers the name in the registry of the API
+server that answered it only, and reaches every DP rank's engine but those in
+``WorkerFaults.load_misses_ranks``; an unload unregisters it from its API
+server, and every rank drops it. The model list is the answering API server's
+registry; a completion for a name it does not know is the 404 above. A
+completion runs on the DP rank its ``X-data-parallel-rank`` header names (a
+header that is not an integer is ignored, one out of range is a 400
+``BadRequestError`` "data_parallel_rank r is out of range [0, N).", vLLM's
+``VLLMValidationError``), else on each rank in turn; a rank that does not hold
+the adapter answers the 404 too, and the reply names the rank. Real vLLM
+would load an adapter missing on a rank from its path on first use; the sim
+fails it, so that a test sees a load that did not reach every rank.
 """
 
 from __future__ import annotations
@@ -55,7 +77,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .generation import generates, text_completion
+from .generation import generates_on_rank, text_completion
 from .http_utils import error_reply, models_reply
 from .lora_source import NotAnAdapter, check_local_adapter
 from .state import SimWorker
@@ -68,6 +90,11 @@ _PAUSE_MODES = ("abort", "wait", "keep")
 _GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
 #: vLLM's ``max_tokens`` when a completion asks none.
 _DEFAULT_MAX_TOKENS = 16
+#: The header that places a completion on one DP rank.
+_DP_RANK_HEADER = "X-data-parallel-rank"
+#: What FastAPI reads as a boolean query parameter (pydantic's lax bool).
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
@@ -138,6 +165,8 @@ _MOUNTED_WITH = {
     "/resume": "dev_mode",
     "/is_paused": "dev_mode",
     "/reset_prefix_cache": "dev_mode",
+    "/get_world_size": "dev_mode",
+    "/server_info": "dev_mode",
 }
 
 
@@ -168,6 +197,7 @@ def _if_mounted(handler: _Handler) -> _Handler:
 
 
 async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    api_server = worker.take_api_server()
     body = _json_body(request, raw, "lora_name", "lora_path")
     if isinstance(body, web.Response):
         return body
@@ -177,7 +207,7 @@ async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Resp
     if name == worker.base_model:
         message = f"The lora adapter '{name}' conflicts with a served base model."
         return _error(400, message, "InvalidUserInput")
-    if name in worker.adapters and not body.get("load_inplace"):
+    if worker.registered_in(name, api_server) and not body.get("load_inplace"):
         message = (
             f"The lora adapter '{name}' has already been loaded. If you want to load "
             "the adapter in place, set 'load_inplace' to True."
@@ -195,11 +225,14 @@ async def _load(request: web.Request, worker: SimWorker, raw: bytes) -> web.Resp
         status = worker.faults.load_failure_status
         err_type = "InternalServerError" if status >= 500 else "BadRequestError"
         return _error(status, f"injected load failure of {name}", err_type)
-    worker.add_adapter(name, path)
+    worker.add_adapter(
+        name, path, api_server=api_server, missing_ranks=worker.faults.load_misses_ranks
+    )
     return _text(f"Success: LoRA adapter '{name}' added successfully.")
 
 
 async def _unload(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    api_server = worker.take_api_server()
     body = _json_body(request, raw, "lora_name")
     if isinstance(body, web.Response):
         return body
@@ -207,17 +240,18 @@ async def _unload(request: web.Request, worker: SimWorker, raw: bytes) -> web.Re
     if not name:
         message = "'lora_name' needs to be provided to unload a LoRA adapter."
         return _error(400, message, "InvalidUserInput")
-    if name not in worker.adapters:
+    if not worker.registered_in(name, api_server):
         return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
     if worker.take_injected_unload_failure():
         return _error(500, f"injected unload failure of {name}", "InternalServerError")
-    worker.remove_adapter(name)
+    worker.remove_adapter(name, api_server=api_server)
     return _text(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def _models(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    registry = worker.registry(worker.take_api_server())
     permission = [{"object": "model_permission", "allow_sampling": True, "allow_view": True}]
-    return models_reply(worker, owned_by="vllm", permission=permission)
+    return models_reply(worker, owned_by="vllm", adapters=registry, permission=permission)
 
 
 async def _pause(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
@@ -244,6 +278,7 @@ async def _is_paused(request: web.Request, worker: SimWorker, raw: bytes) -> web
 
 
 async def _completions(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    api_server = worker.take_api_server()
     body = _json_body(request, raw, "prompt")
     if isinstance(body, web.Response):
         return body
@@ -261,11 +296,88 @@ async def _completions(request: web.Request, worker: SimWorker, raw: bytes) -> w
             {"type": "int_type", "loc": "body.max_tokens",
              "msg": "Input should be a valid integer", "input": max_tokens}
         )  # fmt: skip
-    if not generates(worker, model):
-        return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    if model != worker.base_model and not worker.registered_in(model, api_server):
+        return _unknown_model(model)
+    rank = _requested_rank(request)
+    size = worker.setup.data_parallel_size
+    if rank is None:
+        rank = worker.take_dp_rank()
+    elif not 0 <= rank < size:
+        return _error(
+            400, f"data_parallel_rank {rank} is out of range [0, {size}).", "BadRequestError"
+        )
+    if not generates_on_rank(worker, model, rank):
+        return _unknown_model(model)
     if not await worker.wait_resumed():
         return error_reply(503, "simulated fleet is stopping")
-    return web.json_response(text_completion(worker, model, body["prompt"], max_tokens))
+    return web.json_response(text_completion(worker, model, body["prompt"], max_tokens, rank))
+
+
+def _unknown_model(model: str) -> web.Response:
+    return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+
+def _requested_rank(request: web.Request) -> int | None:
+    """The DP rank a completion's header asks for; None when it asks none or
+    names no integer (vLLM's ``_get_data_parallel_rank`` ignores those)."""
+    value = request.headers.get(_DP_RANK_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+async def _get_world_size(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    value = request.query.get("include_dp", "true")
+    if value.lower() not in _TRUE | _FALSE:
+        return _invalid(
+            {"type": "bool_parsing", "loc": "query.include_dp",
+             "msg": "Input should be a valid boolean, unable to interpret input", "input": value}
+        )  # fmt: skip
+    world_size = worker.world_size
+    if value.lower() in _TRUE:
+        world_size *= worker.setup.data_parallel_size
+    return web.json_response({"world_size": world_size})
+
+
+async def _server_info(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
+    config_format = request.query.get("config_format", "text")
+    if config_format not in ("text", "json"):
+        expected = "'text' or 'json'"
+        return _invalid(
+            {"type": "literal_error", "loc": "query.config_format",
+             "msg": f"Input should be {expected}", "input": config_format,
+             "ctx": {"expected": expected}}
+        )  # fmt: skip
+    # The sim knows one rank's world size (TP*PP), and calls it all TP.
+    size = worker.setup.data_parallel_size
+    config: str | dict[str, Any]
+    if config_format == "text":
+        config = (
+            f"model={worker.base_model!r}, tensor_parallel_size={worker.world_size}, "
+            f"pipeline_parallel_size=1, data_parallel_size={size}"
+        )
+    else:
+        parallel = {
+            "pipeline_parallel_size": 1,
+            "tensor_parallel_size": worker.world_size,
+            "data_parallel_size": size,
+            "data_parallel_size_local": size,
+            "data_parallel_rank": 0,
+            "data_parallel_rank_local": None,
+            "data_parallel_backend": "mp",
+            "data_parallel_external_lb": False,
+            "data_parallel_hybrid_lb": False,
+            "world_size": worker.world_size,
+            "rank": 0,
+            "_api_process_count": worker.setup.api_server_count,
+            "_api_process_rank": 0,
+        }
+        model = {"model": worker.base_model, "max_model_len": 4096}
+        config = {"model_config": model, "parallel_config": parallel}
+    return web.json_response({"vllm_config": config, "vllm_env": {}, "system_env": {}})
 
 
 async def _reset_prefix_cache(request: web.Request, worker: SimWorker, raw: bytes) -> web.Response:
@@ -287,5 +399,7 @@ ROUTES = (
     ("GET", "/is_paused", None, _if_mounted(_is_paused)),
     ("POST", "/v1/completions", None, _completions),
     ("POST", "/reset_prefix_cache", None, _if_mounted(_reset_prefix_cache)),
+    ("GET", "/get_world_size", None, _if_mounted(_get_world_size)),
+    ("GET", "/server_info", None, _if_mounted(_server_info)),
     ("GET", "/health", "health", _health),
 )

@@ -89,7 +89,12 @@ async def test_a_vllm_with_every_route_has_no_setup_problem_and_the_check_change
 
     assert await driver.setup_problem() is None
 
-    assert _calls(_worker(vllm)) == [("GET", "/v1/load_lora_adapter"), ("GET", "/is_paused")]
+    assert _calls(_worker(vllm)) == [
+        ("GET", "/v1/load_lora_adapter"),
+        ("GET", "/is_paused"),
+        ("GET", "/server_info"),  # its parallel layout: one rank, one API server
+    ]
+    assert driver.data_parallel == 1
     assert not _worker(vllm).paused and _worker(vllm).adapters == {}
 
 

@@ -12,7 +12,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lorabus.schemas import FleetStatus, MemberStatus, Phase, RankMap, UpdateResult
+from lorabus.schemas import (
+    FleetStatus,
+    MemberStatus,
+    Phase,
+    RankMap,
+    UpdateResult,
+    WorkerRole,
+)
 
 if TYPE_CHECKING:
     from lorabus.audit.heartbeat_view import HeartbeatView
@@ -113,10 +120,16 @@ def rank_map_text(rank_map: RankMap, indent: str = "") -> str:
     ]
     for entry in rank_map.entries:
         last = entry.rank_offset + entry.world_size - 1
-        lines.append(
+        line = (
             f"{indent}  {entry.worker_id:<12} world size {entry.world_size:>2}  "
             f"ranks {entry.rank_offset}-{last}"
         )
+        if entry.role != WorkerRole.AGGREGATED:
+            line += f"  {entry.role}"
+        if entry.data_parallel > 1:
+            per = entry.world_size // entry.data_parallel
+            line += f"  {entry.data_parallel} data-parallel ranks of {per}"
+        lines.append(line)
     return "\n".join(printable(line) for line in lines)
 
 
@@ -267,6 +280,10 @@ def _member_table(members: Sequence[MemberStatus]) -> list[str]:
         # A bounded engine shows how full it is: "3/4: a-v1, ...".
         full = f"{len(m.adapters)}/{m.capacity}: " if m.capacity is not None else ""
         labels = "".join(f" [{k}={v}]" for k, v in sorted(m.labels.items()))
+        if m.role != WorkerRole.AGGREGATED:
+            labels += f" ({m.role})"
+        if m.data_parallel > 1:
+            labels += f" ({m.data_parallel} data-parallel ranks)"
         lines.append(
             f"{m.worker_id:<12} {m.world_size:>5} {offset:>6} {m.engine:<8} "
             f"{'yes' if m.paused else 'no':<6} {'yes' if m.ready else 'no':<5} "

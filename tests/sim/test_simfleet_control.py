@@ -20,6 +20,7 @@ async def test_control_lists_worker_states(client):
         "instance_id": simfleet.instance_id_for("w001"),
         "world_size": 2,
         "engine": "dynamo",
+        "role": "aggregated",
         "paused": False,
         "adapters": [],
         "faults": {
@@ -31,6 +32,7 @@ async def test_control_lists_worker_states(client):
             "status_error_quirk": False,
             "busy_loras": [],
             "unroutable": [],
+            "load_misses_ranks": [],
         },
     }
 
