@@ -13,18 +13,23 @@ engines (real HTTP servers).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 from engine_fleet import StartFleet, engine_fleets, member_once
 from memory_fleet import MemoryEngine
+from processes import Processes
 
-from lorabus.agents import CommandExecutor
+from lorabus.agents import AgentConfig, CommandExecutor
 from lorabus.agents.desired import DesiredState, Target
 from lorabus.audit.render import status_text
+from lorabus.client import UpdateClient
+from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.schemas import ErrorCode, LoadCommand
-from lorabus.simfleet import EngineSetup
+from lorabus.simfleet import EngineSetup, SimFleet
+
+StartSim = Callable[..., Awaitable[SimFleet]]
 
 
 @pytest.fixture
@@ -120,3 +125,28 @@ def test_only_old_versions_nothing_keeps_are_spare() -> None:
     # update may be loading it), not one of an adapter no commit names, not
     # one of another lineage.
     assert desired.stale(held) == ["a-v-v1", "a-v1", "r-r2-v1", "a-v4"]
+
+
+async def test_a_lorabus_agent_process_announces_its_sglangs_capacity(
+    processes: Processes, client: UpdateClient, nats_url: str, start_sim: StartSim
+) -> None:
+    """As users run it (``lorabus agent``, its driver wrapped for metrics):
+    the capacity SGLang's server info shows reaches the heartbeat."""
+    sim = await start_sim({"w000": 1}, engines=["sglang"])
+    sim.workers["w000"].set_setup(max_loaded_loras=3)
+    coordinator = CoordinatorConfig(
+        fleet=client.subjects.fleet, frontend_url=sim.url, expected_world_size=1
+    )
+    await processes.start_coordinator(coordinator, nats_url=nats_url)
+    config = AgentConfig(
+        fleet=client.subjects.fleet,
+        worker_id="w000",
+        system_url=sim.system_url("w000"),
+        engine="sglang",
+        heartbeat_s=0.2,
+    )
+    await processes.start_agent(config, nats_url=nats_url)
+
+    member = await member_once(client, "w000", lambda m: m.capacity is not None)
+
+    assert member.capacity == 3
