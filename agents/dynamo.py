@@ -50,6 +50,7 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 from lorabus.agents.canary import completion_of, generated
 from lorabus.agents.config import ENGINE_TIMEOUT_S
@@ -173,46 +174,58 @@ class DynamoDriver(HttpEngine):
                 "--frontend-url, or turn the canary off for the fleet: lorabus "
                 "coordinator --no-canary)"
             )
-        frontend = self._frontend
         started = now()
-        instance = self._instance_id
-        if instance is None:
-            instance = await self._find_instance_id()
-        body = completion_body(name) | {"nvext": _routed_to(instance, self.role)}
-        read = self._served_here(completion_of(name))
+        known = self._instance_id is not None
         try:
-            return await generated(frontend, "/v1/completions", body, read, budget_s)
+            return await self._routed_canary(name, budget_s)
         except CanaryFailed:
-            if self._instance_id is None:
+            if not known:
                 raise
             # A worker that restarted registers under a new instance id: look
             # it up again, once, before taking the failure as the adapter's.
+            return await self._routed_canary(name, budget_s - (now() - started))
+
+    async def _routed_canary(self, name: str, budget_s: float) -> str:
+        """The canary, routed to this worker by its instance id (looked up
+        when not known); any failure forgets the id, so that the next canary
+        looks it up again."""
+        assert self._frontend is not None
+        started = now()
+        try:
+            if self._instance_id is None:
+                self._instance_id = await self._find_instance_id(budget_s)
+            body = completion_body(name) | {"nvext": _routed_to(self._instance_id, self.role)}
+            read = self._served_here(completion_of(name))
+            left_s = budget_s - (now() - started)
+            return await generated(self._frontend, "/v1/completions", body, read, left_s)
+        except BaseException:
             self._instance_id = None
-            fresh = await self._find_instance_id()
-            if fresh == instance:
-                raise
-            body["nvext"] = _routed_to(fresh, self.role)
-            return await generated(
-                frontend, "/v1/completions", body, read, budget_s - (now() - started)
-            )
+            raise
 
     def _served_here(self, read: Callable[[EngineAnswer], str]) -> Callable[[EngineAnswer], str]:
-        """``read``, and the answer must come from this worker where the
-        frontend says who served it (``nvext.worker_id``): a router that does
-        not route by instance id (Dynamo 1.6.1's round-robin) answers from
-        any worker that holds the name, which proves nothing of this one."""
+        """``read``, and the frontend must say which worker answered
+        (``nvext.worker_id``, asked for), and that it is this one: a router
+        that does not route by instance id (Dynamo 1.6.1's round-robin)
+        answers from any worker that holds the name, which proves nothing
+        of this one."""
+        phase = "prefill" if self.role == WorkerRole.PREFILL else "decode"
 
         def checked(answer: EngineAnswer) -> str:
             text = read(answer)
             payload = json_or_none(answer)
             nvext = payload.get("nvext") if isinstance(payload, dict) else None
             served = nvext.get("worker_id") if isinstance(nvext, dict) else None
-            phase = "prefill" if self.role == WorkerRole.PREFILL else "decode"
             worker = served.get(f"{phase}_worker_id") if isinstance(served, dict) else None
-            if type(worker) is int and worker != self._instance_id:
+            if type(worker) is not int:
                 raise CanaryFailed(
-                    f"the frontend answered the canary's {phase} from worker {worker}, not this "
-                    f"one ({self._instance_id}): its router does not route by instance "
+                    f"the frontend did not say which worker answered the canary's {phase} "
+                    "(nvext.worker_id, asked for with extra_fields): it proves nothing of "
+                    "this worker (a proxy that drops nvext? a Dynamo release without it?)"
+                )
+            if worker != self._instance_id:
+                raise CanaryFailed(
+                    f"the frontend answered the canary's {phase} from worker {worker}, not "
+                    f"this one ({self._instance_id}): its router does not route by instance "
                     "id; run the frontend with --router-mode kv (Dynamo 1.6.1 routes "
                     "nvext.backend_instance_id there), or turn the canary off "
                     "(lorabus coordinator --no-canary)"
@@ -221,24 +234,40 @@ class DynamoDriver(HttpEngine):
 
         return checked
 
-    async def _find_instance_id(self) -> int:
+    async def _find_instance_id(self, budget_s: float) -> int:
         """This worker's instance id, from the frontend's RL discovery: the
-        entry whose ``system_url`` is this worker's."""
+        entry whose ``system_url`` is this worker's, else the one entry with
+        its port and path (an agent may reach its worker by another host name
+        than the one it advertises: ``localhost``, a container's name)."""
         assert self._discovery is not None
-        response = await self._discovery.send("GET", "/v1/rl/workers")
+        discovery = self._discovery
+        answers: list[EngineAnswer] = []
+
+        async def ask() -> None:
+            answers.append(await discovery.send("GET", "/v1/rl/workers"))
+
+        await discovery.retrying(ask, budget_s)
+        response = answers[-1]
         payload = json_or_none(response)
-        workers = payload.get("workers") if isinstance(payload, dict) else None
+        listed = payload.get("workers") if isinstance(payload, dict) else None
+        entries = [
+            (entry["system_url"].rstrip("/"), entry["instance_id"])
+            for entry in (listed if isinstance(listed, list) else [])
+            if isinstance(entry, dict)
+            and isinstance(entry.get("system_url"), str)
+            and type(entry.get("instance_id")) is int
+        ]
         mine = self.system_url.rstrip("/")
-        for entry in workers if isinstance(workers, list) else []:
-            if not isinstance(entry, dict):
-                continue
-            url, instance = entry.get("system_url"), entry.get("instance_id")
-            if isinstance(url, str) and url.rstrip("/") == mine and type(instance) is int:
-                self._instance_id = instance
-                return instance
+        found = {i for url, i in entries if url == mine} or {
+            i for url, i in entries if _port_and_path(url) == _port_and_path(mine)
+        }
+        if len(found) == 1:
+            return found.pop()
+        what = "lists no worker" if not found else f"lists {len(found)} workers"
         raise CanaryFailed(
-            f"the frontend's discovery at {response.url} lists no worker with system "
-            f"URL {mine} (is --system-url the URL the worker advertises?)"
+            f"the frontend's discovery at {response.url} {what} with this worker's system "
+            f"URL {mine} (or its port and path): give --system-url as the worker "
+            "advertises it"
         )
 
     async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
@@ -266,3 +295,12 @@ def _routed_to(instance: int, role: WorkerRole) -> dict[str, object]:
         WorkerRole.DECODE: "decode_worker_id",
     }.get(role, "backend_instance_id")
     return {key: instance, "extra_fields": ["worker_id"]}
+
+
+def _port_and_path(url: str) -> tuple[int | None, str]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return port or (443 if parts.scheme == "https" else 80), parts.path

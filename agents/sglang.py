@@ -78,6 +78,7 @@ waits, which a pause keeps, and the driver then logs it and goes on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -162,7 +163,14 @@ class SglangDriver(HttpEngine):
         # otherwise), and a pause keeps them: then prefixes computed with the
         # old weights may stay cached. Said in the log, not failed: the new
         # weights did load (docs/engines.md).
-        response = await self.request("POST", "/flush_cache", admin=True)
+        try:
+            async with asyncio.timeout(max(budget_s, 0.0)):
+                response = await self.request("POST", "/flush_cache", admin=True)
+        except (EngineError, TimeoutError) as exc:
+            log.warning(
+                "%s did not answer a cache flush after a load in place: %s", self.base_url, exc
+            )
+            return
         if response.status_code >= 400:
             log.warning(
                 "%s did not flush its cache after a load in place (%d): %s",

@@ -151,6 +151,8 @@ RESET_PARAMS = {"reset_running_requests": "true"}
 SERVER_INFO_PARAMS = {"config_format": "json"}
 #: Runs a completion on one data-parallel rank (vllm/entrypoints/generate/base/serving.py).
 DP_RANK_HEADER = "X-data-parallel-rank"
+MAX_RANKS = 1024
+"""The most data-parallel ranks a heartbeat announces (``DataParallel``)."""
 
 
 class VllmDriver(HttpEngine):
@@ -160,8 +162,9 @@ class VllmDriver(HttpEngine):
     data_parallel = 1
     """The data-parallel ranks the server fronts, as its config says (read
     with the set-up check)."""
-    _ranks: list[int] = []
-    """Those ranks' numbers when more than one: the canary asks each."""
+    _ranks: list[tuple[int, int]] = []
+    """Those ranks, when more than one, as (the header that picks one, its
+    rank in the group): the canary asks each."""
 
     async def pause(self) -> None:
         response = await self.send("POST", "/pause", params=PAUSE_PARAMS)
@@ -201,7 +204,7 @@ class VllmDriver(HttpEngine):
         # One generation per data-parallel rank: a load one engine missed
         # shows only on that rank.
         started, texts = now(), []
-        for rank in self._ranks:
+        for header, rank in self._ranks:
             try:
                 texts.append(
                     await generated(
@@ -210,10 +213,10 @@ class VllmDriver(HttpEngine):
                         body,
                         read,
                         budget_s - (now() - started),
-                        headers={DP_RANK_HEADER: str(rank)},
+                        headers={DP_RANK_HEADER: str(header)},
                     )
                 )
-            except CanaryFailed as exc:
+            except EngineError as exc:
                 raise CanaryFailed(
                     f"data-parallel rank {rank}: {exc}", retryable=False, status=exc.status
                 ) from exc
@@ -257,6 +260,11 @@ class VllmDriver(HttpEngine):
         if not isinstance(parallel, dict):
             return None  # an older release (its config as text): one rank, as before
         ranks = fronted_ranks(parallel)
+        if len(ranks) > MAX_RANKS:
+            return (
+                f"vLLM at {self.base_url} says it fronts more than {MAX_RANKS} "
+                "data-parallel ranks: not a configuration lorabus can prove"
+            )
         self.data_parallel = len(ranks)
         self._ranks = ranks if len(ranks) > 1 else []
         servers = _count(parallel.get("_api_process_count"))
@@ -295,19 +303,23 @@ class VllmDriver(HttpEngine):
         ) from refusal
 
 
-def fronted_ranks(parallel: dict[str, Any]) -> list[int]:
-    """The data-parallel ranks a server with this ``parallel_config`` sends
-    requests to (vllm/engine/arg_utils.py): its own rank behind an external
-    load balancer, its node's ranks from its start rank in hybrid mode, and
-    every rank with vLLM's own balancing."""
-    size = _count(parallel.get("data_parallel_size"))
+def fronted_ranks(parallel: dict[str, Any]) -> list[tuple[int, int]]:
+    """The data-parallel engines a server with this ``parallel_config`` sends
+    requests to (vllm/engine/arg_utils.py), each as (the ``X-data-parallel-
+    rank`` that picks it, its rank in the whole group): every rank with
+    vLLM's own balancing; its node's ranks, from its start rank, in hybrid
+    mode, where the header counts its node's engines from 0
+    (vllm/v1/engine/input_processor.py checks it against the local size);
+    its own rank behind an external balancer."""
     rank = parallel.get("data_parallel_rank")
     start = rank if type(rank) is int and rank >= 0 else 0
     if parallel.get("data_parallel_external_lb"):
-        return [start]
+        return [(0, start)]
     if parallel.get("data_parallel_hybrid_lb"):
-        return list(range(start, start + _count(parallel.get("data_parallel_size_local"))))
-    return list(range(size))
+        local = _count(parallel.get("data_parallel_size_local"))
+        return [(i, start + i) for i in range(min(local, MAX_RANKS + 1))]
+    size = _count(parallel.get("data_parallel_size"))
+    return [(r, r) for r in range(min(size, MAX_RANKS + 1))]
 
 
 def _count(value: object) -> int:

@@ -7,12 +7,12 @@ So once the members serving the new version are known (after the load in
 live mode; after the resume in pause mode, since a paused engine holds
 generations), each is asked for one token with the served name on its own
 engine (:class:`~lorabus.schemas.CanaryCommand`), then the frontend once,
-unrouted, as a client would ask. A member whose engine does not answer is
-a failed member: the update fails unless the quorum lets it go on without
-it, and then the version is unloaded there (it lists a name it cannot
-serve, and a router would send it requests). A frontend that does not
-answer fails the update. Members whose agents are older than the canary
-(wire version 9) are not asked, and the log says so.
+unrouted, as a client would ask. A member whose engine does not answer
+fails the update, whatever the quorum allows (as other bytes under one name
+do): left out, it would still list the name, and its agent would load the
+committed version again at its next look. So would a frontend that does
+not answer. Members whose agents are older than the canary (wire version
+9) are not asked, and the log says so.
 
 ``--no-canary`` (``CoordinatorConfig.canary``) turns the phase off for the
 fleet.
@@ -20,37 +20,60 @@ fleet.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
 from lorabus.coordinator.phases import Commands
 from lorabus.coordinator.ports import Frontend
-from lorabus.coordinator.quorum import QuorumPolicy
 from lorabus.errors import LorabusError
-from lorabus.schemas import CANARY_SINCE, CanaryCommand, ErrorInfo, UnloadCommand
+from lorabus.schemas import CANARY_SINCE, CanaryCommand, ErrorInfo
 
 log = logging.getLogger(__name__)
+
+
+class PauseWindows:
+    """The pause windows of the term's updates running now, from the pause
+    sent to the resume done. A canary waits until no other update's window
+    is open: a paused engine holds generations, and an update of another
+    adapter (a round-mate's slow verify, a live update beside a pause) must
+    not fail for the time another's pause lasts. Each window ends, whatever
+    happens, with its update's resume phase (bounded by its deadlines)."""
+
+    def __init__(self) -> None:
+        self._open: set[str] = set()
+        self._changed = asyncio.Event()
+
+    def opened(self, update_id: str) -> None:
+        self._open.add(update_id)
+
+    def closed(self, update_id: str) -> None:
+        """Synchronous, so that a ``finally`` of a cancelled update still runs it."""
+        self._open.discard(update_id)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_closed(self, but: str) -> None:
+        """Until every window but ``but``'s is closed."""
+        while self._open - {but}:
+            await self._changed.wait()
 
 
 @dataclass
 class CanaryOutcome:
     error: ErrorInfo | None
-    """Why the update fails (None: it goes on)."""
-    serving: list[str]
-    """The members that answered (and those too old to be asked)."""
-    left_out: dict[str, ErrorInfo] = field(default_factory=dict)
-    """Members that did not answer, left out as the quorum allows."""
+    """Why the update fails (None: it commits)."""
+    failed: dict[str, ErrorInfo] = field(default_factory=dict)
+    """The members that did not answer, and what their engines said."""
 
 
 async def canary(
     commands: Commands,
     frontend: Frontend,
-    quorum: QuorumPolicy,
     *,
     update_id: str,
     served_name: str,
     serving: list[str],
-    members: dict[str, int],
     among: list[str] | None,
 ) -> CanaryOutcome:
     """Ask ``serving`` (a cohort of ``among``, the pause's targets; None: by
@@ -59,8 +82,12 @@ async def canary(
     asked = [w for w in serving if w not in live or live[w].heartbeat.v >= CANARY_SINCE]
     if len(asked) < len(serving):
         old = sorted(set(serving) - set(asked))
-        log.info("update=%s canary not asked of %s: agents older than the canary", update_id, old)
-    going_on, left_out = list(serving), {}
+        log.warning(
+            "update=%s canary not asked of %s: agents older than the canary (wire < %d)",
+            update_id,
+            old,
+            CANARY_SINCE,
+        )
     if asked:
         if among is None:
             command = commands.named(CanaryCommand, update_id, asked, served_name=served_name)
@@ -69,24 +96,10 @@ async def canary(
                 CanaryCommand, update_id, asked, among, served_name=served_name
             )
         outcome = await commands.phase(command, asked)
-        survivors = quorum.going_on(outcome, serving, members)
-        if survivors is None:
-            return CanaryOutcome(outcome.summary(), [], outcome.worker_errors())
-        going_on, left_out = survivors, outcome.worker_errors()
-        if left_out:
-            await _unload_from(commands, update_id, served_name, sorted(left_out))
+        if not outcome.ok:
+            return CanaryOutcome(outcome.summary(), outcome.worker_errors())
     try:
         await frontend.generate(served_name, commands.config.verify_timeout_s)
     except LorabusError as exc:
-        return CanaryOutcome(exc.info(), [], left_out)
-    return CanaryOutcome(None, going_on, left_out)
-
-
-async def _unload_from(
-    commands: Commands, update_id: str, served_name: str, workers: list[str]
-) -> None:
-    """Unload the new version where it did not answer: reported, never fatal."""
-    unload = commands.named(UnloadCommand, update_id, workers, names=[served_name])
-    outcome = await commands.phase(unload, workers)
-    if not outcome.ok:
-        log.warning("update=%s unloading %s: %s", update_id, served_name, outcome.summary().message)
+        return CanaryOutcome(exc.info())
+    return CanaryOutcome(None)

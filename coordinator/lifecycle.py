@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from lorabus.coordinator.canary import PauseWindows
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.deadline import LIVENESS_TICK_S, first_resend_gap
 from lorabus.coordinator.membership import Membership
@@ -57,6 +58,9 @@ class UpdateRunner:
         self.placing: dict[str, Served] = {}
         """Update id -> where each placed update of this term that runs now
         loads its version: a placed update beside it counts those too."""
+        self.pausing = PauseWindows()
+        """The pause windows of this term's updates open now (a canary waits
+        for the others' to close)."""
         self.frontend = frontend
         self.journal = journal
         self.commands = Commands(config, membership, bus, metrics, epoch)
@@ -67,7 +71,12 @@ class UpdateRunner:
         unresumed. The writes of the in-flight record have ended by then
         (stored, or failed and logged): the caller may clear it."""
         return await UpdateRun(
-            plan, self.commands, self.frontend, self.journal, placing=self.placing
+            plan,
+            self.commands,
+            self.frontend,
+            self.journal,
+            placing=self.placing,
+            pausing=self.pausing,
         ).run()
 
     async def roll_back(self, in_flight: InflightRecord) -> ErrorInfo:

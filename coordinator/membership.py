@@ -38,7 +38,7 @@ import msgspec
 from lorabus.errors import QuorumNotReached
 from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.runtime.clock import now
-from lorabus.schemas import Ack, Heartbeat, WorkerRole
+from lorabus.schemas import Ack, Heartbeat
 
 _T = TypeVar("_T")
 
@@ -303,7 +303,7 @@ class Membership:
         """Seconds since this membership began to hear heartbeats."""
         return self._clock() - self._started_at
 
-    def layouts(self, workers: Iterable[str]) -> dict[str, tuple[WorkerRole, int]]:
+    def layouts(self, workers: Iterable[str]) -> dict[str, tuple[str, int]]:
         """The role and data-parallel ranks of each of ``workers`` that is live,
         as its heartbeat says (for the rank map)."""
         live = self.live()

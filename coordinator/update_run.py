@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Iterator
 import msgspec
 
 from lorabus.adapters.store import digest_of
-from lorabus.coordinator.canary import canary
+from lorabus.coordinator.canary import PauseWindows, canary
 from lorabus.coordinator.capacity import no_room
 from lorabus.coordinator.carrying import Carrying, carried_load, may_have_landed
 from lorabus.coordinator.digests import digest_problem
@@ -83,8 +83,11 @@ class UpdateRun:
         journal: Journal,
         *,
         placing: dict[str, Served] | None = None,
+        pausing: PauseWindows | None = None,
     ) -> None:
         self.plan = plan
+        self._pausing = pausing or PauseWindows()
+        """The term's pause windows open now (``UpdateRunner``)."""
         self._placing = {} if placing is None else placing
         """Where the placed updates of the term running now load (``UpdateRunner``)."""
         self.commands = commands
@@ -105,6 +108,12 @@ class UpdateRun:
         self._may_have_loaded: set[str] = set()
         """Members left out whose pause may still have landed, and with it
         the load it carried."""
+        self._layouts: dict[str, tuple[str, int]] = {}
+        """Each member's role and data-parallel ranks, as the snapshot saw them."""
+        self._canary_failed = False
+        """The canary failed: the new version loaded, and does not serve (a
+        fixed name included: it is unloaded, and each agent loads the
+        committed version again)."""
         self.placed: list[str] = []
         """The workers it places the adapter on ([]: every worker)."""
 
@@ -129,6 +138,7 @@ class UpdateRun:
             return self._failed(quorum_error, {}, None)
         live = self.commands.membership.live()
         beats = {w: live[w].heartbeat for w in self.members if w in live}
+        self._layouts = self.commands.membership.layouts(self.members)
         short = no_room(self.plan.own_names, self._beside(), beats)
         if short is not None:
             return self._failed(short, {}, None)
@@ -192,6 +202,7 @@ class UpdateRun:
         targets = self._targets  # every later command of this update addresses them
         renewing = asyncio.create_task(self.commands.renew_leases(self.plan.update_id))
         paused_at = now()
+        self._pausing.opened(self.plan.update_id)
         try:
             window = await self._pause_load_verify(targets)
         finally:
@@ -199,6 +210,7 @@ class UpdateRun:
             try:
                 resume = await self._timed(self.commands.phase(resume_all, targets))
             finally:
+                self._pausing.closed(self.plan.update_id)
                 renewing.cancel()
                 await asyncio.gather(renewing, return_exceptions=True)
                 self.commands.metrics.pause_window_seconds.observe(now() - paused_at)
@@ -213,7 +225,7 @@ class UpdateRun:
                 serving = resumed
         if error is None:
             # After the resume: a paused engine holds generations.
-            error, serving, failed = await self._canary(serving, among=targets)
+            error, failed = await self._canary(serving, among=targets)
             errors |= failed
         if error is not None:
             await self._withdraw_uncommitted(window.load)
@@ -243,13 +255,14 @@ class UpdateRun:
         serving = self.quorum.going_on(load, targets, self.members) if error is None else None
         if serving is not None:
             error = await self._verify(load, serving, loaded.listed)
+        failed: dict[str, ErrorInfo] = {}
         if serving is not None and error is None:
-            error, serving, failed = await self._canary(serving, among=None)
+            error, failed = await self._canary(serving, among=None)
             if error is None:
-                return self._committed(serving, load.worker_errors() | failed, load)
+                return self._committed(serving, load.worker_errors(), load)
         await self._withdraw_uncommitted(load)
         # No error of its own: too few members loaded it.
-        return self._failed(error or load.summary(), load.worker_errors(), load)
+        return self._failed(error or load.summary(), load.worker_errors() | failed, load)
 
     async def _pause_load_verify(self, targets: list[str]) -> Window:
         """The phases inside the pause."""
@@ -411,23 +424,25 @@ class UpdateRun:
 
     async def _canary(
         self, serving: list[str], *, among: list[str] | None
-    ) -> tuple[ErrorInfo | None, list[str], dict[str, ErrorInfo]]:
+    ) -> tuple[ErrorInfo | None, dict[str, ErrorInfo]]:
         """The canary phase (``canary.py``), unless the fleet turned it off:
-        why the update fails, the members going on, and those left out."""
+        why the update fails, and the members that did not answer."""
         if not self.config.canary:
-            return None, serving, {}
+            return None, {}
         with self._timing(Phase.CANARY, metered=False):  # the bus phase meters itself
+            # Another update's pause would hold the generations (its round's
+            # last resume resumes the engines): asked once it is over.
+            await self._pausing.wait_closed(but=self.plan.update_id)
             outcome = await canary(
                 self.commands,
                 self.frontend,
-                self.quorum,
                 update_id=self.plan.update_id,
                 served_name=self.plan.served_name,
                 serving=serving,
-                members=self.members,
                 among=among,
             )
-        return outcome.error, outcome.serving, outcome.left_out
+        self._canary_failed = outcome.error is not None
+        return outcome.error, outcome.failed
 
     async def _withdraw_uncommitted(self, load: PhaseOutcome | None) -> None:
         """Unload a version that failed to commit where it did load, so no
@@ -437,7 +452,9 @@ class UpdateRun:
         behind any load of its own, and it is gathered and re-sent like any
         phase. Reported, never fatal to the update."""
         plan = self.plan
-        if plan.replace or load is None:
+        if load is None or (plan.replace and not self._canary_failed):
+            # A fixed name that failed to load still serves the committed
+            # weights where it serves at all (and its agent reloads them).
             return
         holders = {w for w, a in load.acks.items() if plan.served_name in a.adapters}
         targets = sorted(holders | set(load.missing) | set(load.lost) | self._may_have_loaded)
@@ -480,7 +497,7 @@ class UpdateRun:
     ) -> UpdateResult:
         rank_map = build_rank_map(
             {wid: self.members[wid] for wid in serving},
-            self.commands.membership.layouts(serving),
+            {w: self._layouts[w] for w in serving if w in self._layouts},
         )
         return self._result(COMMITTED, errors=errors, load=load, rank_map=rank_map)
 

@@ -71,6 +71,7 @@ from lorabus.schemas.rankmap import (
     DataParallel,
     RankEntry,
     RankMap,
+    Role,
     WorkerRole,
     build_rank_map,
 )
@@ -176,6 +177,7 @@ __all__ = [
     "ResetResult",
     "ResultRequest",
     "ResumeCommand",
+    "Role",
     "RunningUpdate",
     "StatusRequest",
     "Subjects",

@@ -28,6 +28,10 @@ class WorkerRole(enum.StrEnum):
     DECODE = "decode"
 
 
+Role = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z_-]{0,31}$")]
+"""A role on the wire: one of ``WorkerRole`` today, any such word tomorrow
+(an older peer keeps a role it does not know as text, not as an error)."""
+
 DataParallel = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 """Data-parallel ranks behind one engine server (vLLM ``--data-parallel-size``)."""
 
@@ -40,7 +44,7 @@ class RankEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     worker_id: WorkerId
     world_size: WorldSize
     rank_offset: int
-    role: WorkerRole = WorkerRole.AGGREGATED
+    role: Role = WorkerRole.AGGREGATED.value
     data_parallel: DataParallel = 1
     """Its engine's data-parallel ranks: its ``world_size`` ranks are
     ``data_parallel`` groups of ``world_size // data_parallel`` consecutive
@@ -62,7 +66,7 @@ class RankMap(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def build_rank_map(
-    world_sizes: Mapping[str, int], layouts: Mapping[str, tuple[WorkerRole, int]] | None = None
+    world_sizes: Mapping[str, int], layouts: Mapping[str, tuple[str, int]] | None = None
 ) -> RankMap:
     """Build the rank map of a membership given as ``{worker_id: world_size}``;
     ``layouts``: each worker's role and data-parallel ranks, where not the
@@ -74,7 +78,7 @@ def build_rank_map(
         size = world_sizes[worker_id]
         if size < 1:
             raise ValueError(f"worker {worker_id!r} has world size {size}; it must be >= 1")
-        role, ranks = (layouts or {}).get(worker_id, (WorkerRole.AGGREGATED, 1))
+        role, ranks = (layouts or {}).get(worker_id, (WorkerRole.AGGREGATED.value, 1))
         entries.append(
             RankEntry(
                 worker_id=worker_id,

@@ -25,7 +25,7 @@ from lorabus.schemas.bounds import (
     WorldSize,
 )
 from lorabus.schemas.errors import ErrorInfo
-from lorabus.schemas.rankmap import DataParallel, WorkerRole
+from lorabus.schemas.rankmap import DataParallel, Role, WorkerRole
 from lorabus.schemas.wire import Phase, _Message
 
 
@@ -88,7 +88,7 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
     labels: Labels = {}
     """The worker's labels (the agent's ``--label``), which an update's
     ``selector`` chooses workers by: zone, engine, GPU type."""
-    role: WorkerRole = WorkerRole.AGGREGATED
+    role: Role = WorkerRole.AGGREGATED.value
     """What the worker does in serving: both phases, or disaggregated
     serving's prefill or decode (``lorabus agent --role``)."""
     data_parallel: DataParallel = 1

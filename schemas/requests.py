@@ -30,7 +30,7 @@ from lorabus.schemas.bounds import (
     WorldSize,
 )
 from lorabus.schemas.errors import ErrorInfo
-from lorabus.schemas.rankmap import DataParallel, RankMap, WorkerRole
+from lorabus.schemas.rankmap import DataParallel, RankMap, Role, WorkerRole
 from lorabus.schemas.wire import _Message
 
 
@@ -197,7 +197,7 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     ignores (unsealed, or not decoding), and why."""
     missing: Names = []
     """From its last heartbeat: the committed served names its engine lacks."""
-    role: WorkerRole = WorkerRole.AGGREGATED
+    role: Role = WorkerRole.AGGREGATED.value
     """What the worker does in serving: aggregated, prefill or decode."""
     data_parallel: DataParallel = 1
     """Data-parallel ranks behind its engine server."""

@@ -143,3 +143,43 @@ async def test_a_failed_canary_acks_the_worker_and_the_engines_answer(
     assert not ack.ok and ack.error is not None
     assert ack.error.code == ErrorCode.CANARY_FAILED
     assert "w1" in ack.error.message and "does not exist" in ack.error.message
+
+
+@pytest.mark.parametrize("kind", ["dynamo"])
+async def test_a_restarted_worker_is_found_again_under_its_new_instance_id(
+    sim: SimFleet, driver: EngineDriver, tmp_path: Path
+) -> None:
+    for worker in sim.workers.values():
+        worker.add_adapter("policy-v1", str(tmp_path))
+    await driver.canary("policy-v1", budget_s=5)
+    sim.workers["w1"].instance_id += 1  # it registered again, as a restart does
+
+    await driver.canary("policy-v1", budget_s=5)
+
+    assert _canaries(sim, "w1", "dynamo") == 2
+    assert _canaries(sim, "w2", "dynamo") == 0
+
+
+@pytest.mark.parametrize("kind", ["dynamo"])
+async def test_a_worker_reached_by_another_host_name_is_found_by_port_and_path(
+    sim: SimFleet, tmp_path: Path
+) -> None:
+    """The agent reaches its worker as ``localhost`` where the worker
+    advertises ``127.0.0.1`` (a container's name, say): one entry has its
+    port and path, so that one is it."""
+    for worker in sim.workers.values():
+        worker.add_adapter("policy-v1", str(tmp_path))
+    config = AgentConfig(
+        fleet="f",
+        worker_id="w1",
+        system_url=sim.system_url("w1").replace("127.0.0.1", "localhost"),
+        frontend_url=sim.url,
+        headers={"Authorization": "Bearer k"},
+    )
+    engine = driver_for(config)
+    try:
+        await engine.canary("policy-v1", budget_s=5)
+    finally:
+        await engine.aclose()
+
+    assert _canaries(sim, "w1", "dynamo") == 1

@@ -21,7 +21,7 @@ from adapter_dirs import write_adapter
 from processes import Processes, wait_live_workers
 
 from lorabus.agents import AgentConfig, driver_for
-from lorabus.agents.vllm import VllmDriver
+from lorabus.agents.vllm import VllmDriver, fronted_ranks
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.errors import CanaryFailed
@@ -176,3 +176,44 @@ async def _member(
             if member is not None and until(member):
                 return member
             await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "ranks"),
+    [
+        ({"data_parallel_size": 1}, [(0, 0)]),
+        (
+            {"data_parallel_size": 4, "data_parallel_size_local": 2},
+            [(0, 0), (1, 1), (2, 2), (3, 3)],
+        ),
+        (
+            {
+                "data_parallel_size": 4,
+                "data_parallel_size_local": 2,
+                "data_parallel_rank": 2,
+                "data_parallel_hybrid_lb": True,
+            },
+            [(0, 2), (1, 3)],  # the header counts the node's engines from 0
+        ),
+        (
+            {"data_parallel_size": 4, "data_parallel_rank": 3, "data_parallel_external_lb": True},
+            [(0, 3)],
+        ),
+        ({"data_parallel_size": "4", "data_parallel_rank": -1}, [(0, 0)]),  # odd values: one rank
+    ],
+)
+def test_the_ranks_a_server_fronts_follow_its_balancing(
+    parallel: dict[str, Any], ranks: list[tuple[int, int]]
+) -> None:
+    assert fronted_ranks(parallel) == ranks
+
+
+async def test_a_config_claiming_more_ranks_than_any_fleet_is_refused(
+    sim: SimFleet, driver: VllmDriver
+) -> None:
+    sim.workers["w000"].set_setup(data_parallel_size=5000)
+
+    problem = await driver.setup_problem()
+
+    assert problem is not None and "more than 1024" in problem
+    assert driver.data_parallel == 1

@@ -77,13 +77,11 @@ async def test_adapter_requests_reach_only_the_worker_that_loaded_it(
 
         for request_id in adapter_ids:
             assert await served_by(dynamo, request_id) == {HOLDER}, request_id
-        base_servers = set()
+        # The KV router picks a worker by cache overlap: the base model may
+        # stay on one, but each request is served once.
         for request_id in base_ids:
             servers = await served_by(dynamo, request_id)
             assert len(servers) == 1, (request_id, servers)
-            base_servers |= servers
-        # The KV router picks by cache overlap: the base model may stay on one.
-        assert base_servers <= set(WORLD_SIZES)
     finally:
         await http.delete(f"{holder_url}/v1/loras/{name}")
 
