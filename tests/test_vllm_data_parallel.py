@@ -12,12 +12,12 @@ all) on a real nats-server show the end to end.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 from adapter_dirs import write_adapter
+from convergence_helpers import member_until
 from processes import Processes, wait_live_workers
 
 from lorabus.agents import AgentConfig, driver_for
@@ -25,7 +25,7 @@ from lorabus.agents.vllm import VllmDriver, fronted_ranks
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.errors import CanaryFailed
-from lorabus.schemas import ErrorCode, MemberStatus
+from lorabus.schemas import ErrorCode
 from lorabus.simfleet import SimFleet
 
 DEADLINE_S = 30.0
@@ -97,7 +97,7 @@ async def test_an_update_proves_every_rank_and_status_shows_them(
     make_adapter: Callable[[int], str],
 ) -> None:
     await _fleet(sim, processes, client, nats_url)
-    member = await _member(client, "w000", lambda m: m.data_parallel == 2)
+    member = await member_until(client, "w000", lambda m: m.data_parallel == 2)
     assert member.world_size == 4
 
     result = await client.update("policy", make_adapter(1), version=1, timeout_s=DEADLINE_S)
@@ -126,7 +126,7 @@ async def test_a_server_with_several_api_servers_is_not_ready_and_status_says_wh
     sim.workers["w000"].set_setup(api_server_count=2)
     await _fleet(sim, processes, client, nats_url, live=False)
 
-    member = await _member(client, "w000", lambda m: bool(m.unready_reason))
+    member = await member_until(client, "w000", lambda m: bool(m.unready_reason))
 
     assert not member.ready
     assert "--api-server-count 1" in member.unready_reason
@@ -164,18 +164,6 @@ async def _fleet(
         await processes.start_agent(config, nats_url=nats_url)
     if live:
         await wait_live_workers(client, WORLD_SIZES, processes=processes)
-
-
-async def _member(
-    client: UpdateClient, worker_id: str, until: Callable[[MemberStatus], bool]
-) -> MemberStatus:
-    async with asyncio.timeout(DEADLINE_S):
-        while True:
-            status = await client.status()
-            member = next((m for m in status.members if m.worker_id == worker_id), None)
-            if member is not None and until(member):
-                return member
-            await asyncio.sleep(0.1)
 
 
 @pytest.mark.parametrize(
