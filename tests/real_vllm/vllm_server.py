@@ -104,6 +104,8 @@ class VllmServer:
     max_lora_rank: int = 8
     #: ``VLLM_CPU_OMP_THREADS_BIND``: the core its worker computes on.
     cpu: str = "auto"
+    #: More of vLLM's flags (``--data-parallel-size 2``).
+    extra_args: tuple[str, ...] = ()
     port: int = 0
     process: subprocess.Popen[bytes] | None = None
     marker: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -168,7 +170,7 @@ class VllmServer:
         argv += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
         # Adapters stay loaded across the tier's tests: room for all of them.
         argv += ["--max-loras", "2", "--max-cpu-loras", "32"]
-        argv += ["--dtype", "float32", "--max-model-len", "256"]
+        argv += ["--dtype", "float32", "--max-model-len", "256", *self.extra_args]
         self.workdir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
@@ -242,6 +244,8 @@ class VllmFleet:
     install: Install
     workdir: Path
     max_lora_ranks: Mapping[str, int]
+    #: More of vLLM's flags, for every server.
+    extra_args: tuple[str, ...] = ()
     servers: dict[str, VllmServer] = field(default_factory=dict)
 
     def url(self, worker_id: str) -> str:
@@ -253,7 +257,9 @@ class VllmFleet:
             # One core each where there are enough: vLLM's automatic binding
             # would put every server's worker on the same core.
             cpu = str(index % cores) if len(self.max_lora_ranks) > 1 else "auto"
-            server = VllmServer(self.install, self.workdir, worker_id, rank, cpu)
+            server = VllmServer(
+                self.install, self.workdir, worker_id, rank, cpu, extra_args=self.extra_args
+            )
             self.servers[worker_id] = server
             server.spawn()
         with httpx.Client(timeout=2.0) as http:
@@ -307,10 +313,13 @@ async def is_paused(http: httpx.AsyncClient, url: str) -> bool:
     return paused
 
 
-async def greedy_tokens(http: httpx.AsyncClient, url: str, model: str) -> list[int]:
+async def greedy_tokens(
+    http: httpx.AsyncClient, url: str, model: str, *, rank: int | None = None
+) -> list[int]:
     """The token ids ``model`` (the base model or an adapter) answers to a
     fixed prompt with greedy decoding: the same weights give the same ids.
-    Ids, not text: the model's vocabulary is larger than its tokenizer's."""
+    Ids, not text: the model's vocabulary is larger than its tokenizer's.
+    ``rank``: on that data-parallel rank (``X-data-parallel-rank``)."""
     body = {
         "model": model,
         "prompt": "hello world",
@@ -319,7 +328,8 @@ async def greedy_tokens(http: httpx.AsyncClient, url: str, model: str) -> list[i
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    reply = await http.post(f"{url}/v1/completions", json=body)
+    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
+    reply = await http.post(f"{url}/v1/completions", json=body, headers=headers)
     assert reply.status_code == 200, f"{model}: {reply.status_code} {reply.text}"
     tokens: list[int] = reply.json()["choices"][0]["token_ids"]
     assert len(tokens) == body["max_tokens"], reply.text
