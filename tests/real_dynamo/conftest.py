@@ -55,16 +55,21 @@ def make_dynamo_fleet(
     dynamo_install: Install, tmp_path: Path
 ) -> Iterator[Callable[..., DynamoFleet]]:
     """Start a fleet of this test's own, with extra environment per worker (and
-    the frontend's router mode)."""
+    the frontend's router mode, and workers' disaggregation modes)."""
     started: list[DynamoFleet] = []
 
-    def make(worker_env: Mapping[str, Mapping[str, str]], router_mode: str = "kv") -> DynamoFleet:
+    def make(
+        worker_env: Mapping[str, Mapping[str, str]],
+        router_mode: str = "kv",
+        modes: Mapping[str, str] | None = None,
+    ) -> DynamoFleet:
         fleet = DynamoFleet(
             dynamo_install,
             tmp_path / "dynamo",
             list(WORLD_SIZES),
             worker_env,
             router_mode=router_mode,
+            modes=modes or {},
         )
         started.append(fleet)
         fleet.start()

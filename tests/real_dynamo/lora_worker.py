@@ -77,8 +77,13 @@ LOAD_DELAY_ENV = "LORA_WORKER_LOAD_DELAY_S"
 class LoraWorker:
     """The LoRA and RL handlers of one worker (the state a vLLM handler keeps)."""
 
-    def __init__(self, model_path: str, generate_endpoint: Any, kv_block_size: int) -> None:
+    def __init__(
+        self, model_path: str, generate_endpoint: Any, kv_block_size: int, mode: str = "agg"
+    ) -> None:
         self.model_path = model_path
+        self.mode = mode
+        """``agg``, ``prefill`` or ``decode`` (the mocker's ``--disaggregation-mode``):
+        how an adapter's model card is registered, as Dynamo's vLLM handler does."""
         self.generate_endpoint = generate_endpoint
         self.kv_block_size = kv_block_size
         self.load_delay_s = float(os.environ.get(LOAD_DELAY_ENV) or 0)
@@ -115,12 +120,14 @@ class LoraWorker:
         if problem:
             return {"status": "error", "message": problem, "lora_name": name}
         lora_id = lora_name_to_id(name)
+        model_type, worker_type, needs = _card_of(self.mode)
         await register_model(
             ModelInput.Tokens,
-            ModelType.Chat | ModelType.Completions,
+            model_type,
             self.generate_endpoint,
             self.model_path,
-            worker_type=WorkerType.Aggregated,
+            worker_type=worker_type,
+            needs=needs,
             kv_cache_block_size=self.kv_block_size,
             user_data={"lora_adapter": True, "lora_id": lora_id},
             lora_name=name,
@@ -183,6 +190,16 @@ class LoraWorker:
         }
 
 
+def _card_of(mode: str) -> tuple[Any, Any, list[list[Any]]]:
+    """An adapter card's model type, worker type and needs in a disaggregation
+    mode, as Dynamo's vLLM handler registers them (dynamo/vllm/handlers.py)."""
+    if mode == "prefill":
+        return ModelType.Prefill, WorkerType.Prefill, [[WorkerType.Decode]]
+    if mode == "decode":
+        return ModelType.Chat | ModelType.Completions, WorkerType.Decode, [[WorkerType.Prefill]]
+    return ModelType.Chat | ModelType.Completions, WorkerType.Aggregated, []
+
+
 def _lora_reply(name: str, lora_id: int, what: str, **extra: Any) -> dict[str, Any]:
     message = f"LoRA adapter '{name}' {what}"
     return {"status": "success", "message": message, "lora_name": name, "lora_id": lora_id, **extra}
@@ -201,8 +218,10 @@ def _adapter_problem(name: str, path: Path) -> str | None:
     return None
 
 
-async def serve(model_path: str, model_name: str) -> None:
-    args = parse_args(["--model-path", model_path, "--model-name", model_name])
+async def serve(model_path: str, model_name: str, mode: str) -> None:
+    args = parse_args(
+        ["--model-path", model_path, "--model-name", model_name, "--disaggregation-mode", mode]
+    )
     args.speedup_ratio = 0.0
     if args.kv_bytes_per_token is None:
         args.kv_bytes_per_token = compute_kv_bytes_per_token(model_path, args.kv_cache_dtype)
@@ -230,7 +249,7 @@ async def serve(model_path: str, model_name: str) -> None:
     engine_config = await make_engine(runtime, entrypoint)
     path = args.endpoint.removeprefix("dyn://")
     namespace, component, _ = path.split(".")
-    worker = LoraWorker(model_path, runtime.endpoint(path), kv_block_size)
+    worker = LoraWorker(model_path, runtime.endpoint(path), kv_block_size, mode)
 
     def endpoint(name: str) -> Any:
         return runtime.endpoint(f"{namespace}.{component}.{name}")
@@ -278,10 +297,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--model-name", required=True)
+    parser.add_argument(
+        "--disaggregation-mode", choices=["agg", "prefill", "decode"], default="agg"
+    )
     opts = parser.parse_args()
     import uvloop
 
-    uvloop.run(serve(opts.model_path, opts.model_name))
+    uvloop.run(serve(opts.model_path, opts.model_name, opts.disaggregation_mode))
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ class DynamoFleet:
     worker_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     router_mode: str = "kv"
     """The frontend's ``--router-mode``."""
+    modes: Mapping[str, str] = field(default_factory=dict)
+    """Worker id -> ``prefill`` or ``decode`` (disaggregated serving); else aggregated."""
     frontend: DynamoProcess | None = None
     workers: dict[str, DynamoProcess] = field(default_factory=dict)
     http_port: int = 0
@@ -198,6 +200,7 @@ class DynamoFleet:
             }
             argv = [python, str(WORKER_SCRIPT), "--model-path", str(self.install.model)]
             argv += ["--model-name", BASE_MODEL]
+            argv += ["--disaggregation-mode", self.modes.get(worker_id, "agg")]
             worker = self._spawn(f"worker-{worker_id}", argv, worker_env)
             worker.system_url = f"http://127.0.0.1:{port}"
             self.workers[worker_id] = worker
