@@ -124,7 +124,8 @@ async def test_a_trail_becomes_a_page_with_a_row_per_worker_and_the_failed_one_m
     ok_rows, failed_rows = page.sections[committed.update_id], page.sections[failed.update_id]
     assert set(ok_rows) == set(failed_rows) == set(WORKERS), page.sections
     for worker in WORKERS:
-        assert {"phase-pause", "phase-load", "phase-resume"} <= set(ok_rows[worker].bars), ok_rows
+        drawn_phases = {"phase-pause", "phase-load", "phase-resume", "phase-canary"}
+        assert drawn_phases <= set(ok_rows[worker].bars), ok_rows
         assert "failed" not in ok_rows[worker].classes
     for rows in (ok_rows, failed_rows):
         for worker, row in rows.items():
