@@ -70,6 +70,7 @@ class CanaryOutcome:
 async def canary(
     commands: Commands,
     frontend: Frontend,
+    pausing: PauseWindows,
     *,
     update_id: str,
     served_name: str,
@@ -77,7 +78,10 @@ async def canary(
     among: list[str] | None,
 ) -> CanaryOutcome:
     """Ask ``serving`` (a cohort of ``among``, the pause's targets; None: by
-    name) for a generation as ``served_name``, then the frontend."""
+    name) for a generation as ``served_name``, then the frontend; once no
+    other update's pause window is open (``pausing``): its round's last
+    resume resumes the engines."""
+    await pausing.wait_closed(but=update_id)
     live = commands.membership.live()
     asked = [w for w in serving if w not in live or live[w].heartbeat.v >= CANARY_SINCE]
     if len(asked) < len(serving):

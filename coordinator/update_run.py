@@ -4,10 +4,9 @@ resume -> canary.
 An :class:`UpdateRun` lives for one update and ends as one
 :class:`RunOutcome`: the result, and the in-flight record sent for it, if
 any (the caller claims its commit on it, and clears it once the result is
-stored). Everything it
-learns on the way (the membership snapshot, the time of each phase, the
-members whose pause may have landed unanswered) is its own, so no state
-crosses from one update to the next but the term's (``phases.py``).
+stored). Everything it learns on the way (the membership snapshot, the time
+of each phase, the members whose pause may have landed unanswered) is its
+own, so no state crosses from one update to the next but the term's.
 
 The pause carries the load: each agent loads as soon as its own engine is
 paused, so the fleet's pause acks are no barrier before any load (one
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Awaitable, Iterator
 
@@ -50,6 +48,7 @@ from lorabus.coordinator.placement import Served
 from lorabus.coordinator.plan import UpdatePlan
 from lorabus.coordinator.ports import Frontend, Journal
 from lorabus.coordinator.quorum import QuorumPolicy
+from lorabus.coordinator.withdraw import withdraw
 from lorabus.errors import FrontendUnverified, QuorumNotReached
 from lorabus.runtime.clock import now
 from lorabus.schemas import (
@@ -62,14 +61,11 @@ from lorabus.schemas import (
     Phase,
     RankMap,
     ResumeCommand,
-    UnloadCommand,
     UpdateResult,
     UpdateStarted,
     UpdateStatus,
     build_rank_map,
 )
-
-log = logging.getLogger(__name__)
 
 
 class UpdateRun:
@@ -86,8 +82,7 @@ class UpdateRun:
         pausing: PauseWindows | None = None,
     ) -> None:
         self.plan = plan
-        self._pausing = pausing or PauseWindows()
-        """The term's pause windows open now (``UpdateRunner``)."""
+        self._pausing = pausing or PauseWindows()  # the term's (``UpdateRunner``)
         self._placing = {} if placing is None else placing
         """Where the placed updates of the term running now load (``UpdateRunner``)."""
         self.commands = commands
@@ -430,12 +425,10 @@ class UpdateRun:
         if not self.config.canary:
             return None, {}
         with self._timing(Phase.CANARY, metered=False):  # the bus phase meters itself
-            # Another update's pause would hold the generations (its round's
-            # last resume resumes the engines): asked once it is over.
-            await self._pausing.wait_closed(but=self.plan.update_id)
             outcome = await canary(
                 self.commands,
                 self.frontend,
+                self._pausing,
                 update_id=self.plan.update_id,
                 served_name=self.plan.served_name,
                 serving=serving,
@@ -445,28 +438,16 @@ class UpdateRun:
         return outcome.error, outcome.failed
 
     async def _withdraw_uncommitted(self, load: PhaseOutcome | None) -> None:
-        """Unload a version that failed to commit where it did load, so no
-        request for it is routed to a subset of the fleet: where a load ack
-        lists it, and where a load went unanswered or a pause that carried one
-        was (unloading a name an engine lacks succeeds). Each agent runs it
-        behind any load of its own, and it is gathered and re-sent like any
-        phase. Reported, never fatal to the update."""
-        plan = self.plan
-        if load is None or (plan.replace and not self._canary_failed):
-            # A fixed name that failed to load still serves the committed
-            # weights where it serves at all (and its agent reloads them).
-            return
-        holders = {w for w, a in load.acks.items() if plan.served_name in a.adapters}
-        targets = sorted(holders | set(load.missing) | set(load.lost) | self._may_have_loaded)
-        if not targets:
-            return
-        names = [plan.served_name]
-        unload = self.commands.named(UnloadCommand, plan.update_id, targets, names=names)
-        outcome = await self._timed(self.commands.phase(unload, targets))
-        if not outcome.ok:
-            log.warning(
-                "update=%s unloading %s: %s", plan.update_id, names, outcome.summary().message
-            )
+        """Unload the version that did not commit (``withdraw.py``)."""
+        outcome = await withdraw(
+            self.commands,
+            self.plan,
+            load,
+            may_have_loaded=self._may_have_loaded,
+            rejected=self._canary_failed,
+        )
+        if outcome is not None:
+            self.durations[outcome.phase] = outcome.duration_s
 
     async def _timed(self, phase: Awaitable[PhaseOutcome]) -> PhaseOutcome:
         """A phase on the bus, its time recorded as the phase measured it (a
@@ -495,10 +476,7 @@ class UpdateRun:
     def _committed(
         self, serving: list[str], errors: dict[str, ErrorInfo], load: PhaseOutcome | None
     ) -> UpdateResult:
-        rank_map = build_rank_map(
-            {wid: self.members[wid] for wid in serving},
-            {w: self._layouts[w] for w in serving if w in self._layouts},
-        )
+        rank_map = build_rank_map({w: self.members[w] for w in serving}, self._layouts)
         return self._result(COMMITTED, errors=errors, load=load, rank_map=rank_map)
 
     def _result(
