@@ -121,7 +121,8 @@ async def member_once(
     async with asyncio.timeout(DEADLINE_S):
         while True:
             status = await client.status()
-            member = next(m for m in status.members if m.worker_id == worker_id)
-            if until(member):
+            # The coordinator may answer before the agent's first heartbeat.
+            member = next((m for m in status.members if m.worker_id == worker_id), None)
+            if member is not None and until(member):
                 return member
             await asyncio.sleep(0.05)
