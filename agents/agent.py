@@ -33,6 +33,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -78,6 +79,9 @@ from lorabus.schemas import (
     command_decoder,
 )
 from lorabus.security.signing import CommandVerifier
+
+if TYPE_CHECKING:
+    from lorabus.agents.node import NodeLink
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +147,9 @@ class Agent:
         takes broadcast pauses of that term only (coordinator/lifecycle.py)."""
         self._convergence: Convergence | None = None
         """The running agent's, for :attr:`ready`."""
+        self.node: NodeLink | None = None
+        """Set by the node agent that runs this one (agents/node.py): the
+        connection's broadcast and the outbox it shares with its node-mates."""
 
     @classmethod
     def from_config(cls, config: AgentConfig, driver: EngineDriver) -> Agent:
@@ -198,6 +205,8 @@ class Agent:
         finally:
             await parts.bus.unsubscribe(subs)
             await self._resume_if_paused(parts)
+            if self.node is not None:
+                self.node.outbox.untrack(self.worker_id)
 
     def _assemble(self, nc: NatsClient) -> _Parts:
         beats = BeatPolicy()
@@ -208,6 +217,7 @@ class Agent:
             instance=self.instance,
             beats=beats,
             max_adapter_bytes=self.max_adapter_bytes,
+            node=self.node,
         )
         self.executor.fetch = bus.fetch_adapter
         fencing = Fencing(bus, self.executor, self.verifier, instance=self.instance)
@@ -219,6 +229,12 @@ class Agent:
             late_pause_s=self.late_pause_s,
         )
         convergence = Convergence(bus, self.executor, fencing, queue)
+        if self.node is not None:
+            node, worker_id = self.node, self.worker_id
+            queue.on_idle = node.outbox.nudge
+            node.outbox.track(
+                worker_id, lambda: queue.idle and not node.commands.pending(worker_id)
+            )
         heartbeats = Heartbeats(
             bus,
             self.executor,

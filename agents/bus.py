@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import nats.js.errors
@@ -26,6 +27,9 @@ from lorabus.bus.connect import wait_flushed
 from lorabus.bus.rate_limit import PerSecond
 from lorabus.schemas import Ack, Event, Heartbeat, Subjects, encode, tag_of
 
+if TYPE_CHECKING:
+    from lorabus.agents.node import NodeLink
+
 # One logger name for all of the agent's lines: the one operators filter on.
 log = logging.getLogger("lorabus.agents.agent")
 
@@ -34,8 +38,15 @@ _FETCH_TIMEOUT_S = 24 * 3600.0
 """A fetch runs under its command's budget; this only ends one nobody bounds."""
 
 
+class Unsubscribes(Protocol):
+    """A subscription, or a worker's place in its node's (agents/node.py)."""
+
+    async def unsubscribe(self) -> None: ...
+
+
 class AgentBus:
-    """One agent process's side of one NATS connection."""
+    """One agent's side of one NATS connection (its own, or its node's: then
+    its acks and beats go out with its node-mates', through ``node``)."""
 
     def __init__(
         self,
@@ -46,8 +57,10 @@ class AgentBus:
         instance: str,
         beats: BeatPolicy,
         max_adapter_bytes: int,
+        node: NodeLink | None = None,
     ) -> None:
         self._nc = nc
+        self._node = node
         self._subjects = subjects
         self._worker_id = worker_id
         self._instance = instance
@@ -67,14 +80,17 @@ class AgentBus:
         count: int = self._nc.stats["reconnects"]
         return count
 
-    async def subscribe_commands(self, cb: Callable[[Msg], Awaitable[None]]) -> list[Subscription]:
-        """Subscribe ``cb`` to the fleet's commands and to this worker's own."""
-        return [
-            await self._nc.subscribe(self._subjects.cmd(), cb=cb),
-            await self._nc.subscribe(self._subjects.cmd_worker(self._worker_id), cb=cb),
-        ]
+    async def subscribe_commands(self, cb: Callable[[Msg], Awaitable[None]]) -> list[Unsubscribes]:
+        """Subscribe ``cb`` to the fleet's commands (the node's one subscription,
+        in a node) and to this worker's own."""
+        own: Subscription = await self._nc.subscribe(
+            self._subjects.cmd_worker(self._worker_id), cb=cb
+        )
+        if self._node is not None:
+            return [self._node.commands.join(self._worker_id, cb), own]
+        return [await self._nc.subscribe(self._subjects.cmd(), cb=cb), own]
 
-    async def unsubscribe(self, subs: list[Subscription]) -> None:
+    async def unsubscribe(self, subs: list[Unsubscribes]) -> None:
         for sub in subs:
             with contextlib.suppress(Exception):  # the connection may be gone already
                 await sub.unsubscribe()
@@ -118,11 +134,17 @@ class AgentBus:
     async def publish_ack(self, ack: Ack) -> None:
         if ack.instance != self._instance:
             ack = msgspec.structs.replace(ack, instance=self._instance)
-        if await self.publish(self._subjects.ack(self._worker_id), encode(ack)):
+        if self._node is not None:
+            self._node.outbox.put(ack)
+            self._beats.ack_sent(ack)
+        elif await self.publish(self._subjects.ack(self._worker_id), encode(ack)):
             self._beats.ack_sent(ack)
 
     async def send_beat(self, beat: Heartbeat) -> None:
-        if await self.publish(self._subjects.heartbeat(self._worker_id), encode(beat)):
+        if self._node is not None:
+            self._node.outbox.put(beat)
+            self._beats.beat_sent(beat)
+        elif await self.publish(self._subjects.heartbeat(self._worker_id), encode(beat)):
             self._beats.beat_sent(beat)
 
     async def emit(self, event: Event) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import msgspec
 
@@ -80,6 +81,9 @@ class CommandQueue:
         self._acks: OrderedDict[_CommandKey, Ack] = OrderedDict()
         self._deferred: list[Work] = []
         """Canaries held back until the engine runs again (:meth:`defer`)."""
+        self._working = False
+        self.on_idle: Callable[[], None] | None = None
+        """Called whenever the agent puts its work down (a node's outbox waits for that)."""
 
     async def accept(self, command: PhasedCommand) -> None:
         """Queue ``command``, unless it is queued already; a command that already
@@ -110,7 +114,17 @@ class CommandQueue:
         self._queue.put_nowait(Work(command=command, received=now(), internal=why))
 
     async def next(self) -> Work:
-        return await self._queue.get()
+        self._working = False
+        if self.on_idle is not None and self._queue.empty():
+            self.on_idle()
+        work = await self._queue.get()
+        self._working = True
+        return work
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in hand nor queued (canaries held back for a resume aside)."""
+        return not self._working and self._queue.empty()
 
     def defer(self, work: Work) -> None:
         """Hold a canary back while the engine is paused: a paused engine holds

@@ -10,7 +10,10 @@ implement in memory.
 
 Nothing a heartbeat or an ack claims is taken on trust: the worker id comes
 from the subject (server permissions pin each agent to its own subjects) and
-must match the body's; the beat period must lie in the coordinator's range;
+must match the body's; a node agent's message, on the subject of its node's
+name, carries several workers' acks or beats, each of which must be of one
+of that node's workers (:class:`~lorabus.coordinator.nodes.NodeRoster`), and
+is then taken as that worker's own; the beat period must lie in the coordinator's range;
 an ack counts only from the instance that holds its worker id. Anything else
 is dropped with a ``bad_message`` event, at most ``_BAD_EVENTS_PER_S`` a
 second so that a flood of junk cannot flood the audit trail too.
@@ -27,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -36,6 +39,7 @@ from nats.aio.subscription import Subscription
 from lorabus.bus.rate_limit import PerSecond
 from lorabus.coordinator.gather import AckRouter
 from lorabus.coordinator.membership import Conflict, Membership
+from lorabus.coordinator.nodes import NodeRoster
 from lorabus.schemas import (
     Ack,
     BadMessage,
@@ -43,13 +47,14 @@ from lorabus.schemas import (
     Command,
     Event,
     Heartbeat,
-    Reader,
+    NodeAcks,
+    NodeBeats,
     RefuseInstance,
     Subjects,
     WorkerConflict,
-    ack_decoder,
+    ack_message_decoder,
+    beat_message_decoder,
     encode,
-    heartbeat_decoder,
     tag_of,
 )
 from lorabus.security.signing import CommandSigner
@@ -62,7 +67,6 @@ INBOX_PREFIXES = ("_INBOX.", "_INBOX_", "_R_.")
 of ``lorabus auth init``, and the ``_R_.`` subjects the server puts in place of
 a reply subject when a request crosses accounts through a service import."""
 _SHARED_INBOX_PREFIX = "_INBOX"
-_FromAgent = TypeVar("_FromAgent", Ack, Heartbeat)
 _REFUSE_BUDGET_S = 5.0
 
 
@@ -77,6 +81,7 @@ class CoordinatorBus:
         leading: Callable[[], bool] = lambda: False,
         epoch: Callable[[], int] = lambda: 0,
         signer: CommandSigner | None = None,
+        nodes: NodeRoster | None = None,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -87,6 +92,7 @@ class CoordinatorBus:
         self._epoch = epoch
         self._bad_events = PerSecond(_BAD_EVENTS_PER_S)
         self.signer = signer
+        self.nodes = nodes or NodeRoster()
         self.dropped = 0
         """Heartbeats and acks dropped as bad, since start."""
 
@@ -116,27 +122,45 @@ class CoordinatorBus:
         except Exception as exc:  # the audit trail must never stop an update
             log.warning("could not emit %s: %s", tag_of(event), exc)
 
-    async def _from_its_worker(self, msg: Msg, reader: Reader[_FromAgent]) -> _FromAgent | None:
-        """The message, if it decodes and names the worker its subject names."""
-        kind = "an ack" if reader is ack_decoder else "a heartbeat"
-        try:
-            message = reader.decode(msg.data)
-        except BadPayload as exc:
-            await self._bad(msg, f"not {kind}: {exc}")
-            return None
-        worker_id = _last_token(msg.subject)
-        if message.worker_id != worker_id:
+    async def _from_its_senders(self, msg: Msg, message: Any, kind: str) -> list[Any]:
+        """The acks or beats of ``message`` that come from whom its subject
+        names: a worker's own, or a node's for its own workers."""
+        token = _last_token(msg.subject)
+        if isinstance(message, NodeAcks | NodeBeats):
+            if message.node != token:
+                await self._bad(
+                    msg, f"a node's {kind}s on the subject of {token!r} claim {message.node!r}"
+                )
+                return []
+            reports = message.acks if isinstance(message, NodeAcks) else message.beats
+            taken = []
+            for report in reports:
+                refusal = self.nodes.refusal(token, report.worker_id)
+                if refusal is None:
+                    taken.append(report)
+                else:
+                    await self._bad(msg, f"dropped {kind} of {report.worker_id!r}: {refusal}")
+            return taken
+        if message.worker_id != token:
             await self._bad(
-                msg,
-                f"{kind} on the subject of {worker_id!r} claims to come from {message.worker_id!r}",
+                msg, f"{kind} on the subject of {token!r} claims to come from {message.worker_id!r}"
             )
-            return None
-        return message
+            return []
+        if self.nodes.is_node(token):
+            await self._bad(msg, f"{kind} of a lone worker on the subject of node {token!r}")
+            return []
+        return [message]
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        heartbeat = await self._from_its_worker(msg, heartbeat_decoder)
-        if heartbeat is None:
+        try:
+            message = beat_message_decoder.decode(msg.data)
+        except BadPayload as exc:
+            await self._bad(msg, f"not a heartbeat: {exc}")
             return
+        for heartbeat in await self._from_its_senders(msg, message, "a heartbeat"):
+            await self._take_heartbeat(msg, heartbeat)
+
+    async def _take_heartbeat(self, msg: Msg, heartbeat: Heartbeat) -> None:
         worker_id = heartbeat.worker_id
         low, high = self.heartbeat_range_s
         if not low <= heartbeat.interval_s <= high:
@@ -151,9 +175,15 @@ class CoordinatorBus:
             await self._report(conflict)
 
     async def _on_ack(self, msg: Msg) -> None:
-        ack = await self._from_its_worker(msg, ack_decoder)
-        if ack is None:
+        try:
+            message = ack_message_decoder.decode(msg.data)
+        except BadPayload as exc:
+            await self._bad(msg, f"not an ack: {exc}")
             return
+        for ack in await self._from_its_senders(msg, message, "an ack"):
+            self._take_ack(ack)
+
+    def _take_ack(self, ack: Ack) -> None:
         worker_id = ack.worker_id
         holder = self.membership.instance_of(worker_id)
         if holder is not None and ack.instance != holder:

@@ -35,6 +35,10 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The fleet's tenants, each held to its adapters and quotas, with an
     adapter store of its own bounded by its ``max_bytes`` (``tenants.py``;
     ``lorabus auth init --tenant`` writes it). "": none."""
+    nodes_file: str = ""
+    """Which workers each node agent may ack and beat for (``lorabus auth
+    init --node`` writes it). "": a node's messages count for whatever
+    workers they name, as on a bus without permissions."""
 
     def __post_init__(self) -> None:
         check_token("fleet", self.fleet)

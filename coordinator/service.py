@@ -55,6 +55,7 @@ from lorabus.coordinator.leader import LeaderElection
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
+from lorabus.coordinator.nodes import NodeRoster
 from lorabus.coordinator.ports import Frontend
 from lorabus.coordinator.recovery import recover
 from lorabus.coordinator.replacement import replace_departed
@@ -109,6 +110,7 @@ class Coordinator:
         be read)."""
         self.config = config
         self.tenants = tenants if tenants is not None else Tenants.load(config.tenants_file)
+        self.nodes = NodeRoster.load(config.nodes_file)
         self._frontend = frontend
         self.subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
         self.holder = (
@@ -190,6 +192,7 @@ class Coordinator:
             leading=self.leading.is_set,
             epoch=lambda: self.epoch,
             signer=self.signer,
+            nodes=self.nodes,
         )
         self._acks = bus.acks
         reports = Reports(bus, self.subjects, lambda: self.epoch, tenants=self.tenants.by_name)

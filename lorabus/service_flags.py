@@ -23,6 +23,7 @@ from lorabus.agents.config import AgentConfig
 from lorabus.agents.engines import ENGINE_KINDS
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.schemas import Naming, UpdateMode, WorkerRole
+from lorabus.schemas.nodes import NODES_ENV
 from lorabus.schemas.tenants import TENANTS_ENV
 from lorabus.security.signing import COORDINATOR_KEYS_ENV, SIGNING_KEY_ENV, TRUST_FILE_ENV
 
@@ -62,15 +63,19 @@ class Flag:
     multiple: bool = False
     envvar: str | None = None
     """Also read from this environment variable (an identity folder sets it)."""
+    optional: bool = False
+    """Not required by the command line, though the config requires it: given
+    another way (an agent's workers by ``--node-file``), checked by the command."""
 
     def option(self, default: Any) -> Callable[[_F], _F]:
-        required = default is msgspec.NODEFAULT
-        shown: bool | str = not required and default not in (None, [], "")
+        required = default is msgspec.NODEFAULT and not self.optional
+        unset = default is msgspec.NODEFAULT
+        shown: bool | str = not unset and default not in (None, [], "")
         if shown and isinstance(self.type, QuorumType) and default == 1.0:
             shown = "all"
         # A required option gets no default at all: click 8.3+ counts an
         # explicit default=None as given, and no longer reports it missing.
-        defaults = {} if required else {"default": _as_option_value(default)}
+        defaults = {} if unset else {"default": _as_option_value(default)}
         if self.type is bool:  # an on/off switch: --name and --no-name
             off = f"--no-{self.name.removeprefix('--')}"
             return click.option(
@@ -101,9 +106,19 @@ class Flag:
 
 
 AGENT_FLAGS = (
-    Flag("worker_id", "--worker-id", "Stable identity; orders the rank map."),
+    Flag(
+        "worker_id",
+        "--worker-id",
+        "Stable identity; orders the rank map (required unless --node-file).",
+        optional=True,
+    ),
     Flag("engine", "--engine", "The engine kind at --system-url.", click.Choice(ENGINE_KINDS)),
-    Flag("system_url", "--system-url", "The worker's system server base URL."),
+    Flag(
+        "system_url",
+        "--system-url",
+        "The worker's system server base URL (required unless --node-file).",
+        optional=True,
+    ),
     Flag("world_size", "--world-size", "The engine's world size (tensor x pipeline).", int),
     Flag("heartbeat_s", "--heartbeat-s", "Seconds between heartbeats.", float),
     Flag("engine_timeout_s", "--engine-timeout", "Seconds for one engine HTTP call.", float),
@@ -285,6 +300,13 @@ COORDINATOR_FLAGS = (
         "identity): each tenant asks on subjects of its own, for its own adapters, "
         "within its quotas.",
         envvar=TENANTS_ENV,
+    ),
+    Flag(
+        "nodes_file",
+        "--nodes",
+        "A nodes file (lorabus auth init --node writes one into the coordinator's "
+        "identity): a node agent's acks and beats count only for its own workers.",
+        envvar=NODES_ENV,
     ),
     Flag("naming", "--naming", "Served names.", click.Choice([n.value for n in Naming])),
     Flag(

@@ -15,7 +15,7 @@ import msgspec
 
 from lorabus.schemas.commands import Command
 from lorabus.schemas.events import Event
-from lorabus.schemas.reports import Ack, Heartbeat
+from lorabus.schemas.reports import Ack, AckMessage, BeatMessage, Heartbeat, NodeAcks, NodeBeats
 from lorabus.schemas.requests import (
     FleetStatus,
     ResetRequest,
@@ -69,6 +69,10 @@ any_decoder: Reader[Any] = Reader(Any)
 command_decoder: Reader[Command] = Reader(Command)
 ack_decoder: Reader[Ack] = Reader(Ack)
 heartbeat_decoder: Reader[Heartbeat] = Reader(Heartbeat)
+ack_message_decoder: Reader[AckMessage] = Reader(AckMessage)
+"""A worker's ack or a node's acks: whatever may arrive on an ack subject."""
+beat_message_decoder: Reader[BeatMessage] = Reader(BeatMessage)
+"""A worker's beat or a node's beats: whatever may arrive on a heartbeat subject."""
 update_request_decoder: Reader[UpdateRequest] = Reader(UpdateRequest)
 update_result_decoder: Reader[UpdateResult] = Reader(UpdateResult)
 status_request_decoder: Reader[StatusRequest] = Reader(StatusRequest)
@@ -94,6 +98,8 @@ def json_schema() -> dict[str, Any]:
         "command": Command,
         "ack": Ack,
         "heartbeat": Heartbeat,
+        "node_acks": NodeAcks,
+        "node_beats": NodeBeats,
         "update_request": UpdateRequest,
         "update_result": UpdateResult,
         "status_request": StatusRequest,

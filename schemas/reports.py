@@ -7,7 +7,7 @@ an agent is alive, what its engine holds and whether it is ready.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -103,6 +103,47 @@ class Heartbeat(_Message, frozen=True, kw_only=True, tag="heartbeat"):
 
 MISSING_SHOWN = 64
 """The most missing served names a heartbeat names."""
+
+MAX_NODE_WORKERS = 64
+"""The most workers one node agent drives, and so the most acks or beats one
+node message carries (a node of 8 GPUs runs at most 8 engines; room is left
+for CPU-only or many-small-engine nodes)."""
+
+
+class NodeAcks(_Message, frozen=True, kw_only=True, tag="node_acks"):
+    """Acks of several workers of one node agent, sent together: what its
+    workers answered within one short linger (:mod:`lorabus.agents.node`),
+    so the coordinator reads one message per node and phase, not per worker."""
+
+    node: WorkerId
+    """Must equal the node of the subject it came on."""
+    acks: Annotated[list[Ack], msgspec.Meta(min_length=1, max_length=MAX_NODE_WORKERS)]
+    """Each as a worker's own ack; each worker must belong to the node."""
+
+
+class NodeBeats(_Message, frozen=True, kw_only=True, tag="node_beats"):
+    """Heartbeats of several workers of one node agent, sent together."""
+
+    node: WorkerId
+    """Must equal the node of the subject it came on."""
+    beats: Annotated[list[Heartbeat], msgspec.Meta(min_length=1, max_length=MAX_NODE_WORKERS)]
+    """Each as a worker's own heartbeat; each worker must belong to the node."""
+
+
+AckMessage = Ack | NodeAcks
+"""What arrives on an ack subject: a worker's ack, or a node agent's (on the
+subject of the node's name, which names no worker)."""
+BeatMessage = Heartbeat | NodeBeats
+"""What arrives on a heartbeat subject: a worker's beat, or a node agent's."""
+
+
+def reports_of(message: Ack | NodeAcks | Heartbeat | NodeBeats) -> list[Any]:
+    """The workers' own acks or beats a message carries, in the order sent."""
+    if isinstance(message, NodeAcks):
+        return list(message.acks)
+    if isinstance(message, NodeBeats):
+        return list(message.beats)
+    return [message]
 
 
 def acks_in(ack: Ack) -> list[Ack]:

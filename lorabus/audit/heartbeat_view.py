@@ -26,7 +26,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from lorabus.runtime.clock import now
-from lorabus.schemas import BadPayload, Heartbeat, MemberStatus, Subjects, heartbeat_decoder
+from lorabus.schemas import (
+    BadPayload,
+    Heartbeat,
+    MemberStatus,
+    NodeBeats,
+    Subjects,
+    beat_message_decoder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,17 +143,26 @@ class HeartbeatListener:
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
-            beat = heartbeat_decoder.decode(msg.data)
+            message = beat_message_decoder.decode(msg.data)
         except BadPayload as exc:
             self._ignored += 1
             log.debug("skipped a heartbeat on %r: %s", msg.subject, exc)
             return
-        worker_id = msg.subject.rsplit(".", 1)[-1]
-        if beat.worker_id != worker_id:
-            self._ignored += 1
-            log.debug("skipped a heartbeat on %r that claims to be %r", msg.subject, beat.worker_id)
+        token = msg.subject.rsplit(".", 1)[-1]
+        if isinstance(message, NodeBeats):
+            # A node's beats, for its workers: which ones it may speak for is
+            # the coordinator's nodes file's to say, not a listener's.
+            if message.node != token:
+                self._ignored += 1
+                return
+            for beat in message.beats:
+                self._last[beat.worker_id] = (beat, now())
             return
-        self._last[worker_id] = (beat, now())
+        if message.worker_id != token:
+            self._ignored += 1
+            log.debug("skipped a heartbeat on %r that claims %r", msg.subject, message.worker_id)
+            return
+        self._last[token] = (message, now())
 
 
 async def listen(nc: NatsClient, subjects: Subjects, *, base_s: float = LISTEN_S) -> HeartbeatView:

@@ -33,6 +33,8 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from lorabus.audit.verify import TrailRecord
 
 PHASE_LABELS = {"prepare": "fetch"}
@@ -292,6 +294,10 @@ class TimelineBuilder:
 
     def take(self, record: TrailRecord) -> None:
         """The next record of the trail."""
+        for each in _workers_records(record):
+            self._take_one(each)
+
+    def _take_one(self, record: TrailRecord) -> None:
         self.poison += bool(record.poison)
         if not math.isfinite(record.ts):
             return
@@ -308,6 +314,10 @@ class TimelineBuilder:
     def end_pauses(self, record: TrailRecord) -> None:
         """Only what ``record`` ends of the open pauses: an ok resume ack, or an
         agent's own resume (a record read to learn when an engine resumed)."""
+        if len(nodes := _workers_records(record)) != 1 or nodes[0] is not record:
+            for each in nodes:
+                self.end_pauses(each)
+            return
         message = record.message
         if record.poison or not math.isfinite(record.ts):
             return
@@ -332,6 +342,16 @@ class TimelineBuilder:
         for timeline in self._timelines.values():
             timeline.trail_end = end
         return list(self._timelines.values())
+
+
+def _workers_records(record: TrailRecord) -> list[TrailRecord]:
+    """A node's acks record as one record per worker's ack (each as that
+    worker's own would be); any other record as itself."""
+    message = record.message
+    if record.kind != "ack" or record.poison or message.get("type") != "node_acks":
+        return [record]
+    acks = [ack for ack in _list(message.get("acks")) if isinstance(ack, dict)]
+    return [msgspec.structs.replace(record, message=ack) for ack in acks]
 
 
 def _drawn_update(record: TrailRecord) -> str | None:

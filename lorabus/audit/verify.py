@@ -59,12 +59,13 @@ from lorabus.schemas import (
     CommandRefused,
     EngineResumed,
     LeaseExpired,
+    NodeAcks,
     Phase,
     RankMap,
     Reader,
     UpdateFinished,
     UpdateStarted,
-    ack_decoder,
+    ack_message_decoder,
     acks_in,
     command_decoder,
     event_decoder,
@@ -144,7 +145,7 @@ class Origin(msgspec.Struct, frozen=True, kw_only=True):
 
 _READERS: dict[str, Reader[Any]] = {
     "command": command_decoder,
-    "ack": ack_decoder,
+    "ack": ack_message_decoder,
     "event": event_decoder,
 }
 
@@ -202,6 +203,11 @@ def subject_problem(origin: Origin, message: Any) -> str:
     tag = tag_of(message)
     claimed_worker = getattr(message, "worker_id", None)
     match origin.kind:
+        case "ack" if isinstance(message, NodeAcks):
+            # Which workers a node speaks for is the coordinator's nodes
+            # file's to say, which the trail does not hold.
+            if message.node != origin.worker:
+                return f"a node's acks on the subject of {origin.worker!r} claim {message.node!r}"
         case "ack":
             if claimed_worker != origin.worker:
                 return f"an ack on the subject of {origin.worker!r} claims {claimed_worker!r}"
@@ -297,6 +303,9 @@ class _Checker:
         match message:
             case Ack():
                 self._ack(seq, message)
+            case NodeAcks():
+                for ack in message.acks:
+                    self._ack(seq, ack)
             case UpdateStarted():
                 self.started[message.update_id] = (message, seq)
             case UpdateFinished():

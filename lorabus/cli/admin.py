@@ -48,8 +48,16 @@ def auth() -> None:
     "--workers",
     "worker_ids",
     type=NameList(),
-    required=True,
-    help="The worker ids, e.g. w000,w001.",
+    default=None,
+    help="The worker ids of lone agents (an identity each), e.g. w000,w001.",
+)
+@click.option(
+    "--node",
+    "node_specs",
+    multiple=True,
+    metavar="NAME=W1,W2,...",
+    help="A node agent and the workers it drives (repeatable): one identity for them "
+    "all, whose acks and beats the coordinator takes only for those workers.",
 )
 @click.option(
     "--out",
@@ -103,7 +111,7 @@ def auth() -> None:
 )
 def auth_init(
     fleet: str,
-    worker_ids: list[str],
+    worker_ids: list[str] | None,
     out_dir: str,
     tls: bool,
     hosts: tuple[str, ...],
@@ -111,18 +119,23 @@ def auth_init(
     cluster_nodes: tuple[str, ...],
     jetstream_max_bytes: int | None,
     tenant_specs: tuple[str, ...],
+    node_specs: tuple[str, ...],
 ) -> None:
     """Write a nats-server configuration that gives each role exactly its
-    permissions, and one identity (a folder, 0700) per role, per worker and
-    per tenant."""
+    permissions, and one identity (a folder, 0700) per role, per worker (or
+    node) and per tenant."""
     from lorabus.schemas.tenants import parse_tenant
     from lorabus.security.auth_init import SERVER_CONF, write_fleet_auth
 
     subjects = subjects_of(fleet)
+    worker_ids = worker_ids or []
     try:
         tenants = dict(parse_tenant(spec) for spec in tenant_specs)
         if len(tenants) != len(tenant_specs):
             raise ValueError("each --tenant must name a different tenant")
+        nodes = dict(_node_spec(spec) for spec in node_specs)
+        if len(nodes) != len(node_specs):
+            raise ValueError("each --node must name a different node")
         written = write_fleet_auth(
             Path(out_dir),
             subjects,
@@ -133,6 +146,7 @@ def auth_init(
             cluster_nodes=cluster_nodes,
             jetstream_max_bytes=jetstream_max_bytes,
             tenants=tenants,
+            nodes=nodes,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -148,10 +162,16 @@ def auth_init(
         f"--nats {scheme}://localhost:4222 --fleet {fleet}"
     )
     click.echo("and run every lorabus process as its own identity, for example:")
-    click.echo(
-        f"  lorabus --identity {written.directory / ('agent-' + worker_ids[0])} agent "
-        f"--nats {scheme}://localhost:4222 --fleet {fleet} --worker-id {worker_ids[0]} ..."
-    )
+    if worker_ids:
+        click.echo(
+            f"  lorabus --identity {written.directory / ('agent-' + worker_ids[0])} agent "
+            f"--nats {scheme}://localhost:4222 --fleet {fleet} --worker-id {worker_ids[0]} ..."
+        )
+    for node in list(nodes)[:1]:
+        click.echo(
+            f"  lorabus --identity {written.directory / ('node-' + node)} agent "
+            f"--nats {scheme}://localhost:4222 --fleet {fleet} --node-file {node}.toml"
+        )
     if tenants:
         first = next(iter(tenants))
         click.echo("a tenant updates its own adapters as its own identity, for example:")
@@ -159,6 +179,15 @@ def auth_init(
             f"  lorabus --identity {written.directory / ('tenant-' + first)} update "
             f"--nats {scheme}://localhost:4222 --fleet {fleet} --adapter NAME --source DIR"
         )
+
+
+def _node_spec(spec: str) -> tuple[str, list[str]]:
+    """``NAME=W1,W2`` as the node's name and its workers."""
+    name, sep, workers = spec.partition("=")
+    listed = [w.strip() for w in workers.split(",") if w.strip()]
+    if not sep or not name or not listed:
+        raise ValueError(f"--node {spec!r} is not NAME=W1,W2,...")
+    return name, listed
 
 
 @click.command()

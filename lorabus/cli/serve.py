@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from lorabus.agents.config import AgentConfig
+from lorabus.agents.node_config import NodeConfig, load_node_config
 from lorabus.bus.connect import Bus
 from lorabus.bus.options import BusOptions
 from lorabus.cli.common import auth_options, bus_options, fleet_option, headers_from, log, run
@@ -34,11 +35,22 @@ from lorabus.service_flags import (
 
 _Config = TypeVar("_Config", AgentConfig, CoordinatorConfig)
 
+if TYPE_CHECKING:
+    from lorabus.agents import Agent
+    from lorabus.agents.metrics import AgentMetrics
+
 metrics_port_option = click.option(
     "--metrics-port",
     type=click.IntRange(min=1, max=65535),
     default=None,
     help="Serve Prometheus metrics on this port (at /metrics).",
+)
+node_file_option = click.option(
+    "--node-file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="Drive every worker of this node, as the TOML file lists them, on one "
+    "connection and identity (docs/operations.md, 'One agent per node').",
 )
 admin_key_option = click.option(
     "--admin-api-key-env",
@@ -70,14 +82,14 @@ def serving_command(
             fixed: dict[str, Any] = {}
             if admin_api_key_env is not None:
                 fixed["admin_headers"] = auth_headers(admin_api_key_env)
-            config = build_config(
-                config_type,
-                flags,
-                settings,
-                fleet=fleet,
-                headers=headers_from(api_key_env, headers),
-                **fixed,
-            )
+            fixed.update(fleet=fleet, headers=headers_from(api_key_env, headers))
+            node_file = settings.pop("node_file", None)
+            config: Any
+            if node_file is not None:
+                config = _node_config(node_file, settings, fixed)
+            else:
+                _check_given(flags, settings)
+                config = build_config(config_type, flags, settings, **fixed)
             if not (click.get_current_context().find_root().obj or {}).get("log_level_given"):
                 # A service says when it is ready and what each update did;
                 # the other commands stay quiet unless asked.
@@ -95,7 +107,7 @@ def serving_command(
             )
 
         options = [bus_options(), fleet_option, config_options(config_type, flags), auth_options]
-        options += [admin_key_option] if admin_key else []
+        options += [admin_key_option, node_file_option] if admin_key else []
         options.append(metrics_port_option)
         for option in reversed(options):
             command = option(command)
@@ -104,15 +116,77 @@ def serving_command(
     return decorate
 
 
+def _check_given(flags: Sequence[Flag], settings: dict[str, Any]) -> None:
+    """A usage error for a flag the config needs that was left out (an
+    agent's ``--worker-id`` and ``--system-url`` are optional only with
+    ``--node-file``)."""
+    for flag in flags:
+        if flag.optional and settings.get(flag.field) is None:
+            raise click.UsageError(f"give {flag.name}, or the workers with --node-file")
+
+
+def _node_config(path: str, settings: dict[str, Any], fixed: dict[str, Any]) -> NodeConfig:
+    """The node ``path`` lists, each worker over the command line's settings."""
+    for own in ("worker_id", "system_url"):
+        if settings.get(own) is not None:
+            raise click.UsageError(
+                f"--node-file lists each worker's {own.replace('_', '-')}: leave out the flag"
+            )
+    base = {
+        name: list(value) if isinstance(value, tuple) else value
+        for name, value in settings.items()
+        if value is not None
+    }
+    base.update(fixed)
+    try:
+        return load_node_config(path, base, lambda var: headers_from(var, ()))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
 @serving_command(AgentConfig, AGENT_FLAGS, admin_key=True)
-async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
-    """Drive one worker's engine on the coordinator's commands."""
-    from lorabus.agents import Agent, driver_for
-    from lorabus.agents.metrics import AgentMetrics, instrumented
+async def agent(config: AgentConfig | NodeConfig, bus: Bus, metrics_port: int | None) -> int:
+    """Drive one worker's engine on the coordinator's commands (with
+    --node-file, every worker of a node, on one connection)."""
+    from lorabus.agents.metrics import AgentMetrics
+    from lorabus.agents.node import NodeAgent
     from lorabus.bus.connect import close
-    from lorabus.errors import BadRequest, EngineError
 
     metrics = AgentMetrics()
+    workers = config.workers if isinstance(config, NodeConfig) else [config]
+    agents: list[Agent] = []
+    try:
+        for worker in workers:
+            agents.append(await _agent_of(worker, metrics))
+        with serving(metrics.registry, metrics_port):
+            for one in agents:
+                await _start_engine(one)
+            name, who = (
+                (f"lorabus-node-{config.node}", f"node={config.node}")
+                if isinstance(config, NodeConfig)
+                else (f"lorabus-agent-{config.worker_id}", f"worker={config.worker_id}")
+            )
+            nc = await bus.wait_connected(name, who=who)
+            metrics.bus_connected.set_function(lambda: nc.is_connected)
+            try:
+                if isinstance(config, NodeConfig):
+                    await NodeAgent(config.node, agents).run(nc)
+                else:
+                    await agents[0].run(nc)
+            finally:
+                await close(nc)
+    finally:
+        for one in agents:
+            await one.executor.driver.aclose()
+    return 0
+
+
+async def _agent_of(config: AgentConfig, metrics: AgentMetrics) -> Agent:
+    """The agent of one worker, its cache checked (BadRequest if unusable)."""
+    from lorabus.agents import Agent, driver_for
+    from lorabus.agents.metrics import instrumented
+    from lorabus.errors import BadRequest
+
     driver = instrumented(driver_for(config), metrics)
     agent = Agent.from_config(config, driver)
     cache = agent.executor.adapter_cache
@@ -131,26 +205,20 @@ async def agent(config: AgentConfig, bus: Bus, metrics_port: int | None) -> int:
             "command subjects can drive its engine (give --coordinator-key or --trust-file)",
             config.worker_id,
         )
+    return agent
+
+
+async def _start_engine(agent: Agent) -> None:
+    """Ask the engine what it can do, and resume it if a predecessor left it paused."""
+    from lorabus.errors import EngineError
+
     try:
-        with serving(metrics.registry, metrics_port):
-            try:
-                # Also asks whether the engine can take LoRA updates at all: the
-                # executor logs what it lacks, and the heartbeats say it.
-                await agent.executor.refresh()
-            except EngineError as exc:
-                log.warning("worker=%s engine not answering at start: %s", config.worker_id, exc)
-            await agent.resume_left_paused()
-            nc = await bus.wait_connected(
-                f"lorabus-agent-{config.worker_id}", who=f"worker={config.worker_id}"
-            )
-            metrics.bus_connected.set_function(lambda: nc.is_connected)
-            try:
-                await agent.run(nc)
-            finally:
-                await close(nc)
-    finally:
-        await driver.aclose()
-    return 0
+        # Also asks whether the engine can take LoRA updates at all: the
+        # executor logs what it lacks, and the heartbeats say it.
+        await agent.executor.refresh()
+    except EngineError as exc:
+        log.warning("worker=%s engine not answering at start: %s", agent.worker_id, exc)
+    await agent.resume_left_paused()
 
 
 @serving_command(CoordinatorConfig, COORDINATOR_FLAGS)

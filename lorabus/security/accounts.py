@@ -27,7 +27,7 @@ shared account could reach another agent's command subject there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lorabus.schemas import Subjects
@@ -83,10 +83,14 @@ class FleetAccounts:
 
 
 def fleet_accounts(
-    subjects: Subjects, worker_ids: Sequence[str], tenants: Sequence[str] = ()
+    subjects: Subjects,
+    worker_ids: Sequence[str],
+    tenants: Sequence[str] = (),
+    nodes: Mapping[str, Sequence[str]] | None = None,
 ) -> FleetAccounts:
-    """The accounts of ``subjects``' fleet with agents ``worker_ids`` and tenants ``tenants``."""
-    layout = _Layout(subjects, worker_ids, tenants)
+    """The accounts of ``subjects``' fleet with agents ``worker_ids``, tenants
+    ``tenants`` and node agents ``nodes`` (each with its workers)."""
+    layout = _Layout(subjects, worker_ids, tenants, nodes or {})
     _share_requests(layout, subjects)
     _share_jetstream(layout, subjects)
     _share_agent_streams(layout, subjects)
@@ -97,6 +101,7 @@ def fleet_accounts(
         (Role.OPERATOR, None): layout.operator.name,
         **{(Role.AGENT, w): a.name for w, a in layout.agents.items()},
         **{(Role.TENANT, t): a.name for t, a in layout.tenants.items()},
+        **{(Role.NODE, n): a.name for n, a in layout.nodes.items()},
     }
     return FleetAccounts(layout.by_name, of_role)
 
@@ -105,7 +110,11 @@ class _Layout:
     """A fleet's accounts while what crosses between them is added."""
 
     def __init__(
-        self, subjects: Subjects, worker_ids: Sequence[str], tenants: Sequence[str]
+        self,
+        subjects: Subjects,
+        worker_ids: Sequence[str],
+        tenants: Sequence[str],
+        nodes: Mapping[str, Sequence[str]],
     ) -> None:
         base = f"LORABUS_{subjects.fleet.upper().replace('-', '_')}"
         self.fleet = Account(base, jetstream=True)
@@ -114,6 +123,8 @@ class _Layout:
         self.operator = Account(f"{base}_OPERATOR")
         self.agents = {w: Account(f"{base}_AGENT_{w}") for w in worker_ids}
         self.tenants = {t: Account(f"{base}_TENANT_{t}") for t in tenants}
+        self.nodes = {n: Account(f"{base}_NODE_{n}") for n in nodes}
+        self.node_workers = {n: tuple(w) for n, w in nodes.items()}
         every = (
             self.fleet,
             self.orchestrator,
@@ -121,6 +132,7 @@ class _Layout:
             self.operator,
             *self.agents.values(),
             *self.tenants.values(),
+            *self.nodes.values(),
         )
         self.by_name = {a.name: a for a in every}
 
@@ -174,7 +186,11 @@ def _share_jetstream(layout: _Layout, subjects: Subjects) -> None:
     """The fleet's JetStream calls each role needs, as services of the fleet's account."""
     fleet, operator = layout.fleet, layout.operator.name
     # The operator reads them too, to list what the store keeps (lorabus adapter list).
-    readers = [*(a.name for a in layout.agents.values()), operator]
+    readers = [
+        *(a.name for a in layout.agents.values()),
+        *(a.name for a in layout.nodes.values()),
+        operator,
+    ]
     for subject in kv_reads(subjects.state_bucket(), JS_API):
         layout.share(fleet, subject, readers, service=True)
     stores = adapter_stores(subjects, list(layout.tenants))
@@ -207,7 +223,7 @@ def _share_jetstream(layout: _Layout, subjects: Subjects) -> None:
 def _share_agent_streams(layout: _Layout, subjects: Subjects) -> None:
     """Commands into each agent's account, and its acks, events and heartbeats out."""
     fleet = layout.fleet
-    agent_names = tuple(a.name for a in layout.agents.values())
+    agent_names = tuple(a.name for a in (*layout.agents.values(), *layout.nodes.values()))
     listeners = [layout.orchestrator.name, layout.operator.name]
     # Commands: each agent's account takes the broadcast and its own subject only.
     fleet.exports.extend(
@@ -226,6 +242,17 @@ def _share_agent_streams(layout: _Layout, subjects: Subjects) -> None:
         layout.share(agent, subjects.ack(worker), [fleet.name], service=False)
         layout.share(agent, subjects.agent_event(worker, ">"), [fleet.name], service=False)
         layout.share(agent, subjects.heartbeat(worker), [fleet.name, *listeners], service=False)
+    # A node's account: the broadcast and each of its workers' command
+    # subjects in; its acks and beats (on its own subjects) and each of its
+    # workers' events out.
+    for node, account in layout.nodes.items():
+        workers = layout.node_workers[node]
+        account.imports.append(Import(subjects.cmd(), False, fleet.name))
+        for worker in workers:
+            account.imports.append(Import(subjects.cmd_worker(worker), False, fleet.name))
+            layout.share(account, subjects.agent_event(worker, ">"), [fleet.name], service=False)
+        layout.share(account, subjects.ack(node), [fleet.name], service=False)
+        layout.share(account, subjects.heartbeat(node), [fleet.name, *listeners], service=False)
 
 
 def js_api_prefix(role: Role) -> str:

@@ -11,6 +11,10 @@ For a fleet and its worker ids this writes, into one new directory:
 - per identity, a folder (mode 0700) with its secret (mode 0600) and
   ``lorabus.env``, the ``LORABUS_*`` variables that make a ``lorabus``
   process connect as that identity;
+- per node agent (``--node NAME=w000,w001``), an identity ``node-NAME``
+  that acks and beats for those workers on its node's subjects, and in the
+  coordinator's folder ``nodes.json``, which workers each node speaks for
+  (always written: with no nodes, the coordinator takes no node's message);
 - per tenant (``--tenant NAME=PATTERN``), an identity ``tenant-NAME`` that
   asks on its own subjects, and in the coordinator's folder ``tenants.json``,
   each tenant's adapter pattern and quotas (edit it to change the quotas),
@@ -45,6 +49,7 @@ from pathlib import Path
 
 from lorabus.bus.options import ENV, ENV_FILE, inbox_prefix_for, public_key_of
 from lorabus.schemas import Subjects, check_token
+from lorabus.schemas.nodes import NODES_ENV, check_nodes, encode_nodes
 from lorabus.schemas.tenants import TENANT_ENV, TENANTS_ENV, Tenant, encode_tenants
 from lorabus.security.accounts import Account, FleetAccounts, fleet_accounts, js_api_prefix
 from lorabus.security.auth_jwt import JwtAuthority
@@ -57,6 +62,8 @@ SEED_FILE = "nkey.seed"
 CREDS_FILE = "user.creds"
 JWT_SEEDS = "jwt-keys"
 """With ``--method jwt``: the operator's and the accounts' seeds, to sign more."""
+NODES_FILE = "nodes.json"
+"""In the coordinator's folder: which workers each node agent speaks for."""
 TENANTS_FILE = "tenants.json"
 """In the coordinator's folder: the fleet's tenants (coordinator/tenants.py)."""
 SIGNING_SEED_FILE = "command-signing.seed"
@@ -126,14 +133,19 @@ def write_fleet_auth(
     cluster_nodes: Sequence[str] = (),
     jetstream_max_bytes: int | None = None,
     tenants: Mapping[str, Tenant] | None = None,
+    nodes: Mapping[str, Sequence[str]] | None = None,
 ) -> FleetAuth:
     """Write a fleet's identities and server configuration into ``directory``,
     which must not exist yet or be empty (keys are never overwritten).
     ``jetstream_max_bytes``: the fleet account's JetStream file storage (None:
     :func:`default_jetstream_bytes`). ``tenants``: by name, each with an
-    identity of its own."""
+    identity of its own. ``nodes``: node agents by name, each with its
+    workers (none of ``worker_ids``)."""
     tenants = dict(tenants or {})
-    _check_request(worker_ids, tls=tls, method=method, cluster_nodes=cluster_nodes)
+    node_workers = {node: list(workers) for node, workers in (nodes or {}).items()}
+    _check_request(
+        worker_ids, tls=tls, method=method, cluster_nodes=cluster_nodes, nodes=node_workers
+    )
     routes = [_route_address(node) for node in cluster_nodes]
     if jetstream_max_bytes is None:
         jetstream_max_bytes = default_jetstream_bytes(cluster_nodes, tenants)
@@ -146,12 +158,19 @@ def write_fleet_auth(
     authority = CertificateAuthority.create(directory) if tls else None
     server_tls = authority.issue_server(directory, hosts) if authority else None
     cluster = _cluster_block(authority, directory, routes) if authority and routes else ""
-    layout = fleet_accounts(subjects, worker_ids, list(tenants))
-    writer = _IdentityWriter(directory, subjects, layout, method, authority, list(tenants))
+    layout = fleet_accounts(subjects, worker_ids, list(tenants), node_workers)
+    writer = _IdentityWriter(
+        directory, subjects, layout, method, authority, list(tenants), node_workers
+    )
     roles = [Role.COORDINATOR, Role.ORCHESTRATOR, Role.AUDITOR, Role.OPERATOR]
     identities = [writer.write(role) for role in roles]
     identities += [writer.write(Role.AGENT, worker_id) for worker_id in worker_ids]
+    identities += [writer.write(Role.NODE, node) for node in node_workers]
     identities += [writer.write(Role.TENANT, tenant) for tenant in tenants]
+    # The coordinator takes a node's acks and beats only for its own workers.
+    write_secret(identities[0].folder / NODES_FILE, encode_nodes(node_workers))
+    with open(identities[0].env_file, "a") as env:
+        env.write(f"{NODES_ENV}={identities[0].folder / NODES_FILE}\n")
     if tenants:
         # The coordinator enforces it; the operator makes each tenant's
         # adapter store by it (lorabus provision) and lists them.
@@ -172,7 +191,12 @@ def write_fleet_auth(
 
 
 def _check_request(
-    worker_ids: Sequence[str], *, tls: bool, method: str, cluster_nodes: Sequence[str]
+    worker_ids: Sequence[str],
+    *,
+    tls: bool,
+    method: str,
+    cluster_nodes: Sequence[str],
+    nodes: Mapping[str, Sequence[str]],
 ) -> None:
     """ValueError for a combination of options ``lorabus auth init`` refuses."""
     if method not in ("nkey", "cert", "jwt"):
@@ -181,10 +205,18 @@ def _check_request(
         raise ValueError("cert authentication needs TLS")
     if cluster_nodes and not tls:
         raise ValueError("a cluster's routes need TLS: without it, anyone could join as a route")
-    if len(set(worker_ids)) != len(worker_ids) or not worker_ids:
-        raise ValueError("give one or more distinct worker ids")
+    if len(set(worker_ids)) != len(worker_ids) or not (worker_ids or nodes):
+        raise ValueError("give one or more distinct worker ids, or nodes")
     for worker in worker_ids:
         check_token("worker id", worker)
+    check_nodes({node: list(workers) for node, workers in nodes.items()})
+    on_nodes = {worker for workers in nodes.values() for worker in workers}
+    both = sorted((on_nodes | set(nodes)) & set(worker_ids))
+    if both:
+        raise ValueError(
+            f"{both[0]!r} is a lone agent's worker id and a node's (or a node's worker): "
+            "give each worker one identity"
+        )
 
 
 def _new_directory(directory: Path) -> Path:
@@ -212,9 +244,11 @@ class _IdentityWriter:
         method: str,
         authority: CertificateAuthority | None,
         tenants: Sequence[str] = (),
+        nodes: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self._directory, self._subjects, self._layout = directory, subjects, layout
         self._tenants = tuple(tenants)
+        self._nodes = dict(nodes or {})
         self._method, self._authority = method, authority
         self._jwts = JwtAuthority.create(layout) if method == "jwt" else None
         self._users: dict[str, list[str]] = {name: [] for name in layout.accounts}
@@ -245,7 +279,7 @@ class _IdentityWriter:
         if role is Role.COORDINATOR:
             write_secret(folder / SIGNING_SEED_FILE, self._signing_seed + b"\n")
             env[SIGNING_KEY_ENV] = str(folder / SIGNING_SEED_FILE)
-        elif role is Role.AGENT:
+        elif role in (Role.AGENT, Role.NODE):
             env[COORDINATOR_KEYS_ENV] = self.signing_key
         elif role is Role.TENANT:
             assert worker_id is not None
@@ -256,7 +290,12 @@ class _IdentityWriter:
 
     def _permissions(self, role: Role, worker_id: str | None, prefix: str) -> Permissions:
         return permissions(
-            role, self._subjects, inbox_prefix=prefix, worker_id=worker_id, tenants=self._tenants
+            role,
+            self._subjects,
+            inbox_prefix=prefix,
+            worker_id=worker_id,
+            tenants=self._tenants,
+            node_workers=self._nodes.get(worker_id or "", ()) if role is Role.NODE else (),
         )
 
     def _jwt_user(

@@ -10,6 +10,12 @@ Least privilege, one identity per process:
   subjects, reads the state bucket (the committed adapter, the leader's
   epoch) and the adapter object store, and writes nothing; hears only the
   broadcast and its own command subject.
+- **node** ``n`` (``lorabus auth init --node n=w000,w001``): one agent
+  process driving several workers of its node: publishes its acks and
+  heartbeats only on its node's subjects (a message there carries its
+  workers', and the coordinator takes from it only theirs: the nodes file),
+  and each of its workers' event subjects; reads as an agent does; hears the
+  broadcast and each of its workers' command subjects.
 - **orchestrator**: sends update, status and result requests, hears their replies
   and the agents' heartbeats (for a status when no coordinator answers);
   pushes adapters into the fleet's object store (which agents only read).
@@ -72,6 +78,7 @@ class Role(enum.StrEnum):
     AUDITOR = "auditor"
     OPERATOR = "operator"
     TENANT = "tenant"
+    NODE = "node"
 
 
 @dataclass(frozen=True)
@@ -83,9 +90,9 @@ class Permissions:
 
 
 def identity_name(role: Role, worker_id: str | None = None) -> str:
-    """``agent-w000`` for an agent, ``tenant-a`` for a tenant (``worker_id``
-    names it), the role's name for the others."""
-    if role in (Role.AGENT, Role.TENANT):
+    """``agent-w000`` for an agent, ``tenant-a`` for a tenant and ``node-a``
+    for a node (``worker_id`` names it), the role's name for the others."""
+    if role in (Role.AGENT, Role.TENANT, Role.NODE):
         if not worker_id:
             raise ValueError(f"a{'n' if role is Role.AGENT else ''} {role}'s identity names it")
         return f"{role}-{worker_id}"
@@ -99,10 +106,11 @@ def permissions(
     inbox_prefix: str,
     worker_id: str | None = None,
     tenants: Sequence[str] = (),
+    node_workers: Sequence[str] = (),
 ) -> Permissions:
-    """What ``role`` (the agent of ``worker_id``, or the tenant it names) may
-    publish and subscribe to, in a fleet of ``tenants``, each with an
-    adapter store of its own."""
+    """What ``role`` (the agent of ``worker_id``, or the tenant or node it
+    names, with its ``node_workers``) may publish and subscribe to, in a
+    fleet of ``tenants``, each with an adapter store of its own."""
     inbox = (f"{inbox_prefix}.>",)
     stores = adapter_stores(subjects, tenants)
     match role:
@@ -123,6 +131,10 @@ def permissions(
             if worker_id is None:
                 raise ValueError("an agent's permissions name its worker")
             return _agent(subjects, stores, worker_id, inbox)
+        case Role.NODE:
+            if worker_id is None or not node_workers:
+                raise ValueError("a node's permissions name it and its workers")
+            return _node(subjects, stores, worker_id, node_workers, inbox)
         case Role.ORCHESTRATOR:
             return _orchestrator(subjects, inbox)
         case Role.AUDITOR:
@@ -184,6 +196,29 @@ def _agent(
             *(call for store in stores for call in object_reads(store, FLEET_JS_API)),
         ),
         subscribe=(subjects.cmd(), subjects.cmd_worker(worker_id), *inbox),
+    )
+
+
+def _node(
+    subjects: Subjects,
+    stores: Sequence[Subjects],
+    node: str,
+    workers: Sequence[str],
+    inbox: tuple[str, ...],
+) -> Permissions:
+    return Permissions(
+        publish=(
+            subjects.ack(node),
+            subjects.heartbeat(node),
+            *(subjects.agent_event(worker, ">") for worker in workers),
+            *kv_reads(subjects.state_bucket(), FLEET_JS_API),
+            *(call for store in stores for call in object_reads(store, FLEET_JS_API)),
+        ),
+        subscribe=(
+            subjects.cmd(),
+            *(subjects.cmd_worker(worker) for worker in workers),
+            *inbox,
+        ),
     )
 
 

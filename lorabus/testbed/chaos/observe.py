@@ -29,17 +29,19 @@ from lorabus.schemas import (
     CommandRefused,
     CommittedNotice,
     ErrorCode,
+    Heartbeat,
     LeaderElected,
     PauseCommand,
     Phase,
     RenewLeaseCommand,
     Subjects,
     UpdateFinished,
-    ack_decoder,
+    ack_message_decoder,
     acks_in,
+    beat_message_decoder,
     command_decoder,
     event_decoder,
-    heartbeat_decoder,
+    reports_of,
     tag_of,
 )
 from lorabus.simfleet import SimFleet, SimWorker
@@ -184,10 +186,14 @@ class BusObserver:
 
     async def _on_ack(self, msg: Msg) -> None:
         try:
-            ack = ack_decoder.decode(msg.data)
+            message = ack_message_decoder.decode(msg.data)
         except msgspec.DecodeError:
             self.timeline.undecodable += 1
             return
+        for ack in reports_of(message):
+            self._took_ack(ack)
+
+    def _took_ack(self, ack: Ack) -> None:
         if ack.error is not None and ack.error.code == ErrorCode.FENCED:
             return  # a refusal, recorded from its command_refused event
         at = now()
@@ -226,10 +232,14 @@ class BusObserver:
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
-            beat = heartbeat_decoder.decode(msg.data)
+            message = beat_message_decoder.decode(msg.data)
         except msgspec.DecodeError:
             self.timeline.undecodable += 1
             return
+        for beat in reports_of(message):
+            self._took_beat(beat)
+
+    def _took_beat(self, beat: Heartbeat) -> None:
         at = now()
         self.timeline.epoch_seen(beat.worker_id, beat.epoch_seen, at)
         self.timeline.heartbeat(beat.worker_id, beat.paused, at)

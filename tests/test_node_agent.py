@@ -1,0 +1,167 @@
+"""One agent per node: ``lorabus agent --node-file`` drives several workers.
+
+Real processes on a real nats-server over simulated engines (real HTTP
+servers): a node agent of three workers beside a lone agent, one fleet. The
+coordinator's view stays per worker (members, world sizes, rank map), the
+node's acks and beats arrive batched on its node's subject, one engine
+failing fails only its worker, and the node's process dying takes its
+workers out together, its engines left running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.msg import Msg
+from processes import Processes, wait_live_workers
+
+from lorabus.agents import AgentConfig
+from lorabus.client import UpdateClient
+from lorabus.coordinator.config import CoordinatorConfig
+from lorabus.schemas import NodeAcks, NodeBeats, ack_message_decoder, beat_message_decoder
+from lorabus.simfleet import SimFleet
+
+pytestmark = pytest.mark.slow
+
+NODE_WORKERS = {"w000": 1, "w001": 2, "w002": 1}
+LONE = "w003"
+DEADLINE_S = 30.0
+
+
+def node_file(path: Path, sim: SimFleet, node: str = "gpu-a") -> Path:
+    lines = [f'node = "{node}"', "", "[defaults]", 'engine = "dynamo"']
+    lines += [f'frontend_url = "{sim.url}"', ""]
+    for worker_id, world_size in NODE_WORKERS.items():
+        lines += [
+            "[[workers]]",
+            f'worker_id = "{worker_id}"',
+            f'system_url = "{sim.system_url(worker_id)}"',
+            f"world_size = {world_size}",
+            "",
+        ]
+    path.write_text("\n".join(lines))
+    return path
+
+
+async def start_fleet(
+    processes: Processes, start_sim: Callable[..., Any], nats_url: str, fleet: str, tmp: Path
+) -> tuple[SimFleet, Any]:
+    sim: SimFleet = await start_sim({**NODE_WORKERS, LONE: 1})
+    coordinator = CoordinatorConfig(fleet=fleet, frontend_url=sim.url, expected_world_size=5)
+    await processes.start_coordinator(coordinator, nats_url=nats_url)
+    node = await processes.start(
+        "node-gpu-a",
+        [
+            "agent",
+            "--nats",
+            nats_url,
+            "--fleet",
+            fleet,
+            "--heartbeat-s",
+            "0.2",
+            "--node-file",
+            str(node_file(tmp / "node.toml", sim)),
+        ],
+    )
+    lone = AgentConfig(
+        fleet=fleet,
+        worker_id=LONE,
+        system_url=sim.system_url(LONE),
+        frontend_url=sim.url,
+        heartbeat_s=0.2,
+    )
+    await processes.start_agent(lone, nats_url=nats_url)
+    return sim, node
+
+
+class Heard:
+    """Every ack and heartbeat message of the fleet, as it came."""
+
+    def __init__(self) -> None:
+        self.acks: list[Any] = []
+        self.beats: list[Any] = []
+
+    async def follow(self, nats_url: str, client: UpdateClient) -> Any:
+        nc = await nats.connect(nats_url)
+        await nc.subscribe(client.subjects.ack_any(), cb=self._on_ack)
+        await nc.subscribe(client.subjects.heartbeat_any(), cb=self._on_beat)
+        await nc.flush()
+        return nc
+
+    async def _on_ack(self, msg: Msg) -> None:
+        self.acks.append(ack_message_decoder.decode(msg.data))
+
+    async def _on_beat(self, msg: Msg) -> None:
+        self.beats.append(beat_message_decoder.decode(msg.data))
+
+
+async def test_a_node_agent_and_a_lone_agent_serve_one_fleet_per_worker(
+    processes: Processes,
+    start_sim: Callable[..., Any],
+    nats_url: str,
+    fleet_name: str,
+    client: UpdateClient,
+    tmp_path: Path,
+    make_adapter: Callable[[int], str],
+) -> None:
+    heard = Heard()
+    listener = await heard.follow(nats_url, client)
+    try:
+        sim, _node = await start_fleet(processes, start_sim, nats_url, fleet_name, tmp_path)
+        await wait_live_workers(client, [*NODE_WORKERS, LONE], processes=processes)
+
+        result = await client.update("policy", make_adapter(1), version=1)
+
+        assert result.committed, result
+        sizes = {entry.worker_id: entry.world_size for entry in result.rank_map.entries}
+        assert sizes == {**NODE_WORKERS, LONE: 1}
+        assert [e.rank_offset for e in result.rank_map.entries] == [
+            1,
+            2,
+            4,
+            5,
+        ]  # the trainer is rank 0
+        for worker in sim.workers.values():
+            assert "policy-v1" in worker.adapters and not worker.paused
+    finally:
+        await listener.close()
+    node_acks = [m for m in heard.acks if isinstance(m, NodeAcks)]
+    assert node_acks, "the node's acks came one by one, or not on its subject"
+    assert all(m.node == "gpu-a" for m in node_acks)
+    acked = {ack.worker_id for m in node_acks for ack in m.acks}
+    assert acked == set(NODE_WORKERS)
+    # Batched: fewer node messages than the node's workers' acks.
+    assert len(node_acks) < sum(len(m.acks) for m in node_acks)
+    assert any(isinstance(m, NodeBeats) and len(m.beats) > 1 for m in heard.beats)
+
+
+async def test_one_failing_engine_fails_its_worker_alone_and_a_killed_node_leaves_whole(
+    processes: Processes,
+    start_sim: Callable[..., Any],
+    nats_url: str,
+    fleet_name: str,
+    client: UpdateClient,
+    tmp_path: Path,
+    make_adapter: Callable[[int], str],
+) -> None:
+    sim, node = await start_fleet(processes, start_sim, nats_url, fleet_name, tmp_path)
+    await wait_live_workers(client, [*NODE_WORKERS, LONE], processes=processes)
+    sim.workers["w001"].set_faults(fail_next_loads=100, load_failure_status=400)
+
+    failed = await client.update("policy", make_adapter(1), version=1)
+
+    assert not failed.committed
+    bad = {worker_id for worker_id, o in failed.workers.items() if not o.ok}
+    assert bad == {"w001"}, failed.workers
+    for worker_id in ("w000", "w002", LONE):
+        assert not sim.workers[worker_id].paused
+
+    await node.kill()
+    # Its three workers leave together; the lone agent stays.
+    await wait_live_workers(client, [LONE], deadline_s=DEADLINE_S)
+    for worker in sim.workers.values():
+        assert not worker.paused
