@@ -35,10 +35,6 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The fleet's tenants, each held to its adapters and quotas, with an
     adapter store of its own bounded by its ``max_bytes`` (``tenants.py``;
     ``lorabus auth init --tenant`` writes it). "": none."""
-    nodes_file: str = ""
-    """Which workers each node agent may ack and beat for (``lorabus auth
-    init --node`` writes it). "": a node's messages count for whatever
-    workers they name, as on a bus without permissions."""
 
     def __post_init__(self) -> None:
         check_token("fleet", self.fleet)
@@ -68,6 +64,10 @@ class CoordinatorConfig(StorageConfig, frozen=True, kw_only=True):
     store (``bus:`` paths), before anything is paused."""
     quorum_timeout_s: float = 30.0
     """Deadline for live agents' world sizes to reach the expected sum."""
+    nodes_file: str = ""
+    """Which workers each node agent may ack and beat for (``lorabus auth
+    init --node`` writes it). "": a node's messages count for whatever
+    workers they name, as on a bus without permissions."""
     canary: bool = True
     """After the load (live mode) or the resume (pause mode), every member's
     engine and the frontend generate one token with the new served name

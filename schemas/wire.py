@@ -18,7 +18,7 @@ import enum
 
 import msgspec
 
-WIRE_VERSION = 10
+WIRE_VERSION = 11
 """2: commands address a pause's cohort and committed notices reach every
 agent; a version-1 agent acts only on commands that name it, so in an
 upgrade the agents go first and the coordinators last.
@@ -56,7 +56,11 @@ beats with an older version.
 each member asks its own engine for one token with the new served name
 (``CanaryCommand``); a version-9 agent does not know the command, so a
 coordinator asks only members of version 10 or later, and says whom it
-did not ask."""
+did not ask.
+11: node agents: one process acks and beats for several workers of its
+node in one message (``NodeAcks``, ``NodeBeats``) on the subjects of the
+node's name; a version-10 coordinator drops those as malformed, so in an
+upgrade the coordinators go first."""
 
 PLACED_SINCE = 8
 """The wire version from which an agent loads only what is placed on it."""

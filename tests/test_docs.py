@@ -184,8 +184,9 @@ def test_the_security_doc_lists_every_permission_of_every_role(role: Role) -> No
         role,
         Subjects(fleet="prod"),
         inbox_prefix="<inbox>",
-        worker_id={Role.AGENT: "w000", Role.TENANT: "a"}.get(role),
+        worker_id={Role.AGENT: "w000", Role.TENANT: "a", Role.NODE: "n1"}.get(role),
         tenants=["a"],
+        node_workers=["w000", "w001"] if role is Role.NODE else (),
     )
     missing = [s for s in (*granted.publish, *granted.subscribe) if f"`{s}`" not in security]
     assert missing == [], f"{role} permissions missing from docs/security.md: {missing}"

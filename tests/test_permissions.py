@@ -131,16 +131,19 @@ def stack(secured_stack: EmbeddedStack) -> EmbeddedStack:
 
 
 _AS = {Role.AGENT: "w000", Role.TENANT: "a"}
-"""Who of a role: the agent of w000, tenant a."""
+"""Who of a role: the agent of w000, tenant a. (The stack runs no node
+agent: tests/test_node_identity.py checks a node's matrix.)"""
 
 
-@pytest.mark.parametrize("role", list(Role))
+@pytest.mark.parametrize("role", [r for r in Role if r is not Role.NODE])
 async def test_every_forbidden_publish_and_subscribe_is_refused_and_changes_nothing(
     stack: EmbeddedStack, role: Role, make_adapter: Callable[[int], str]
 ) -> None:
     assert stack.auth is not None and stack.sim is not None and stack.client is not None
     subjects = Subjects(fleet=stack.fleet_name)
-    inboxes = {r: stack.auth.identity(r, _AS.get(r)).inbox_prefix for r in Role}
+    inboxes = {
+        r: stack.auth.identity(r, _AS.get(r)).inbox_prefix for r in Role if r is not Role.NODE
+    }
     forbidden = _forbidden(role, subjects, inboxes)
     pauses_before = sum(
         w.count_requests("POST", "/engine/pause_generation") for w in stack.sim.workers.values()

@@ -50,7 +50,7 @@ def test_commands_round_trip_with_tag_and_version(command: object) -> None:
     wire = encode(command)  # type: ignore[arg-type]
     as_json = json.loads(wire)
 
-    assert as_json["v"] == WIRE_VERSION == 10 and "type" in as_json
+    assert as_json["v"] == WIRE_VERSION == 11 and "type" in as_json
     assert command_decoder.decode(wire) == command
 
 
@@ -91,6 +91,8 @@ def test_json_schema_covers_every_message_family() -> None:
         "command",
         "ack",
         "heartbeat",
+        "node_acks",
+        "node_beats",
         "update_request",
         "update_result",
         "status_request",

@@ -172,7 +172,7 @@ _QUICK_PLACEMENT = QUICK.placement
     "--secure",
     is_flag=True,
     help="NATS with lorabus auth init's configuration (nkeys, per-role permissions, "
-    "mutual TLS), every process as its own identity; own connections only.",
+    "mutual TLS), every process as its own identity; own or node connections.",
 )
 @click.option(
     "--no-canary",

@@ -122,7 +122,9 @@ def _check_given(flags: Sequence[Flag], settings: dict[str, Any]) -> None:
     ``--node-file``)."""
     for flag in flags:
         if flag.optional and settings.get(flag.field) is None:
-            raise click.UsageError(f"give {flag.name}, or the workers with --node-file")
+            raise click.UsageError(
+                f"Missing option '{flag.name}' (or give the workers with --node-file)"
+            )
 
 
 def _node_config(path: str, settings: dict[str, Any], fixed: dict[str, Any]) -> NodeConfig:

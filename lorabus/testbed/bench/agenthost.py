@@ -4,10 +4,13 @@ A thousand agents cannot each have a process on a 2-core machine, so a host
 runs a share of the fleet: real :class:`agents.Agent` objects over
 :class:`~lorabus.testbed.bench.engines.NullEngine` or the Dynamo driver against the
 simulated fleet, each with its own NATS connection (as separate processes
-would have) or all on one shared connection; null engines take the spec's load
+would have), all on one shared connection, or one node agent
+(:class:`agents.node.NodeAgent`) and its connection per node of the spec's
+``nodes``, as node processes would have; null engines take the spec's load
 latency, drawn per load. In ``floor`` role it instead holds one bare nats-py
 subscription per worker that echoes each command as an ack: the bus floor's
-fan-out side, laid out like the agents. With ``cache_dirs`` each agent keeps
+fan-out side, laid out like the agents (one per node in the node layout,
+echoing once for the node). With ``cache_dirs`` each agent keeps
 adapters from the fleet's object store in its worker's directory there
 (agents given one directory share a node's cache, as on one host).
 
@@ -34,6 +37,7 @@ from nats.aio.msg import Msg
 
 from lorabus.agents import Agent, CommandExecutor, DynamoDriver, EngineDriver
 from lorabus.agents.adapter_cache import AdapterCache
+from lorabus.agents.node import NodeAgent
 from lorabus.bus.connect import close, connect
 from lorabus.bus.options import BusOptions
 from lorabus.runtime.event_loop import serving_loop_factory, settle_collector
@@ -49,6 +53,7 @@ _CONNECT_BATCH = 32
 
 async def host(spec: dict[str, Any]) -> None:
     workers: dict[str, int] = spec["workers"]
+    nodes: dict[str, list[str]] = spec.get("nodes") or {}
     subjects = Subjects(fleet=spec["fleet"])
     connections: list[NatsClient] = []
     tasks: list[asyncio.Task[None]] = []
@@ -56,10 +61,10 @@ async def host(spec: dict[str, Any]) -> None:
     nulls: dict[str, NullEngine] = {}
     times = EngineTimes()
     try:
-        links = await _connections(spec, list(workers), connections)
+        links = await _connections(spec, list(nodes or workers), connections)
         if spec["role"] == "floor":
-            for worker_id, nc in zip(workers, links, strict=True):
-                await _echo(nc, subjects, worker_id)
+            for sender, nc in zip(nodes or workers, links, strict=True):
+                await _echo(nc, subjects, sender)
             for nc in connections:
                 await nc.flush(timeout=10)
         else:
@@ -81,6 +86,8 @@ async def host(spec: dict[str, Any]) -> None:
             if request["op"] == "peaks":
                 return {"peaks": {wid: engine.take_peak() for wid, engine in nulls.items()}}
             if request["op"] == "stop_agent":
+                if nodes:
+                    raise ValueError("stop_agent stops one worker's agent: not in a node")
                 index = list(workers).index(request["worker"])
                 tasks[index].cancel()
                 await asyncio.gather(tasks[index], return_exceptions=True)
@@ -128,8 +135,8 @@ async def _connections(
     return list(opened)
 
 
-async def _echo(nc: NatsClient, subjects: Subjects, worker_id: str) -> None:
-    ack_subject = subjects.ack(worker_id)
+async def _echo(nc: NatsClient, subjects: Subjects, sender: str) -> None:
+    ack_subject = subjects.ack(sender)
 
     async def on_command(msg: Msg) -> None:
         await nc.publish(ack_subject, msg.data)
@@ -149,7 +156,8 @@ async def _start_agents(
 ) -> None:
     readies: list[asyncio.Event] = []
     rng = random.Random(spec["seed"])
-    for (worker_id, world_size), nc in zip(workers.items(), links, strict=True):
+    agents: dict[str, Agent] = {}
+    for worker_id, world_size in workers.items():
         engine: EngineDriver
         if spec["engine"] == "null":
             engine = nulls[worker_id] = NullEngine(
@@ -174,14 +182,23 @@ async def _start_agents(
             max_adapters=spec.get("max_adapters", 0),
         )
         await executor.refresh()
+        agents[worker_id] = Agent(subjects, executor, heartbeat_s=spec["heartbeat_s"])
+    nodes: dict[str, list[str]] = spec.get("nodes") or {}
+    identities = spec.get("identities") or {}
+    runs: list[tuple[str, Agent | NodeAgent]] = (
+        [(node, NodeAgent(node, [agents[w] for w in ids])) for node, ids in nodes.items()]
+        if nodes
+        else list(agents.items())
+    )
+    for (name, runner), nc in zip(runs, links, strict=True):
         # In a secure run, each agent obeys only commands signed with the
-        # coordinator key its identity pins, as a deployed agent does.
-        identity = (spec.get("identities") or {}).get(worker_id, {})
-        verifier = CommandVerifier(identity.get(COORDINATOR_KEYS_ENV, "").split())
-        agent = Agent(subjects, executor, heartbeat_s=spec["heartbeat_s"], verifier=verifier)
+        # coordinator key its identity (or its node's) pins, as a deployed one does.
+        keys = identities.get(name, {}).get(COORDINATOR_KEYS_ENV, "").split()
+        for agent in runner.agents if isinstance(runner, NodeAgent) else [runner]:
+            agent.verifier = CommandVerifier(keys)
         ready = asyncio.Event()
         readies.append(ready)
-        tasks.append(asyncio.create_task(agent.run(nc, ready), name=f"agent-{worker_id}"))
+        tasks.append(asyncio.create_task(runner.run(nc, ready), name=f"agent-{name}"))
     deadline = time.monotonic() + spec.get("ready_timeout_s", 60.0)
     waiting = asyncio.ensure_future(asyncio.gather(*(ready.wait() for ready in readies)))
     try:

@@ -11,7 +11,10 @@ from pathlib import Path
 
 SERIES = ("updates", "distribution", "tenants", "placement")
 MODES = ("floor", "null", "http", "live", "baseline")
-CONNECTIONS = ("own", "shared")
+CONNECTIONS = ("own", "shared", "node")
+NODE_WORKERS = 8
+"""Workers per node in the ``node`` layout: one node agent (agents/node.py)
+and one connection per 8 workers, as an 8-GPU node at tensor parallel 1."""
 FULL_SIZES = (8, 64, 256, 1024)
 QUICK_SIZES = (8, 64, 256)
 
@@ -181,7 +184,7 @@ class BenchConfig:
         if self.secure and "shared" in self.connections:
             raise ValueError(
                 "one shared connection cannot carry many agents' identities: "
-                "--secure measures own connections only"
+                "--secure measures own and node connections only"
             )
         if self.secure and "distribution" in self.series:
             raise ValueError(

@@ -26,7 +26,7 @@ from lorabus.security.auth_init import FleetAuth
 from lorabus.security.roles import Role
 from lorabus.simfleet.identity import numbered_worker_ids
 from lorabus.testbed.bench.children import Child, Children
-from lorabus.testbed.bench.config import BenchConfig
+from lorabus.testbed.bench.config import NODE_WORKERS, BenchConfig
 from lorabus.testbed.bench.procinfo import ForeignLoad, cpu_seconds
 from lorabus.testbed.natsserver import NatsServer
 
@@ -111,14 +111,24 @@ class BenchFleet:
         ``max_adapters``: each agent's ``--max-adapters``)."""
         assert self.nats is not None
         ids = list(workers)
-        count = min(self.host_count, len(ids))
-        chunks = [ids[i::count] for i in range(count)]
+        nodes = node_groups(ids) if layout == "node" else {}
+        count = min(self.host_count, len(nodes) if nodes else len(ids))
+        if nodes:  # each node's workers on one host, the nodes dealt out
+            names = list(nodes)
+            chunks = [[w for name in names[i::count] for w in nodes[name]] for i in range(count)]
+        else:
+            chunks = [ids[i::count] for i in range(count)]
         specs: list[dict[str, Any]] = [
             {
                 "role": role,
                 "nats_url": self.nats_url,
                 "fleet": fleet,
-                "identities": {wid: self.identity_env(Role.AGENT, wid) for wid in chunk},
+                "identities": (
+                    {n: self.identity_env(Role.NODE, n) for n in names[i::count]}
+                    if nodes
+                    else {wid: self.identity_env(Role.AGENT, wid) for wid in chunk}
+                ),
+                "nodes": {n: nodes[n] for n in names[i::count]} if nodes else {},
                 "workers": {wid: workers[wid] for wid in chunk},
                 "engine": engine,
                 "sim_url": self.sim_url,
@@ -179,6 +189,14 @@ class BenchFleet:
             seen = f"{ready} of {self.world_size} world size ready"
             await asyncio.sleep(0.25)
         raise BenchFailed(f"the fleet was not ready in time: {seen}")
+
+
+def node_groups(worker_ids: Sequence[str]) -> dict[str, list[str]]:
+    """The ``node`` layout's nodes: each :data:`NODE_WORKERS` workers in a row."""
+    return {
+        f"node{k // NODE_WORKERS:03d}": list(worker_ids[k : k + NODE_WORKERS])
+        for k in range(0, len(worker_ids), NODE_WORKERS)
+    }
 
 
 def cpu_of(children: Sequence[Child]) -> float:

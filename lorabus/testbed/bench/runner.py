@@ -47,7 +47,13 @@ from lorabus.testbed.bench.children import Child, ChildFailed
 from lorabus.testbed.bench.config import BenchConfig
 from lorabus.testbed.bench.distreport import DistributionResult, judge_distribution
 from lorabus.testbed.bench.distribution import run_distribution
-from lorabus.testbed.bench.fleet import BenchFailed, BenchFleet, cpu_of, pause_window
+from lorabus.testbed.bench.fleet import (
+    BenchFailed,
+    BenchFleet,
+    cpu_of,
+    node_groups,
+    pause_window,
+)
 from lorabus.testbed.bench.floor import FloorGather
 from lorabus.testbed.bench.frontend import ListingFrontend
 from lorabus.testbed.bench.placement import run_placement
@@ -231,13 +237,13 @@ class _SizeRun(BenchFleet):
         fleet = (
             f"floor-{layout}-n{self.n}" if mode == "floor" else f"bench-{mode}-{layout}-n{self.n}"
         )
-        async with self._bus_for(fleet):
+        async with self._bus_for(fleet, layout):
             if mode == "floor":
                 return await self._floor(fleet, layout)
             return await self._lorabus(fleet, engine, layout, live=mode == "live")
 
     @contextlib.asynccontextmanager
-    async def _bus_for(self, fleet: str) -> AsyncIterator[None]:
+    async def _bus_for(self, fleet: str, layout: str) -> AsyncIterator[None]:
         """The NATS of one mode: the size's shared server, or in a secure run a
         server of its own, started from ``lorabus auth init``'s configuration for
         the mode's fleet and set up by its operator, as a deployment would be."""
@@ -245,8 +251,13 @@ class _SizeRun(BenchFleet):
             yield
             return
         shared = self.nats
+        nodes = node_groups(list(self.workers)) if layout == "node" else {}
         auth = write_fleet_auth(
-            self.log_dir / f"auth-{fleet}", Subjects(fleet=fleet), list(self.workers), tls=True
+            self.log_dir / f"auth-{fleet}",
+            Subjects(fleet=fleet),
+            [] if nodes else list(self.workers),
+            tls=True,
+            nodes=nodes,
         )
         async with NatsServer(include=auth.server_conf) as server:
             self.nats, self.auth = server, auth
@@ -280,7 +291,9 @@ class _SizeRun(BenchFleet):
         hosts = await self.start_hosts("floor", fleet, self.workers, layout)
         nc = await self.connect(Role.COORDINATOR, name="bench-floor")
         try:
-            gather = FloorGather(nc, Subjects(fleet=fleet), self.n)
+            # One echo per connection: per worker, or per node in the node layout.
+            echoes = len(node_groups(list(self.workers))) if layout == "node" else self.n
+            gather = FloorGather(nc, Subjects(fleet=fleet), echoes)
             await gather.start()
             setup_s = time.monotonic() - setup_started
             for _ in range(self.config.warmup):
@@ -347,7 +360,7 @@ class _SizeRun(BenchFleet):
         agents: list[Child] = []
         nc = None
         try:
-            if engine == "http" and self.n > 1:
+            if engine == "http" and self.n > 1 and layout != "node":
                 # One worker gets a deployed agent: a `lorabus agent` process of its own.
                 wid, size = hosted.popitem()
                 agent_config = AgentConfig(

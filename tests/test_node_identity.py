@@ -1,0 +1,141 @@
+"""A node speaks for its own workers and no other.
+
+``lorabus auth init --node`` gives a node agent one identity: a real
+nats-server started from the written configuration lets it publish its
+acks and beats only on its node's subjects and hear only its workers'
+commands. What it may publish there, the coordinator takes only for the
+node's own workers (the nodes file): a node that claims another node's
+worker, or a lone agent's, changes nothing at the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from nats.aio.msg import Msg
+from secured import watched
+
+from lorabus.bus.connect import Bus, close, connect
+from lorabus.bus.options import BusOptions
+from lorabus.coordinator.bus import CoordinatorBus
+from lorabus.coordinator.membership import Membership
+from lorabus.coordinator.nodes import NodeRoster
+from lorabus.schemas import Heartbeat, NodeBeats, Subjects, encode
+from lorabus.schemas.nodes import decode_nodes
+from lorabus.security.auth_init import NODES_FILE, write_fleet_auth
+from lorabus.security.roles import Role
+from lorabus.testbed.natsserver import NatsServer
+
+FLEET = "nodes"
+NODES = {"n1": ["w000", "w001"], "n2": ["w003"]}
+LONE = "w002"
+DEADLINE_S = 10.0
+
+
+def beat(worker_id: str) -> Heartbeat:
+    # A long period: a loaded machine must not age a beat out before the check.
+    return Heartbeat(
+        worker_id=worker_id, world_size=1, engine="dynamo", adapters=[], paused=False, interval_s=30
+    )
+
+
+async def test_a_node_identity_publishes_on_its_subjects_and_hears_its_workers_alone(
+    tmp_path: Path,
+) -> None:
+    s = Subjects(fleet=FLEET)
+    auth = write_fleet_auth(tmp_path / "auth", s, [LONE], nodes=NODES)
+    roster = decode_nodes((auth.identity(Role.COORDINATOR).folder / NODES_FILE).read_bytes())
+    assert roster == NODES
+    async with NatsServer(include=auth.server_conf) as server:
+        coordinator = await connect(
+            server.url,
+            name="test-coordinator",
+            options=BusOptions.of_identity(auth.identity(Role.COORDINATOR).folder),
+        )
+        heard: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def on_message(msg: Msg) -> None:
+            heard.put_nowait(msg)
+
+        await coordinator.subscribe(s.ack_any(), cb=on_message)
+        await coordinator.subscribe(s.heartbeat_any(), cb=on_message)
+        await coordinator.flush()
+        node = Bus(server.url, BusOptions.of_identity(auth.identity(Role.NODE, "n1").folder))
+        try:
+            async with watched(node) as n1:
+                # Its own subjects cross into the fleet's account.
+                batch = encode(NodeBeats(node="n1", beats=[beat("w000"), beat("w001")]))
+                await n1.nc.publish(s.heartbeat("n1"), batch)
+                async with asyncio.timeout(DEADLINE_S):
+                    got = await heard.get()
+                assert (got.subject, got.data) == (s.heartbeat("n1"), batch)
+                for worker in NODES["n1"]:
+                    await n1.nc.subscribe(s.cmd_worker(worker))
+                await n1.nc.subscribe(s.cmd())
+                # Nothing in a lone agent's, another node's or a worker's own
+                # name, no command, no request, no write of state or store.
+                state, store = s.state_bucket(), s.adapter_store()
+                forbidden = (
+                    s.ack("w000"),
+                    s.heartbeat("w001"),
+                    s.ack(LONE),
+                    s.heartbeat("n2"),
+                    s.agent_event(LONE, "reconciled"),
+                    s.coordinator_event("update_finished"),
+                    s.cmd(),
+                    s.cmd_worker("w000"),
+                    s.update_request(),
+                    s.reset_request(),
+                    f"$KV.{state}.committed",
+                    f"$O.{store}.C.forged",
+                    f"$JS.API.STREAM.PURGE.OBJ_{store}",
+                    f"$JS.API.STREAM.DELETE.{s.audit_stream()}",
+                )
+                for subject in forbidden:
+                    await n1.nc.publish(subject, b"{}")
+                    await n1.wait_refusal("publish", subject)
+                unheard = (s.cmd_worker(LONE), s.cmd_worker("w003"), s.ack_any())
+                for subject in unheard:
+                    await n1.nc.subscribe(subject)
+                    await n1.wait_refusal("subscription", subject)
+                await n1.nc.flush()
+                assert len(n1.refusals()) == len(forbidden) + len(unheard), n1.refusals()
+                assert heard.empty(), "a refused publish reached the coordinator"
+        finally:
+            await close(coordinator)
+
+
+async def test_the_coordinator_takes_a_nodes_beats_only_for_its_own_workers(
+    nats_url: str,
+) -> None:
+    s = Subjects(fleet="roster")
+    membership = Membership()
+    nc = await connect(nats_url, name="test-coordinator-bus")
+    sender = await connect(nats_url, name="test-forger")
+    bus = CoordinatorBus(nc, s, membership, nodes=NodeRoster(NODES))
+    subs = await bus.follow()
+    try:
+        # n1 for its own w000, and for n2's w003 and the lone w002: only w000 counts.
+        forged = NodeBeats(node="n1", beats=[beat("w000"), beat("w003"), beat(LONE)])
+        await sender.publish(s.heartbeat("n1"), encode(forged))
+        # A message claiming another node's subject, a lone beat on a node's
+        # subject, and a node the file does not list: none counts.
+        await sender.publish(s.heartbeat("n2"), encode(NodeBeats(node="n1", beats=[beat("w000")])))
+        await sender.publish(s.heartbeat("n1"), encode(beat("n1")))
+        await sender.publish(s.heartbeat("n9"), encode(NodeBeats(node="n9", beats=[beat("w009")])))
+        # Then n2 for its own worker: once it counts, everything before it was read.
+        await sender.publish(s.heartbeat("n2"), encode(NodeBeats(node="n2", beats=[beat("w003")])))
+        await sender.flush()
+        async with asyncio.timeout(DEADLINE_S):
+            while True:
+                if "w003" in membership.live():
+                    break
+                await asyncio.sleep(0.02)
+        assert set(membership.live()) == {"w000", "w003"}
+        assert bus.dropped == 5
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        await close(sender)
+        await close(nc)
