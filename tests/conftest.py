@@ -139,7 +139,8 @@ async def secured_stack(
     """A two-worker stack on its own nats-server, every process as its own
     identity: the static configuration of ``auth init``, and its operator/JWT
     form (``--method jwt``). Two tenants, ``a`` (adapters ``a-*``) and ``b``
-    (``b-*``), each with an identity of its own."""
+    (``b-*``), each with an identity of its own; and a node agent's identity,
+    ``n0`` of worker ``w900``, which no process runs."""
     async with EmbeddedStack(
         [1, 1],
         fleet=fleet_name,
@@ -147,5 +148,6 @@ async def secured_stack(
         auth_method=request.param,
         heartbeat_s=0.2,
         tenants=SECURED_TENANTS,
+        idle_nodes={"n0": ["w900"]},
     ) as started:
         yield started

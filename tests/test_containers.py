@@ -372,6 +372,60 @@ def test_with_credentials_down_leaves_no_container_network_or_volume(
     assert auth_stack.leftovers() == []
 
 
+# compose.yaml with compose.node.yaml: one node-agent service drives the three
+# simulated workers on one connection, the per-worker agents left out. Its own
+# project, after the others are down.
+
+NODE_FILES = ("compose.yaml", "compose.node.yaml")
+
+
+@pytest.fixture(scope="module")
+def node_stack(built: ComposeStack) -> Iterator[ComposeStack]:
+    """The stack with a node agent, up, with every worker live and a leader."""
+    stack = ComposeStack(built.image, sim_load_latency=LOAD_LATENCY_S, files=NODE_FILES)
+    try:
+        stack.up()
+        wait_fleet_ready(stack)
+        yield stack
+    finally:
+        try:
+            stack.down()
+        finally:
+            stack.remove_leftovers()
+
+
+async def test_one_node_agent_serves_every_worker_and_its_stop_takes_them_all(
+    node_stack: ComposeStack,
+) -> None:
+    services = node_stack.containers()
+    assert "node-a" in services and not any(s.startswith("agent-") for s in services), services
+
+    result = await update(node_stack, 1)
+
+    assert result["status"] == "committed", result
+    assert [
+        (e["worker_id"], e["world_size"], e["rank_offset"]) for e in result["rank_map"]["entries"]
+    ] == [("w000", 2, 1), ("w001", 4, 3), ("w002", 1, 7)]
+    served = served_by_each_worker(node_stack)
+    assert all(result["adapter"] in adapters for adapters in served.values()), served
+
+    node_stack.stop("node-a")
+    give_up = time.monotonic() + READY_DEADLINE_S
+    members: list[Any] = ["not asked yet"]
+    while members and time.monotonic() < give_up:
+        members = lorabus_json(node_stack, "status", timeout=30).get("members", ["no answer"])
+        await asyncio.sleep(1)
+    assert members == [], f"the node's workers did not leave together: {members}"
+
+
+def test_with_a_node_agent_down_leaves_no_container_network_or_volume(
+    node_stack: ComposeStack,
+) -> None:
+    node_stack.down()
+
+    assert node_stack.leftovers() == []
+
+
 def set_on_message(event: asyncio.Event) -> Callable[[Msg], Awaitable[None]]:
     async def on_message(_msg: Msg) -> None:
         event.set()

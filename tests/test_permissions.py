@@ -56,6 +56,25 @@ def _forbidden(role: Role, s: Subjects, inboxes: dict[Role, str]) -> dict[str, l
             ],
             "subscription": [s.cmd_worker("w001"), s.ack_any(), s.update_request(), *others],
         }
+    if role is Role.NODE:  # node n0, of worker w900
+        return {
+            "publish": [
+                *commands,
+                s.ack("w000"),
+                s.ack("w900"),
+                s.heartbeat("w900"),
+                s.ack("n1"),
+                s.agent_event("w000", "lease_expired"),
+                s.coordinator_event("leader_elected"),
+                s.update_request(),
+                s.reset_request(),
+                *kv_write,
+                *erase,
+                *object_writes,
+                *object_erase,
+            ],
+            "subscription": [s.cmd_worker("w000"), s.ack_any(), s.heartbeat_any(), *others],
+        }
     if role is Role.TENANT:  # tenant a
         return {
             "publish": [
@@ -130,20 +149,17 @@ def stack(secured_stack: EmbeddedStack) -> EmbeddedStack:
     return secured_stack
 
 
-_AS = {Role.AGENT: "w000", Role.TENANT: "a"}
-"""Who of a role: the agent of w000, tenant a. (The stack runs no node
-agent: tests/test_node_identity.py checks a node's matrix.)"""
+_AS = {Role.AGENT: "w000", Role.TENANT: "a", Role.NODE: "n0"}
+"""Who of a role: the agent of w000, tenant a, node n0 (of worker w900)."""
 
 
-@pytest.mark.parametrize("role", [r for r in Role if r is not Role.NODE])
+@pytest.mark.parametrize("role", list(Role))
 async def test_every_forbidden_publish_and_subscribe_is_refused_and_changes_nothing(
     stack: EmbeddedStack, role: Role, make_adapter: Callable[[int], str]
 ) -> None:
     assert stack.auth is not None and stack.sim is not None and stack.client is not None
     subjects = Subjects(fleet=stack.fleet_name)
-    inboxes = {
-        r: stack.auth.identity(r, _AS.get(r)).inbox_prefix for r in Role if r is not Role.NODE
-    }
+    inboxes = {r: stack.auth.identity(r, _AS.get(r)).inbox_prefix for r in Role}
     forbidden = _forbidden(role, subjects, inboxes)
     pauses_before = sum(
         w.count_requests("POST", "/engine/pause_generation") for w in stack.sim.workers.values()

@@ -70,7 +70,7 @@ async def test_no_role_can_change_a_stream_and_provision_says_so(
     before = await _settings(stack)
 
     for role in Role:
-        worker = {Role.AGENT: "w000", Role.TENANT: "a"}.get(role)
+        worker = {Role.AGENT: "w000", Role.TENANT: "a", Role.NODE: "n0"}.get(role)
         api = "$JS.API" if role is Role.COORDINATOR else FLEET_JS_API
         async with watched(stack.bus_as(role, worker)) as attacker:
             for config in fleet_streams(StorageConfig(fleet=stack.fleet_name)):

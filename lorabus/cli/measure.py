@@ -381,6 +381,14 @@ def bench(
     "partitions to the faults: one node's routes to the others cut both ways.",
 )
 @click.option(
+    "--workers-per-node",
+    type=click.IntRange(min=1, max=64),
+    default=1,
+    show_default=True,
+    help="Run the workers under node agents (lorabus agent --node-file) of this many "
+    "workers each: an agent kill, stop or partition then takes a whole node's workers.",
+)
+@click.option(
     "--adapters",
     type=click.Choice(["bus", "path"]),
     help="How updates name adapters: pushed to the fleet's object store and asked for by "
@@ -408,6 +416,7 @@ def chaos(
     world_sizes: list[int] | None,
     fault_gap: float | None,
     nats_cluster: bool,
+    workers_per_node: int,
     adapters: str | None,
     tenants: int | None,
     out_path: str | None,
@@ -440,7 +449,15 @@ def chaos(
             "run_dir": Path(run_dir) if run_dir else None,
         },
         world_sizes=world_sizes,
-        fleet=FleetSettings(world_sizes, nats_nodes=3) if nats_cluster else None,
+        fleet=(
+            FleetSettings(
+                world_sizes,
+                nats_nodes=3 if nats_cluster else 1,
+                workers_per_node=workers_per_node,
+            )
+            if nats_cluster or workers_per_node > 1
+            else None
+        ),
     )
     report = _report_of(lambda: run_chaos(config, out=click.echo))
     for violation in report.violations:

@@ -66,6 +66,7 @@ class EmbeddedStack:
         cache_root: str | None = None,
         tenants: Mapping[str, Tenant] | None = None,
         labels: Sequence[Sequence[str]] = (),
+        idle_nodes: Mapping[str, Sequence[str]] | None = None,
         **coordinator: Any,
     ) -> None:
         if secure and nats_url is not None:
@@ -84,6 +85,9 @@ class EmbeddedStack:
         its own under it, as agents on separate nodes would (None: a temporary one)."""
         self.labels = [list(specs) for specs in labels]
         """Each worker's agent's ``--label KEY=VALUE``s, in worker order (none past the end)."""
+        self.idle_nodes = dict(idle_nodes or {})
+        """A secure stack's node identities (``auth init --node``) that no
+        process runs: an identity to test permissions as."""
         self.tenants = dict(tenants or {})
         """The fleet's tenants (a secure stack gives each an identity: :meth:`client_as`)."""
         self.auth: FleetAuth | None = None
@@ -130,6 +134,7 @@ class EmbeddedStack:
                 tls=True,
                 method=self.auth_method,
                 tenants=self.tenants,
+                nodes=self.idle_nodes,
             )
         if self._nats_url is None:
             include = self.auth.server_conf if self.auth is not None else None

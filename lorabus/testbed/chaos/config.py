@@ -48,12 +48,18 @@ class FleetSettings:
     log_level: str = "INFO"
     nats_nodes: int = 1
     """1, or 3 for a cluster (every stream and bucket then has 3 replicas)."""
+    workers_per_node: int = 1
+    """Above 1: the workers run under node agents (``lorabus agent
+    --node-file``) of this many workers each, so an agent fault (kill, stop,
+    partition) takes a whole node's workers at once."""
 
     def __post_init__(self) -> None:
         if self.nats_nodes not in (1, 3):
             raise ValueError(
                 f"a chaos fleet runs on 1 or 3 nats-server nodes, not {self.nats_nodes}"
             )
+        if not 1 <= self.workers_per_node <= 64:
+            raise ValueError(f"workers per node must be 1-64, got {self.workers_per_node}")
 
 
 @dataclass(frozen=True)

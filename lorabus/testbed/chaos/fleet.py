@@ -21,11 +21,13 @@ restarted, as a supervisor would. Everything started is stopped on exit.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+import msgspec
 import nats.errors
 
 from lorabus.agents.config import AgentConfig
@@ -100,6 +102,12 @@ class ChaosFleet:
         self.links: dict[str, LinkProxy] = {}
         """Each process's link to nats-server, by process name (kept across
         its restarts): a partition cuts one."""
+        size = settings.workers_per_node
+        ids = list(self.sim.workers)
+        self.node_of: dict[str, str] = (
+            {w: f"node{i // size}" for i, w in enumerate(ids)} if size > 1 else {}
+        )
+        """With node agents: each worker's node."""
 
     def _first_nodes(self, count: int) -> list[NatsServer]:
         if count == 1:
@@ -172,8 +180,11 @@ class ChaosFleet:
         """The coordinators and one agent per worker (after the observers listen)."""
         for _ in range(self.settings.coordinators):
             await self.start_coordinator()
+        started: set[str] = set()
         for worker_id in self.worker_ids:
-            await self.start_agent(worker_id)
+            if self.node_of.get(worker_id, worker_id) not in started:
+                await self.start_agent(worker_id)
+                started.add(self.node_of.get(worker_id, worker_id))
 
     async def aclose(self) -> None:
         self._closing = True
@@ -230,7 +241,8 @@ class ChaosFleet:
             return
         self.out(f"crash  {child.name} exited {code}; restarting it")
         if worker_id:
-            self._begin(AGENT_DOWN, worker_id)
+            for mate in self.mates(worker_id):
+                self._begin(AGENT_DOWN, mate)
             await self.restart_agent(worker_id)
         else:
             holder = next((h for h, c in self.coordinators.items() if c is child), None)
@@ -268,44 +280,78 @@ class ChaosFleet:
 
     # -- agents ------------------------------------------------------------------
 
+    def mates(self, worker_id: str) -> list[str]:
+        """The workers one agent process serves with ``worker_id``: its node's
+        with node agents, else itself alone."""
+        node = self.node_of.get(worker_id)
+        return [w for w, n in self.node_of.items() if n == node] if node else [worker_id]
+
+    def agent_process(self, worker_id: str) -> str:
+        """The name of the agent process that serves ``worker_id``."""
+        node = self.node_of.get(worker_id)
+        return f"node-{node}" if node else f"agent-{worker_id}"
+
     async def start_agent(self, worker_id: str) -> Child:
+        """The agent process of ``worker_id`` (with node agents, its node's)."""
         s = self.settings
-        worker = self.sim.workers[worker_id]
-        config = AgentConfig(
-            fleet=s.fleet,
-            worker_id=worker_id,
-            system_url=self.sim.system_url(worker_id),
-            frontend_url=self.sim.url,
-            world_size=worker.world_size,
-            heartbeat_s=s.heartbeat_s,
-            engine_timeout_s=s.engine_timeout_s,
-            # A cache of its own, as on a node of its own (kept across restarts).
-            cache_dir=str(self.run_dir / "caches" / worker_id),
-        )
-        link = await self._link(f"agent-{worker_id}")
-        child = await self.processes.start(
-            f"agent-{worker_id}", agent_args(config, nats_url=link.url), log_level=s.log_level
-        )
-        self.agents[worker_id] = child
-        self.timeline.agent_started(worker_id, child.started_at)
+        configs = [
+            AgentConfig(
+                fleet=s.fleet,
+                worker_id=mate,
+                system_url=self.sim.system_url(mate),
+                frontend_url=self.sim.url,
+                world_size=self.sim.workers[mate].world_size,
+                heartbeat_s=s.heartbeat_s,
+                engine_timeout_s=s.engine_timeout_s,
+                # A cache of its own, as on a node of its own (kept across restarts).
+                cache_dir=str(self.run_dir / "caches" / mate),
+            )
+            for mate in self.mates(worker_id)
+        ]
+        name = self.agent_process(worker_id)
+        link = await self._link(name)
+        node = self.node_of.get(worker_id)
+        if node is None:
+            args = agent_args(configs[0], nats_url=link.url)
+        else:
+            args = node_agent_args(node, configs, self.run_dir / f"{name}.toml", link.url)
+        child = await self.processes.start(name, args, log_level=s.log_level)
+        for config in configs:
+            self.agents[config.worker_id] = child
+            self.timeline.agent_started(config.worker_id, child.started_at)
         self._supervise(child, worker_id)
         return child
 
     async def kill_agent(self, worker_id: str) -> None:
         await self.agents[worker_id].kill()
-        self._begin(AGENT_DOWN, worker_id)
+        for mate in self.mates(worker_id):
+            self._begin(AGENT_DOWN, mate)
 
     async def restart_agent(self, worker_id: str) -> None:
         child = await self.start_agent(worker_id)
-        self._end(AGENT_DOWN, worker_id, at=child.started_at)
+        for mate in self.mates(worker_id):
+            self._end(AGENT_DOWN, mate, at=child.started_at)
 
     def stop_agent(self, worker_id: str) -> None:
         self.agents[worker_id].suspend()
-        self._begin(AGENT_STOPPED, worker_id)
+        for mate in self.mates(worker_id):
+            self._begin(AGENT_STOPPED, mate)
 
     def continue_agent(self, worker_id: str) -> None:
         self.agents[worker_id].resume()
-        self._end(AGENT_STOPPED, worker_id)
+        for mate in self.mates(worker_id):
+            self._end(AGENT_STOPPED, mate)
+
+    def partition_agent(self, worker_id: str, *, to_bus: bool, from_bus: bool) -> None:
+        """Cut the link of ``worker_id``'s agent process (its whole node's)."""
+        self.links[self.agent_process(worker_id)].cut(to_bus=to_bus, from_bus=from_bus)
+        for mate in self.mates(worker_id):
+            self._begin(AGENT_PARTITIONED, mate)
+
+    def heal_agent_partition(self, worker_id: str) -> None:
+        self.links[self.agent_process(worker_id)].heal()
+        for mate in self.mates(worker_id):
+            self._end(AGENT_PARTITIONED, mate)
 
     # -- coordinators ------------------------------------------------------------------
 
@@ -416,7 +462,7 @@ class ChaosFleet:
         self._begin(NATS_NODE_PARTITIONED, self.nodes[node].name)
         port = self.nodes[node].port
         for worker_id in self.worker_ids:
-            link = self.links.get(f"agent-{worker_id}")
+            link = self.links.get(self.agent_process(worker_id))
             if link is not None and link.reaches(port):
                 self._begin(AGENT_CUT_OFF, worker_id)
 
@@ -485,6 +531,8 @@ class ChaosFleet:
     async def heal(self) -> None:
         """End every fault still holding: the state a fault-free fleet would be in."""
         for kind, worker_id in list(self._open):
+            if (kind, worker_id) not in self._open:
+                continue  # healed with a node-mate's
             if kind == AGENT_STOPPED:
                 self.continue_agent(worker_id)
             elif kind == AGENT_DOWN:
@@ -504,9 +552,35 @@ class ChaosFleet:
             elif kind == ENGINE_HANG:
                 self.unhang_engine(worker_id)
             elif kind == AGENT_PARTITIONED:
-                self.heal_partition(f"agent-{worker_id}", kind, worker_id)
+                self.heal_agent_partition(worker_id)
             elif kind == COORDINATOR_PARTITIONED:
                 self.heal_partition(f"coordinator-{worker_id}", kind, worker_id)
+
+
+def node_agent_args(node: str, configs: list[AgentConfig], path: Path, nats_url: str) -> list[str]:
+    """``agent --node-file`` for ``configs`` on ``node``: each worker's own
+    settings in the file (written at ``path``), the settings they share as
+    options."""
+    first = configs[0]
+    lines = [f"node = {json.dumps(node)}", ""]
+    for config in configs:
+        lines += [
+            "[[workers]]",
+            f"worker_id = {json.dumps(config.worker_id)}",
+            f"system_url = {json.dumps(config.system_url)}",
+            f"world_size = {config.world_size}",
+            f"cache_dir = {json.dumps(config.cache_dir)}",
+            "",
+        ]
+    path.write_text("\n".join(lines))
+    shared = msgspec.structs.replace(first, cache_dir="")
+    args = agent_args(shared, nats_url=nats_url)
+    # The file names each worker: drop the first one's own flags.
+    for flag in ("--worker-id", "--system-url", "--world-size"):
+        if flag in args:
+            at = args.index(flag)
+            del args[at : at + 2]
+    return [*args, "--node-file", str(path)]
 
 
 def _same_again(server: NatsServer) -> NatsServer:

@@ -34,7 +34,7 @@ from lorabus.errors import NoCoordinator
 from lorabus.simfleet import SimWorker
 from lorabus.testbed.chaos.fleet import ChaosFleet
 from lorabus.testbed.chaos.schedule import Fault, FaultKind
-from lorabus.testbed.chaos.timeline import AGENT_PARTITIONED, COORDINATOR_PARTITIONED, now
+from lorabus.testbed.chaos.timeline import COORDINATOR_PARTITIONED, now
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,13 @@ class FaultInjector:
             case FaultKind.FROZEN_LEADER_REQUEST:
                 return await self._frozen_leader_request(fault)
             case FaultKind.AGENT_PARTITION:
-                return self._partition(fault, f"agent-{worker_id}", AGENT_PARTITIONED, worker_id)
+                # The target's agent process: with node agents, its whole node's.
+                fleet.partition_agent(
+                    worker_id,
+                    to_bus=fault.cut in ("both", "to_bus"),
+                    from_bus=fault.cut in ("both", "from_bus"),
+                )
+                return _sync(lambda: fleet.heal_agent_partition(worker_id))
             case FaultKind.LEADER_PARTITION:
                 leader = await self._find_leader()
                 if leader is None:
