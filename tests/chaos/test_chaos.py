@@ -199,3 +199,52 @@ async def test_three_tenants_updating_at_once_break_no_invariant(tmp_path: Path)
         assert tenant["no_terminal_result"] == 0, f"{adapter}: {tenant}\n{story}"
     assert report.faults_by_kind.get("agent_kill", 0) > 0, story
     assert report.observed["ready_after_restart"]["processes"] > 0, story
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(150)
+async def test_node_agents_killed_stopped_and_cut_off_whole_break_no_invariant(
+    tmp_path: Path,
+) -> None:
+    """The workers under node agents of two workers each (``lorabus agent
+    --node-file``): an agent fault takes the node's process, so both its
+    workers at once; engine faults still hit one worker of a node. Nothing
+    stays paused, every request gets a terminal answer, and what committed
+    is served once healed."""
+    lines: list[str] = []
+    config = ChaosConfig(
+        faults=8,
+        seed=3,
+        world_sizes=WORLD_SIZES,
+        mean_gap_s=3.0,
+        kinds=(
+            FaultKind.AGENT_KILL,
+            FaultKind.AGENT_STOP,
+            FaultKind.AGENT_PARTITION,
+            FaultKind.ENGINE_ERROR,
+            FaultKind.ENGINE_HANG,
+        ),
+        fleet=FleetSettings(world_sizes=WORLD_SIZES, workers_per_node=2),
+        run_dir=tmp_path / "run",
+    )
+
+    report = await run_chaos(config, out=_told(lines))
+
+    story = "\n".join(lines)
+    assert report.violations == [], (
+        "\n".join(str(v) for v in report.violations) + f"\n\n{story}\nlogs: {report.run_dir}"
+    )
+    # One process per node (a log per start of it), none per worker.
+    logs = sorted(p.name for p in (tmp_path / "run" / "logs").iterdir())
+    processes = {name.split(".")[0] for name in logs if name.startswith(("node-", "agent-"))}
+    assert processes == {"node-node0", "node-node1"}, logs
+    assert report.faults_by_kind.get("agent_kill", 0) > 0, story
+    # A kill of a worker's agent is its node's: that node's process started again.
+    for line in lines:
+        if line.startswith("fault") and "agent_kill" in line:
+            node = {"w000": "node0", "w001": "node0", "w002": "node1", "w003": "node1"}[
+                line.split("agent_kill ")[1].split()[0]
+            ]
+            assert f"node-{node}.2.log" in logs, f"{line}\n{logs}"
+    assert report.committed > 0, story
+    assert report.attempted == report.committed + report.failed_cleanly, story
