@@ -153,6 +153,11 @@ _QUICK_PLACEMENT = QUICK.placement
     f"[default: {_csv(FULL.connections)}; quick: {_csv(QUICK.connections)}].",
 )
 @click.option(
+    "--http-connections",
+    help=f"Agents' NATS connections for http and live: {' or '.join(CONNECTIONS)} "
+    f"[default: {_csv(FULL.http_connections)}].",
+)
+@click.option(
     "--agent-procs",
     type=click.IntRange(min=1, max=64),
     help=f"Processes the agents are spread over [default: {FULL.agent_procs}].",
@@ -254,6 +259,7 @@ def bench(
     window_case: WindowCase | str | None,
     modes: str | None,
     connections: str | None,
+    http_connections: str | None,
     agent_procs: int | None,
     heartbeat_s: float | None,
     keep: int | None,
@@ -323,6 +329,7 @@ def bench(
             "series": _names(series),
             "modes": _names(modes),
             "connections": _names(connections) or (("own",) if secure else None),
+            "http_connections": _names(http_connections),
             "secure": secure or None,
             "canary": False if no_canary else None,
             "agent_procs": agent_procs,
