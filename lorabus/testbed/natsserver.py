@@ -103,6 +103,7 @@ class NatsServer:
         routes: list[int] | None = None,
         options: Sequence[str] = (),
         include: Path | None = None,
+        start_timeout_s: float = 10.0,
     ) -> None:
         """A server; with ``cluster_port`` and ``routes`` (the other nodes' cluster
         ports) it joins a loopback cluster named ``lorabus`` as node ``name``.
@@ -114,6 +115,9 @@ class NatsServer:
         self.routes = routes or []
         self.options = list(options)
         self.include = include
+        self.start_timeout_s = start_timeout_s
+        """How long :meth:`__aenter__` waits for it to accept (a configuration
+        of thousands of accounts takes seconds to load on a busy machine)."""
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="lorabus-nats-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -196,7 +200,7 @@ class NatsServer:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 
     async def __aenter__(self) -> NatsServer:
-        await self.start()
+        await self.start(self.start_timeout_s)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -259,7 +259,9 @@ class _SizeRun(BenchFleet):
             tls=True,
             nodes=nodes,
         )
-        async with NatsServer(include=auth.server_conf) as server:
+        # Thousands of identities make a configuration of megabytes (an
+        # account per agent: 15 MB at N = 4096), which takes seconds to load.
+        async with NatsServer(include=auth.server_conf, start_timeout_s=120.0) as server:
             self.nats, self.auth = server, auth
             try:
                 nc = await self.connect(Role.OPERATOR, name="bench-operator")
