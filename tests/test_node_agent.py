@@ -17,7 +17,7 @@ from typing import Any
 import nats
 import pytest
 from nats.aio.msg import Msg
-from processes import Processes, wait_live_workers
+from processes import Processes, run_lorabus, wait_live_workers
 
 from lorabus.agents import AgentConfig
 from lorabus.client import UpdateClient
@@ -137,6 +137,20 @@ async def test_a_node_agent_and_a_lone_agent_serve_one_fleet_per_worker(
     # Batched: fewer node messages than the node's workers' acks.
     assert len(node_acks) < sum(len(m.acks) for m in node_acks)
     assert any(isinstance(m, NodeBeats) and len(m.beats) > 1 for m in heard.beats)
+
+    # The audit trail keeps the node's acks: it verifies, the tap shows each
+    # worker's ack, and the timeline draws a row per worker.
+    common = ["--nats", nats_url, "--fleet", fleet_name]
+    verified = await run_lorabus("audit", "verify", "--live", *common)
+    tapped = await run_lorabus("tap", *common, "--no-follow")
+    page = tmp_path / "timeline.html"
+    drawn = await run_lorabus("audit", "timeline", "--live", *common, "--out", str(page))
+    assert verified.returncode == 0 and "0 violation(s)" in verified.stdout, verified
+    for worker_id in NODE_WORKERS:
+        assert f"gpu-a/{worker_id}" in tapped.stdout, tapped.stdout
+    assert drawn.returncode == 0, drawn
+    html = page.read_text()
+    assert all(worker_id in html for worker_id in [*NODE_WORKERS, LONE])
 
 
 async def test_one_failing_engine_fails_its_worker_alone_and_a_killed_node_leaves_whole(

@@ -58,7 +58,7 @@ from lorabus.audit.verify import (
 from lorabus.bus.connect import is_transient, js_api_of, until_answered
 from lorabus.errors import AuditStreamMissing, BusError
 from lorabus.runtime.cancellation import raise_if_cancelled
-from lorabus.schemas import BadPayload, Subjects, tag_of, to_builtins
+from lorabus.schemas import BadPayload, NodeAcks, Subjects, tag_of, to_builtins
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +289,8 @@ def timeline_line(record: TrailRecord, previous_update: str | None) -> tuple[str
     except BadPayload as exc:
         return f"{when} {record.seq:>7} POISON {subject}: {printable(str(exc))}", previous_update
     origin = origin_of(record.subject)
+    if isinstance(message, NodeAcks) and not subject_problem(origin, message):
+        return _node_lines(record, message, when, previous_update)
     update_id = getattr(message, "update_id", None) or previous_update
     sender = origin.worker if origin.kind != "command" else None
     who = sender or "coordinator"
@@ -301,6 +303,24 @@ def timeline_line(record: TrailRecord, previous_update: str | None) -> tuple[str
     if update_id != previous_update and update_id:
         line = f"-- update {printable(update_id)} --\n{line}"
     return line, update_id
+
+
+def _node_lines(
+    record: TrailRecord, message: NodeAcks, when: str, previous_update: str | None
+) -> tuple[str, str | None]:
+    """A node's acks as a line each, by ``<node>/<worker>``."""
+    lines = []
+    acks = [a for a in record.message.get("acks", []) if isinstance(a, dict)]
+    for ack, body in zip(message.acks, acks, strict=False):
+        who = f"{message.node}/{ack.worker_id}"
+        line = printable(
+            f"{when} {record.seq:>7} e{ack.epoch} {who:<18} {'ack':<16} {_detail(body)}"
+        )
+        if ack.update_id != previous_update:
+            line = f"-- update {printable(ack.update_id)} --\n{line}"
+            previous_update = ack.update_id
+        lines.append(line)
+    return "\n".join(lines), previous_update
 
 
 def _detail(message: dict[str, object]) -> str:

@@ -1,0 +1,77 @@
+"""A node's acks in the audit trail read as its workers' own.
+
+``audit verify`` judges each ack a ``node_acks`` record carries (a pause
+that no resume follows is a violation, whoever batched it), refuses one
+that claims another node than its subject's, and the timeline draws a bar
+per worker from it.
+"""
+
+from __future__ import annotations
+
+from lorabus.audit.timeline import TimelineBuilder
+from lorabus.audit.verify import TrailRecord, verify
+from lorabus.schemas import Ack, NodeAcks, Phase, Subjects, to_builtins
+
+S = Subjects(fleet="f")
+
+
+def ack(worker_id: str, phase: Phase, *, paused: bool) -> Ack:
+    return Ack(
+        update_id="u1",
+        phase=phase,
+        worker_id=worker_id,
+        ok=True,
+        world_size=1,
+        adapters=[],
+        paused=paused,
+        epoch=1,
+        duration_s=0.01,
+    )
+
+
+def record(seq: int, node: str, acks: list[Ack], *, claimed: str = "") -> TrailRecord:
+    message = NodeAcks(node=claimed or node, acks=acks)
+    return TrailRecord(
+        seq=seq, subject=S.ack(node), ts=1000.0 + seq, kind="ack", message=to_builtins(message)
+    )
+
+
+def test_a_pause_a_node_acked_and_no_resume_followed_is_a_violation() -> None:
+    paused = record(
+        1, "n1", [ack("w000", Phase.PAUSE, paused=True), ack("w001", Phase.PAUSE, paused=True)]
+    )
+    resumed = record(2, "n1", [ack("w000", Phase.RESUME, paused=False)])
+
+    violations = verify([paused, resumed])
+
+    assert [(v.rule, v.seqs) for v in violations] == [("unresumed_pause", [1])]
+    assert "w001" in violations[0].message
+
+
+def test_a_node_message_claiming_another_node_is_a_subject_mismatch() -> None:
+    forged = record(1, "n1", [ack("w000", Phase.PAUSE, paused=True)], claimed="n2")
+
+    violations = verify([forged])
+
+    assert [v.rule for v in violations] == ["subject_mismatch"]
+
+
+def test_the_timeline_draws_each_workers_bar_from_a_nodes_acks() -> None:
+    builder = TimelineBuilder()
+    builder.take(
+        record(
+            1, "n1", [ack("w000", Phase.PAUSE, paused=True), ack("w001", Phase.PAUSE, paused=True)]
+        )
+    )
+    builder.take(
+        record(
+            2,
+            "n1",
+            [ack("w000", Phase.RESUME, paused=False), ack("w001", Phase.RESUME, paused=False)],
+        )
+    )
+
+    [timeline] = builder.timelines()
+    bars = {row.worker_id: [bar.phase for bar in row.bars] for row in timeline.rows()}
+    assert bars == {"w000": ["pause", "resume"], "w001": ["pause", "resume"]}
+    assert not any(row.unresumed for row in timeline.rows())
