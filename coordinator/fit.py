@@ -10,8 +10,9 @@ goes first, step by step, and the message names what it left out
 (``trimmed``). A result never loses its status, its rank map or the entry of
 a worker that failed: without them it would say less than the truth. A
 status loses each member's adapter list first, then each adapter's holders
-(every adapter's commit stays), and its rank map last, as each member's row
-still has its offset.
+(every adapter's commit stays), then its rank map, as each member's row
+still has its offset, and last the rows of members that are ready and
+running (what an operator acts on stays: members not ready, or paused).
 """
 
 from __future__ import annotations
@@ -82,7 +83,16 @@ def _trimmed_statuses(status: FleetStatus) -> Iterator[FleetStatus]:
     )
     yield smaller
     # Each member's row carries its rank offset: the map says it twice.
-    yield msgspec.structs.replace(smaller, rank_map=None, trimmed=[*smaller.trimmed, "rank_map"])
+    smaller = msgspec.structs.replace(
+        smaller, rank_map=None, trimmed=[*smaller.trimmed, "rank_map"]
+    )
+    yield smaller
+    # Tens of thousands of members: keep those an operator must look at;
+    # live_world_size still counts every one.
+    unwell = [m for m in smaller.members if not m.ready or m.paused]
+    yield msgspec.structs.replace(
+        smaller, members=unwell, trimmed=[*smaller.trimmed, "ready_members"]
+    )
 
 
 def _cut(error: ErrorInfo | None) -> ErrorInfo | None:

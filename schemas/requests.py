@@ -181,7 +181,11 @@ class ResetResult(_Message, frozen=True, kw_only=True, tag="reset_result"):
     error: ErrorInfo | None = None
 
 
-class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
+class MemberStatus(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One live member. Fields at their default are left out on the wire (a
+    reader fills them in): a status of thousands of members must fit one
+    message."""
+
     worker_id: WorkerId
     world_size: WorldSize
     engine: str
@@ -262,8 +266,9 @@ class FleetStatus(_Message, frozen=True, kw_only=True, tag="fleet_status"):
     """What was left out so that the status fits the bus's message size limit:
     ``adapters`` (each member's adapter list), then ``holders`` (each
     adapter's holders and placed workers), then ``phase_members`` (the ``acked`` and ``waiting``
-    lists), then ``rank_map`` (each member still shows its rank offset).
-    Empty: the whole status."""
+    lists), then ``rank_map`` (each member still shows its rank offset),
+    then ``ready_members`` (the rows of members ready and not paused:
+    ``live_world_size`` still counts them). Empty: the whole status."""
     running: list[RunningUpdate] = []
     """Every update running, in the order they started."""
     adapters: list[AdapterStatus] = []

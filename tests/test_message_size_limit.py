@@ -160,8 +160,9 @@ def test_a_status_leaves_out_adapter_lists_then_phase_members_then_the_rank_map(
         assert _size(fitted) <= limit
         assert [m.worker_id for m in fitted.members] == waiting
     smallest = fit_status(status, 1000)  # fits nothing: the most trimmed form
-    assert smallest.trimmed == ["adapters", "phase_members", "rank_map"]
+    assert smallest.trimmed == ["adapters", "phase_members", "rank_map", "ready_members"]
     assert smallest.rank_map is None
+    # Every member is paused: an operator must see each one.
     assert [m.rank_offset for m in smallest.members] == [m.rank_offset for m in members]
 
     text = status_text(fit_status(status, without_adapters - 1))
@@ -169,6 +170,41 @@ def test_a_status_leaves_out_adapter_lists_then_phase_members_then_the_rank_map(
     assert "pause, 0/0 acked" not in text
     progress = update_progress_text("u1", fit_status(status, without_adapters - 1))
     assert "0 of 0 acked" not in progress and "phase_members" in progress
+
+
+def test_a_status_of_4096_members_fits_and_past_that_keeps_the_members_not_ready() -> None:
+    def fleet(n: int) -> FleetStatus:
+        rank_map = build_rank_map({f"w{i:05d}": 1 for i in range(n)})
+        members = [
+            MemberStatus(
+                worker_id=entry.worker_id,
+                world_size=1,
+                engine="dynamo",
+                paused=False,
+                adapters=["policy-v1"],
+                heartbeat_age_s=0.5,
+                rank_offset=entry.rank_offset,
+                ready=entry.worker_id != "w00007",
+                unready_reason="" if entry.worker_id != "w00007" else "missing policy-v1",
+            )
+            for entry in rank_map.entries
+        ]
+        return FleetStatus(
+            fleet="f", expected_world_size=n, live_world_size=n, members=members, rank_map=rank_map
+        )
+
+    limit = 1024 * 1024
+    fitted = fit_status(fleet(4096), limit)
+    assert _size(fitted) <= limit and len(fitted.members) == 4096, fitted.trimmed
+    assert "ready_members" not in fitted.trimmed
+
+    huge = fit_status(fleet(20000), limit)
+    assert _size(huge) <= limit
+    assert huge.trimmed[-1] == "ready_members"
+    assert [(m.worker_id, m.unready_reason) for m in huge.members] == [
+        ("w00007", "missing policy-v1")
+    ]
+    assert huge.live_world_size == 20000
 
 
 async def test_an_update_whose_result_outgrows_the_server_limit_is_answered_trimmed(
