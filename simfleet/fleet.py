@@ -34,6 +34,9 @@ __all__ = ["SimFleet"]
 
 log = logging.getLogger(__name__)
 
+_MAX_BACKLOG = 8192
+"""The kernel caps it at ``net.core.somaxconn`` anyway."""
+
 #: Grace period for in-flight requests once the fleet stops.
 _SHUTDOWN_GRACE_S = 5.0
 
@@ -127,7 +130,11 @@ class SimFleet:
         )
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            # One process stands in for every engine of the fleet: thousands
+            # of agents connect at once (aiohttp's default backlog, 128,
+            # made the kernel reset most of 4096).
+            backlog = max(128, min(len(self.workers), _MAX_BACKLOG))
+            await web.TCPSite(runner, host, port, backlog=backlog).start()
         except BaseException:
             await runner.cleanup()
             raise
