@@ -22,9 +22,11 @@ first report it holds. Heartbeats, which come on each agent's own timer, go
 out once every worker's is in, or at that latest.
 
 Failure stays per worker where it can: an engine that fails makes only its
-worker's acks fail, and a worker refused its id stops alone. The process
-dying takes every worker of the node out at once: their heartbeats stop
-together, as a node's power would take them.
+worker's acks fail, and a worker refused its id stops alone. Anything else
+that ends a worker's agent ends the process (so that its supervisor starts
+it again, as it would a lone agent), and the process dying takes every
+worker of the node out at once: their heartbeats stop together, as a
+node's power would take them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from lorabus.agents.agent import Agent
+from lorabus.errors import DuplicateWorker
 from lorabus.schemas import (
     MAX_MESSAGE_BYTES,
     MAX_NODE_WORKERS,
@@ -141,31 +144,33 @@ class NodeOutbox:
             await self._send(run)
 
     async def _send(self, reports: list[Report]) -> None:
+        subject = (
+            self._subjects.ack(self._node)
+            if isinstance(reports[0], Ack)
+            else self._subjects.heartbeat(self._node)
+        )
+        # What the server carries and every reader accepts, with room to spare.
+        limit = min(self._nc.max_payload or MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES) // 2
         for start in range(0, len(reports), MAX_NODE_WORKERS):
-            chunk = reports[start : start + MAX_NODE_WORKERS]
-            for payload in self._payloads(chunk):
-                subject = (
-                    self._subjects.ack(self._node)
-                    if isinstance(chunk[0], Ack)
-                    else self._subjects.heartbeat(self._node)
-                )
+            for payload in self._payloads(reports[start : start + MAX_NODE_WORKERS], limit):
                 try:
                     await self._nc.publish(subject, payload)
                 except Exception as exc:  # a closed connection must not kill the node
+                    # The next batch may go; the coordinator asks again for what this lost.
                     log.warning("node=%s could not publish on %s: %s", self._node, subject, exc)
-                    return
+                    continue
                 self.sent += 1
 
-    def _payloads(self, chunk: list[Report]) -> list[bytes]:
+    def _payloads(self, chunk: list[Report], limit: int) -> list[bytes]:
         """The chunk as one message, or halves of it while one is too large."""
         if isinstance(chunk[0], Ack):
             payload = encode(NodeAcks(node=self._node, acks=chunk))  # type: ignore[arg-type]
         else:
             payload = encode(NodeBeats(node=self._node, beats=chunk))  # type: ignore[arg-type]
-        if len(payload) <= MAX_MESSAGE_BYTES // 2 or len(chunk) == 1:
+        if len(payload) <= limit or len(chunk) == 1:
             return [payload]
         half = len(chunk) // 2
-        return self._payloads(chunk[:half]) + self._payloads(chunk[half:])
+        return self._payloads(chunk[:half], limit) + self._payloads(chunk[half:], limit)
 
 
 class NodeCommands:
@@ -288,9 +293,14 @@ class NodeAgent:
         outbox = asyncio.create_task(link.outbox.run(), name=f"node-outbox-{self.node}")
         announce = asyncio.create_task(self._announce(readies, ready))
         try:
-            stopped = await asyncio.gather(
-                *(self._serve(agent, nc, r) for agent, r in zip(self.agents, readies, strict=True))
-            )
+            async with asyncio.TaskGroup() as workers:
+                serving = [
+                    workers.create_task(self._serve(agent, nc, r))
+                    for agent, r in zip(self.agents, readies, strict=True)
+                ]
+            stopped = [task.result() for task in serving]
+        except* Exception as failed:
+            raise failed.exceptions[0] from None
         finally:
             for task in (announce, outbox):
                 task.cancel()
@@ -303,7 +313,7 @@ class NodeAgent:
     async def _serve(self, agent: Agent, nc: NatsClient, ready: asyncio.Event) -> Exception | None:
         try:
             await agent.run(nc, ready)
-        except Exception as exc:
+        except DuplicateWorker as exc:
             log.error(
                 "node=%s worker=%s stopped: %s; the node's other workers go on",
                 self.node,

@@ -133,13 +133,17 @@ class CoordinatorBus:
                 )
                 return []
             reports = message.acks if isinstance(message, NodeAcks) else message.beats
-            taken = []
+            taken, refused = [], []
             for report in reports:
                 refusal = self.nodes.refusal(token, report.worker_id)
                 if refusal is None:
                     taken.append(report)
                 else:
-                    await self._bad(msg, f"dropped {kind} of {report.worker_id!r}: {refusal}")
+                    refused.append(refusal)
+            if refused:
+                # One report per message, however many entries it forged.
+                more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+                await self._bad(msg, f"dropped {kind}s of a node: {refused[0]}{more}")
             return taken
         if message.worker_id != token:
             await self._bad(

@@ -1,9 +1,14 @@
 """Which workers a node agent may ack and beat for (``lorabus.schemas.nodes``).
 
-Without a nodes file the coordinator takes a node's messages for whatever
-workers they name, as it takes any agent's on a bus without permissions;
-with one (``lorabus auth init --node`` writes it), only for the node's own
-workers, and nothing from a node the file does not list.
+With a nodes file (``lorabus auth init --node`` writes it) the coordinator
+takes a node's acks and beats only for the node's own workers, and nothing
+from a node the file does not list. Without one, a coordinator that signs
+its commands (a fleet with identities, where each lone agent may publish on
+the ack subject of its own id) takes no node's message at all: anyone
+could otherwise speak for every worker from their own subject. Only a
+coordinator that signs nothing (a bus without permissions, where anyone
+may publish anything anyway) takes a node's messages for the workers they
+name.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ class NodeRoster:
         self._nodes = None if nodes is None else {n: frozenset(w) for n, w in nodes.items()}
 
     @classmethod
-    def load(cls, path: str) -> NodeRoster:
-        """The roster of the nodes file at ``path`` ("": none, so open).
-        ValueError, saying what is wrong, for a file that cannot be read."""
+    def load(cls, path: str, *, secured: bool = False) -> NodeRoster:
+        """The roster of the nodes file at ``path`` ("": none, so open, or
+        closed to every node when ``secured``). ValueError, saying what is
+        wrong, for a file that cannot be read."""
         if not path:
-            return cls()
+            return cls({}) if secured else cls()
         try:
             with open(path, "rb") as file:
                 return cls(decode_nodes(file.read()))

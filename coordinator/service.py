@@ -110,7 +110,7 @@ class Coordinator:
         be read)."""
         self.config = config
         self.tenants = tenants if tenants is not None else Tenants.load(config.tenants_file)
-        self.nodes = NodeRoster.load(config.nodes_file)
+        self.nodes = NodeRoster.load(config.nodes_file, secured=bool(config.signing_key_file))
         self._frontend = frontend
         self.subjects = Subjects(fleet=config.fleet, prefix=config.subject_prefix)
         self.holder = (

@@ -18,6 +18,7 @@ from lorabus.schemas.events import Event
 from lorabus.schemas.reports import Ack, AckMessage, BeatMessage, Heartbeat, NodeAcks, NodeBeats
 from lorabus.schemas.requests import (
     FleetStatus,
+    MemberStatus,
     ResetRequest,
     ResetResult,
     ResultRequest,
@@ -88,8 +89,19 @@ def encode(message: msgspec.Struct) -> bytes:
 
 
 def to_builtins(message: msgspec.Struct) -> Any:
-    """Plain dicts and lists, e.g. for ``--json`` output."""
-    return msgspec.to_builtins(message)
+    """Plain dicts and lists, e.g. for ``--json`` output: a status's member
+    rows with every field, also those the wire leaves out at their default
+    (``MemberStatus``), so that scripts read them as before."""
+    if isinstance(message, MemberStatus):
+        return _member(message)
+    plain = msgspec.to_builtins(message)
+    if isinstance(message, FleetStatus):
+        plain["members"] = [_member(member) for member in message.members]
+    return plain
+
+
+def _member(member: MemberStatus) -> Any:
+    return msgspec.to_builtins(msgspec.structs.asdict(member))
 
 
 def json_schema() -> dict[str, Any]:

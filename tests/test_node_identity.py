@@ -106,6 +106,15 @@ async def test_a_node_identity_publishes_on_its_subjects_and_hears_its_workers_a
             await close(coordinator)
 
 
+def test_a_signing_coordinator_without_a_nodes_file_takes_no_nodes_message() -> None:
+    """A fleet with identities lets each lone agent publish on the ack subject
+    of its own id: without a nodes file, a node message there could speak
+    for every worker, so a coordinator that signs takes none."""
+    closed, open_ = NodeRoster.load("", secured=True), NodeRoster.load("")
+    assert closed.refusal("w005", "w001") is not None
+    assert open_.refusal("w005", "w001") is None
+
+
 async def test_the_coordinator_takes_a_nodes_beats_only_for_its_own_workers(
     nats_url: str,
 ) -> None:
@@ -133,7 +142,8 @@ async def test_the_coordinator_takes_a_nodes_beats_only_for_its_own_workers(
                     break
                 await asyncio.sleep(0.02)
         assert set(membership.live()) == {"w000", "w003"}
-        assert bus.dropped == 5
+        # One drop per message refused (two of n1's entries in one).
+        assert bus.dropped == 4
     finally:
         for sub in subs:
             await sub.unsubscribe()
