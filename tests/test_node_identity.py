@@ -124,6 +124,7 @@ async def test_the_coordinator_takes_a_nodes_beats_only_for_its_own_workers(
     sender = await connect(nats_url, name="test-forger")
     bus = CoordinatorBus(nc, s, membership, nodes=NodeRoster(NODES))
     subs = await bus.follow()
+    await nc.flush()  # the subscriptions are at the server before anything is sent
     try:
         # n1 for its own w000, and for n2's w003 and the lone w002: only w000 counts.
         forged = NodeBeats(node="n1", beats=[beat("w000"), beat("w003"), beat(LONE)])
