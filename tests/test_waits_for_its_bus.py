@@ -353,6 +353,13 @@ async def test_a_running_fleet_rides_out_nats_frozen_then_killed_and_restarted(
         async with await UpdateClient.connect(server.url, fleet_name) as client:
             await wait_live_workers(client, {"w000"}, processes=processes, deadline_s=DEADLINE_S)
             assert (await _committed(client, make_adapter(1), 1)).committed
+        # The tap is connected once it has written the update's records: a tap
+        # still starting when the bus freezes would have no connection to lose.
+        trail = tmp_path / "trail"
+        await _until(
+            lambda: trail.exists() and trail.stat().st_size > 0,
+            f"the tap writes the trail\n{tap.describe()}",
+        )
 
         # Frozen past every deadline of the coordinator's calls to it (5 s):
         # the coordinator's lease renewal fails.
