@@ -12,7 +12,7 @@ Nothing a heartbeat or an ack claims is taken on trust: the worker id comes
 from the subject (server permissions pin each agent to its own subjects) and
 must match the body's; a node agent's message, on the subject of its node's
 name, carries several workers' acks or beats, each of which must be of one
-of that node's workers (:class:`~lorabus.coordinator.nodes.NodeRoster`), and
+of that node's workers (:class:`~lorabus.schemas.nodes.NodeRoster`), and
 is then taken as that worker's own; the beat period must lie in the coordinator's range;
 an ack counts only from the instance that holds its worker id. Anything else
 is dropped with a ``bad_message`` event, at most ``_BAD_EVENTS_PER_S`` a
@@ -39,7 +39,6 @@ from nats.aio.subscription import Subscription
 from lorabus.bus.rate_limit import PerSecond
 from lorabus.coordinator.gather import AckRouter
 from lorabus.coordinator.membership import Conflict, Membership
-from lorabus.coordinator.nodes import NodeRoster
 from lorabus.schemas import (
     Ack,
     BadMessage,
@@ -57,6 +56,7 @@ from lorabus.schemas import (
     encode,
     tag_of,
 )
+from lorabus.schemas.nodes import NodeRoster
 from lorabus.security.signing import CommandSigner
 
 log = logging.getLogger(__name__)

@@ -55,7 +55,6 @@ from lorabus.coordinator.leader import LeaderElection
 from lorabus.coordinator.lifecycle import UpdateRunner
 from lorabus.coordinator.membership import Membership
 from lorabus.coordinator.metrics import CoordinatorMetrics
-from lorabus.coordinator.nodes import NodeRoster
 from lorabus.coordinator.ports import Frontend
 from lorabus.coordinator.recovery import recover
 from lorabus.coordinator.replacement import replace_departed
@@ -71,6 +70,7 @@ from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.runtime.clock import now
 from lorabus.runtime.event_loop import running_loop_name
 from lorabus.schemas import MAX_MESSAGE_BYTES, FleetStatus, LeaderElected, MemberAlert, Subjects
+from lorabus.schemas.nodes import NodeRoster
 from lorabus.security.signing import CommandSigner
 
 log = logging.getLogger(__name__)

@@ -3,11 +3,23 @@
 A node agent acks and beats for several workers in one message on its
 node's subject (``NodeAcks``, ``NodeBeats``). Server permissions prove which
 node sent it; this file, written beside those permissions into the
-coordinator's identity, says which workers that node may speak for, so a
-node cannot ack or beat in another node's (or a lone agent's) name.
+identities that read acks and beats (the coordinator's, and the
+orchestrator's, auditor's and operator's for ``status`` and ``audit
+verify``), says which workers that node may speak for, so a node cannot
+ack or beat in another node's (or a lone agent's) name.
+
+With the file, a reader takes a node's entries only for the node's own
+workers, and nothing from a node the file does not list. Without one, a
+coordinator that signs its commands (a fleet with identities, where each
+lone agent may publish on the ack subject of its own id) takes no node's
+message at all; any other reader, and a coordinator that signs nothing (a
+bus without permissions, where anyone may publish anything anyway), takes
+a node's messages for the workers they name.
 """
 
 from __future__ import annotations
+
+import os
 
 import msgspec
 
@@ -46,3 +58,43 @@ def encode_nodes(nodes: dict[str, list[str]]) -> bytes:
 def decode_nodes(data: bytes) -> dict[str, list[str]]:
     """ValueError (or msgspec.DecodeError) for anything but a valid nodes file."""
     return check_nodes(msgspec.json.decode(data, type=dict[str, list[str]]))
+
+
+class NodeRoster:
+    def __init__(self, nodes: dict[str, list[str]] | None = None) -> None:
+        self._nodes = None if nodes is None else {n: frozenset(w) for n, w in nodes.items()}
+
+    @classmethod
+    def from_env(cls) -> NodeRoster:
+        """The roster of ``$LORABUS_NODES_FILE`` (an identity's ``lorabus.env``
+        names it for the coordinator, the orchestrator, the auditor and the
+        operator), else open."""
+        return cls.load(os.environ.get(NODES_ENV, ""))
+
+    @classmethod
+    def load(cls, path: str, *, secured: bool = False) -> NodeRoster:
+        """The roster of the nodes file at ``path`` ("": none, so open, or
+        closed to every node when ``secured``). ValueError, saying what is
+        wrong, for a file that cannot be read."""
+        if not path:
+            return cls({}) if secured else cls()
+        try:
+            with open(path, "rb") as file:
+                return cls(decode_nodes(file.read()))
+        except (OSError, msgspec.DecodeError, ValueError) as exc:
+            raise ValueError(f"nodes file {path}: {exc}") from None
+
+    def refusal(self, node: str, worker_id: str) -> str | None:
+        """Why node ``node`` may not speak for ``worker_id`` (None: it may)."""
+        if self._nodes is None:
+            return None
+        workers = self._nodes.get(node)
+        if workers is None:
+            return f"node {node!r} is not in the coordinator's nodes file"
+        if worker_id not in workers:
+            return f"node {node!r} speaks for {worker_id!r}, which is not one of its workers"
+        return None
+
+    def is_node(self, name: str) -> bool:
+        """Whether ``name`` is a listed node's: no lone worker acks or beats there."""
+        return self._nodes is not None and name in self._nodes

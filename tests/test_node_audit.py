@@ -8,9 +8,29 @@ per worker from it.
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
+
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from lorabus.audit.heartbeat_view import HeartbeatListener
 from lorabus.audit.timeline import TimelineBuilder
 from lorabus.audit.verify import TrailRecord, verify
-from lorabus.schemas import Ack, NodeAcks, Phase, Subjects, to_builtins
+from lorabus.schemas import (
+    Ack,
+    Heartbeat,
+    NodeAcks,
+    NodeBeats,
+    Phase,
+    Subjects,
+    encode,
+    to_builtins,
+)
+from lorabus.schemas.nodes import NODES_ENV, NodeRoster, encode_nodes
 
 S = Subjects(fleet="f")
 
@@ -75,3 +95,41 @@ def test_the_timeline_draws_each_workers_bar_from_a_nodes_acks() -> None:
     bars = {row.worker_id: [bar.phase for bar in row.bars] for row in timeline.rows()}
     assert bars == {"w000": ["pause", "resume"], "w001": ["pause", "resume"]}
     assert not any(row.unresumed for row in timeline.rows())
+
+
+def test_with_the_nodes_file_a_nodes_ack_for_another_nodes_worker_is_a_mismatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The auditor's identity names the nodes file: a node (or a lone agent
+    on the ack subject of its own id) cannot plant another worker's resume
+    that would hide an engine left paused."""
+    paused = TrailRecord(
+        seq=1, subject=S.ack("w001"), ts=1001.0, kind="ack",
+        message=to_builtins(ack("w001", Phase.PAUSE, paused=True)),
+    )  # fmt: skip
+    planted = record(2, "n1", [ack("w001", Phase.RESUME, paused=False)])
+    nodes = tmp_path / "nodes.json"
+    nodes.write_bytes(encode_nodes({"n1": ["w000"]}))
+
+    assert verify([paused, planted]) == []  # no nodes file: taken as w001's resume
+    monkeypatch.setenv(NODES_ENV, str(nodes))
+    rules = [v.rule for v in verify([paused, planted])]
+
+    assert rules == ["subject_mismatch", "unresumed_pause"], rules
+
+
+def test_status_without_a_coordinator_takes_a_nodes_beats_only_for_its_workers() -> None:
+    listener = HeartbeatListener(cast(NatsClient, None), S, nodes=NodeRoster({"n1": ["w000"]}))
+    beats = NodeBeats(node="n1", beats=[beat("w000"), beat("w001")])
+    msg = SimpleNamespace(subject=S.heartbeat("n1"), data=encode(beats))
+
+    asyncio.run(listener._on_heartbeat(cast(Msg, msg)))
+
+    assert [m.worker_id for m in listener.view().members] == ["w000"]
+    assert listener.view().ignored == 1
+
+
+def beat(worker_id: str) -> Heartbeat:
+    return Heartbeat(
+        worker_id=worker_id, world_size=1, engine="dynamo", adapters=[], paused=False, interval_s=1
+    )

@@ -20,9 +20,8 @@ from lorabus.bus.connect import Bus, close, connect
 from lorabus.bus.options import BusOptions
 from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.membership import Membership
-from lorabus.coordinator.nodes import NodeRoster
 from lorabus.schemas import Heartbeat, NodeBeats, Subjects, encode
-from lorabus.schemas.nodes import decode_nodes
+from lorabus.schemas.nodes import NODES_ENV, NodeRoster, decode_nodes
 from lorabus.security.auth_init import NODES_FILE, write_fleet_auth
 from lorabus.security.roles import Role
 from lorabus.testbed.natsserver import NatsServer
@@ -45,8 +44,11 @@ async def test_a_node_identity_publishes_on_its_subjects_and_hears_its_workers_a
 ) -> None:
     s = Subjects(fleet=FLEET)
     auth = write_fleet_auth(tmp_path / "auth", s, [LONE], nodes=NODES)
-    roster = decode_nodes((auth.identity(Role.COORDINATOR).folder / NODES_FILE).read_bytes())
-    assert roster == NODES
+    # Every identity that reads acks or beats (status, audit verify) has the file.
+    for reader in (Role.COORDINATOR, Role.ORCHESTRATOR, Role.AUDITOR, Role.OPERATOR):
+        folder = auth.identity(reader).folder
+        assert decode_nodes((folder / NODES_FILE).read_bytes()) == NODES
+        assert f"{NODES_ENV}={folder / NODES_FILE}" in (folder / "lorabus.env").read_text()
     async with NatsServer(include=auth.server_conf) as server:
         coordinator = await connect(
             server.url,

@@ -34,6 +34,7 @@ from lorabus.schemas import (
     Subjects,
     beat_message_decoder,
 )
+from lorabus.schemas.nodes import NodeRoster
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,11 @@ class HeartbeatListener:
     """Hears a fleet's heartbeats on one subscription until closed; keeps the last
     beat of each worker. Use as ``async with``, or :func:`listen` for one view."""
 
-    def __init__(self, nc: NatsClient, subjects: Subjects) -> None:
+    def __init__(self, nc: NatsClient, subjects: Subjects, nodes: NodeRoster | None = None) -> None:
         self.nc = nc
         self.subjects = subjects
+        self.nodes = nodes if nodes is not None else NodeRoster.from_env()
+        """Which workers each node may beat for (``$LORABUS_NODES_FILE``)."""
         self._last: dict[str, tuple[Heartbeat, float]] = {}
         self._ignored = 0
         self._started = 0.0
@@ -150,13 +153,15 @@ class HeartbeatListener:
             return
         token = msg.subject.rsplit(".", 1)[-1]
         if isinstance(message, NodeBeats):
-            # A node's beats, for its workers: which ones it may speak for is
-            # the coordinator's nodes file's to say, not a listener's.
+            # A node's beats, each only for one of its own workers.
             if message.node != token:
                 self._ignored += 1
                 return
             for beat in message.beats:
-                self._last[beat.worker_id] = (beat, now())
+                if self.nodes.refusal(token, beat.worker_id) is None:
+                    self._last[beat.worker_id] = (beat, now())
+                else:
+                    self._ignored += 1
             return
         if message.worker_id != token:
             self._ignored += 1

@@ -71,6 +71,7 @@ from lorabus.schemas import (
     event_decoder,
     tag_of,
 )
+from lorabus.schemas.nodes import NodeRoster
 
 DEFAULT_PREFIX = "lorabus"
 AGENT_START = "agent start"
@@ -198,16 +199,20 @@ def decode_message(record: TrailRecord, prefix: str = DEFAULT_PREFIX) -> Any:
     return read_payload(origin_of(record.subject, prefix), data)
 
 
-def subject_problem(origin: Origin, message: Any) -> str:
-    """How ``message`` disagrees with the subject it came on ("" when it agrees)."""
+def subject_problem(origin: Origin, message: Any, nodes: NodeRoster | None = None) -> str:
+    """How ``message`` disagrees with the subject it came on ("" when it
+    agrees); ``nodes``: which workers each node may ack for (None: any)."""
     tag = tag_of(message)
     claimed_worker = getattr(message, "worker_id", None)
     match origin.kind:
         case "ack" if isinstance(message, NodeAcks):
-            # Which workers a node speaks for is the coordinator's nodes
-            # file's to say, which the trail does not hold.
             if message.node != origin.worker:
                 return f"a node's acks on the subject of {origin.worker!r} claim {message.node!r}"
+            if nodes is not None:
+                refusals = (nodes.refusal(message.node, a.worker_id) for a in message.acks)
+                refusal = next((r for r in refusals if r), None)
+                if refusal is not None:
+                    return refusal
         case "ack":
             if claimed_worker != origin.worker:
                 return f"an ack on the subject of {origin.worker!r} claims {claimed_worker!r}"
@@ -251,7 +256,15 @@ def subject_problem(origin: Origin, message: Any) -> str:
     return ""
 
 
-def verify(records: Iterable[TrailRecord], *, prefix: str = DEFAULT_PREFIX) -> list[Violation]:
+def verify(
+    records: Iterable[TrailRecord],
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    nodes: NodeRoster | None = None,
+) -> list[Violation]:
+    """The promises ``records`` break; ``nodes``: which workers each node
+    may ack for (by default ``$LORABUS_NODES_FILE``'s, else any)."""
+    nodes = nodes if nodes is not None else NodeRoster.from_env()
     checker = _Checker()
     for record in sorted(records, key=lambda r: r.seq):
         origin = origin_of(record.subject, prefix)
@@ -264,7 +277,7 @@ def verify(records: Iterable[TrailRecord], *, prefix: str = DEFAULT_PREFIX) -> l
         except BadPayload as exc:
             checker.violate("poison_record", f"{where}: {exc}", [record.seq])
             continue
-        problem = subject_problem(origin, message)
+        problem = subject_problem(origin, message, nodes)
         if problem:
             # Not replayed: what it claims is not what its sender may say.
             checker.violate("subject_mismatch", f"{where}: {problem}", [record.seq])

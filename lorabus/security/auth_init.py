@@ -167,10 +167,13 @@ def write_fleet_auth(
     identities += [writer.write(Role.AGENT, worker_id) for worker_id in worker_ids]
     identities += [writer.write(Role.NODE, node) for node in node_workers]
     identities += [writer.write(Role.TENANT, tenant) for tenant in tenants]
-    # The coordinator takes a node's acks and beats only for its own workers.
-    write_secret(identities[0].folder / NODES_FILE, encode_nodes(node_workers))
-    with open(identities[0].env_file, "a") as env:
-        env.write(f"{NODES_ENV}={identities[0].folder / NODES_FILE}\n")
+    # Whoever reads acks or beats (the coordinator; the orchestrator and the
+    # operator in `status`, the auditor in `audit verify`) takes a node's
+    # only for its own workers.
+    for reader in identities[:4]:
+        write_secret(reader.folder / NODES_FILE, encode_nodes(node_workers))
+        with open(reader.env_file, "a") as env:
+            env.write(f"{NODES_ENV}={reader.folder / NODES_FILE}\n")
     if tenants:
         # The coordinator enforces it; the operator makes each tenant's
         # adapter store by it (lorabus provision) and lists them.
