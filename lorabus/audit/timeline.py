@@ -33,9 +33,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
-from lorabus.audit.verify import TrailRecord
+from lorabus.audit.verify import TrailRecord, workers_records
 
 PHASE_LABELS = {"prepare": "fetch"}
 """The name a person knows a phase by, where it differs from the wire's."""
@@ -294,7 +292,7 @@ class TimelineBuilder:
 
     def take(self, record: TrailRecord) -> None:
         """The next record of the trail."""
-        for each in _workers_records(record):
+        for each in workers_records(record):
             self._take_one(each)
 
     def _take_one(self, record: TrailRecord) -> None:
@@ -314,7 +312,7 @@ class TimelineBuilder:
     def end_pauses(self, record: TrailRecord) -> None:
         """Only what ``record`` ends of the open pauses: an ok resume ack, or an
         agent's own resume (a record read to learn when an engine resumed)."""
-        if len(nodes := _workers_records(record)) != 1 or nodes[0] is not record:
+        if len(nodes := workers_records(record)) != 1 or nodes[0] is not record:
             for each in nodes:
                 self.end_pauses(each)
             return
@@ -342,16 +340,6 @@ class TimelineBuilder:
         for timeline in self._timelines.values():
             timeline.trail_end = end
         return list(self._timelines.values())
-
-
-def _workers_records(record: TrailRecord) -> list[TrailRecord]:
-    """A node's acks record as one record per worker's ack (each as that
-    worker's own would be); any other record as itself."""
-    message = record.message
-    if record.kind != "ack" or record.poison or message.get("type") != "node_acks":
-        return [record]
-    acks = [ack for ack in _list(message.get("acks")) if isinstance(ack, dict)]
-    return [msgspec.structs.replace(record, message=ack) for ack in acks]
 
 
 def _drawn_update(record: TrailRecord) -> str | None:

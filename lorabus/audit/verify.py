@@ -187,6 +187,17 @@ def poison_text(error: BaseException | str, data: bytes) -> str:
     return printable(f"{error}; {len(data)} bytes: {excerpt}{more}")[:1024]
 
 
+def workers_records(record: TrailRecord) -> list[TrailRecord]:
+    """A node's acks record as one record per worker's ack (each as that
+    worker's own would be); any other record as itself."""
+    message = record.message
+    if record.kind != "ack" or record.poison or message.get("type") != "node_acks":
+        return [record]
+    listed = message.get("acks")  # a trail file may have been edited: any shape
+    acks = [ack for ack in listed if isinstance(ack, dict)] if isinstance(listed, list) else []
+    return [msgspec.structs.replace(record, message=ack) for ack in acks]
+
+
 def decode_message(record: TrailRecord, prefix: str = DEFAULT_PREFIX) -> Any:
     """The typed message of a record, read again (a file may have been edited);
     raises only BadPayload."""
