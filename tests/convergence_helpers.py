@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from memory_fleet import InMemoryFleet, MemoryEngine
 
 from lorabus.client import UpdateClient
-from lorabus.errors import EngineError
+from lorabus.errors import EngineError, NoCoordinator
 from lorabus.schemas import CommittedNotice, MemberStatus, command_decoder
 
 DEADLINE_S = 30.0
@@ -40,11 +40,17 @@ class PickyEngine(MemoryEngine):
 async def member_until(
     client: UpdateClient, worker_id: str, until: Callable[[MemberStatus], bool]
 ) -> MemberStatus:
-    """``worker_id`` as the coordinator's status shows it, once ``until`` holds."""
+    """``worker_id`` as the coordinator's status shows it, once ``until`` holds.
+    A coordinator process still starting (nobody answers yet) is waited for,
+    like a member not listed yet."""
     async with asyncio.timeout(DEADLINE_S):
         while True:
-            status = await client.status()
-            member = next((m for m in status.members if m.worker_id == worker_id), None)
+            try:
+                status = await client.status()
+            except NoCoordinator:
+                status = None
+            members = status.members if status is not None else []
+            member = next((m for m in members if m.worker_id == worker_id), None)
             if member is not None and until(member):
                 return member
             await asyncio.sleep(0.05)

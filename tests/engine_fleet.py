@@ -22,7 +22,6 @@ from lorabus.agents import Agent, AgentConfig, driver_for
 from lorabus.bus.connect import close, connect
 from lorabus.client import UpdateClient
 from lorabus.coordinator import Coordinator, CoordinatorConfig
-from lorabus.schemas import MemberStatus
 from lorabus.simfleet import EngineSetup, SimFleet
 
 DEADLINE_S = 20.0
@@ -112,17 +111,3 @@ async def engine_fleets(
             return client, sim
 
         yield start
-
-
-async def member_once(
-    client: UpdateClient, worker_id: str, until: Callable[[MemberStatus], bool]
-) -> MemberStatus:
-    """``worker_id`` as ``lorabus status`` shows it, once ``until`` holds."""
-    async with asyncio.timeout(DEADLINE_S):
-        while True:
-            status = await client.status()
-            # The coordinator may answer before the agent's first heartbeat.
-            member = next((m for m in status.members if m.worker_id == worker_id), None)
-            if member is not None and until(member):
-                return member
-            await asyncio.sleep(0.05)

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from engine_fleet import StartFleet, engine_fleets, member_once
+from convergence_helpers import member_until
+from engine_fleet import StartFleet, engine_fleets
 from memory_fleet import MemoryEngine
 from processes import Processes
 
@@ -43,7 +44,7 @@ async def test_an_update_that_cannot_fit_fails_at_once_naming_who_and_what_they_
 ) -> None:
     engines = {"w000": "sglang", "w001": "sglang"}
     client, sim = await start_fleet(engines, {"w000": EngineSetup(max_loaded_loras=2)}, keep=2)
-    tight = await member_once(client, "w000", lambda m: m.capacity is not None)
+    tight = await member_until(client, "w000", lambda m: m.capacity is not None)
     assert tight.capacity == 2  # read from the engine's server info
     for version in (1, 2):
         assert (await client.update("policy", make_adapter(version), version=version)).committed
@@ -75,7 +76,7 @@ async def test_a_load_at_capacity_unloads_the_oldest_version_nothing_keeps_first
 ) -> None:
     engines = {"w000": "vllm", "w001": "vllm"}
     client, sim = await start_fleet(engines, {}, max_adapters={"w000": 3}, keep=1)
-    assert (await member_once(client, "w000", lambda m: m.capacity == 3)).capacity == 3
+    assert (await member_until(client, "w000", lambda m: m.capacity == 3)).capacity == 3
     first = make_adapter(1)
     assert (await client.update("a", first, version=1)).committed
     assert (await client.update("b", make_adapter(2), version=1)).committed
@@ -147,6 +148,6 @@ async def test_a_lorabus_agent_process_announces_its_sglangs_capacity(
     )
     await processes.start_agent(config, nats_url=nats_url)
 
-    member = await member_once(client, "w000", lambda m: m.capacity is not None)
+    member = await member_until(client, "w000", lambda m: m.capacity is not None)
 
     assert member.capacity == 3

@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from engine_fleet import DEADLINE_S, StartFleet, engine_fleets, member_once
+from convergence_helpers import member_until
+from engine_fleet import DEADLINE_S, StartFleet, engine_fleets
 
 from lorabus.schemas import ErrorCode
 from lorabus.simfleet import EngineSetup
@@ -69,7 +70,7 @@ async def test_a_worker_whose_engine_cannot_take_updates_says_why_until_restarte
     )
     broken = sim.workers["w000"]
 
-    shown = await member_once(client, "w000", lambda m: bool(m.unready_reason))
+    shown = await member_until(client, "w000", lambda m: bool(m.unready_reason))
     started = time.monotonic()
     refused = await client.update("policy", make_adapter(1), version=1)
     refused_after_s = time.monotonic() - started
@@ -78,7 +79,7 @@ async def test_a_worker_whose_engine_cannot_take_updates_says_why_until_restarte
     for word in words:
         assert word in shown.unready_reason, shown
     assert sim.system_url("w000") in shown.unready_reason, shown
-    ok = await member_once(client, "w001", lambda m: True)
+    ok = await member_until(client, "w001", lambda m: True)
     assert ok.ready and not ok.unready_reason, ok
     assert refused.error is not None and refused.error.code == ErrorCode.QUORUM_TIMEOUT
     assert refused_after_s < DEADLINE_S, refused_after_s
@@ -87,7 +88,7 @@ async def test_a_worker_whose_engine_cannot_take_updates_says_why_until_restarte
 
     # The operator restarts it with what it lacked.
     broken.set_setup(**dataclasses.asdict(EngineSetup()))
-    fixed = await member_once(client, "w000", lambda m: m.ready)
+    fixed = await member_until(client, "w000", lambda m: m.ready)
     result = await client.update("policy", make_adapter(2), version=2)
 
     assert fixed.unready_reason == "", fixed
@@ -120,5 +121,5 @@ async def test_an_update_that_reaches_such_an_engine_fails_at_once_with_the_same
     assert not any(w.paused for w in sim.workers.values())
     assert all("policy-v1" not in w.adapters for w in sim.workers.values())
     # The failure makes the agent ask again: its heartbeat says why at once.
-    shown = await member_once(client, "w000", lambda m: bool(m.unready_reason))
+    shown = await member_until(client, "w000", lambda m: bool(m.unready_reason))
     assert words[-1] in shown.unready_reason and not shown.ready, shown

@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from engine_fleet import StartFleet, engine_fleets, member_once
+from convergence_helpers import member_until
+from engine_fleet import StartFleet, engine_fleets
 
 from lorabus.schemas import ErrorCode
 from lorabus.simfleet import EngineSetup
@@ -56,7 +57,7 @@ async def test_a_load_that_evicts_the_committed_version_fails_and_the_agent_relo
     assert result.workers["w001"].ok
     # The agent puts the committed version back on its own, and says it is
     # ready only once the engine has it again.
-    back = await member_once(client, "w000", lambda m: m.adapters == ["policy-v1"])
+    back = await member_until(client, "w000", lambda m: m.adapters == ["policy-v1"])
     assert back.ready, back
     assert list(tight.adapters) == ["policy-v1"] and not tight.paused
     assert tight.loads_received == reloads_before + 2  # the update's load, then the reload
@@ -80,6 +81,6 @@ async def test_an_eviction_of_a_version_the_fleet_no_longer_serves_is_no_failure
     assert result.committed, result.error
     # Until the agent has the commit's notice it still counts v1 as kept (the
     # canary runs between the load and the commit): it then settles, ready.
-    shown = await member_once(client, "w000", lambda m: "policy-v1" not in m.adapters and m.ready)
+    shown = await member_until(client, "w000", lambda m: "policy-v1" not in m.adapters and m.ready)
     assert "policy-v3" in shown.adapters and "policy-v2" in shown.adapters, shown
     assert sorted(sim.workers["w000"].adapters) == ["policy-v2", "policy-v3"]
