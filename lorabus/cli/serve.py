@@ -86,7 +86,7 @@ def serving_command(
             node_file = settings.pop("node_file", None)
             config: Any
             if node_file is not None:
-                config = _node_config(node_file, settings, fixed)
+                config = _node_config(node_file, settings, fixed, headers)
             else:
                 _check_given(flags, settings)
                 config = build_config(config_type, flags, settings, **fixed)
@@ -127,8 +127,12 @@ def _check_given(flags: Sequence[Flag], settings: dict[str, Any]) -> None:
             )
 
 
-def _node_config(path: str, settings: dict[str, Any], fixed: dict[str, Any]) -> NodeConfig:
-    """The node ``path`` lists, each worker over the command line's settings."""
+def _node_config(
+    path: str, settings: dict[str, Any], fixed: dict[str, Any], headers: tuple[str, ...]
+) -> NodeConfig:
+    """The node ``path`` lists, each worker over the command line's settings;
+    a worker's own key variable takes the place of ``--api-key-env``, beside
+    the ``--header`` flags (``headers``), as it would on the command line."""
     for own in ("worker_id", "system_url"):
         if settings.get(own) is not None:
             raise click.UsageError(
@@ -141,7 +145,7 @@ def _node_config(path: str, settings: dict[str, Any], fixed: dict[str, Any]) -> 
     }
     base.update(fixed)
     try:
-        return load_node_config(path, base, lambda var: headers_from(var, ()))
+        return load_node_config(path, base, lambda var: headers_from(var, headers))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
