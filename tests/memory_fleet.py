@@ -23,6 +23,7 @@ import msgspec
 from memory_bus import MemoryNats, MemoryServer
 
 from lorabus.agents import Agent, CommandExecutor
+from lorabus.agents.node import NodeAgent
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.service import Coordinator
@@ -34,9 +35,11 @@ from lorabus.schemas import (
     Subjects,
     UpdateRequest,
     ack_decoder,
+    ack_message_decoder,
     command_decoder,
     is_addressed_to,
     phase_of,
+    reports_of,
     update_request_decoder,
 )
 
@@ -212,6 +215,26 @@ class InMemoryFleet:
         await asyncio.wait_for(ready.wait(), timeout=30)
         return agent
 
+    def start_node(
+        self, node: str, world_sizes: Mapping[str, int]
+    ) -> tuple[NodeAgent, asyncio.Task[None]]:
+        """A node agent (agents/node.py) of real agents for ``world_sizes``'s
+        workers, on one connection named ``node``; its task, running."""
+        conn = self.connections[node] = self.server.connect(node)
+        agents = []
+        for worker_id, world_size in world_sizes.items():
+            engine = self.engines.setdefault(worker_id, MemoryEngine())
+            agents.append(
+                Agent(
+                    self.subjects,
+                    CommandExecutor(worker_id, world_size, engine),
+                    heartbeat_s=HEARTBEAT_S,
+                )
+            )
+            self.agents[worker_id] = agents[-1]
+        runner = NodeAgent(node, agents)
+        return runner, self._start(runner.run(conn))  # type: ignore[arg-type]
+
     async def kill_agent(self, worker_id: str) -> None:
         """As SIGKILL would: the process stops at once, with no word to the bus
         and no call to its engine (which stays as it is, paused or not)."""
@@ -245,7 +268,8 @@ class InMemoryFleet:
         self.commands.append((msg.subject, command_decoder.decode(msg.data)))
 
     async def _on_ack(self, msg: Any) -> None:
-        self.acks.append(ack_decoder.decode(msg.data))
+        # A node's message carries its workers' acks (agents/node.py).
+        self.acks.extend(reports_of(ack_message_decoder.decode(msg.data)))
 
     def requests(self) -> list[UpdateRequest]:
         """Every update request sent (asked again included), in order."""

@@ -1,0 +1,115 @@
+"""A node agent (agents/node.py) on the in-memory bus, with the real agents
+and coordinator: its workers' acks go out batched on the node's subject and
+count as each worker's own; a worker refused its id stops alone; anything
+else that ends a worker's agent ends the node, every worker with it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from convergence_helpers import member_until
+from memory_fleet import InMemoryFleet
+
+from lorabus.schemas import Phase, RefuseInstance, ack_message_decoder, reports_of
+
+pytestmark = pytest.mark.looptime
+
+NODE = {"n0w0": 1, "n0w1": 2, "n0w2": 1}
+DEADLINE_S = 30.0
+
+
+async def _members(fleet: InMemoryFleet, workers: list[str]) -> None:
+    await fleet.coordinator.membership.wait_quorum(
+        sum(fleet.world_sizes.get(w, 0) for w in workers) + sum(NODE.values()), DEADLINE_S
+    )
+
+
+async def test_a_nodes_acks_come_batched_and_count_as_each_workers_own() -> None:
+    fleet = InMemoryFleet({"w000": 1}, expected_world_size=1 + sum(NODE.values()))
+    async with fleet:
+        _, task = fleet.start_node("n0", NODE)
+        await _members(fleet, ["w000"])
+
+        result = await fleet.client().update("policy", "/adapters/policy/1", version=1)
+        assert not task.done()
+
+    assert result.committed, result.error
+    assert result.rank_map is not None
+    sizes = {e.worker_id: e.world_size for e in result.rank_map.entries}
+    assert sizes == {"w000": 1, **NODE}
+    assert {a.worker_id for a in fleet.acks} == {"w000", *NODE}
+    node_acks = [
+        reports_of(ack_message_decoder.decode(data))
+        for subject, data in fleet.server.published
+        if subject == fleet.subjects.ack("n0")
+    ]
+    acked = [ack for batch in node_acks for ack in batch]
+    # Every worker's ack of each phase came from the node, never on its own subject.
+    for worker_id in NODE:
+        assert {a.phase for a in acked if a.worker_id == worker_id} >= {Phase.RESUME}
+        assert not any(s == fleet.subjects.ack(worker_id) for s, _ in fleet.server.published)
+    assert len(node_acks) < len(acked), "the node's workers answered in batches"
+
+
+async def test_a_worker_refused_its_id_stops_alone_and_the_node_serves_on() -> None:
+    fleet = InMemoryFleet({"n0w1": 2}, expected_world_size=sum(NODE.values()))
+    async with fleet:
+        lone = fleet.agents["n0w1"]
+        node, task = fleet.start_node("n0", NODE)
+        refused = next(a for a in node.agents if a.worker_id == "n0w1")
+        client = fleet.client()
+        for worker_id in ("n0w0", "n0w2"):
+            await member_until(client, worker_id, lambda m: m.ready)
+        # The coordinator refuses the newer of two agents with one worker id.
+        async with asyncio.timeout(DEADLINE_S):
+            while True:
+                sent = [c for _, c in fleet.commands if isinstance(c, RefuseInstance)]
+                if any(c.instance == refused.instance for c in sent):
+                    break
+                await asyncio.sleep(0.1)
+
+        result = await client.update("policy", "/adapters/policy/1", version=1)
+
+        assert not task.done(), "the node's other workers go on"
+        assert lone.ready
+
+    assert result.committed, result.error
+    assert {w for w, o in result.workers.items() if o.ok} == set(NODE)
+
+
+async def test_any_other_failure_of_a_worker_ends_the_node_and_every_worker() -> None:
+    fleet = InMemoryFleet({"w000": 1}, expected_world_size=1)
+    async with fleet:
+        node, task = fleet.start_node("n0", NODE)
+        broken = node.agents[1]
+        serve = broken._serve
+        bug = asyncio.Event()
+
+        async def serve_until_a_bug(*args: object) -> None:
+            # A bug in one worker's agent, once it serves: nothing handles it.
+            serving = asyncio.ensure_future(serve(*args))  # type: ignore[arg-type]
+            await bug.wait()
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            raise RuntimeError("a bug in n0w1's agent")
+
+        broken._serve = serve_until_a_bug  # type: ignore[method-assign]
+        await _members(fleet, ["w000"])
+        bug.set()
+
+        with pytest.raises(RuntimeError, match="a bug in n0w1"):
+            async with asyncio.timeout(DEADLINE_S):
+                await asyncio.shield(task)
+        # Its node-mates' heartbeats stopped with it: the coordinator counts them gone.
+        async with asyncio.timeout(DEADLINE_S):
+            while True:
+                status = await fleet.client().status()
+                if {m.worker_id for m in status.members} == {"w000"}:
+                    break
+                await asyncio.sleep(0.2)
+        beats_after = len(fleet.server.published)
+        await asyncio.sleep(1.0)
+        from_node = [s for s, _ in fleet.server.published[beats_after:] if s.endswith(".n0")]
+
+    assert from_node == [], "no worker of the node still speaks"
