@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from engine_fleet import DEADLINE_S, StartFleet, engine_fleets, member_once
+from convergence_helpers import member_until
+from engine_fleet import DEADLINE_S, StartFleet, engine_fleets
 
 from lorabus.bus.connect import close, connect
 from lorabus.schemas import Heartbeat, Subjects, heartbeat_decoder
@@ -45,7 +46,7 @@ async def test_a_kept_version_that_evicts_the_committed_one_is_left_out_and_name
     for version in (1, 2, 3):  # v3's load evicts v1, which is kept beside it
         assert (await client.update("policy", make_adapter(version), version=version)).committed
 
-    shown = await member_once(
+    shown = await member_until(
         client, "w000", lambda m: bool(m.unready_reason) and "policy-v3" in m.adapters
     )
     loads = tight.loads_received
