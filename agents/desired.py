@@ -124,9 +124,10 @@ class Target(msgspec.Struct, frozen=True):
 
 def _kept(adapter: str, versions: Iterable[KeptView], committed_name: str) -> tuple[Wanted, ...]:
     kept: list[Wanted] = []
+    names = {committed_name}
     for v in versions:
-        names = {w.served_name for w in kept} | {committed_name}
         if v.served_name and v.path and v.served_name not in names:
+            names.add(v.served_name)
             kept.append(
                 Wanted(
                     adapter=adapter,
