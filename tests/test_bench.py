@@ -167,24 +167,33 @@ def test_ratios_and_targets_are_reported(bench_run: tuple[int, str, Path, list[i
     assert all(target.measured != "not measured" for target in report.targets)
 
 
-async def test_a_secure_run_measures_every_process_on_its_own_identity(tmp_path: Path) -> None:
+async def test_a_secure_run_measures_every_process_on_its_own_identity_and_per_node(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "secure.json"
     finished = await run_lorabus(
-        "bench", "--secure", "--sizes", "8", "--updates", "2", "--modes", "floor,null",
-        "--window-case", "off", "--agent-procs", "2", "--run-dir", str(tmp_path / "run"),
-        "--out", str(out),
+        "bench", "--secure", "--sizes", "16", "--updates", "2", "--modes", "floor,null",
+        "--connections", "node,own", "--window-case", "16:0.05:0.02", "--agent-procs", "2",
+        "--run-dir", str(tmp_path / "run"), "--out", str(out),
         deadline_s=RUN_DEADLINE_S,
     )  # fmt: skip
     assert finished.returncode == 0, finished
     report = msgspec.json.decode(out.read_bytes(), type=BenchReport)
     assert report.settings["secure"] is True
-    assert {(r.mode, r.connections) for r in report.results} == {
-        ("floor", "own"),
-        ("lorabus-null", "own"),
+    assert {(r.mode, r.connections, r.case) for r in report.results} == {
+        ("floor", "node", "main"),
+        ("floor", "own", "main"),
+        ("lorabus-null", "node", "main"),
+        ("lorabus-null", "own", "main"),
+        # The window case runs in the first layout given: two node agents of 8.
+        ("lorabus-null", "node", "window"),
     }
-    assert all(r.failed == 0 and r.wall_s.count == 2 for r in report.results)
-    # The coordinator ran as its identity, on TLS.
-    logs = "".join(p.read_text() for p in (tmp_path / "run").rglob("*coordinator.log"))
+    assert all(r.failed == 0 and r.wall_s.count >= 2 for r in report.results)
+    window = _result(report, "lorabus-null", 16, "node", "window")
+    assert window.window_over_slowest_load is not None
+    assert window.window_over_slowest_load.p50 > 0
+    # The coordinator ran as its identity, on TLS; the node agents as theirs.
+    logs = "".join(p.read_text() for p in (tmp_path / "run").rglob("*.log"))
     assert "connecting to NATS without credentials" not in logs
 
 

@@ -205,7 +205,7 @@ class _SizeRun(BenchFleet):
                 mode, self.config.http_connections if mode in ("http", "live") else ("-",)
             )
             if self.case == "window" and layouts != ("-",):
-                layouts = ("own",)
+                layouts = layouts[:1]  # one layout per mode: the first given
             plan.extend((mode, layout) for layout in layouts)
         results: list[ModeResult] = []
         async with NatsServer() as nats, self.children, ListingFrontend() as listing:
