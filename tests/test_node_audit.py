@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 
 from lorabus.audit.heartbeat_view import HeartbeatListener
 from lorabus.audit.timeline import TimelineBuilder
+from lorabus.audit.trail_file import TrailWriter
 from lorabus.audit.verify import TrailRecord, verify
 from lorabus.schemas import (
     Ack,
@@ -116,6 +117,28 @@ def test_with_the_nodes_file_a_nodes_ack_for_another_nodes_worker_is_a_mismatch(
     rules = [v.rule for v in verify([paused, planted])]
 
     assert rules == ["subject_mismatch", "unresumed_pause"], rules
+
+
+def test_the_printed_timeline_marks_a_nodes_ack_for_a_worker_not_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own = record(1, "n1", [ack("w000", Phase.PAUSE, paused=True)])
+    planted = record(2, "n1", [ack("w001", Phase.RESUME, paused=False)])
+    nodes = tmp_path / "nodes.json"
+    nodes.write_bytes(encode_nodes({"n1": ["w000"]}))
+    monkeypatch.setenv(NODES_ENV, str(nodes))
+    printed: list[str] = []
+
+    async def tap() -> None:
+        with TrailWriter(None, echo=printed.append) as writer:
+            await writer.write(own)
+            await writer.write(planted)
+
+    asyncio.run(tap())
+
+    assert "n1/w000" in printed[0] and "MISMATCH" not in printed[0], printed
+    assert "MISMATCH" in printed[1] and "not one of its workers" in printed[1], printed
+    assert "n1/w001" not in printed[1], "not shown as w001's own ack"
 
 
 def test_status_without_a_coordinator_takes_a_nodes_beats_only_for_its_workers() -> None:

@@ -59,6 +59,7 @@ from lorabus.bus.connect import is_transient, js_api_of, until_answered
 from lorabus.errors import AuditStreamMissing, BusError
 from lorabus.runtime.cancellation import raise_if_cancelled
 from lorabus.schemas import BadPayload, NodeAcks, Subjects, tag_of, to_builtins
+from lorabus.schemas.nodes import NodeRoster
 
 log = logging.getLogger(__name__)
 
@@ -277,11 +278,14 @@ class Tap:
             log.info("tap: the audit stream %s is there: following it", stream)
 
 
-def timeline_line(record: TrailRecord, previous_update: str | None) -> tuple[str, str | None]:
+def timeline_line(
+    record: TrailRecord, previous_update: str | None, nodes: NodeRoster | None = None
+) -> tuple[str, str | None]:
     """One human-readable line (with a header when the update changes), escaped.
 
     Who sent a record is what its subject says; a body that claims otherwise
-    is marked."""
+    is marked, and so is a node's ack for a worker that ``nodes`` (the
+    roster, when there is one) does not give it."""
     when = dt.datetime.fromtimestamp(record.ts).strftime("%H:%M:%S.%f")[:-3]
     subject = printable(repr(record.subject))
     try:
@@ -289,14 +293,14 @@ def timeline_line(record: TrailRecord, previous_update: str | None) -> tuple[str
     except BadPayload as exc:
         return f"{when} {record.seq:>7} POISON {subject}: {printable(str(exc))}", previous_update
     origin = origin_of(record.subject)
-    if isinstance(message, NodeAcks) and not subject_problem(origin, message):
+    problem = subject_problem(origin, message, nodes)
+    if isinstance(message, NodeAcks) and not problem:
         return _node_lines(record, message, when, previous_update)
     update_id = getattr(message, "update_id", None) or previous_update
     sender = origin.worker if origin.kind != "command" else None
     who = sender or "coordinator"
     epoch = getattr(message, "epoch", 0)
     detail = _detail(record.message)
-    problem = subject_problem(origin, message)
     if problem:
         detail = f"MISMATCH ({problem}) {detail}"
     line = printable(f"{when} {record.seq:>7} e{epoch} {who:<18} {tag_of(message):<16} {detail}")

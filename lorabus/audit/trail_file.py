@@ -23,6 +23,7 @@ import msgspec
 from lorabus.audit.tap import timeline_line
 from lorabus.audit.verify import TrailRecord, poison_text
 from lorabus.schemas import MAX_MESSAGE_BYTES, BadPayload, Reader, any_decoder
+from lorabus.schemas.nodes import NodeRoster
 
 MAX_LINE_BYTES = 2 * MAX_MESSAGE_BYTES
 """The longest line read: a record holds one message of at most
@@ -122,9 +123,17 @@ def last_seq_in(path: str | Path) -> int:
 class TrailWriter:
     """Appends records to a file, or prints them as a timeline when there is none."""
 
-    def __init__(self, path: str | Path | None, echo: Callable[[str], None]) -> None:
+    def __init__(
+        self, path: str | Path | None, echo: Callable[[str], None], nodes: NodeRoster | None = None
+    ) -> None:
+        """``nodes``: which workers each node may ack for, marked in the
+        printed timeline (by default ``$LORABUS_NODES_FILE``'s, else any; a
+        file gets every record as it came, so it needs none)."""
         self.path = path
         self.echo = echo
+        if nodes is None and path is None:
+            nodes = NodeRoster.from_env()
+        self._nodes = nodes
         self._file: IO[bytes] | None = None
         self._update: str | None = None
 
@@ -139,7 +148,7 @@ class TrailWriter:
 
     async def write(self, record: TrailRecord) -> None:
         if self._file is None:
-            line, self._update = timeline_line(record, self._update)
+            line, self._update = timeline_line(record, self._update, self._nodes)
             self.echo(line)
             return
         self._file.write(_encoder.encode(record) + b"\n")
