@@ -28,6 +28,9 @@ from lorabus.schemas.subjects import check_token
 
 NODES_ENV = "LORABUS_NODES_FILE"
 """Names the nodes file (an identity's ``lorabus.env`` sets it)."""
+NODE_ENV = "LORABUS_NODE"
+"""A node agent's identity names its node (its ``lorabus.env`` sets it):
+the only node whose subjects it may publish on."""
 
 
 def check_nodes(nodes: dict[str, list[str]]) -> dict[str, list[str]]:

@@ -4,6 +4,7 @@ errors for a file that cannot be right, given before anything connects."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -117,3 +118,29 @@ def test_the_command_refuses_a_bad_file_or_a_worker_flag_before_it_connects(
     assert bad.exit_code == 2 and "list its workers" in bad.output, bad.output
     assert flag.exit_code == 2 and "leave out the flag" in flag.output, flag.output
     assert neither.exit_code == 2 and "--node-file" in neither.output, neither.output
+
+
+def test_a_node_file_of_another_node_than_the_identitys_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its acks and beats would go out on subjects its identity may not
+    publish on, and its workers would only look dead: refused at start."""
+    identities = tmp_path / "auth"
+    made = CliRunner().invoke(
+        main,
+        ["auth", "init", "--out", str(identities), "--fleet", "rl", "--no-tls",
+         "--node", "gpu-07=w000,w001"],
+    )  # fmt: skip
+    assert made.exit_code == 0, made.output
+    other = _write(tmp_path, NODE.replace('node = "gpu-07"', 'node = "gpu-08"'))
+    # --identity loads the identity's variables into this process's environment.
+    monkeypatch.setattr("os.environ", dict(os.environ))
+    nowhere = ["--nats", "nats://127.0.0.1:1", "--fleet", "rl", "--node-file", other]
+
+    refused = CliRunner().invoke(
+        main, ["--identity", str(identities / "node-gpu-07"), "agent", *nowhere]
+    )
+
+    assert refused.exit_code == 2, refused.output
+    assert "names node 'gpu-08'" in refused.output
+    assert "node 'gpu-07'" in refused.output

@@ -10,6 +10,7 @@ refused, options that would expose them).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,6 +26,7 @@ from lorabus.cli.headers import auth_headers
 from lorabus.cli.metrics_http import serving
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.runtime.event_loop import serving_loop_factory, settle_collector
+from lorabus.schemas.nodes import NODE_ENV
 from lorabus.service_flags import (
     AGENT_FLAGS,
     COORDINATOR_FLAGS,
@@ -145,9 +147,19 @@ def _node_config(
     }
     base.update(fixed)
     try:
-        return load_node_config(path, base, lambda var: headers_from(var, headers))
+        node = load_node_config(path, base, lambda var: headers_from(var, headers))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    identity_node = os.environ.get(NODE_ENV)
+    if identity_node and identity_node != node.node:
+        # Its acks and beats would go out on subjects its identity may not
+        # publish on: the workers would only look dead.
+        raise click.UsageError(
+            f"node file {path} names node {node.node!r}, but this identity is node "
+            f"{identity_node!r}'s (${NODE_ENV}): give the node file of this node, or "
+            "this node's identity (--identity)"
+        )
+    return node
 
 
 @serving_command(AgentConfig, AGENT_FLAGS, admin_key=True)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from lorabus.bus.options import ENV, ENV_FILE, inbox_prefix_for, public_key_of
 from lorabus.schemas import Subjects, check_token
-from lorabus.schemas.nodes import NODES_ENV, check_nodes, encode_nodes
+from lorabus.schemas.nodes import NODE_ENV, NODES_ENV, check_nodes, encode_nodes
 from lorabus.schemas.tenants import TENANT_ENV, TENANTS_ENV, Tenant, encode_tenants
 from lorabus.security.accounts import Account, FleetAccounts, fleet_accounts, js_api_prefix
 from lorabus.security.auth_jwt import JwtAuthority
@@ -284,6 +284,9 @@ class _IdentityWriter:
             env[SIGNING_KEY_ENV] = str(folder / SIGNING_SEED_FILE)
         elif role in (Role.AGENT, Role.NODE):
             env[COORDINATOR_KEYS_ENV] = self.signing_key
+            if role is Role.NODE:
+                assert worker_id is not None
+                env[NODE_ENV] = worker_id
         elif role is Role.TENANT:
             assert worker_id is not None
             env[TENANT_ENV] = worker_id
