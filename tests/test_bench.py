@@ -49,6 +49,8 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path,
         "8:0.05:0.02",
         "--agent-procs",
         "2",
+        "--sim-workers",
+        "8",  # N = 16: two simulated fleet processes
         "--out",
         str(out),
     ]

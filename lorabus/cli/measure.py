@@ -163,6 +163,11 @@ _QUICK_PLACEMENT = QUICK.placement
     help=f"Processes the agents are spread over [default: {FULL.agent_procs}].",
 )
 @click.option(
+    "--sim-workers",
+    type=click.IntRange(min=1),
+    help=f"Simulated workers per simulated fleet process [default: {FULL.sim_workers}].",
+)
+@click.option(
     "--heartbeat-s",
     type=click.FloatRange(min=0.05),
     help="Agents' heartbeat interval [default: max(1, N/128)].",
@@ -261,6 +266,7 @@ def bench(
     connections: str | None,
     http_connections: str | None,
     agent_procs: int | None,
+    sim_workers: int | None,
     heartbeat_s: float | None,
     keep: int | None,
     secure: bool,
@@ -333,6 +339,7 @@ def bench(
             "secure": secure or None,
             "canary": False if no_canary else None,
             "agent_procs": agent_procs,
+            "sim_workers": sim_workers,
             "heartbeat_s": heartbeat_s,
             "keep": keep,
             "run_dir": Path(run_dir) if run_dir else None,

@@ -133,6 +133,11 @@ class BenchConfig:
     http_connections: tuple[str, ...] = ("own",)
     agent_procs: int = 4
     """Agent host processes the fleet's agents are spread over."""
+    sim_workers: int = 1024
+    """Simulated workers per process of the simulated fleet: one process
+    accepting thousands of engine connections at once falls behind (at
+    N = 4096 the agents' connects timed out), where a fleet's engines each
+    accept their own."""
     heartbeat_s: float | None = None
     """Agents' heartbeat interval; default max(1, N/128) (docs/performance.md)."""
     keep: int | None = None
@@ -177,6 +182,8 @@ class BenchConfig:
             raise ValueError("window updates must be >= 1")
         if self.agent_procs < 1:
             raise ValueError("agent processes must be >= 1")
+        if self.sim_workers < 1:
+            raise ValueError("simulated workers per process must be >= 1")
         if self.heartbeat_s is not None and self.heartbeat_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
         if self.keep is not None and self.keep < 1:

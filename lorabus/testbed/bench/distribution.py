@@ -397,7 +397,7 @@ class _NodeFleet(BenchFleet):
 
     async def _counters(self, parts: _Parts) -> dict[str, float]:
         """What the nats-server has sent so far, and each process's CPU seconds."""
-        assert self.nats is not None and self.nats.process is not None and self.sim is not None
+        assert self.nats is not None and self.nats.process is not None and self.sims
         url = f"http://127.0.0.1:{self.monitor_port}/varz"
         async with parts.http.get(url) as response:
             response.raise_for_status()
@@ -407,7 +407,7 @@ class _NodeFleet(BenchFleet):
             "coordinator": cpu_seconds(parts.coordinator.pid),
             "agents": cpu_of(parts.hosts),
             "nats": cpu_seconds(self.nats.process.pid),
-            "sim": cpu_seconds(self.sim.pid),
+            "sim": self.sim_cpu_s(),
             "file_server": cpu_seconds(parts.server.pid),
             "pullers": cpu_of(parts.pullers),
         }

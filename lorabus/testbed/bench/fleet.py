@@ -61,8 +61,12 @@ class BenchFleet:
         self.nats: NatsServer | None = None
         self.auth: FleetAuth | None = None
         """The identities of the mode being measured, in a secure run."""
-        self.sim: Child | None = None
-        self.sim_url = ""
+        self.sims: list[Child] = []
+        """The simulated fleet's processes (``config.sim_workers`` workers each)."""
+        self.sim_frontends: list[str] = []
+        """The URL of each of :attr:`sims`."""
+        self.sim_urls: dict[str, str] = {}
+        """Each worker's simulated fleet process: its frontend's URL."""
 
     @property
     def nats_url(self) -> str:
@@ -81,16 +85,43 @@ class BenchFleet:
         options = BusOptions.from_env(self.identity_env(role))
         return await connect(self.nats_url, name=name, options=options)
 
+    @property
+    def sim(self) -> Child | None:
+        """The first simulated fleet process (None before :meth:`start_sim`)."""
+        return self.sims[0] if self.sims else None
+
+    @property
+    def sim_url(self) -> str:
+        """The frontend of the first simulated fleet process: the one the
+        coordinator and the baseline check (it lists what its workers serve)."""
+        return self.sim_frontends[0] if self.sim_frontends else ""
+
+    def system_url(self, worker_id: str) -> str:
+        return f"{self.sim_urls[worker_id]}/workers/{worker_id}"
+
     async def start_sim(self) -> None:
-        spec = {
-            "workers": self.n,
-            "world_sizes": list(self.config.world_sizes),
-            "load_latency_s": self.latency,
-            "load_jitter_s": self.jitter,
-            "seed": self.n,
-        }
-        self.sim, ready = await self.children.bench_child("sim", "simhost", spec)
-        self.sim_url = ready["url"]
+        """The simulated fleet, ``config.sim_workers`` workers a process."""
+        ids, size = list(self.workers), self.config.sim_workers
+        for index, start in enumerate(range(0, len(ids), size)):
+            chunk = ids[start : start + size]
+            spec = {
+                "workers": {wid: self.workers[wid] for wid in chunk},
+                "load_latency_s": self.latency,
+                "load_jitter_s": self.jitter,
+                "seed": self.n + index,
+            }
+            child, ready = await self.children.bench_child(f"sim{index or ''}", "simhost", spec)
+            self.sims.append(child)
+            self.sim_frontends.append(ready["url"])
+            self.sim_urls.update(dict.fromkeys(chunk, ready["url"]))
+
+    async def draw_loads(self) -> float:
+        """Each simulated worker's next load time; the slowest."""
+        answers = await asyncio.gather(*(sim.ask("jitter") for sim in self.sims))
+        return max((a["slowest_load_s"] for a in answers), default=0.0)
+
+    def sim_cpu_s(self) -> float:
+        return sum(cpu_seconds(sim.pid) for sim in self.sims)
 
     def ready_timeout_s(self) -> float:
         return 60.0 + self.n * 0.1
@@ -131,7 +162,7 @@ class BenchFleet:
                 "nodes": {n: nodes[n] for n in names[i::count]} if nodes else {},
                 "workers": {wid: workers[wid] for wid in chunk},
                 "engine": engine,
-                "sim_url": self.sim_url,
+                "system_urls": {wid: self.sim_urls[wid] for wid in chunk if wid in self.sim_urls},
                 "shared_connection": layout == "shared",
                 "heartbeat_s": self.heartbeat_s,
                 "ready_timeout_s": self.ready_timeout_s(),
@@ -165,7 +196,7 @@ class BenchFleet:
     def foreign_load(self, children: Sequence[Child]) -> ForeignLoad:
         """Watches the machine for load that is not this run's."""
         pids = [child.pid for child in children]
-        for server in (self.nats.process if self.nats else None, self.sim):
+        for server in (self.nats.process if self.nats else None, *self.sims):
             if server is not None:
                 pids.append(server.pid)
         return ForeignLoad(pids)

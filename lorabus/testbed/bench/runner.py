@@ -368,8 +368,8 @@ class _SizeRun(BenchFleet):
                 agent_config = AgentConfig(
                     fleet=fleet,
                     worker_id=wid,
-                    system_url=f"{self.sim_url}/workers/{wid}",
-                    frontend_url=self.sim_url,
+                    system_url=self.system_url(wid),
+                    frontend_url=self.sim_urls[wid],
                     world_size=size,
                     heartbeat_s=self.heartbeat_s,
                 )
@@ -400,7 +400,7 @@ class _SizeRun(BenchFleet):
                 "coordinator": cpu_seconds(coordinator.pid),
                 "agents": cpu_of([c for c in measured if c is not coordinator]),
                 "nats": cpu_seconds(self.nats.process.pid),  # type: ignore[union-attr]
-                "sim": cpu_seconds(self.sim.pid) if self.sim else 0.0,
+                "sim": self.sim_cpu_s(),
             }
             walls: list[float] = []
             phases: dict[str, list[float]] = {}
@@ -411,8 +411,8 @@ class _SizeRun(BenchFleet):
             for _ in range(self.updates):
                 version += 1
                 drawn = 0.0
-                if engine == "http" and self.sim is not None:
-                    drawn = (await self.sim.ask("jitter"))["slowest_load_s"]
+                if engine == "http" and self.sims:
+                    drawn = await self.draw_loads()
                 wall, result = await self._update(client, adapter, version, engine)
                 engines = await asyncio.gather(*(h.ask("times") for h in agents))
                 if engine == "null":
@@ -442,7 +442,7 @@ class _SizeRun(BenchFleet):
                 - counters["agents"],
                 "nats": cpu_seconds(self.nats.process.pid)  # type: ignore[union-attr]
                 - counters["nats"],
-                "sim": (cpu_seconds(self.sim.pid) if self.sim else 0.0) - counters["sim"],
+                "sim": self.sim_cpu_s() - counters["sim"],
             }
             return self._result(
                 NULL if engine == "null" else LIVE if live else HTTP,
@@ -495,10 +495,10 @@ class _SizeRun(BenchFleet):
     # -- the direct-HTTP baseline ---------------------------------------------------
 
     async def _baseline(self) -> ModeResult:
-        assert self.sim is not None and self.nats is not None
+        assert self.sims and self.nats is not None
         setup_started = time.monotonic()
         spec = {
-            "workers": {wid: f"{self.sim_url}/workers/{wid}" for wid in self.workers},
+            "workers": {wid: self.system_url(wid) for wid in self.workers},
             "frontend_url": self.sim_url,
             "timeout_s": 60.0,
         }
@@ -516,7 +516,7 @@ class _SizeRun(BenchFleet):
             setup_s = time.monotonic() - setup_started
             central = cpu_seconds(child.pid)
             foreign = self.foreign_load([child])
-            sim = cpu_seconds(self.sim.pid)
+            sim = self.sim_cpu_s()
             walls: list[float] = []
             phases: dict[str, list[float]] = {}
             windows: list[float] = []
@@ -525,7 +525,7 @@ class _SizeRun(BenchFleet):
             errors: list[str] = []
             for _ in range(self.updates):
                 version += 1
-                drawn = (await self.sim.ask("jitter"))["slowest_load_s"]
+                drawn = await self.draw_loads()
                 figures = await child.ask(
                     "update", timeout, name=f"baseline-v{version}", path=self.adapter_path
                 )
@@ -560,7 +560,7 @@ class _SizeRun(BenchFleet):
                 window_over_slowest_load=stats_of(over) if over else None,
                 central_cpu_s_per_update=(cpu_seconds(child.pid) - central) / count,
                 central_peak_rss_mb=peak_rss_mb(child.pid),
-                sim_cpu_s_per_update=(cpu_seconds(self.sim.pid) - sim) / count,
+                sim_cpu_s_per_update=(self.sim_cpu_s() - sim) / count,
                 setup_cpu_s=round(ready["setup_cpu_s"], 3),
                 foreign_load=foreign.share(),
                 errors=errors[:_MAX_ERRORS_KEPT],

@@ -21,7 +21,7 @@ from lorabus.testbed.bench.control import child_main, say, serve_requests
 
 
 async def host(spec: dict[str, Any]) -> None:
-    fleet = SimFleet.of_size(spec["workers"], spec["world_sizes"])
+    fleet = SimFleet(list(spec["workers"]), list(spec["workers"].values()))
     rng = random.Random(spec.get("seed", 1))
     latency, jitter = spec["load_latency_s"], spec["load_jitter_s"]
     await fleet.start()
