@@ -25,15 +25,15 @@ class AgentMetrics:
         self.registry = CollectorRegistry()
         self.call_seconds = Histogram(
             "lorabus_engine_call_seconds",
-            "Engine calls by operation.",
-            ["operation"],
+            "Engine calls by operation and worker (a node agent drives several).",
+            ["operation", "worker"],
             buckets=_SECONDS,
             registry=self.registry,
         )
         self.call_errors = Counter(
             "lorabus_engine_call_errors",
-            "Failed engine calls by operation.",
-            ["operation"],
+            "Failed engine calls by operation and worker.",
+            ["operation", "worker"],
             registry=self.registry,
         )
         self.bus_connected = Gauge(
@@ -69,9 +69,10 @@ class AgentMetrics:
 class InstrumentedDriver:
     """An engine driver that times every call of the driver it wraps."""
 
-    def __init__(self, driver: EngineDriver, metrics: AgentMetrics) -> None:
+    def __init__(self, driver: EngineDriver, metrics: AgentMetrics, worker_id: str) -> None:
         self.driver = driver
         self.metrics = metrics
+        self.worker_id = worker_id
         self.kind = driver.kind
         self.unload_waits_for_running = getattr(driver, "unload_waits_for_running", False)
 
@@ -123,10 +124,11 @@ class InstrumentedDriver:
         try:
             return await call()
         except Exception:
-            self.metrics.call_errors.labels(operation).inc()
+            self.metrics.call_errors.labels(operation, self.worker_id).inc()
             raise
         finally:
-            self.metrics.call_seconds.labels(operation).observe(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.metrics.call_seconds.labels(operation, self.worker_id).observe(elapsed)
 
 
 class _InstrumentedReplacing(InstrumentedDriver):
@@ -138,8 +140,8 @@ class _InstrumentedReplacing(InstrumentedDriver):
         await self._timed("replace", lambda: driver.replace_adapter(name, path, budget_s=budget_s))
 
 
-def instrumented(driver: EngineDriver, metrics: AgentMetrics) -> InstrumentedDriver:
-    """``driver``, every call timed into ``metrics``."""
+def instrumented(driver: EngineDriver, metrics: AgentMetrics, worker_id: str) -> InstrumentedDriver:
+    """``driver`` of worker ``worker_id``, every call timed into ``metrics``."""
     if isinstance(driver, InPlaceReplace):
-        return _InstrumentedReplacing(driver, metrics)
-    return InstrumentedDriver(driver, metrics)
+        return _InstrumentedReplacing(driver, metrics, worker_id)
+    return InstrumentedDriver(driver, metrics, worker_id)

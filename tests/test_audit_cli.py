@@ -151,14 +151,12 @@ async def test_coordinator_and_agent_serve_metrics_on_their_ports(
         coordinator_text = await asyncio.wait_for(
             _scrape(coordinator_port, 'lorabus_heartbeat_age_seconds{worker="w000"}'), DEADLINE_S
         )
-        agent_text = await asyncio.wait_for(
-            _scrape(agent_port, 'lorabus_engine_call_seconds_count{operation="resume"}'),
-            DEADLINE_S,
-        )
+        resumes = 'lorabus_engine_call_seconds_count{operation="resume",worker="w000"}'
+        agent_text = await asyncio.wait_for(_scrape(agent_port, resumes), DEADLINE_S)
 
     assert "lorabus_engines_paused" in coordinator_text
     assert "lorabus_update_duration_seconds" in coordinator_text
-    assert 'lorabus_engine_call_seconds_count{operation="resume"}' in agent_text
+    assert resumes in agent_text
 
 
 async def test_status_watch_redraws_until_interrupted(

@@ -17,7 +17,7 @@ from lorabus.agents.metrics import AgentMetrics, instrumented
 
 def built(fleet: str, metrics: AgentMetrics, **settings: str) -> Agent:
     config = AgentConfig(fleet=fleet, worker_id="w0", system_url="http://127.0.0.1:9", **settings)
-    return Agent.from_config(config, instrumented(MemoryEngine(), metrics))
+    return Agent.from_config(config, instrumented(MemoryEngine(), metrics, config.worker_id))
 
 
 def test_each_fleet_has_a_cache_of_its_own_by_default(

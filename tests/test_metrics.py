@@ -59,7 +59,7 @@ async def test_an_agent_exports_engine_call_latency_and_errors_by_operation(
 ) -> None:
     metrics = AgentMetrics()
     async with SimFleet(["w1"], [1]) as sim:
-        driver = instrumented(DynamoDriver(sim.system_url("w1")), metrics)
+        driver = instrumented(DynamoDriver(sim.system_url("w1")), metrics, "w1")
         try:
             await driver.pause()
             await driver.load_adapter("p-v1", make_adapter(1), budget_s=5)
@@ -72,9 +72,9 @@ async def test_an_agent_exports_engine_call_latency_and_errors_by_operation(
     with serving(metrics.registry, port, host="127.0.0.1"):
         text = await _scrape(port)
 
-    assert 'lorabus_engine_call_seconds_count{operation="pause"} 1.0' in text
-    assert 'lorabus_engine_call_seconds_count{operation="load"} 2.0' in text
-    assert 'lorabus_engine_call_errors_total{operation="load"} 1.0' in text
+    assert 'lorabus_engine_call_seconds_count{operation="pause",worker="w1"} 1.0' in text
+    assert 'lorabus_engine_call_seconds_count{operation="load",worker="w1"} 2.0' in text
+    assert 'lorabus_engine_call_errors_total{operation="load",worker="w1"} 1.0' in text
 
 
 async def test_the_timed_driver_replaces_in_place_only_where_its_driver_does(
@@ -86,8 +86,8 @@ async def test_the_timed_driver_replaces_in_place_only_where_its_driver_does(
     metrics = AgentMetrics()
     second = make_adapter(2)
     async with SimFleet(["w1", "w2"], [1, 1], engines=["vllm", "dynamo"]) as sim:
-        vllm = instrumented(VllmDriver(sim.system_url("w1")), metrics)
-        dynamo = instrumented(DynamoDriver(sim.system_url("w2")), metrics)
+        vllm = instrumented(VllmDriver(sim.system_url("w1")), metrics, "w1")
+        dynamo = instrumented(DynamoDriver(sim.system_url("w2")), metrics, "w2")
         try:
             assert isinstance(vllm, InPlaceReplace) and not isinstance(dynamo, InPlaceReplace)
             await vllm.load_adapter("p", make_adapter(1), budget_s=5)
@@ -100,7 +100,7 @@ async def test_the_timed_driver_replaces_in_place_only_where_its_driver_does(
     with serving(metrics.registry, port, host="127.0.0.1"):
         text = await _scrape(port)
 
-    assert 'lorabus_engine_call_seconds_count{operation="replace"} 1.0' in text
+    assert 'lorabus_engine_call_seconds_count{operation="replace",worker="w1"} 1.0' in text
 
 
 def test_adapters_past_the_bound_share_one_label() -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import pytest
 from nats.aio.msg import Msg
@@ -24,6 +25,7 @@ from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.schemas import NodeAcks, NodeBeats, ack_message_decoder, beat_message_decoder
 from lorabus.simfleet import SimFleet
+from lorabus.testbed.natsserver import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +50,13 @@ def node_file(path: Path, sim: SimFleet, node: str = "gpu-a") -> Path:
 
 
 async def start_fleet(
-    processes: Processes, start_sim: Callable[..., Any], nats_url: str, fleet: str, tmp: Path
+    processes: Processes,
+    start_sim: Callable[..., Any],
+    nats_url: str,
+    fleet: str,
+    tmp: Path,
+    *,
+    metrics_port: int | None = None,
 ) -> tuple[SimFleet, Any]:
     sim: SimFleet = await start_sim({**NODE_WORKERS, LONE: 1})
     coordinator = CoordinatorConfig(fleet=fleet, frontend_url=sim.url, expected_world_size=5)
@@ -65,6 +73,7 @@ async def start_fleet(
             "0.2",
             "--node-file",
             str(node_file(tmp / "node.toml", sim)),
+            *(["--metrics-port", str(metrics_port)] if metrics_port else []),
         ],
     )
     lone = AgentConfig(
@@ -110,11 +119,16 @@ async def test_a_node_agent_and_a_lone_agent_serve_one_fleet_per_worker(
 ) -> None:
     heard = Heard()
     listener = await heard.follow(nats_url, client)
+    port = free_port()
     try:
-        sim, _node = await start_fleet(processes, start_sim, nats_url, fleet_name, tmp_path)
+        sim, _node = await start_fleet(
+            processes, start_sim, nats_url, fleet_name, tmp_path, metrics_port=port
+        )
         await wait_live_workers(client, [*NODE_WORKERS, LONE], processes=processes)
 
         result = await client.update("policy", make_adapter(1), version=1)
+        async with httpx.AsyncClient(timeout=10) as http:
+            metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
 
         assert result.committed, result
         sizes = {entry.worker_id: entry.world_size for entry in result.rank_map.entries}
@@ -129,6 +143,12 @@ async def test_a_node_agent_and_a_lone_agent_serve_one_fleet_per_worker(
             assert "policy-v1" in worker.adapters and not worker.paused
     finally:
         await listener.close()
+    # The node's one metrics port tells its workers' engine calls apart.
+    for worker_id in NODE_WORKERS:
+        assert (
+            f'lorabus_engine_call_seconds_count{{operation="load",worker="{worker_id}"}} 1.0'
+            in (metrics)
+        ), metrics
     node_acks = [m for m in heard.acks if isinstance(m, NodeAcks)]
     assert node_acks, "the node's acks came one by one, or not on its subject"
     assert all(m.node == "gpu-a" for m in node_acks)

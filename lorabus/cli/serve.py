@@ -205,7 +205,7 @@ async def _agent_of(config: AgentConfig, metrics: AgentMetrics) -> Agent:
     from lorabus.agents.metrics import instrumented
     from lorabus.errors import BadRequest
 
-    driver = instrumented(driver_for(config), metrics)
+    driver = instrumented(driver_for(config), metrics, config.worker_id)
     agent = Agent.from_config(config, driver)
     cache = agent.executor.adapter_cache
     try:

@@ -149,6 +149,12 @@ def find(
     return None
 
 
+def find_http(results: Sequence[ModeResult], n: int) -> ModeResult | None:
+    """HTTP engines at ``n`` with an agent per worker, else per node: what
+    the baseline is compared with."""
+    return find(results, HTTP, n) or find(results, HTTP, n, "node")
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b <= 0:
         return None
@@ -158,7 +164,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def size_ratios(results: Sequence[ModeResult]) -> list[SizeRatios]:
     ratios = []
     for n in sorted({r.n for r in results if r.case == "main"}):
-        http, base = find(results, HTTP, n), find(results, BASELINE, n)
+        http, base = find_http(results, n), find(results, BASELINE, n)
         null, floor = find(results, NULL, n), find(results, FLOOR, n)
         null_s, floor_s = find(results, NULL, n, "shared"), find(results, FLOOR, n, "shared")
         ratio = SizeRatios(n=n)
@@ -222,7 +228,7 @@ def judge(results: Sequence[ModeResult], ratios: Sequence[SizeRatios]) -> list[T
     live_sizes = sorted(size for size in sizes if find(results, LIVE, size) is not None)
     for size in live_sizes or [n]:
         _judge_live(find(results, LIVE, size), find(results, FLOOR, size), add)
-    http, base = find(results, HTTP, n), find(results, BASELINE, n)
+    http, base = find_http(results, n), find(results, BASELINE, n)
     if top and http and base and top.baseline_over_lorabus_central_cpu is not None:
         add(
             f"N={n} HTTP engines: coordinator CPU/update >= 20x lower than the baseline's",
