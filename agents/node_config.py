@@ -58,9 +58,11 @@ def load_node_config(
     path: str,
     base: Mapping[str, Any],
     headers_of: Callable[[str | None], dict[str, str]],
+    admin_headers_of: Callable[[str | None], dict[str, str]],
 ) -> NodeConfig:
     """The node ``path`` describes, each worker's settings over ``base`` (the
-    command line's); ``headers_of(VAR)``: the headers a key variable makes.
+    command line's); ``headers_of(VAR)`` and ``admin_headers_of(VAR)``: the
+    headers an engine key variable and an admin key variable make.
     ValueError, saying what is wrong and where, for anything else."""
     try:
         with open(path, "rb") as file:
@@ -84,7 +86,7 @@ def load_node_config(
     for index, table in enumerate(tables):
         where = f"{path} worker {index + 1}"
         settings = {**base, **defaults, **_settings(table, where)}
-        workers.append(_worker(settings, headers_of, where))
+        workers.append(_worker(settings, headers_of, admin_headers_of, where))
     try:
         return NodeConfig(node, workers)
     except ValueError as exc:
@@ -103,14 +105,17 @@ def _settings(table: Any, where: str) -> dict[str, Any]:
 
 
 def _worker(
-    settings: dict[str, Any], headers_of: Callable[[str | None], dict[str, str]], where: str
+    settings: dict[str, Any],
+    headers_of: Callable[[str | None], dict[str, str]],
+    admin_headers_of: Callable[[str | None], dict[str, str]],
+    where: str,
 ) -> AgentConfig:
     api_key_env = settings.pop("api_key_env", None)
     admin_key_env = settings.pop("admin_api_key_env", None)
     if api_key_env is not None:
         settings["headers"] = headers_of(api_key_env)
     if admin_key_env is not None:
-        settings["admin_headers"] = headers_of(admin_key_env)
+        settings["admin_headers"] = admin_headers_of(admin_key_env)
     try:
         return msgspec.convert(settings, AgentConfig)
     except (msgspec.ValidationError, ValueError) as exc:

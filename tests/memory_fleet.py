@@ -219,7 +219,10 @@ class InMemoryFleet:
         self, node: str, world_sizes: Mapping[str, int]
     ) -> tuple[NodeAgent, asyncio.Task[None]]:
         """A node agent (agents/node.py) of real agents for ``world_sizes``'s
-        workers, on one connection named ``node``; its task, running."""
+        workers, on one connection named ``node``; its task, running. A
+        worker that has an agent already gets a second one on the same engine
+        (two agents claiming one worker id); :attr:`agents` then names the
+        node's, and :meth:`kill_agent` is for lone agents only."""
         conn = self.connections[node] = self.server.connect(node)
         agents = []
         for worker_id, world_size in world_sizes.items():

@@ -6,12 +6,19 @@ else that ends a worker's agent ends the node, every worker with it."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from convergence_helpers import member_until
-from memory_fleet import InMemoryFleet
+from memory_fleet import HEARTBEAT_S, InMemoryFleet
 
-from lorabus.schemas import Phase, RefuseInstance, ack_message_decoder, reports_of
+from lorabus.schemas import (
+    Phase,
+    RefuseInstance,
+    ack_message_decoder,
+    beat_message_decoder,
+    reports_of,
+)
 
 pytestmark = pytest.mark.looptime
 
@@ -69,10 +76,21 @@ async def test_a_worker_refused_its_id_stops_alone_and_the_node_serves_on() -> N
                     break
                 await asyncio.sleep(0.1)
 
+        refused_at = len(fleet.server.published)
         result = await client.update("policy", "/adapters/policy/1", version=1)
+        await asyncio.sleep(5 * HEARTBEAT_S)
 
         assert not task.done(), "the node's other workers go on"
         assert lone.ready
+        # The refused agent stopped: nothing of it comes from its node any more.
+        spoken = [
+            report
+            for subject, data in fleet.server.published[refused_at:]
+            if subject in (fleet.subjects.ack("n0"), fleet.subjects.heartbeat("n0"))
+            for report in _reports(subject, data, fleet)
+        ]
+        assert {r.worker_id for r in spoken} == {"n0w0", "n0w2"}, spoken
+        assert refused.instance not in {r.instance for r in spoken}
 
     assert result.committed, result.error
     assert {w for w, o in result.workers.items() if o.ok} == set(NODE)
@@ -113,3 +131,10 @@ async def test_any_other_failure_of_a_worker_ends_the_node_and_every_worker() ->
         from_node = [s for s, _ in fleet.server.published[beats_after:] if s.endswith(".n0")]
 
     assert from_node == [], "no worker of the node still speaks"
+
+
+def _reports(subject: str, data: bytes, fleet: InMemoryFleet) -> list[Any]:
+    """The workers' acks or beats of a node's message."""
+    if subject == fleet.subjects.ack("n0"):
+        return reports_of(ack_message_decoder.decode(data))
+    return reports_of(beat_message_decoder.decode(data))

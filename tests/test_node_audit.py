@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import cast
 
 import pytest
+from click.testing import CliRunner
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
@@ -21,6 +22,7 @@ from lorabus.audit.heartbeat_view import HeartbeatListener
 from lorabus.audit.timeline import TimelineBuilder
 from lorabus.audit.trail_file import TrailWriter
 from lorabus.audit.verify import TrailRecord, verify
+from lorabus.cli.main import main
 from lorabus.schemas import (
     Ack,
     Heartbeat,
@@ -98,6 +100,19 @@ def test_the_timeline_draws_each_workers_bar_from_a_nodes_acks() -> None:
     assert not any(row.unresumed for row in timeline.rows())
 
 
+def test_with_the_roster_the_timeline_draws_no_nodes_ack_for_another_nodes_worker() -> None:
+    """A planted resume of w001 by node n1 (whose worker is w000 alone) must
+    not close w001's pause on the timeline, nor draw a bar for it."""
+    builder = TimelineBuilder(nodes=NodeRoster({"n1": ["w000"], "n2": ["w001"]}))
+    builder.take(record(1, "n2", [ack("w001", Phase.PAUSE, paused=True)]))
+    builder.take(record(2, "n1", [ack("w001", Phase.RESUME, paused=False)]))
+
+    [timeline] = builder.timelines()
+    bars = {row.worker_id: [bar.phase for bar in row.bars] for row in timeline.rows()}
+    assert bars == {"w001": ["pause"]}
+    assert [row.unresumed for row in timeline.rows()] == [True]
+
+
 def test_with_the_nodes_file_a_nodes_ack_for_another_nodes_worker_is_a_mismatch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,3 +171,17 @@ def beat(worker_id: str) -> Heartbeat:
     return Heartbeat(
         worker_id=worker_id, world_size=1, engine="dynamo", adapters=[], paused=False, interval_s=1
     )
+
+
+@pytest.mark.parametrize("command", [["tap"], ["audit", "verify", "--live"]])
+def test_an_unreadable_nodes_file_is_a_usage_error_before_anything_connects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    broken = tmp_path / "nodes.json"
+    broken.write_text("{not json")
+    monkeypatch.setenv(NODES_ENV, str(broken))
+
+    result = CliRunner().invoke(main, [*command, "--nats", "nats://127.0.0.1:1", "--fleet", "f"])
+
+    assert result.exit_code == 2, result.output
+    assert "nodes file" in result.output and NODES_ENV in result.output

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from lorabus.cli.main import main
 from lorabus.cli.serve import _node_config
+from lorabus.schemas.nodes import NODE_ENV
 
 NODE = """\
 node = "gpu-07"
@@ -24,13 +25,21 @@ world_size = 2
 [[workers]]
 worker_id = "w000"
 system_url = "http://127.0.0.1:8000"
+engine = "sglang"
 api_key_env = "NODE_TEST_KEY"
+admin_api_key_env = "NODE_TEST_ADMIN"
 
 [[workers]]
 worker_id = "w001"
 system_url = "http://127.0.0.1:8001"
 world-size = 4
 """
+
+
+@pytest.fixture(autouse=True)
+def _no_node_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever identity the shell running the tests has loaded."""
+    monkeypatch.delenv(NODE_ENV, raising=False)
 
 
 def _write(tmp_path: Path, text: str) -> str:
@@ -43,6 +52,7 @@ def test_a_worker_takes_its_own_settings_then_the_defaults_then_the_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("NODE_TEST_KEY", "k0")
+    monkeypatch.setenv("NODE_TEST_ADMIN", "admin0")
     flags = {"heartbeat_s": 0.5, "world_size": 8, "engine": "sglang"}
     fixed = {"fleet": "rl", "headers": {"X-Team": "a"}}
 
@@ -56,12 +66,15 @@ def test_a_worker_takes_its_own_settings_then_the_defaults_then_the_flags(
         2,
     )
     assert (w001.worker_id, w001.world_size) == ("w001", 4)
-    assert {w.engine for w in node.workers} == {"vllm"}  # [defaults] over --engine
+    assert (w000.engine, w001.engine) == ("sglang", "vllm")  # its own, then [defaults]
     assert {w.heartbeat_s for w in node.workers} == {0.5}  # from the flags
     assert {w.fleet for w in node.workers} == {"rl"}
-    # A worker's key variable comes beside the --header flags, not instead of them.
+    # A worker's key variable comes as --api-key-env would: beside the --header
+    # flags, not instead of them; its admin key alone, as --admin-api-key-env.
     assert w000.headers == {"Authorization": "Bearer k0", "X-Team": "a"}
     assert w001.headers == {"X-Team": "a"}
+    assert w000.admin_headers == {"Authorization": "Bearer admin0"}
+    assert w001.admin_headers == {}
 
 
 @pytest.mark.parametrize(
@@ -141,6 +154,15 @@ def test_a_node_file_of_another_node_than_the_identitys_is_refused(
         main, ["--identity", str(identities / "node-gpu-07"), "agent", *nowhere]
     )
 
+    lone = CliRunner().invoke(
+        main,
+        ["--identity", str(identities / "node-gpu-07"), "agent", *nowhere[:4],
+         "--worker-id", "w000", "--system-url", "http://127.0.0.1:9"],
+    )  # fmt: skip
+
     assert refused.exit_code == 2, refused.output
     assert "names node 'gpu-08'" in refused.output
     assert "node 'gpu-07'" in refused.output
+    # The node's identity as one lone agent: its acks would be refused too.
+    assert lone.exit_code == 2, lone.output
+    assert "--node-file" in lone.output and "gpu-07" in lone.output

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorabus.audit.verify import TrailRecord, workers_records
+from lorabus.schemas.nodes import NodeRoster
 
 PHASE_LABELS = {"prepare": "fetch"}
 """The name a person knows a phase by, where it differs from the wire's."""
@@ -279,10 +280,13 @@ class TimelineBuilder:
     """Timelines built from records taken one at a time, in stream order,
     keeping nothing of a record but what it adds to them. ``draw`` says which
     updates to draw (by default every one); the acks of the others still end
-    pauses, as a resume of any update resumes an engine."""
+    pauses, as a resume of any update resumes an engine. ``nodes``: which
+    workers each node may ack for (by default ``$LORABUS_NODES_FILE``'s, else
+    any); a node's ack for another's worker is neither drawn nor ends a pause."""
 
-    def __init__(self, draw: Container[str] | None = None) -> None:
+    def __init__(self, draw: Container[str] | None = None, nodes: NodeRoster | None = None) -> None:
         self._draw = draw
+        self._nodes = nodes if nodes is not None else NodeRoster.from_env()
         self._timelines: dict[str, UpdateTimeline] = {}
         self._pauses = _OpenPauses()
         self.trail_end: float | None = None
@@ -292,7 +296,7 @@ class TimelineBuilder:
 
     def take(self, record: TrailRecord) -> None:
         """The next record of the trail."""
-        for each in workers_records(record):
+        for each in workers_records(record, self._nodes):
             self._take_one(each)
 
     def _take_one(self, record: TrailRecord) -> None:
@@ -312,8 +316,8 @@ class TimelineBuilder:
     def end_pauses(self, record: TrailRecord) -> None:
         """Only what ``record`` ends of the open pauses: an ok resume ack, or an
         agent's own resume (a record read to learn when an engine resumed)."""
-        if len(nodes := workers_records(record)) != 1 or nodes[0] is not record:
-            for each in nodes:
+        if len(acks := workers_records(record, self._nodes)) != 1 or acks[0] is not record:
+            for each in acks:
                 self.end_pauses(each)
             return
         message = record.message

@@ -187,14 +187,18 @@ def poison_text(error: BaseException | str, data: bytes) -> str:
     return printable(f"{error}; {len(data)} bytes: {excerpt}{more}")[:1024]
 
 
-def workers_records(record: TrailRecord) -> list[TrailRecord]:
+def workers_records(record: TrailRecord, nodes: NodeRoster | None = None) -> list[TrailRecord]:
     """A node's acks record as one record per worker's ack (each as that
-    worker's own would be); any other record as itself."""
+    worker's own would be), leaving out those ``nodes`` (the roster, when
+    there is one) does not let the node give; any other record as itself."""
     message = record.message
     if record.kind != "ack" or record.poison or message.get("type") != "node_acks":
         return [record]
     listed = message.get("acks")  # a trail file may have been edited: any shape
     acks = [ack for ack in listed if isinstance(ack, dict)] if isinstance(listed, list) else []
+    if nodes is not None:
+        node = str(message.get("node"))
+        acks = [ack for ack in acks if nodes.refusal(node, str(ack.get("worker_id"))) is None]
     return [msgspec.structs.replace(record, message=ack) for ack in acks]
 
 

@@ -17,6 +17,7 @@ from lorabus.bus.connect import Bus
 from lorabus.bus.options import BusOptions
 from lorabus.cli.common import EXIT_FAILED, bus_options, fleet_option, run, subjects_of
 from lorabus.schemas import Subjects
+from lorabus.schemas.nodes import NODES_ENV, NodeRoster
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
@@ -67,6 +68,7 @@ def tap(
     from lorabus.bus.connect import close
 
     subjects = subjects_of(fleet)
+    nodes = _node_roster()
 
     async def follow_trail() -> int:
         target, name = Bus(nats_url, bus), f"lorabus-tap-{fleet}"
@@ -82,7 +84,7 @@ def tap(
             after_seq=last_seq_in(out_path) if out_path else 0,
         )
         try:
-            with TrailWriter(out_path, echo=click.echo) as writer:
+            with TrailWriter(out_path, echo=click.echo, nodes=nodes) as writer:
                 await reader.run(writer.write, follow=follow)
         finally:
             await close(nc)
@@ -117,6 +119,7 @@ def audit_verify(
 
     _one_source(trail, live, nats_url)
     subjects = subjects_of(fleet)
+    nodes = _node_roster()
 
     async def check() -> int:
         violations: list[Violation] = []
@@ -130,7 +133,7 @@ def audit_verify(
         else:
             assert nats_url is not None
             records = await _on_stream(Bus(nats_url, bus), subjects, _every_record)
-        violations += verify(records, prefix=subjects.prefix)
+        violations += verify(records, prefix=subjects.prefix, nodes=nodes)
         for violation in violations:
             shown = f" (records {violation.seqs})" if violation.seqs else ""
             click.echo(printable(f"{violation.rule}: {violation.message}{shown}"))
@@ -142,6 +145,15 @@ def audit_verify(
         return EXIT_FAILED if violations else 0
 
     sys.exit(run(check))
+
+
+def _node_roster() -> NodeRoster:
+    """``$LORABUS_NODES_FILE``'s roster (the auditor's identity sets it), or a
+    usage error saying why it cannot be read."""
+    try:
+        return NodeRoster.from_env()
+    except ValueError as exc:
+        raise click.UsageError(f"{exc} (${NODES_ENV})") from None
 
 
 def _one_source(trail: str | None, live: bool, nats_url: str | None) -> None:
@@ -231,6 +243,7 @@ def audit_timeline(
 
     _one_source(trail, live, nats_url)
     subjects = subjects_of(fleet)
+    _node_roster()  # read again by the timeline: a usage error now, before any work
 
     async def draw() -> int:
         if trail is not None:

@@ -90,6 +90,11 @@ def serving_command(
             if node_file is not None:
                 config = _node_config(node_file, settings, fixed, headers)
             else:
+                if admin_key and os.environ.get(NODE_ENV):  # the agent, as a node's identity
+                    raise click.UsageError(
+                        f"this identity is node {os.environ[NODE_ENV]!r}'s (${NODE_ENV}): "
+                        "give its workers with --node-file, or a worker's identity"
+                    )
                 _check_given(flags, settings)
                 config = build_config(config_type, flags, settings, **fixed)
             if not (click.get_current_context().find_root().obj or {}).get("log_level_given"):
@@ -147,7 +152,12 @@ def _node_config(
     }
     base.update(fixed)
     try:
-        node = load_node_config(path, base, lambda var: headers_from(var, headers))
+        node = load_node_config(
+            path,
+            base,
+            lambda var: headers_from(var, headers),
+            auth_headers,  # as --admin-api-key-env: the admin key alone
+        )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     identity_node = os.environ.get(NODE_ENV)

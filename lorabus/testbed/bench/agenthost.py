@@ -164,7 +164,7 @@ async def _start_agents(
                 load_latency_s=spec["load_latency_s"], load_jitter_s=spec["load_jitter_s"], rng=rng
             )
         else:
-            frontend_url = spec["system_urls"][worker_id]  # its simulated fleet process's
+            frontend_url = spec["sim_urls"][worker_id]  # its simulated fleet process's
             engine = DynamoDriver(f"{frontend_url}/workers/{worker_id}", frontend_url=frontend_url)
         driver = TimedEngine(engine, times, worker_id)
         drivers.append(driver)

@@ -86,11 +86,6 @@ class BenchFleet:
         return await connect(self.nats_url, name=name, options=options)
 
     @property
-    def sim(self) -> Child | None:
-        """The first simulated fleet process (None before :meth:`start_sim`)."""
-        return self.sims[0] if self.sims else None
-
-    @property
     def sim_url(self) -> str:
         """The frontend of the first simulated fleet process: the one the
         coordinator and the baseline check (it lists what its workers serve)."""
@@ -162,7 +157,7 @@ class BenchFleet:
                 "nodes": {n: nodes[n] for n in names[i::count]} if nodes else {},
                 "workers": {wid: workers[wid] for wid in chunk},
                 "engine": engine,
-                "system_urls": {wid: self.sim_urls[wid] for wid in chunk if wid in self.sim_urls},
+                "sim_urls": {wid: self.sim_urls[wid] for wid in chunk if wid in self.sim_urls},
                 "shared_connection": layout == "shared",
                 "heartbeat_s": self.heartbeat_s,
                 "ready_timeout_s": self.ready_timeout_s(),

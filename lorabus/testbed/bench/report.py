@@ -233,7 +233,7 @@ def judge(results: Sequence[ModeResult], ratios: Sequence[SizeRatios]) -> list[T
         add(
             f"N={n} HTTP engines: coordinator CPU/update >= 20x lower than the baseline's",
             f"{_ms(http.central_cpu_s_per_update)} vs {_ms(base.central_cpu_s_per_update)}: "
-            f"{top.baseline_over_lorabus_central_cpu:.1f}x lower",
+            f"{top.baseline_over_lorabus_central_cpu:.1f}x lower (agents: {http.connections})",
             top.baseline_over_lorabus_central_cpu >= 20,
         )
     else:
@@ -242,7 +242,7 @@ def judge(results: Sequence[ModeResult], ratios: Sequence[SizeRatios]) -> list[T
         add(
             f"N={n} HTTP engines: lorabus wall p50 <= the baseline's",
             f"{http.wall_s.p50 * 1000:.0f} ms vs {base.wall_s.p50 * 1000:.0f} ms "
-            f"({top.lorabus_over_baseline_wall_p50:.2f}x)",
+            f"({top.lorabus_over_baseline_wall_p50:.2f}x; agents: {http.connections})",
             top.lorabus_over_baseline_wall_p50 <= 1,
         )
     else:
