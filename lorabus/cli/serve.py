@@ -92,8 +92,8 @@ def serving_command(
             else:
                 if admin_key and os.environ.get(NODE_ENV):  # the agent, as a node's identity
                     raise click.UsageError(
-                        f"this identity is node {os.environ[NODE_ENV]!r}'s (${NODE_ENV}): "
-                        "give its workers with --node-file, or a worker's identity"
+                        f"this identity is that of node {os.environ[NODE_ENV]!r} "
+                        f"(${NODE_ENV}): give its workers with --node-file, or a worker's identity"
                     )
                 _check_given(flags, settings)
                 config = build_config(config_type, flags, settings, **fixed)
@@ -165,8 +165,8 @@ def _node_config(
         # Its acks and beats would go out on subjects its identity may not
         # publish on: the workers would only look dead.
         raise click.UsageError(
-            f"node file {path} names node {node.node!r}, but this identity is node "
-            f"{identity_node!r}'s (${NODE_ENV}): give the node file of this node, or "
+            f"node file {path} names node {node.node!r}, but this identity is that of "
+            f"node {identity_node!r} (${NODE_ENV}): give the node file of this node, or "
             "this node's identity (--identity)"
         )
     return node
