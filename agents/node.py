@@ -134,14 +134,20 @@ class NodeOutbox:
         reports, self._pending = self._pending, []
         # In the order they were put: a beat after an ack must not be read
         # before it (it would undo what the ack said of the engine).
-        run: list[Report] = []
+        runs: list[list[Report]] = []
         for report in reports:
-            if run and type(run[-1]) is not type(report):
+            if runs and type(runs[-1][-1]) is type(report):
+                runs[-1].append(report)
+            else:
+                runs.append([report])
+        for index, run in enumerate(runs):
+            try:
                 await self._send(run)
-                run = []
-            run.append(report)
-        if run:
-            await self._send(run)
+            except asyncio.CancelledError:
+                # Stopping: what this flush had not sent yet goes first in the
+                # last one (sent twice at worst, which acks and beats bear).
+                self._pending = [r for rest in runs[index:] for r in rest] + self._pending
+                raise
 
     async def _send(self, reports: list[Report]) -> None:
         subject = (

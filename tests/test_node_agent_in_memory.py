@@ -10,11 +10,15 @@ from typing import Any
 
 import pytest
 from convergence_helpers import member_until
+from memory_bus import MemoryServer
 from memory_fleet import HEARTBEAT_S, InMemoryFleet
 
+from lorabus.agents.node import NodeOutbox
 from lorabus.schemas import (
+    Ack,
     Phase,
     RefuseInstance,
+    Subjects,
     ack_message_decoder,
     beat_message_decoder,
     reports_of,
@@ -131,6 +135,41 @@ async def test_any_other_failure_of_a_worker_ends_the_node_and_every_worker() ->
         from_node = [s for s, _ in fleet.server.published[beats_after:] if s.endswith(".n0")]
 
     assert from_node == [], "no worker of the node still speaks"
+
+
+async def test_a_node_stopped_mid_send_still_sends_what_it_held() -> None:
+    server = MemoryServer()
+    nc = server.connect("n0")
+    publish, hung = nc.publish, asyncio.Event()
+
+    async def first_send_hangs(subject: str, payload: bytes = b"", **kw: Any) -> None:
+        if not hung.is_set():
+            hung.set()
+            await asyncio.Event().wait()  # until the node stops
+        await publish(subject, payload, **kw)
+
+    nc.publish = first_send_hangs  # type: ignore[method-assign]
+    subjects = Subjects(fleet="f")
+    outbox = NodeOutbox(nc, subjects, "n0")  # type: ignore[arg-type]
+    outbox.track("n0w0", lambda: True)
+    running = asyncio.create_task(outbox.run())
+    resumed = Ack(
+        update_id="u1", phase=Phase.RESUME, worker_id="n0w0", ok=True, world_size=1,
+        adapters=[], paused=False, epoch=1, duration_s=0.01,
+    )  # fmt: skip
+    outbox.put(resumed)
+    await asyncio.wait_for(hung.wait(), DEADLINE_S)
+
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+
+    sent = [
+        ack
+        for subject, data in server.published
+        if subject == subjects.ack("n0")
+        for ack in reports_of(ack_message_decoder.decode(data))
+    ]
+    assert sent == [resumed], "the resume ack in hand when the node stopped went out"
 
 
 def _reports(subject: str, data: bytes, fleet: InMemoryFleet) -> list[Any]:
