@@ -93,7 +93,7 @@ class NodeRoster:
             return None
         workers = self._nodes.get(node)
         if workers is None:
-            return f"node {node!r} is not in the coordinator's nodes file"
+            return f"node {node!r} is not in the nodes file"
         if worker_id not in workers:
             return f"node {node!r} speaks for {worker_id!r}, which is not one of its workers"
         return None

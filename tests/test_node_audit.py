@@ -107,6 +107,9 @@ def test_with_the_roster_the_timeline_draws_no_nodes_ack_for_another_nodes_worke
     builder.take(record(1, "n2", [ack("w001", Phase.PAUSE, paused=True)]))
     builder.take(record(2, "n1", [ack("w001", Phase.RESUME, paused=False)]))
 
+    # Nor on its own subject, claiming to be the node of w001.
+    builder.take(record(3, "n1", [ack("w001", Phase.RESUME, paused=False)], claimed="n2"))
+
     [timeline] = builder.timelines()
     bars = {row.worker_id: [bar.phase for bar in row.bars] for row in timeline.rows()}
     assert bars == {"w001": ["pause"]}

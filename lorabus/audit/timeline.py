@@ -9,10 +9,8 @@ stored when it was sent and carrying how long its phase took on that worker
 stream's for the end, so that workers line up on one clock.
 
 One bar per worker and phase of an update, from the first ack of that phase
-in the trail: an agent answers a command the coordinator sent again with the
-ack it already sent, which the stream stores again, later; and the
-coordinator counts a worker's first ack of a phase, so the first is the one
-that ended it.
+in the trail: an agent answers a command sent again with the ack it already
+sent (stored again, later), and the coordinator counts a worker's first ack.
 
 A worker's engine is paused from its first ok pause ack on until something
 resumes it, by the rule of ``audit verify`` (``unresumed_pause``): an ok
@@ -22,8 +20,8 @@ resume ack of any update, its agent's resume when the pause lease ran out
 result, run to the end of the trail (its last record): what an operator most
 needs to see is drawn, not lost as a window of no width.
 
-Everything here is data read from the bus, so nothing in it is trusted: a
-record that is not what lorabus writes is skipped, never raised.
+Nothing read from the bus is trusted: a record that is not what lorabus
+writes is skipped, never raised.
 """
 
 from __future__ import annotations
@@ -278,11 +276,9 @@ def build_timelines(records: Iterable[TrailRecord]) -> list[UpdateTimeline]:
 
 class TimelineBuilder:
     """Timelines built from records taken one at a time, in stream order,
-    keeping nothing of a record but what it adds to them. ``draw`` says which
-    updates to draw (by default every one); the acks of the others still end
-    pauses, as a resume of any update resumes an engine. ``nodes``: which
-    workers each node may ack for (by default ``$LORABUS_NODES_FILE``'s, else
-    any); a node's ack for another's worker is neither drawn nor ends a pause."""
+    keeping nothing of a record but what it adds to them. ``draw``: the
+    updates to draw (default all; the others' acks still end pauses);
+    ``nodes``: the roster a node's acks are held to (``$LORABUS_NODES_FILE``'s)."""
 
     def __init__(self, draw: Container[str] | None = None, nodes: NodeRoster | None = None) -> None:
         self._draw = draw

@@ -190,14 +190,19 @@ def poison_text(error: BaseException | str, data: bytes) -> str:
 def workers_records(record: TrailRecord, nodes: NodeRoster | None = None) -> list[TrailRecord]:
     """A node's acks record as one record per worker's ack (each as that
     worker's own would be), leaving out those ``nodes`` (the roster, when
-    there is one) does not let the node give; any other record as itself."""
+    there is one) does not let the node give, and all of a record whose body
+    claims another node than its subject; any other record as itself."""
     message = record.message
     if record.kind != "ack" or record.poison or message.get("type") != "node_acks":
         return [record]
+    # The node is the one its subject names (the server's permissions prove
+    # that), not the one its body claims.
+    node = record.subject.rsplit(".", 1)[-1]
     listed = message.get("acks")  # a trail file may have been edited: any shape
-    acks = [ack for ack in listed if isinstance(ack, dict)] if isinstance(listed, list) else []
+    if message.get("node") != node or not isinstance(listed, list):
+        return []
+    acks = [ack for ack in listed if isinstance(ack, dict)]
     if nodes is not None:
-        node = str(message.get("node"))
         acks = [ack for ack in acks if nodes.refusal(node, str(ack.get("worker_id"))) is None]
     return [msgspec.structs.replace(record, message=ack) for ack in acks]
 
