@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 from processes import run_lorabus
 
 from lorabus.testbed.natsserver import free_port
@@ -41,6 +42,15 @@ def podman(*args: str, timeout: float = 60.0, check: bool = True) -> str:
     if check and done.returncode != 0:
         raise AssertionError(f"podman {' '.join(args)} exited {done.returncode}:\n{done.stderr}")
     return done.stdout
+
+
+def container_log(name: str, tail: int | None = None) -> str:
+    """What a container wrote (its last ``tail`` lines), stderr included: lorabus logs there."""
+    last = ["--tail", str(tail)] if tail is not None else []
+    done = subprocess.run(
+        ["podman", "logs", *last, name], capture_output=True, text=True, timeout=60, check=False
+    )
+    return done.stdout + done.stderr
 
 
 def runtime_missing() -> str | None:
@@ -153,21 +163,13 @@ class ComposeStack:
         podman("stop", "--time", "5", self.container(service))
 
     def logs(self, service: str) -> str:
-        return podman("logs", "--tail", "40", self.container(service), check=False)
+        return container_log(self.container(service), tail=40)
 
     def full_logs(self) -> dict[str, str]:
         """Every container's whole log (stdout and stderr, across restarts): service -> text."""
-        logs = {}
-        for service, c in sorted(self.containers().items()):
-            done = subprocess.run(
-                ["podman", "logs", c["name"]],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
-            )
-            logs[service] = done.stdout + done.stderr
-        return logs
+        return {
+            service: container_log(c["name"]) for service, c in sorted(self.containers().items())
+        }
 
     def copy_out(self, service: str, path: str, dest: Path) -> Path:
         """Copy ``path`` (a file or folder) out of ``service``'s container to ``dest``."""
@@ -177,9 +179,22 @@ class ComposeStack:
     def all_logs(self) -> str:
         """The tail of every service's log, for a failure message."""
         return "\n".join(
-            f"--- {service}\n{podman('logs', '--tail', '15', c['name'], check=False)}"
+            f"--- {service}\n{container_log(c['name'], tail=30)}"
             for service, c in sorted(self.containers().items())
         )
+
+    def sim_requests(self) -> str:
+        """Each simulated worker's control requests, when and what, for a failure message."""
+        lines = []
+        try:
+            for worker in httpx.get(f"{self.sim_url}/sim/workers", timeout=10).json():
+                worker_id = worker["worker_id"]
+                url = f"{self.sim_url}/sim/workers/{worker_id}/requests"
+                for r in httpx.get(url, timeout=10).json():
+                    lines.append(f"{r['ts']:.3f} {worker_id} {r['method']} {r['path']}")
+        except httpx.HTTPError as exc:
+            lines.append(f"(the simulated fleet did not answer: {exc!r})")
+        return "\n".join(sorted(lines))
 
     def read_trail(self, dest: Path) -> str:
         """Copy the tap's trail file out of its volume to ``dest``; return its text."""

@@ -252,6 +252,14 @@ def auth_stack(built: ComposeStack) -> Iterator[ComposeStack]:
     )
     try:
         stack.up()
+        # The orchestrator's commands run in one container started now, not a
+        # container each: with aardvark-dns before 1.11 (Debian 12's podman),
+        # every container that joins or leaves the network stalls the others'
+        # name lookups for up to 20 s (containers/aardvark-dns#389), and an
+        # agent that looks up its engine then misses a phase deadline.
+        stack.compose(
+            "run", "--detach", "--name", tools_container(stack), "orchestrator", "sleep", "infinity"
+        )
         wait_auth_fleet_ready(stack)
         yield stack
     finally:
@@ -261,11 +269,20 @@ def auth_stack(built: ComposeStack) -> Iterator[ComposeStack]:
             stack.remove_leftovers()
 
 
+def tools_container(stack: ComposeStack) -> str:
+    """The name of the stack's long-lived ``orchestrator`` container."""
+    return f"{stack.project}_orchestrator_tools"
+
+
 def orchestrate(stack: ComposeStack, *args: str, timeout: float = 120.0) -> dict[str, Any]:
-    """``run --rm orchestrator lorabus <args> --json`` in the stack; its JSON answer
-    (or the exit and stderr when it printed none)."""
-    done = stack.compose_run(
-        "run", "--rm", "orchestrator", "lorabus", *args, "--json", timeout=timeout
+    """``lorabus <args> --json`` in the stack's ``orchestrator`` container; its JSON
+    answer (or the exit and stderr when it printed none)."""
+    done = subprocess.run(
+        ["podman", "exec", tools_container(stack), "lorabus", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     start = done.stdout.find("{")
     try:
@@ -303,7 +320,9 @@ def test_with_credentials_an_update_through_the_orchestrator_service_commits(
         auth_stack, "update", "--adapter", "policy", "--path", "/adapters/step_1", "--timeout", "90"
     )
 
-    assert result.get("status") == "committed", f"{result}\n{auth_stack.all_logs()}"
+    assert result.get("status") == "committed", (
+        f"{result}\n{auth_stack.all_logs()}\n--- engine calls\n{auth_stack.sim_requests()}"
+    )
     assert [
         (e["worker_id"], e["world_size"], e["rank_offset"]) for e in result["rank_map"]["entries"]
     ] == [("w000", 2, 1), ("w001", 4, 3), ("w002", 1, 7)]
@@ -367,6 +386,9 @@ def test_with_credentials_a_client_without_an_identity_is_refused(
 def test_with_credentials_down_leaves_no_container_network_or_volume(
     auth_stack: ComposeStack,
 ) -> None:
+    # podman-compose's ``down`` leaves what ``run --detach`` started: the
+    # orchestrator's container goes first, as a user's own ``run`` would end.
+    podman("rm", "--force", "--time", "2", tools_container(auth_stack))
     auth_stack.down()
 
     assert auth_stack.leftovers() == []
