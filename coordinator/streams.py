@@ -128,6 +128,14 @@ async def provision(nc: NatsClient, config: StorageConfig) -> list[str]:
                 raise StreamNotMade(_not_made(stream, exc)) from exc
         except nats.js.errors.APIError as exc:
             raise StreamNotMade(_not_made(stream, exc)) from exc
+        except TimeoutError as exc:
+            # A cluster answers no JetStream request until it has elected its
+            # meta leader: the operator (or compose's restart) asks again.
+            raise StreamNotMade(
+                f"stream {stream.name} could not be made: JetStream did not answer "
+                f"within {_CALL_DEADLINE_S:.0f} s (a cluster that has not elected its "
+                "JetStream leader yet: try again once its nodes see each other)"
+            ) from exc
         try:
             async with asyncio.timeout(_CALL_DEADLINE_S):
                 await js.update_stream(stream)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import pytest
 from nats.js.api import RePublish, StreamConfig
+from processes import run_lorabus
 from secured import watched
 
 from lorabus.bus.connect import close, connect
@@ -33,6 +34,7 @@ from lorabus.coordinator.streams import (
 )
 from lorabus.schemas import BadMessage, Subjects, event_decoder
 from lorabus.security.roles import FLEET_JS_API, Role
+from lorabus.testbed.natsserver import NatsServer, free_port
 from lorabus.testbed.stack import EmbeddedStack
 
 WORKERS = ("w000", "w001")
@@ -144,3 +146,18 @@ async def test_a_new_leader_audits_stream_settings_lorabus_would_not_make(
         assert await unsafe_settings(js, storage) == []
     finally:
         await close(nc)
+
+
+async def test_provision_on_a_cluster_without_its_jetstream_leader_says_so_in_one_line() -> None:
+    """A node whose peers do not answer yet (a compose cluster coming up) has
+    no JetStream leader and answers no JetStream request: ``lorabus provision``
+    says so and exits 1, for compose to start it again, with no traceback."""
+    lone = NatsServer(name="n1", cluster_port=free_port(), routes=[free_port(), free_port()])
+    async with lone:
+        done = await run_lorabus("provision", "--nats", lone.url, "--fleet", "f")
+
+    assert done.returncode == 1, done
+    assert "error: stream KV_lorabus_f could not be made: JetStream did not answer" in (
+        done.stderr
+    ), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
