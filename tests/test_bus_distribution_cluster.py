@@ -229,9 +229,12 @@ async def test_a_node_crashing_mid_fetch_leaves_the_update_committed_or_cleanly_
     assert result.status in ("committed", "failed"), result
     if not result.committed:
         codes = {w: o.error.code for w, o in result.workers.items() if o.error is not None}
-        # An agent cut off from the bus a moment may also be counted as lost.
-        assert ErrorCode.FETCH_FAILED in codes.values(), (codes, result.error)
+        assert codes, result.error
         assert set(codes.values()) <= {ErrorCode.FETCH_FAILED, ErrorCode.PHASE_TIMEOUT}, codes
+        # Only an agent whose own connection was on that node is counted as
+        # lost (it stops beating while it moves, maybe before its fetch fails).
+        lost = {w for w, code in codes.items() if code is ErrorCode.PHASE_TIMEOUT}
+        assert lost <= on_victim, (codes, on_victim)
         assert paused_for_it == 0, "an engine was paused for an update whose fetch failed"
     assert after.committed, after.error
     assert still_paused == []
