@@ -222,9 +222,9 @@ def _ack(
 
 
 def _record(seq: int, kind: str, message: dict[str, object]) -> TrailRecord:
-    return TrailRecord(
-        seq=seq, subject=f"lorabus.t.{kind}", ts=100.0 + seq / 1000, kind=kind, message=message
-    )
+    # An ack on its sender's subject: one claiming another is not drawn.
+    subject = f"lorabus.t.ack.{message['worker_id']}" if kind == "ack" else f"lorabus.t.{kind}"
+    return TrailRecord(seq=seq, subject=subject, ts=100.0 + seq / 1000, kind=kind, message=message)
 
 
 def _line(record: TrailRecord) -> str:

@@ -26,6 +26,7 @@ from lorabus.cli.main import main
 from lorabus.schemas import (
     Ack,
     Heartbeat,
+    LeaseExpired,
     NodeAcks,
     NodeBeats,
     Phase,
@@ -56,6 +57,12 @@ def record(seq: int, node: str, acks: list[Ack], *, claimed: str = "") -> TrailR
     message = NodeAcks(node=claimed or node, acks=acks)
     return TrailRecord(
         seq=seq, subject=S.ack(node), ts=1000.0 + seq, kind="ack", message=to_builtins(message)
+    )
+
+
+def lone(seq: int, subject: str, message: object, *, kind: str = "ack") -> TrailRecord:
+    return TrailRecord(
+        seq=seq, subject=subject, ts=1000.0 + seq, kind=kind, message=to_builtins(message)
     )
 
 
@@ -114,6 +121,32 @@ def test_with_the_roster_the_timeline_draws_no_nodes_ack_for_another_nodes_worke
     bars = {row.worker_id: [bar.phase for bar in row.bars] for row in timeline.rows()}
     assert bars == {"w001": ["pause"]}
     assert [row.unresumed for row in timeline.rows()] == [True]
+
+
+def test_the_timeline_draws_no_lone_ack_or_event_whose_body_claims_another_worker() -> None:
+    """A lone agent (w000) cannot end w001's pause on the timeline either: not
+    with an ack on its own subject that names w001, nor with w001's resume
+    event on its own event subject."""
+    paused = lone(1, S.ack("w001"), ack("w001", Phase.PAUSE, paused=True))
+    resumed = LeaseExpired(
+        ts=1003.0, source="agent:w001", update_id="u1", worker_id="w001", resumed=True
+    )
+    builder = TimelineBuilder()
+    builder.take(paused)
+    builder.take(lone(2, S.ack("w000"), ack("w001", Phase.RESUME, paused=False)))
+    builder.take(lone(3, S.agent_event("w000", "lease_expired"), resumed, kind="event"))
+
+    assert builder.open_pauses() == {"w001": {"u1"}}
+    [timeline] = builder.timelines()
+    bars = {row.worker_id: [bar.phase for bar in row.bars] for row in timeline.rows()}
+    assert bars == {"w001": ["pause"]}
+    assert [row.unresumed for row in timeline.rows()] == [True]
+
+    # The same resume on w001's own subject ends it.
+    builder = TimelineBuilder()
+    builder.take(paused)
+    builder.take(lone(3, S.agent_event("w001", "lease_expired"), resumed, kind="event"))
+    assert builder.open_pauses() == {}
 
 
 def test_with_the_nodes_file_a_nodes_ack_for_another_nodes_worker_is_a_mismatch(

@@ -191,13 +191,22 @@ def workers_records(record: TrailRecord, nodes: NodeRoster | None = None) -> lis
     """A node's acks record as one record per worker's ack (each as that
     worker's own would be), leaving out those ``nodes`` (the roster, when
     there is one) does not let the node give, and all of a record whose body
-    claims another node than its subject; any other record as itself."""
+    claims another node than its subject; nothing of an agent's ack or event
+    whose body claims another worker than its subject; any other record as
+    itself."""
     message = record.message
-    if record.kind != "ack" or record.poison or message.get("type") != "node_acks":
+    if record.poison or record.kind not in ("ack", "event"):
         return [record]
-    # The node is the one its subject names (the server's permissions prove
+    # The sender is the one its subject names (the server's permissions prove
     # that), not the one its body claims.
-    node = record.subject.rsplit(".", 1)[-1]
+    tokens = record.subject.split(".")
+    if record.kind == "event":
+        from_agent = len(tokens) >= 4 and tokens[-4:-2] == ["evt", "agent"]
+        claimed = message.get("worker_id", tokens[-2])
+        return [] if from_agent and claimed != tokens[-2] else [record]
+    node = tokens[-1]
+    if message.get("type") != "node_acks":
+        return [record] if message.get("worker_id") == node else []
     listed = message.get("acks")  # a trail file may have been edited: any shape
     if message.get("node") != node or not isinstance(listed, list):
         return []
