@@ -107,6 +107,20 @@ def test_the_timeline_draws_each_workers_bar_from_a_nodes_acks() -> None:
     assert not any(row.unresumed for row in timeline.rows())
 
 
+def test_the_timeline_reads_the_sender_from_the_fleets_own_subject_prefix() -> None:
+    acme = Subjects(fleet="f", prefix="acme")
+    acks = NodeAcks(node="n1", acks=[ack("w000", Phase.PAUSE, paused=True)])
+    builder = TimelineBuilder(prefix="acme")
+    builder.take(
+        TrailRecord(seq=1, subject=acme.ack("n1"), ts=1001.0, kind="ack", message=to_builtins(acks))
+    )
+
+    [timeline] = builder.timelines()
+    assert {row.worker_id: [bar.phase for bar in row.bars] for row in timeline.rows()} == {
+        "w000": ["pause"]
+    }
+
+
 def test_with_the_roster_the_timeline_draws_no_nodes_ack_for_another_nodes_worker() -> None:
     """A planted resume of w001 by node n1 (whose worker is w000 alone) must
     not close w001's pause on the timeline, nor draw a bar for it."""

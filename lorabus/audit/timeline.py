@@ -27,11 +27,11 @@ writes is skipped, never raised.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorabus.audit.verify import TrailRecord, workers_records
+from lorabus.audit.verify import DEFAULT_PREFIX, TrailRecord, workers_records
 from lorabus.schemas.nodes import NodeRoster
 
 PHASE_LABELS = {"prepare": "fetch"}
@@ -179,42 +179,6 @@ class UpdateTimeline:
         return rows
 
 
-@dataclass(frozen=True)
-class Selection:
-    """The updates asked for, out of those a trail shows."""
-
-    timelines: list[UpdateTimeline]
-    """Those asked for, in the order asked (``--last``: the trail's); none
-    when any is unknown."""
-    unknown: list[str]
-    """Ids asked for that the trail does not show."""
-    shown: list[str]
-    """The ids of the updates the trail shows, in its order (for saying what
-    it holds when an id is unknown)."""
-    poison: int = 0
-    """Poison records read (left out)."""
-
-
-def select(
-    timelines: Sequence[UpdateTimeline],
-    update_ids: Sequence[str],
-    last: int,
-    *,
-    shown: Sequence[str] | None = None,
-    poison: int = 0,
-) -> Selection:
-    """``update_ids`` out of ``timelines`` (any unknown: none), or without ids
-    the last ``last`` of them. ``shown``: every update the trail shows (by
-    default those of ``timelines``)."""
-    ids = [t.update_id for t in timelines] if shown is None else list(shown)
-    if not update_ids:
-        return Selection(list(timelines[-last:]), [], ids, poison)
-    known = {t.update_id: t for t in timelines}
-    unknown = [u for u in update_ids if u not in known]
-    chosen = [] if unknown else [known[u] for u in update_ids]
-    return Selection(chosen, unknown, ids, poison)
-
-
 _DRAWN_EVENTS = frozenset({"update_started", "phase_finished", "update_finished"})
 """With acks, what a timeline is drawn from. Commands are left out: some carry
 an update id that names no update (a term's ``committed`` notice, a refusal)."""
@@ -278,11 +242,18 @@ class TimelineBuilder:
     """Timelines built from records taken one at a time, in stream order,
     keeping nothing of a record but what it adds to them. ``draw``: the
     updates to draw (default all; the others' acks still end pauses);
-    ``nodes``: the roster a node's acks are held to (``$LORABUS_NODES_FILE``'s)."""
+    ``nodes``: the roster a node's acks are held to (``$LORABUS_NODES_FILE``'s);
+    ``prefix``: the fleet's subject prefix, for who sent each record."""
 
-    def __init__(self, draw: Container[str] | None = None, nodes: NodeRoster | None = None) -> None:
+    def __init__(
+        self,
+        draw: Container[str] | None = None,
+        nodes: NodeRoster | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
         self._draw = draw
         self._nodes = nodes if nodes is not None else NodeRoster.from_env()
+        self._prefix = prefix
         self._timelines: dict[str, UpdateTimeline] = {}
         self._pauses = _OpenPauses()
         self.trail_end: float | None = None
@@ -292,7 +263,7 @@ class TimelineBuilder:
 
     def take(self, record: TrailRecord) -> None:
         """The next record of the trail."""
-        for each in workers_records(record, self._nodes):
+        for each in workers_records(record, self._nodes, self._prefix):
             self._take_one(each)
 
     def _take_one(self, record: TrailRecord) -> None:
@@ -312,7 +283,10 @@ class TimelineBuilder:
     def end_pauses(self, record: TrailRecord) -> None:
         """Only what ``record`` ends of the open pauses: an ok resume ack, or an
         agent's own resume (a record read to learn when an engine resumed)."""
-        if len(acks := workers_records(record, self._nodes)) != 1 or acks[0] is not record:
+        if (
+            len(acks := workers_records(record, self._nodes, self._prefix)) != 1
+            or acks[0] is not record
+        ):
             for each in acks:
                 self.end_pauses(each)
             return

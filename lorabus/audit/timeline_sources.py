@@ -1,5 +1,6 @@
 """Where ``lorabus audit timeline`` gets the records it draws: a trail file,
-or the fleet's audit stream, of which it reads only the updates it draws.
+or the fleet's audit stream, of which it reads only the updates it draws;
+and which of the updates it meets are those asked for (:func:`select`).
 
 A trail file is read a line at a time into the timelines, keeping no record.
 
@@ -35,19 +36,57 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorabus.audit.tap import BATCH, StreamReader
-from lorabus.audit.timeline import Selection, TimelineBuilder, select
+from lorabus.audit.timeline import TimelineBuilder, UpdateTimeline
 from lorabus.audit.trail_file import BadLine, trail_items
-from lorabus.audit.verify import TrailRecord
+from lorabus.audit.verify import DEFAULT_PREFIX, TrailRecord
 from lorabus.schemas import check_token
 
 _FOLLOW_BATCH = 8
 """The most records of one worker's subject read at a time while following a pause."""
 
 
-def from_file(path: str | Path, update_ids: Sequence[str], last: int) -> tuple[Selection, int]:
-    """The updates asked for out of a trail file, and how many of its lines
-    are no record."""
-    builder = TimelineBuilder()
+@dataclass(frozen=True)
+class Selection:
+    """The updates asked for, out of those a trail shows."""
+
+    timelines: list[UpdateTimeline]
+    """Those asked for, in the order asked (``--last``: the trail's); none
+    when any is unknown."""
+    unknown: list[str]
+    """Ids asked for that the trail does not show."""
+    shown: list[str]
+    """The ids of the updates the trail shows, in its order (for saying what
+    it holds when an id is unknown)."""
+    poison: int = 0
+    """Poison records read (left out)."""
+
+
+def select(
+    timelines: Sequence[UpdateTimeline],
+    update_ids: Sequence[str],
+    last: int,
+    *,
+    shown: Sequence[str] | None = None,
+    poison: int = 0,
+) -> Selection:
+    """``update_ids`` out of ``timelines`` (any unknown: none), or without ids
+    the last ``last`` of them. ``shown``: every update the trail shows (by
+    default those of ``timelines``)."""
+    ids = [t.update_id for t in timelines] if shown is None else list(shown)
+    if not update_ids:
+        return Selection(list(timelines[-last:]), [], ids, poison)
+    known = {t.update_id: t for t in timelines}
+    unknown = [u for u in update_ids if u not in known]
+    chosen = [] if unknown else [known[u] for u in update_ids]
+    return Selection(chosen, unknown, ids, poison)
+
+
+def from_file(
+    path: str | Path, update_ids: Sequence[str], last: int, prefix: str = DEFAULT_PREFIX
+) -> tuple[Selection, int]:
+    """The updates asked for out of a trail file (of a fleet whose subjects
+    start with ``prefix``), and how many of its lines are no record."""
+    builder = TimelineBuilder(prefix=prefix)
     bad_lines = 0
     for item in trail_items(path):
         if isinstance(item, BadLine):
@@ -59,16 +98,18 @@ def from_file(path: str | Path, update_ids: Sequence[str], last: int) -> tuple[S
 
 async def from_stream(reader: StreamReader, update_ids: Sequence[str], last: int) -> Selection:
     """The updates asked for out of the audit stream, reading only theirs."""
+    prefix = reader.subjects.prefix
     stored = await reader.stored()
     if not stored:
         return select([], update_ids, last)
     walk = await _walk_back(reader, stored, _done(update_ids, last))
     whole = walk.exhausted and not update_ids and walk.resolved_count() < last
     if whole:  # fewer updates than asked for: all of the stream, as from a file
-        builder, spans = TimelineBuilder(), [_Span(stored.start, None)]
+        builder, spans = TimelineBuilder(prefix=prefix), [_Span(stored.start, None)]
     else:
         wanted = list(update_ids) or walk.newest(last)
-        builder, spans = TimelineBuilder(draw=set(wanted)), walk.spans(wanted, stored.start)
+        builder = TimelineBuilder(draw=set(wanted), prefix=prefix)
+        spans = walk.spans(wanted, stored.start)
     followed: set[tuple[str, str]] = set()
     for span in _merged(spans):
         await _read_span(reader, builder, span)

@@ -187,7 +187,9 @@ def poison_text(error: BaseException | str, data: bytes) -> str:
     return printable(f"{error}; {len(data)} bytes: {excerpt}{more}")[:1024]
 
 
-def workers_records(record: TrailRecord, nodes: NodeRoster | None = None) -> list[TrailRecord]:
+def workers_records(
+    record: TrailRecord, nodes: NodeRoster | None = None, prefix: str = DEFAULT_PREFIX
+) -> list[TrailRecord]:
     """A node's acks record as one record per worker's ack (each as that
     worker's own would be), leaving out those ``nodes`` (the roster, when
     there is one) does not let the node give, and all of a record whose body
@@ -199,20 +201,20 @@ def workers_records(record: TrailRecord, nodes: NodeRoster | None = None) -> lis
         return [record]
     # The sender is the one its subject names (the server's permissions prove
     # that), not the one its body claims.
-    tokens = record.subject.split(".")
-    if record.kind == "event":
-        from_agent = len(tokens) >= 4 and tokens[-4:-2] == ["evt", "agent"]
-        claimed = message.get("worker_id", tokens[-2])
-        return [] if from_agent and claimed != tokens[-2] else [record]
-    node = tokens[-1]
+    origin = origin_of(record.subject, prefix)
+    sender = origin.worker or ""
+    if origin.kind == "event" and origin.sender == "agent":
+        return [record] if message.get("worker_id", sender) == sender else []
+    if origin.kind != "ack":
+        return [record]
     if message.get("type") != "node_acks":
-        return [record] if message.get("worker_id") == node else []
+        return [record] if message.get("worker_id") == sender else []
     listed = message.get("acks")  # a trail file may have been edited: any shape
-    if message.get("node") != node or not isinstance(listed, list):
+    if message.get("node") != sender or not isinstance(listed, list):
         return []
     acks = [ack for ack in listed if isinstance(ack, dict)]
     if nodes is not None:
-        acks = [ack for ack in acks if nodes.refusal(node, str(ack.get("worker_id"))) is None]
+        acks = [ack for ack in acks if nodes.refusal(sender, str(ack.get("worker_id"))) is None]
     return [msgspec.structs.replace(record, message=ack) for ack in acks]
 
 

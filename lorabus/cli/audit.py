@@ -22,7 +22,7 @@ from lorabus.schemas.nodes import NODES_ENV, NodeRoster
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
 
-    from lorabus.audit.timeline import Selection
+    from lorabus.audit.timeline_sources import Selection
     from lorabus.audit.verify import TrailRecord
 
 _T = TypeVar("_T")
@@ -247,7 +247,9 @@ def audit_timeline(
 
     async def draw() -> int:
         if trail is not None:
-            selection, bad_lines = await asyncio.to_thread(from_file, trail, update_ids, last)
+            selection, bad_lines = await asyncio.to_thread(
+                from_file, trail, update_ids, last, subjects.prefix
+            )
         else:
             assert nats_url is not None
             read = partial(_updates_in_stream, update_ids=update_ids, last=last)
