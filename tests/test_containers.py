@@ -304,13 +304,38 @@ def wait_auth_fleet_ready(stack: ComposeStack) -> None:
     while time.monotonic() < give_up:
         status = orchestrate(stack, "status", timeout=60)
         ready = [m for m in status.get("members", []) if m.get("ready")]
-        if status.get("leader") and len(ready) == len(FLEET_WORLD_SIZES):
+        if (
+            status.get("leader")
+            and len(ready) == len(FLEET_WORLD_SIZES)
+            and agents_resolve_the_engines(stack)
+        ):
             return
         time.sleep(1)
     raise AssertionError(
         f"the credentialed compose fleet was not ready within {READY_DEADLINE_S:.0f}s; "
         f"last status: {status}\n{stack.all_logs()}"
     )
+
+
+def agents_resolve_the_engines(stack: ComposeStack) -> bool:
+    """Whether every agent's container looks up the engines' host at once. The
+    credentialed stack's agents restart until the identities exist, and with
+    aardvark-dns before 1.11 a container that just (re)started may wait many
+    seconds for its lookups (containers/podman#13983): an update then would
+    spend its pause deadline on DNS."""
+    probe = "import socket, time; t = time.monotonic(); socket.getaddrinfo('sim', 8000); "
+    probe += "print(time.monotonic() - t)"
+    for worker in FLEET_WORLD_SIZES:
+        done = subprocess.run(
+            ["podman", "exec", stack.container(f"agent-{worker}"), "python3", "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if done.returncode != 0 or float(done.stdout.strip() or "inf") > 1.0:
+            return False
+    return True
 
 
 def test_with_credentials_an_update_through_the_orchestrator_service_commits(
