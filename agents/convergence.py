@@ -122,7 +122,7 @@ class Convergence:
         (it holds too few adapters), and that failure: not tried again while
         the fleet's committed state stays as it is, so that the committed
         versions stay."""
-        self._names: set[str] = set()
+        self._names: frozenset[str] = frozenset()
         """The served names the engine must hold, when :attr:`_parked` was last
         emptied."""
 

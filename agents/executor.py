@@ -474,7 +474,8 @@ class CommandExecutor:
 
     async def _load(self, name: str, path: str, *, replace: bool, budget_s: float) -> None:
         await self._make_room(name)
-        held = sorted(n for n in self.committed_names if n != name and n in self.adapters)
+        before = set(self.adapters)
+        held = sorted(n for n in self.committed_names if n != name and n in before)
         in_place = replace and name in await self.driver.list_adapters()
         if in_place and not isinstance(self.driver, InPlaceReplace):
             # Dynamo answers "already loaded" for a name it has and keeps the
@@ -493,12 +494,13 @@ class CommandExecutor:
             # computed with the old ones (the canary comes after this).
             await self.driver.reset_cache(budget_s=budget_s)
         self.adapters = await self.driver.list_adapters()
-        if name not in self.adapters:
+        listed = set(self.adapters)
+        if name not in listed:
             raise NotListed(
                 f"the engine of {self.worker_id} accepted adapter {name!r} but its "
                 f"adapter list does not show it: {self.adapters}"
             )
-        dropped = self.dropped_committed = [n for n in held if n not in self.adapters]
+        dropped = self.dropped_committed = [n for n in held if n not in listed]
         if dropped:
             raise EngineError(dropped_text(self.worker_id, name, dropped, self.adapters))
 
