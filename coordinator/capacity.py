@@ -36,10 +36,13 @@ def no_room(
     requester, who may be a tenant, and the names are other tenants'
     (``lorabus status`` shows an operator each member's list)."""
     served_name = own[0]
-    needs = {worker: len(needed_on(worker, own, beside)) for worker in members}
+    # Only members that say what they hold at most: counting every member's
+    # names cost N x (T adapters x versions) per update whatever the engines.
+    bounded = {worker: beat for worker, beat in members.items() if beat.capacity is not None}
+    needs = {worker: len(needed_on(worker, own, beside)) for worker in bounded}
     short = sorted(
         (worker, beat)
-        for worker, beat in members.items()
+        for worker, beat in bounded.items()
         if beat.capacity is not None and needs[worker] > beat.capacity
     )
     if not short:
