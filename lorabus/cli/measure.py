@@ -24,6 +24,7 @@ from lorabus.testbed.bench.config import (
     MODES,
     QUICK,
     SERIES,
+    TENANT_LAYOUTS,
     TENANT_MODES,
     WindowCase,
 )
@@ -237,6 +238,12 @@ _QUICK_PLACEMENT = QUICK.placement
     f"[default: {_TENANTS.seconds:g}; quick {_QUICK_TENANTS.seconds:g}].",
 )
 @click.option(
+    "--tenant-connections",
+    type=click.Choice(TENANT_LAYOUTS),
+    help="Tenants series: the agents' NATS connections, own (one per agent) or node "
+    f"(one per node agent of 8 workers) [default: {_TENANTS.layout}].",
+)
+@click.option(
     "--capacity",
     type=click.IntRange(min=2),
     help="Placement series (run by default when this is given): the adapters each "
@@ -279,6 +286,7 @@ def bench(
     tenant_sizes: list[int] | None,
     tenant_modes: str | None,
     tenant_seconds: float | None,
+    tenant_connections: str | None,
     capacity: int | None,
     out_path: str | None,
     run_dir: str | None,
@@ -308,6 +316,7 @@ def bench(
             "sizes": tuple(tenant_sizes) if tenant_sizes else None,
             "modes": _names(tenant_modes),
             "seconds": tenant_seconds,
+            "layout": tenant_connections,
         },
     )
     placement = _with_changes(

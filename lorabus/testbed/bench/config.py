@@ -55,6 +55,7 @@ class DistributionCase:
 
 
 TENANT_MODES = ("live", "pause")
+TENANT_LAYOUTS = ("own", "node")
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,13 @@ class TenantsCase:
     """The timed window of each case (N, mode, T)."""
     warmup: int = 2
     """Untimed updates of each tenant first, all tenants at once."""
+    layout: str = "own"
+    """The agents' NATS connections: ``own`` (one per agent) or ``node``
+    (agents of 8 workers, one connection each)."""
 
     def __post_init__(self) -> None:
+        if self.layout not in TENANT_LAYOUTS:
+            raise ValueError(f"tenant connections must be one of {', '.join(TENANT_LAYOUTS)}")
         if not self.tenants or min(self.tenants) < 1:
             raise ValueError("tenants must be positive")
         if not self.sizes or min(self.sizes) < 1:

@@ -3,8 +3,9 @@
 For each fleet size N, a nats-server and a listing frontend; for each mode
 (live, pause) the real ``lorabus coordinator`` in that ``--mode`` (with
 ``--max-concurrent`` at least the most tenants) and N agents with null
-engines in the agent host processes, each agent on its own connection, as
-the ``lorabus-null`` mode of the update series runs them. Then for each T,
+engines in the agent host processes, each agent on its own connection (or,
+``--tenant-connections node``, node agents of 8 workers), as the
+``lorabus-null`` mode of the update series runs them. Then for each T,
 on those processes: tenants ``tenant-0`` .. ``tenant-<T-1>``, each with an
 adapter directory of its own, first ``warmup`` updates each (all tenants at
 once), then the timed window: every tenant requests its next version as soon
@@ -196,7 +197,7 @@ class _TenantFleet(BenchFleet):
         hosts: list[Child] = []
         nc: NatsClient | None = None
         try:
-            hosts = await self.start_hosts("agents", fleet, self.workers, "own", "null")
+            hosts = await self.start_hosts("agents", fleet, self.workers, self.plan.layout, "null")
             nc = await self.connect(Role.ORCHESTRATOR, name="bench-tenants")
             tap = _RoundTap(nc, Subjects(fleet=fleet))
             parts = _Parts(coordinator, hosts, UpdateClient(nc, fleet), tap)
@@ -314,6 +315,7 @@ class _TenantFleet(BenchFleet):
             mode=mode,
             tenants=len(names),
             window_s=window,
+            layout=self.plan.layout,
             load_latency_s=self.latency,
             keep=self.keep,
             committed=len(inside),

@@ -37,6 +37,8 @@ class TenantResult(msgspec.Struct, kw_only=True):
     tenants: int
     window_s: float
     """The timed window, as it ran."""
+    layout: str = "own"
+    """The agents' NATS connections: ``own`` or ``node`` (node agents of 8 workers)."""
     load_latency_s: float
     keep: int
     """The coordinator's ``--keep``: versions of each adapter the engines keep."""
@@ -180,7 +182,8 @@ def tenants_table(results: Sequence[TenantResult]) -> list[str]:
     first = results[0]
     lines = [
         f"tenants: T loops, each updating its own adapter, for {first.window_s:.0f} s per case "
-        f"(null engines, loads of {first.load_latency_s * 1000:.0f} ms; times in ms; "
+        f"(null engines, loads of {first.load_latency_s * 1000:.0f} ms, agents' connections "
+        f"{first.layout}; times in ms; "
         "CPU in cores)",
         " ".join(f"{name:>{width}}" for name, width in _COLUMNS),
     ]
