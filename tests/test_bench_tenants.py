@@ -2,8 +2,9 @@
 
 One tiny run end to end (N = 4 workers, T = 1 and 3 tenants, live and pause
 mode, a short window), on the real processes of the update series: a
-nats-server, the real ``lorabus coordinator``, an agent host with null
-engines. As in the other bench tests nothing judges a timing: every tenant
+nats-server, the real ``lorabus coordinator`` (without its canary, to check
+that ``--no-canary`` reaches it), an agent host with null engines driven by
+one node agent (``--tenant-connections node``). As in the other bench tests nothing judges a timing: every tenant
 committed, nothing failed, each engine paused once per round with tenants
 sharing rounds, the JSON holds the figures, and no process is left behind.
 The verdicts and the table are checked from figures made up here.
@@ -38,6 +39,7 @@ def tenants_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         "--tenants", ",".join(map(str, TENANTS)), "--tenant-sizes", str(N),
         "--tenant-modes", ",".join(MODES), "--tenant-seconds", "1.5",
         "--agent-procs", "1", "--run-dir", str(tmp / "run"), "--out", str(out),
+        "--tenant-connections", "node", "--no-canary",
     ]  # fmt: skip
 
     code, text, left = run_marked(argv, RUN_DEADLINE_S)
@@ -73,6 +75,20 @@ def test_every_tenant_commits_in_both_modes_and_nothing_fails(tenants_run: Run) 
             assert case.update_s is not None and case.update_s.count >= case.committed
             assert case.update_p99_s is not None and case.update_p99_s >= case.update_s.p50
             assert {"coordinator", "agents", "nats", "requester"} <= set(case.cpu_cores)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_run_takes_the_layout_and_the_canary_it_is_given(tenants_run: Run) -> None:
+    report = _report(tenants_run)
+
+    for mode in MODES:
+        for tenants in TENANTS:
+            case = _case(report, mode, tenants)
+            assert case.layout == "node"
+            assert "load" in case.phases_s and "canary" not in case.phases_s, case.phases_s
+    _, text, _, _ = tenants_run
+    assert "agents' connections node" in text
 
 
 @pytest.mark.slow

@@ -114,6 +114,7 @@ class _PlacementFleet(BenchFleet):
                 keep=self.plan.keep,
                 mode=UpdateMode.LIVE,
                 max_concurrent=max(16, self.plan.tenants),
+                canary=self.config.canary,
                 replace_after_s=_REPLACE_AFTER_S,
             )
             coordinator = await self.children.lorabus(

@@ -190,6 +190,7 @@ class _TenantFleet(BenchFleet):
             keep=self.keep,
             mode=UpdateMode(mode),
             max_concurrent=max(16, *self.plan.tenants),
+            canary=self.config.canary,
         )
         coordinator = await self.children.lorabus(
             f"{fleet}-coordinator", coordinator_args(config, nats_url=self.nats_url)
