@@ -19,6 +19,12 @@ ENGINE_KINDS = ("dynamo", "vllm", "sglang")
 maps each to its driver."""
 ENGINE_TIMEOUT_S = 30.0
 """Seconds one engine HTTP call may take (a driver built without a config uses it too)."""
+ENGINE_CONNECT_TIMEOUT_S = 5.0
+"""Seconds a call may take to connect to its engine, the name lookup and TLS
+included (at most the call's own timeout). The engine is beside its agent: a
+connection that takes longer hangs (a lookup a DNS server dropped, a SYN a
+full accept queue dropped), and is tried again within the phase's budget
+instead of taking all of it."""
 MAX_PAUSE_LEASE_S = 300.0
 """The longest pause lease an agent grants by default, whatever a command asks."""
 MIN_PAUSE_LEASE_S = 0.5

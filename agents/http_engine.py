@@ -5,7 +5,8 @@ answer says it failed; they agree on everything here, so that an update sees
 the same behaviour from every engine kind of a mixed fleet:
 
 - One connection pool per driver (httpcore, the transport under httpx), with
-  the agent's headers (auth) on every call and a timeout on every call; a
+  the agent's headers (auth) on every call and a timeout on every call (one
+  to connect, shorter: ``ENGINE_CONNECT_TIMEOUT_S``); a
   call to a control route (``admin``) carries the admin headers in place of
   the same-named ones (SGLang's ``--admin-api-key``). An
   agent makes four calls an update on one engine, and the client layer of
@@ -56,7 +57,7 @@ from tenacity import (
 )
 
 from lorabus._version import __version__
-from lorabus.agents.config import ENGINE_TIMEOUT_S, check_engine_url
+from lorabus.agents.config import ENGINE_CONNECT_TIMEOUT_S, ENGINE_TIMEOUT_S, check_engine_url
 from lorabus.bus.connect import redact
 from lorabus.errors import BadRequest, EngineError
 
@@ -159,6 +160,7 @@ class HttpEngine:
         admin_headers: Mapping[str, str] | None = None,
         timeout_s: float = ENGINE_TIMEOUT_S,
         attempts: int = 5,
+        connect_timeout_s: float = ENGINE_CONNECT_TIMEOUT_S,
     ) -> None:
         check_engine_url(base_url)
         parts = urlsplit(base_url.rstrip("/"))
@@ -184,7 +186,10 @@ class HttpEngine:
         """On control routes: the admin headers in place of the same-named ones."""
         self._json_type = [] if "content-type" in named else [_JSON_TYPE]
         self._extensions = {
-            "timeout": dict.fromkeys(("connect", "read", "write", "pool"), timeout_s)
+            "timeout": {
+                **dict.fromkeys(("read", "write", "pool"), timeout_s),
+                "connect": min(connect_timeout_s, timeout_s),
+            }
         }
         # One context for the pool's connections (httpcore would make one per
         # connection), trusting what httpx trusts; none for plain HTTP.
