@@ -50,8 +50,9 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Protocol
 
 from lorabus.adapters.archive import BadArchive, Unpacker
+from lorabus.adapters.bus_paths import check_digest
 from lorabus.adapters.digest import adapter_digest, adapter_files
-from lorabus.adapters.store import ChunkSink, check_digest
+from lorabus.adapters.fetch import ChunkSink
 from lorabus.agents.cache_holders import HolderFiles
 from lorabus.errors import DigestMismatch, FetchFailed
 

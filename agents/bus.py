@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from lorabus.adapters.store import ChunkSink, fetch_object
+from lorabus.adapters.fetch import ChunkSink, fetch_object
 from lorabus.agents.beats import BeatPolicy
 from lorabus.bus.connect import wait_flushed
 from lorabus.bus.rate_limit import PerSecond

@@ -47,7 +47,7 @@ import time
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from lorabus.adapters.store import check_digest
+from lorabus.adapters.bus_paths import check_digest
 
 if TYPE_CHECKING:
     from lorabus.agents.adapter_cache import AdapterCache

@@ -43,7 +43,7 @@ import logging
 from collections.abc import Callable
 from functools import partial
 
-from lorabus.adapters.store import digest_of, object_key, store_of
+from lorabus.adapters.bus_paths import digest_of, object_key, store_of
 from lorabus.agents.adapter_cache import AdapterCache, StoreFetch
 from lorabus.agents.adapter_paths import check_served_name
 from lorabus.agents.cache_holders import CacheKeeper

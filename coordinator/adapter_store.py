@@ -4,7 +4,7 @@ which objects to delete, decided in one place (:func:`delete_unkept`) from
 the records that are the truth, read when it deletes.
 
 Only the orchestrator role writes the store (``lorabus adapter push``), agents
-read it (:mod:`lorabus.adapters.store`), and only coordinators may purge it:
+read it (:mod:`lorabus.adapters.fetch`), and only coordinators may purge it:
 the leader, which checks it still leads before each deletion. What must
 stay, at every moment (the invariant ``lorabus chaos`` checks):
 
@@ -50,16 +50,13 @@ from dataclasses import dataclass
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
+from lorabus.adapters.bus_paths import check_digest, key_of, object_key, split_key
 from lorabus.adapters.store import (
     StoreContents,
-    check_digest,
     delete_chunks,
     delete_meta,
     delete_object,
-    key_of,
-    object_key,
     object_size,
-    split_key,
     store_contents,
 )
 from lorabus.coordinator.store import FleetStore

@@ -60,7 +60,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from lorabus.adapters.store import key_of
+from lorabus.adapters.bus_paths import key_of
 from lorabus.coordinator.book import QueueShare, committed_result, failed_result
 from lorabus.coordinator.bus import reply_refusal
 from lorabus.coordinator.fit import fit_result, fit_status

@@ -41,7 +41,7 @@ from functools import partial
 
 import msgspec
 
-from lorabus.adapters.store import key_of
+from lorabus.adapters.bus_paths import key_of
 from lorabus.coordinator.adapter_store import delete_unkept
 from lorabus.coordinator.book import failed_result
 from lorabus.coordinator.fit import fit_result

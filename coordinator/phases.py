@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from lorabus.adapters.store import digest_of
+from lorabus.adapters.bus_paths import digest_of
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.deadline import PhaseDeadline
 from lorabus.coordinator.gather import PhaseGather

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lorabus.adapters.store import store_of
+from lorabus.adapters.bus_paths import store_of
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.membership import Member, Membership
 from lorabus.coordinator.placement import (

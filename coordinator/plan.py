@@ -36,7 +36,7 @@ from collections.abc import Collection, Iterable
 
 import msgspec
 
-from lorabus.adapters.store import digest_of
+from lorabus.adapters.bus_paths import digest_of
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.coordinator.placement import Placement, Served
 from lorabus.errors import BadRequest, StaleVersion

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from lorabus.adapters.store import BUS_SCHEME, store_of
+from lorabus.adapters.bus_paths import BUS_SCHEME, store_of
 from lorabus.schemas import (
     UNKNOWN,
     ErrorCode,

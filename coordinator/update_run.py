@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Iterator
 
 import msgspec
 
-from lorabus.adapters.store import digest_of
+from lorabus.adapters.bus_paths import digest_of
 from lorabus.coordinator.canary import PauseWindows, canary
 from lorabus.coordinator.capacity import no_room
 from lorabus.coordinator.carrying import Carrying, carried_load, may_have_landed

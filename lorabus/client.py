@@ -46,7 +46,8 @@ from tenacity import (
     wait_exponential,
 )
 
-from lorabus.adapters.store import bus_path, push_adapter
+from lorabus.adapters.bus_paths import bus_path
+from lorabus.adapters.store import push_adapter
 from lorabus.bus.connect import close, connect
 from lorabus.bus.options import BusOptions
 from lorabus.errors import BadRequest, MalformedReply, NoCoordinator

@@ -12,7 +12,7 @@ from adapter_dirs import write_adapter
 
 from lorabus.adapters.archive import pack
 from lorabus.adapters.digest import adapter_digest
-from lorabus.adapters.store import ChunkSink
+from lorabus.adapters.fetch import ChunkSink
 
 
 class Store:

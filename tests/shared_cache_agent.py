@@ -27,7 +27,8 @@ import sys
 from typing import Any
 
 from lorabus.adapters.archive import pack
-from lorabus.adapters.store import ChunkSink, bus_path
+from lorabus.adapters.bus_paths import bus_path
+from lorabus.adapters.fetch import ChunkSink
 from lorabus.agents import CommandExecutor
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.cache_holders import CacheKeeper

@@ -26,7 +26,7 @@ from cache_doubles import Store
 
 from lorabus.adapters import archive as adapter_archive
 from lorabus.adapters.digest import adapter_digest
-from lorabus.adapters.store import ChunkSink
+from lorabus.adapters.fetch import ChunkSink
 from lorabus.agents import adapter_cache
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.errors import DigestMismatch, FetchFailed

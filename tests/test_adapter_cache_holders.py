@@ -21,7 +21,7 @@ import pytest
 from cache_doubles import Store
 from memory_fleet import MemoryEngine
 
-from lorabus.adapters.store import bus_path
+from lorabus.adapters.bus_paths import bus_path
 from lorabus.agents import CommandExecutor
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.cache_holders import HOLDER_MAX_AGE_S, CacheKeeper

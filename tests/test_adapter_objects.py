@@ -26,15 +26,15 @@ from nats.aio.client import Client as NatsClient
 from store_helpers import store_connection
 
 from lorabus.adapters import archive as adapter_archive
+from lorabus.adapters import fetch as adapter_fetch
 from lorabus.adapters import store as adapter_objects
 from lorabus.adapters.archive import pack, unpack
+from lorabus.adapters.bus_paths import bus_path, digest_of
 from lorabus.adapters.digest import adapter_digest
+from lorabus.adapters.fetch import fetch_object
 from lorabus.adapters.store import (
-    bus_path,
     delete_chunks,
     delete_object,
-    digest_of,
-    fetch_object,
     object_size,
     push_adapter,
     store_config,
@@ -296,7 +296,7 @@ async def test_a_batch_nobody_answers_is_asked_again_then_said_so(
     no replica ever answers, the fetch says so, not "run lorabus provision":
     the store was read a moment ago."""
     if silence == "for good":
-        monkeypatch.setattr(adapter_objects, "_BATCH_RETRY_GAP_S", 0.01)
+        monkeypatch.setattr(adapter_fetch, "_BATCH_RETRY_GAP_S", 0.01)
     weights = os.urandom(6 * MB)  # more than one batch
     digest, _ = await push_adapter(nc, subjects, str(write_adapter(tmp_path / "a", weights)))
     js = nc.jetstream()

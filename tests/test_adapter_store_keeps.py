@@ -22,7 +22,8 @@ import pytest
 from adapter_dirs import write_adapter
 from store_helpers import leave_a_claimed_commit
 
-from lorabus.adapters.store import bus_path, object_size, push_adapter
+from lorabus.adapters.bus_paths import bus_path
+from lorabus.adapters.store import object_size, push_adapter
 from lorabus.bus.connect import close, connect
 from lorabus.coordinator import adapter_store
 from lorabus.coordinator.adapter_store import AdapterStore, delete_unkept, keepers, kept_beside

@@ -22,9 +22,10 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from store_helpers import store_connection
 
-from lorabus.adapters import store as adapter_objects
+from lorabus.adapters import fetch as adapter_fetch
 from lorabus.adapters.archive import BadArchive
-from lorabus.adapters.store import fetch_object, object_size, push_adapter
+from lorabus.adapters.fetch import fetch_object
+from lorabus.adapters.store import object_size, push_adapter
 from lorabus.errors import BusError, FetchFailed
 from lorabus.schemas import Subjects
 
@@ -163,6 +164,6 @@ async def test_a_chunk_without_a_valid_sequence_fails_the_fetch_as_fetch_failed(
     async def answered(*args: object) -> list[Msg]:
         return [_message(nc, "x", b"chunk", {"Nats-Sequence": sequence})]
 
-    monkeypatch.setattr(adapter_objects, "_batch", answered)
+    monkeypatch.setattr(adapter_fetch, "_batch", answered)
     with pytest.raises(FetchFailed, match=pushed):
         await fetches(nc, subjects, pushed)

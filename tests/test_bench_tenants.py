@@ -4,9 +4,10 @@ One tiny run end to end (N = 4 workers, T = 1 and 3 tenants, live and pause
 mode, a short window), on the real processes of the update series: a
 nats-server, the real ``lorabus coordinator`` (without its canary, to check
 that ``--no-canary`` reaches it), an agent host with null engines driven by
-one node agent (``--tenant-connections node``). As in the other bench tests nothing judges a timing: every tenant
-committed, nothing failed, each engine paused once per round with tenants
-sharing rounds, the JSON holds the figures, and no process is left behind.
+one node agent (``--tenant-connections node``). As in the other bench
+tests nothing judges a timing: every tenant committed, nothing failed, each
+engine paused once per round with tenants sharing rounds, the JSON holds
+the figures, and no process is left behind.
 The verdicts and the table are checked from figures made up here.
 """
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from lorabus.adapters.bus_paths import digest_of
 from lorabus.adapters.digest import adapter_digest
-from lorabus.adapters.store import digest_of, object_size
+from lorabus.adapters.store import object_size
 from lorabus.bus.connect import close, connect
 from lorabus.schemas import (
     ErrorCode,

@@ -255,7 +255,8 @@ async def test_a_fetch_whose_node_dies_goes_on_from_another_node(
     """The reader's own node is killed while chunks stream to it, most likely
     inside a batch: the fetch asks again from the last chunk it wrote, on the
     node its connection moved to, and ends with every byte, once."""
-    from lorabus.adapters.store import fetch_object, push_adapter, store_config
+    from lorabus.adapters.fetch import fetch_object
+    from lorabus.adapters.store import push_adapter, store_config
 
     subjects = Subjects(fleet=fleet_name)
     urls = [node.server.url for node in cluster]

@@ -23,7 +23,8 @@ from nats.aio.msg import Msg
 from processes import run_lorabus
 from secured import DEADLINE_S, Watched, watched
 
-from lorabus.adapters.store import fetch_object, store_config
+from lorabus.adapters.fetch import fetch_object
+from lorabus.adapters.store import store_config
 from lorabus.bus.connect import close
 from lorabus.schemas import Subjects
 from lorabus.security.accounts import js_api_prefix

@@ -25,8 +25,11 @@ from nats.aio.client import Client as NatsClient
 from store_helpers import leave_a_claimed_commit
 
 from lorabus.adapters import store as adapter_objects
+from lorabus.adapters import store_layout
+from lorabus.adapters.bus_paths import bus_path
 from lorabus.adapters.digest import adapter_digest
-from lorabus.adapters.store import bus_path, fetch_object, object_size, push_adapter
+from lorabus.adapters.fetch import fetch_object
+from lorabus.adapters.store import object_size, push_adapter
 from lorabus.bus.connect import close, connect
 from lorabus.coordinator.adapter_store import AdapterStore, delete_unkept
 from lorabus.coordinator.config import CoordinatorConfig
@@ -124,16 +127,16 @@ async def test_a_store_read_that_fails_deletes_nothing(
     and the object and its chunks stay."""
     nc, records = parts
     digest, _ = await push_adapter(nc, subjects, _write_adapter(tmp_path / "a", b"a" * 4096))
-    real_get = adapter_objects._direct_get
+    real_get = store_layout._direct_get
 
     async def silent_for_the_meta(n: NatsClient, s: Subjects, suffix: str, body: bytes) -> object:
         if suffix == f".{_meta_subject(subjects, digest)}":
             raise BusError("no replica of the store answered")
         return await real_get(n, s, suffix, body)
 
-    monkeypatch.setattr(adapter_objects, "_direct_get", silent_for_the_meta)
+    monkeypatch.setattr(store_layout, "_direct_get", silent_for_the_meta)
     assert await _sweep(records, AdapterStore(nc, subjects, orphan_after_s=0.0)) == []
-    monkeypatch.setattr(adapter_objects, "_direct_get", real_get)
+    monkeypatch.setattr(store_layout, "_direct_get", real_get)
 
     assert await fetch_object(nc, subjects, digest, io.BytesIO(), timeout_s=10, max_bytes=1 << 20)
 

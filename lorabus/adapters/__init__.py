@@ -1,3 +1,4 @@
 """Adapters as objects: the content digest of an adapter directory, the
-archive it travels as, and the fleet's JetStream object store that holds
-it. Internal: not part of the public API (see ``lorabus``)."""
+archive it travels as, the fleet's JetStream object store that holds it,
+the bus paths that name it there, and the fetch that reads it back.
+Internal: not part of the public API (see ``lorabus``)."""

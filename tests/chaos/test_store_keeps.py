@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lorabus.adapters.store import bus_path
+from lorabus.adapters.bus_paths import bus_path
 from lorabus.schemas import (
     CommittedRecord,
     ErrorCode,

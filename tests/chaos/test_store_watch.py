@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lorabus.adapters.store import bus_path, delete_object, push_adapter
+from lorabus.adapters.bus_paths import bus_path
+from lorabus.adapters.store import delete_object, push_adapter
 from lorabus.bus.connect import close, connect
 from lorabus.coordinator.config import StorageConfig
 from lorabus.coordinator.store import FleetStore

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lorabus.adapters.store import bus_path
+from lorabus.adapters.bus_paths import bus_path
 from lorabus.schemas import (
     CommittedRecord,
     ErrorCode,

@@ -28,7 +28,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorabus.adapters.store import bus_path, push_adapter
+from lorabus.adapters.bus_paths import bus_path
+from lorabus.adapters.store import push_adapter
 from lorabus.client import UpdateClient
 from lorabus.errors import BusError
 from lorabus.testbed.chaos.timeline import Push, Timeline, now

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from lorabus.adapters.store import digest_of
+from lorabus.adapters.bus_paths import digest_of
 from lorabus.schemas import ErrorCode, UpdateResult
 from lorabus.testbed.chaos.timeline import StoreSample, Timeline, UpdateRecord
 

@@ -34,7 +34,8 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from lorabus.adapters.store import digest_of, store_contents
+from lorabus.adapters.bus_paths import digest_of
+from lorabus.adapters.store import store_contents
 from lorabus.coordinator.signals import StoreUnavailable
 from lorabus.coordinator.store import FleetStore
 from lorabus.errors import BusError
