@@ -269,17 +269,7 @@ class UpdateClient:
         """
         if keep is not None and not 1 <= keep <= MAX_KEEP:
             raise BadRequest(f"keep must be 1 to {MAX_KEEP}, got {keep}")
-        if path is None:
-            if source is not None:
-                pushed = await self.push_adapter(source)
-                if digest is not None and digest != pushed:
-                    raise BadRequest(f"{source} holds {pushed}, not the digest given ({digest})")
-                digest = pushed
-            if digest is None:
-                raise BadRequest("give the adapter's path, its digest, or a source directory")
-            path = bus_path(digest, self.tenant or "")
-        elif source is not None:
-            raise BadRequest("give a path or a source directory, not both")
+        path, digest = await self._where(path, digest, source)
         request = UpdateRequest(
             update_id=update_id or self.new_update_id(),
             adapter=adapter,
@@ -291,6 +281,32 @@ class UpdateClient:
             replicas=replicas,
             selector=dict(selector or {}),
         )
+        return await self._ask_until_answered(request, timeout_s)
+
+    async def _where(
+        self,
+        path: str | None,
+        digest: str | None,
+        source: str | os.PathLike[str] | None,
+    ) -> tuple[str, str | None]:
+        """The request's path and digest: ``path`` as given, else the bus path
+        of ``digest``, or of ``source`` pushed first."""
+        if path is not None:
+            if source is not None:
+                raise BadRequest("give a path or a source directory, not both")
+            return path, digest
+        if source is not None:
+            pushed = await self.push_adapter(source)
+            if digest is not None and digest != pushed:
+                raise BadRequest(f"{source} holds {pushed}, not the digest given ({digest})")
+            digest = pushed
+        if digest is None:
+            raise BadRequest("give the adapter's path, its digest, or a source directory")
+        return bus_path(digest, self.tenant or ""), digest
+
+    async def _ask_until_answered(self, request: UpdateRequest, timeout_s: float) -> UpdateResult:
+        """Send ``request``, again every ``reask_s`` seconds, until a final
+        answer or ``timeout_s``; a ``failed`` result of our own when none came."""
         subject = self._subject("update")
         started = now()
         asking = _Asking(request, started, deadline=started + timeout_s)
