@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
@@ -135,15 +136,13 @@ class AgentBus:
         if ack.instance != self._instance:
             ack = msgspec.structs.replace(ack, instance=self._instance)
         if self._node is not None:
-            self._node.outbox.put(ack)
-            self._beats.ack_sent(ack)
+            self._node.outbox.put(ack, partial(self._beats.ack_sent, ack))
         elif await self.publish(self._subjects.ack(self._worker_id), encode(ack)):
             self._beats.ack_sent(ack)
 
     async def send_beat(self, beat: Heartbeat) -> None:
         if self._node is not None:
-            self._node.outbox.put(beat)
-            self._beats.beat_sent(beat)
+            self._node.outbox.put(beat, partial(self._beats.beat_sent, beat))
         elif await self.publish(self._subjects.heartbeat(self._worker_id), encode(beat)):
             self._beats.beat_sent(beat)
 

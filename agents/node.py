@@ -64,6 +64,10 @@ stuck, and what comes is dropped (it is sent again by name if it matters)."""
 _FINAL_FLUSH_S = 2.0
 
 Report = Ack | Heartbeat
+Sent = Callable[[], None]
+"""Told once its report is published (a beat an ack made redundant may then
+be skipped: agents/beats.py)."""
+_Queued = tuple[Report, Sent | None]
 
 
 class NodeOutbox:
@@ -76,7 +80,7 @@ class NodeOutbox:
         self._subjects = subjects
         self._node = node
         self._linger_s = linger_s
-        self._pending: list[Report] = []
+        self._pending: list[_Queued] = []
         self._first_at = 0.0
         self._wake = asyncio.Event()
         self._idle: dict[str, Callable[[], bool]] = {}
@@ -91,10 +95,11 @@ class NodeOutbox:
         self._idle.pop(worker_id, None)
         self._wake.set()
 
-    def put(self, report: Report) -> None:
+    def put(self, report: Report, on_sent: Sent | None = None) -> None:
+        """Send ``report`` with its node-mates'; ``on_sent`` once it is published."""
         if not self._pending:
             self._first_at = asyncio.get_running_loop().time()
-        self._pending.append(report)
+        self._pending.append((report, on_sent))
         self._wake.set()
 
     def nudge(self) -> None:
@@ -105,9 +110,9 @@ class NodeOutbox:
     def _due(self) -> bool:
         if not all(idle() for idle in self._idle.values()):
             return False
-        if any(isinstance(report, Ack) for report in self._pending):
+        if any(isinstance(report, Ack) for report, _ in self._pending):
             return True
-        return {report.worker_id for report in self._pending} >= set(self._idle)
+        return {report.worker_id for report, _ in self._pending} >= set(self._idle)
 
     async def run(self) -> None:
         """Send what is due until cancelled; then what is left, briefly."""
@@ -134,12 +139,12 @@ class NodeOutbox:
         reports, self._pending = self._pending, []
         # In the order they were put: a beat after an ack must not be read
         # before it (it would undo what the ack said of the engine).
-        runs: list[list[Report]] = []
-        for report in reports:
-            if runs and type(runs[-1][-1]) is type(report):
-                runs[-1].append(report)
+        runs: list[list[_Queued]] = []
+        for queued in reports:
+            if runs and type(runs[-1][-1][0]) is type(queued[0]):
+                runs[-1].append(queued)
             else:
-                runs.append([report])
+                runs.append([queued])
         for index, run in enumerate(runs):
             try:
                 await self._send(run)
@@ -149,16 +154,17 @@ class NodeOutbox:
                 self._pending = [r for rest in runs[index:] for r in rest] + self._pending
                 raise
 
-    async def _send(self, reports: list[Report]) -> None:
+    async def _send(self, reports: list[_Queued]) -> None:
         subject = (
             self._subjects.ack(self._node)
-            if isinstance(reports[0], Ack)
+            if isinstance(reports[0][0], Ack)
             else self._subjects.heartbeat(self._node)
         )
         # What the server carries and every reader accepts, with room to spare.
         limit = min(self._nc.max_payload or MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES) // 2
         for start in range(0, len(reports), MAX_NODE_WORKERS):
-            for payload in self._payloads(reports[start : start + MAX_NODE_WORKERS], limit):
+            chunk = reports[start : start + MAX_NODE_WORKERS]
+            for payload, carried in self._payloads(chunk, limit):
                 try:
                     await self._nc.publish(subject, payload)
                 except Exception as exc:  # a closed connection must not kill the node
@@ -166,15 +172,20 @@ class NodeOutbox:
                     log.warning("node=%s could not publish on %s: %s", self._node, subject, exc)
                     continue
                 self.sent += 1
+                for _, on_sent in carried:
+                    if on_sent is not None:
+                        on_sent()
 
-    def _payloads(self, chunk: list[Report], limit: int) -> list[bytes]:
-        """The chunk as one message, or halves of it while one is too large."""
-        if isinstance(chunk[0], Ack):
-            payload = encode(NodeAcks(node=self._node, acks=chunk))  # type: ignore[arg-type]
+    def _payloads(self, chunk: list[_Queued], limit: int) -> list[tuple[bytes, list[_Queued]]]:
+        """The chunk as one message, or halves of it while one is too large;
+        each with the reports it carries."""
+        reports = [report for report, _ in chunk]
+        if isinstance(reports[0], Ack):
+            payload = encode(NodeAcks(node=self._node, acks=reports))  # type: ignore[arg-type]
         else:
-            payload = encode(NodeBeats(node=self._node, beats=chunk))  # type: ignore[arg-type]
+            payload = encode(NodeBeats(node=self._node, beats=reports))  # type: ignore[arg-type]
         if len(payload) <= limit or len(chunk) == 1:
-            return [payload]
+            return [(payload, chunk)]
         half = len(chunk) // 2
         return self._payloads(chunk[:half], limit) + self._payloads(chunk[half:], limit)
 

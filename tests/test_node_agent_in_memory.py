@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 from convergence_helpers import member_until
 from memory_bus import MemoryServer
@@ -170,6 +171,52 @@ async def test_a_node_stopped_mid_send_still_sends_what_it_held() -> None:
         for ack in reports_of(ack_message_decoder.decode(data))
     ]
     assert sent == [resumed], "the resume ack in hand when the node stopped went out"
+
+
+async def test_a_report_counts_as_sent_only_once_it_is_published() -> None:
+    """An ack that never left must not let the worker skip its next beat
+    (agents/beats.py): the outbox says a report is sent when it is published."""
+    server = MemoryServer()
+    nc = server.connect("n0")
+    publish, failing, refused = nc.publish, True, asyncio.Event()
+
+    async def publish_fails_while_asked(subject: str, payload: bytes = b"", **kw: Any) -> None:
+        if failing:
+            refused.set()
+            raise ConnectionError("connection closed")
+        await publish(subject, payload, **kw)
+
+    nc.publish = publish_fails_while_asked  # type: ignore[method-assign]
+    subjects = Subjects(fleet="f")
+    outbox = NodeOutbox(nc, subjects, "n0")  # type: ignore[arg-type]
+    outbox.track("n0w0", lambda: True)
+    running = asyncio.create_task(outbox.run())
+    told: list[str] = []
+    sent = asyncio.Event()
+    try:
+        lost = Ack(
+            update_id="u1", phase=Phase.LOAD, worker_id="n0w0", ok=True, world_size=1,
+            adapters=["p-v1"], paused=False, epoch=1, duration_s=0.01,
+        )  # fmt: skip
+        outbox.put(lost, lambda: told.append("lost"))
+        await asyncio.wait_for(refused.wait(), DEADLINE_S)
+        await asyncio.sleep(0)  # the outbox goes on past the failed publish
+        assert told == [], "a report whose publish failed was counted as sent"
+
+        failing = False
+        outbox.put(
+            msgspec.structs.replace(lost, update_id="u2"),
+            lambda: (told.append("sent"), sent.set()),
+        )
+        await asyncio.wait_for(sent.wait(), DEADLINE_S)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+
+    assert told == ["sent"]
+    assert [
+        a.update_id for _, d in server.published for a in reports_of(ack_message_decoder.decode(d))
+    ] == ["u2"]
 
 
 def _reports(subject: str, data: bytes, fleet: InMemoryFleet) -> list[Any]:
