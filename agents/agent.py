@@ -219,7 +219,7 @@ class Agent:
             max_adapter_bytes=self.max_adapter_bytes,
             node=self.node,
         )
-        self.executor.fetch = bus.fetch_adapter
+        self.executor.store_loads.fetch = bus.fetch_adapter
         fencing = Fencing(bus, self.executor, self.verifier, instance=self.instance)
         queue = CommandQueue(
             bus,
@@ -275,9 +275,9 @@ class Agent:
                 running_loop_name(),
             )
             tasks.create_task(parts.heartbeats.run())
-            if self.executor.cache_keeper is not None:
+            if self.executor.store_loads.cache_keeper is not None:
                 # Housekeeping beside the commands, never inside one.
-                tasks.create_task(self.executor.cache_keeper.run())
+                tasks.create_task(self.executor.store_loads.cache_keeper.run())
 
     async def _stop_if_refused(self, refused: asyncio.Future[RefuseInstance]) -> None:
         refusal = await refused

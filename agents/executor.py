@@ -11,14 +11,12 @@ call, its served names must follow the coordinator's rule (``bad_request``
 otherwise) and a load's path is checked on this host (``load_source.py``).
 The refusing ack is the record of it, on the worker's own ack subject. An
 adapter from the fleet's object store (a ``bus:<digest>`` path) is fetched
-into this node's cache (:class:`~lorabus.agents.adapter_cache.AdapterCache`,
-verified against its digest before the engine sees it) and the engine is
-handed the cached directory; a ``prepare`` does the fetch alone, ahead of
-the update's pause. Before a fetch and after every command the executor
-tells its :class:`~lorabus.agents.cache_holders.CacheKeeper` which entries
-the engine may serve or a load needs, so that no prune on the node removes
-them; pruning itself runs beside the agent, never inside a command: a good
-load is never failed by housekeeping.
+into this node's cache and the engine is handed the cached directory; a
+``prepare`` does the fetch alone, ahead of the update's pause
+(:mod:`~lorabus.agents.store_loads`). Before a fetch and after every command
+the node's cache is told which entries the engine may serve or a load needs,
+so that no prune on the node removes them; pruning itself runs beside the
+agent, never inside a command: a good load is never failed by housekeeping.
 
 An engine may be unable to take LoRA updates at all, however often asked (a
 vLLM started without its runtime LoRA routes, an SGLang with data
@@ -41,22 +39,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from functools import partial
 
-from lorabus.adapters.bus_paths import digest_of, object_key, store_of
-from lorabus.agents.adapter_cache import AdapterCache, StoreFetch
+from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.adapter_paths import check_served_name
 from lorabus.agents.cache_holders import CacheKeeper
 from lorabus.agents.capacity import capacity_of, dropped_text, room_for
 from lorabus.agents.engine import CacheReset, EngineDriver, InPlaceReplace, SetupCheck
 from lorabus.agents.load_source import checked_dir, refuse_other_bytes, seen_digest
 from lorabus.agents.pending_pause import PendingPause
+from lorabus.agents.store_loads import StoreLoads
 from lorabus.errors import (
     BadRequest,
     CanaryFailed,
     DigestMismatch,
     EngineError,
-    FetchFailed,
     LorabusError,
     NotListed,
 )
@@ -77,10 +73,6 @@ from lorabus.schemas import (
 )
 
 log = logging.getLogger(__name__)
-
-PREPARED_KEPT = 16
-"""Prepared digests held for their loads to come: as many updates as a
-coordinator runs at once by default (``--max-concurrent``)."""
 
 SETUP_RECHECK_S = 30.0
 """How often an engine without a known set-up problem is asked again: one
@@ -103,9 +95,9 @@ class CommandExecutor:
         max_adapters: int = 0,
         role: WorkerRole = WorkerRole.AGGREGATED,
     ) -> None:
-        """``cache_keeper``: prunes ``adapter_cache`` for this agent (by default
-        one without a holder file: what the engine serves is kept from the
-        prunes of this process only). ``pending_pause``: where a pause in
+        """``adapter_cache``, ``cache_keeper``: for loads from the fleet's
+        object store (:class:`~lorabus.agents.store_loads.StoreLoads`).
+        ``pending_pause``: where a pause in
         flight is recorded for a successor (None: nowhere). ``max_adapters``:
         the most adapters the engine holds at once (0: as it says itself)."""
         self.worker_id = worker_id
@@ -132,28 +124,9 @@ class CommandExecutor:
         """The engine's list has been read: :attr:`adapters` is what it holds."""
         self.last_contact = 0.0
         """When a command last talked to the engine (monotonic seconds)."""
-        self.adapter_cache = adapter_cache
-        """This node's adapters from the fleet's object store (None: it takes
-        filesystem paths only)."""
-        self.fetch: StoreFetch | None = None
-        """Reads the fleet's object stores: the agent's connection sets it."""
-        if cache_keeper is None and adapter_cache is not None:
-            cache_keeper = CacheKeeper(adapter_cache)
-        self.cache_keeper = cache_keeper
-        """Says what the engine holds from the cache, and prunes it (the agent
-        runs it)."""
-        self._from_cache: dict[str, set[str]] = {}
-        """Served name -> digests of the cache the engine may serve under it
-        (a predecessor's record at first: its engine serves on)."""
-        self._prepared: dict[str, None] = {}
-        """Digests fetched for a load to come, oldest first: those of the last
-        ``PREPARED_KEPT`` prepares (updates of different adapters prepare at
-        once; one whose load never comes is let go after as many more)."""
-        self._loading = ""
-        """The name a load from the cache is loading now."""
-        if cache_keeper is not None:
-            self._from_cache, prepared = cache_keeper.held_here()
-            self._prepared = dict.fromkeys(sorted(prepared))
+        self.store_loads = StoreLoads(worker_id, adapter_cache, cache_keeper)
+        """Loads from the fleet's object store, through this node's cache (the
+        agent's connection sets its ``fetch``)."""
         self.committed_names: frozenset[str] = frozenset()
         """Each adapter's committed served name, as the agent last learnt them:
         a load must not make the engine drop one."""
@@ -316,13 +289,10 @@ class CommandExecutor:
     ) -> None:
         match command:
             case PrepareCommand(digest=digest, path=path):
-                store = self._stored(path)[0]
-                self._prepared.pop(digest, None)
-                self._prepared[digest] = None  # newest last
-                for oldest in list(self._prepared)[:-PREPARED_KEPT]:
-                    del self._prepared[oldest]
-                self._hold()
-                await self._from_store(store, digest, budget_s)
+                store = self.store_loads.stored(path)[0]
+                self.store_loads.prepared(digest, self._listed_names())
+                await self.store_loads.fetched(store, digest, budget_s)
+                self._seen_digest = digest  # verified by the cache before it was handed out
             case PauseCommand() | ResumeCommand() if shared_pause and self.paused:
                 pass  # another update of its round holds the engine paused
             case PauseCommand():
@@ -346,7 +316,7 @@ class CommandExecutor:
                 self.paused = False
             case LoadCommand(served_name=name, path=path, replace=replace, digest=asked):
                 self._check_names([name])
-                store, stored = self._stored(path)
+                store, stored = self.store_loads.stored(path)
                 if stored is not None:
                     await self._load_stored(
                         name, store, stored, asked, replace=replace, budget_s=budget_s
@@ -387,33 +357,6 @@ class CommandExecutor:
                 self._check_names(names)
                 await self._unload(names)
 
-    def _stored(self, path: str) -> tuple[str, str | None]:
-        """The store ("": the fleet's, else a tenant's) and the digest a bus
-        path names; the digest None for a path on a filesystem."""
-        try:
-            return store_of(path), digest_of(path)
-        except ValueError as exc:
-            raise BadRequest(f"{self.worker_id} refused the load: {exc}") from exc
-
-    async def _from_store(self, store: str, digest: str, budget_s: float) -> str:
-        """The cached directory of ``digest``, fetched from ``store`` first if
-        this node lacks it (the cache checks the bytes against the digest,
-        whichever store they came from)."""
-        if self.adapter_cache is None or self.fetch is None:
-            raise FetchFailed(
-                f"{self.worker_id} has no adapter cache: it cannot take {digest} "
-                "from the fleet's object store"
-            )
-        path = await self.adapter_cache.get(
-            digest,
-            partial(self.fetch, store=store),
-            timeout_s=budget_s,
-            # A tenant's object: its bytes must have come from its own store.
-            source=object_key(digest, store) if store else "",
-        )
-        self._seen_digest = digest  # verified by the cache before it was handed out
-        return path
-
     async def _load_stored(
         self,
         name: str,
@@ -426,31 +369,20 @@ class CommandExecutor:
     ) -> None:
         if asked is not None and asked != digest:
             raise DigestMismatch(f"{self.worker_id} was asked to load {digest} as {asked}: refused")
-        # Held before the fetch, beside what the name may serve now (a load in
-        # place): no prune on the node takes the entry from under the load.
-        self._from_cache.setdefault(name, set()).add(digest)
-        self._loading = name
-        self._hold()
-        started = now()
-        try:
-            real = await self._from_store(store, digest, budget_s)
+        with self.store_loads.loading(name, digest, self._listed_names()):
+            started = now()
+            real = await self.store_loads.fetched(store, digest, budget_s)
+            self._seen_digest = digest  # verified by the cache before it was handed out
             await self._load(name, real, replace=replace, budget_s=budget_s - (now() - started))
-        finally:
-            self._loading = ""
-        self._from_cache[name] = {digest}
-        self._prepared.pop(digest, None)
+
+    def _listed_names(self) -> list[str] | None:
+        """The engine's adapter list, None until it has been read."""
+        return self._adapters if self._listed else None
 
     def _hold(self) -> None:
-        """Tell the cache keeper what the engine may serve from the cache and
-        what a load to come needs; names the engine no longer lists are let go
-        once its list is known (a restarted agent holds its predecessor's
-        record until then). Never fails a command."""
-        if self.cache_keeper is None:
-            return
-        if self._listed:
-            listed = set(self._adapters) | {self._loading}
-            self._from_cache = {n: d for n, d in self._from_cache.items() if n in listed}
-        self.cache_keeper.hold(self._from_cache, list(self._prepared))
+        """Tell the node's cache what the engine may serve from it (never fails
+        a command)."""
+        self.store_loads.hold(self._listed_names())
 
     def _check_names(self, names: list[str]) -> None:
         """Refuse the command if a name could leave its place in an engine URL."""

@@ -139,7 +139,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         await asyncio.to_thread(into.write, packed.getvalue())
         return len(packed.getvalue())
 
-    executor.fetch = fetch
+    executor.store_loads.fetch = fetch
     print("ready", flush=True)
     await asyncio.to_thread(sys.stdin.readline)  # the test's go
     failed: list[str] = []

@@ -25,7 +25,7 @@ from lorabus.adapters.bus_paths import bus_path
 from lorabus.agents import CommandExecutor
 from lorabus.agents.adapter_cache import AdapterCache
 from lorabus.agents.cache_holders import HOLDER_MAX_AGE_S, CacheKeeper
-from lorabus.agents.executor import PREPARED_KEPT
+from lorabus.agents.store_loads import PREPARED_KEPT
 from lorabus.schemas import LoadCommand, PauseCommand, PrepareCommand
 
 DAY_S = 24 * 3600.0
@@ -66,7 +66,7 @@ def agent(
         adapter_cache=cache,
         cache_keeper=CacheKeeper(cache, holder=holder),
     )
-    executor.fetch = store.fetch
+    executor.store_loads.fetch = store.fetch
     return executor
 
 

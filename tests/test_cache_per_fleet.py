@@ -25,7 +25,7 @@ def test_each_fleet_has_a_cache_of_its_own_by_default(
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     for fleet in ("fleet-a", "fleet-b"):
-        cache = built(fleet, AgentMetrics()).executor.adapter_cache
+        cache = built(fleet, AgentMetrics()).executor.store_loads.adapter_cache
         assert cache is not None
         assert cache.directory == str(tmp_path / "lorabus" / "adapters" / fleet)
 
@@ -33,7 +33,9 @@ def test_each_fleet_has_a_cache_of_its_own_by_default(
 def test_agents_of_two_fleets_sharing_a_cache_hold_in_files_of_their_own(tmp_path: Path) -> None:
     metrics = AgentMetrics()
     shared = str(tmp_path / "cache")
-    keepers = [built(f, metrics, cache_dir=shared).executor.cache_keeper for f in ("a", "b")]
+    keepers = [
+        built(f, metrics, cache_dir=shared).executor.store_loads.cache_keeper for f in ("a", "b")
+    ]
     for keeper, digest in zip(keepers, ("sha256:" + "1" * 64, "sha256:" + "2" * 64), strict=True):
         assert keeper is not None
         keeper.hold({"policy-v1": [digest]})
@@ -48,7 +50,8 @@ def test_a_failed_holder_write_is_counted_in_the_agents_metrics(tmp_path: Path) 
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / ".holders").write_text("not a folder")
     metrics = AgentMetrics()
-    keeper = built("a", metrics, cache_dir=str(tmp_path / "cache")).executor.cache_keeper
+    agent = built("a", metrics, cache_dir=str(tmp_path / "cache"))
+    keeper = agent.executor.store_loads.cache_keeper
     assert keeper is not None
 
     keeper.hold({"policy-v1": ["sha256:" + "1" * 64]})

@@ -68,7 +68,7 @@ async def agent(
     cache = AdapterCache(str(cache_dir), keep=0)
     keeper = CacheKeeper(cache, holder="fleet-a.w0", counts=counts)
     executor = CommandExecutor("w0", 1, MemoryEngine(), adapter_cache=cache, cache_keeper=keeper)
-    executor.fetch = store.fetch
+    executor.store_loads.fetch = store.fetch
     async with asyncio.TaskGroup() as tasks:
         pruning = tasks.create_task(keeper.run(retry_s=0.001))
         try:

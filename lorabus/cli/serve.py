@@ -217,7 +217,7 @@ async def _agent_of(config: AgentConfig, metrics: AgentMetrics) -> Agent:
 
     driver = instrumented(driver_for(config), metrics, config.worker_id)
     agent = Agent.from_config(config, driver)
-    cache = agent.executor.adapter_cache
+    cache = agent.executor.store_loads.adapter_cache
     try:
         if cache is not None:
             cache.check_writable()
