@@ -24,7 +24,9 @@ ENGINE_CONNECT_TIMEOUT_S = 5.0
 included (at most the call's own timeout). The engine is beside its agent: a
 connection that takes longer hangs (a lookup a DNS server dropped, a SYN a
 full accept queue dropped), and is tried again within the phase's budget
-instead of taking all of it."""
+instead of taking all of it. A lookup that hangs keeps its thread of the
+event loop's default executor until the resolver gives up (glibc: 5 s a
+try), so a stalled resolver costs a few threads for a few seconds."""
 MAX_PAUSE_LEASE_S = 300.0
 """The longest pause lease an agent grants by default, whatever a command asks."""
 MIN_PAUSE_LEASE_S = 0.5

@@ -174,7 +174,10 @@ class NodeOutbox:
                 self.sent += 1
                 for _, on_sent in carried:
                     if on_sent is not None:
-                        on_sent()
+                        try:
+                            on_sent()
+                        except Exception:  # bookkeeping must not stop the node's sends
+                            log.exception("node=%s: a sent report's callback failed", self._node)
 
     def _payloads(self, chunk: list[_Queued], limit: int) -> list[tuple[bytes, list[_Queued]]]:
         """The chunk as one message, or halves of it while one is too large;

@@ -47,6 +47,7 @@ def no_room(
     )
     if not short:
         return None
+    most = max(needs[worker] for worker, _ in short)
     named = [
         f"{worker} (capacity {beat.capacity}; holds {len(beat.adapters)})"
         for worker, beat in short[:_NAMED]
@@ -55,7 +56,7 @@ def no_room(
         named.append(f"and {len(short) - _NAMED} more")
     return ErrorInfo(
         code=ErrorCode.NO_CAPACITY,
-        message=f"{served_name} needs room for up to {max(needs.values())} adapters at once "
+        message=f"{served_name} needs room for up to {most} adapters at once "
         "(the committed and kept versions of every adapter placed there, and it) on members "
         "that hold fewer: "
         + "; ".join(named)

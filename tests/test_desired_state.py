@@ -105,11 +105,31 @@ def test_a_read_forgets_reset_adapters_but_not_those_learnt_since_it_began() -> 
     desired.learn(_target("reset", 4))
     began = desired.learnings
     desired.learn(_target("newcomer", 1))  # a notice while the read ran
+    assert "reset-v4" in desired.names()
 
     gone = desired.forget_unseen({"policy"}, learnt_before=began)
 
     assert gone == ["reset"]
     assert set(desired.targets) == {"policy", "newcomer"}
+    # What was worked out before the read is not what the engine must hold now.
+    assert desired.names() == {"policy-v1", "newcomer-v1"}
+    assert desired.committed_names() == {"policy-v1", "newcomer-v1"}
+
+
+def test_what_the_targets_imply_follows_each_target_learnt() -> None:
+    desired = DesiredState("w1")
+    desired.learn(_target("q", 2))
+    held = ["p-v1", "q-v2"]
+    assert desired.unplaced(held) == [] and desired.names() == {"q-v2"}
+
+    # p is placed on w0 alone: w1 gives up what it holds of it.
+    placed = msgspec.structs.replace(_target("p", 1), workers=("w0",))
+    desired.learn(placed)
+    assert desired.unplaced(held) == ["p-v1"] and desired.names() == {"q-v2"}
+
+    # Then placed on w1 as well: required here, no longer given up.
+    desired.learn(msgspec.structs.replace(_target("p", 2), workers=("w0", "w1")))
+    assert desired.unplaced(held) == [] and desired.names() == {"p-v2", "q-v2"}
 
 
 def test_a_record_of_another_wire_version_still_decodes_and_its_odd_kept_entries_are_skipped() -> (
