@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import msgspec
 import pytest
 from convergence_helpers import member_until
 from memory_bus import MemoryServer
@@ -150,14 +149,8 @@ async def test_a_node_stopped_mid_send_still_sends_what_it_held() -> None:
         await publish(subject, payload, **kw)
 
     nc.publish = first_send_hangs  # type: ignore[method-assign]
-    subjects = Subjects(fleet="f")
-    outbox = NodeOutbox(nc, subjects, "n0")  # type: ignore[arg-type]
-    outbox.track("n0w0", lambda: True)
-    running = asyncio.create_task(outbox.run())
-    resumed = Ack(
-        update_id="u1", phase=Phase.RESUME, worker_id="n0w0", ok=True, world_size=1,
-        adapters=[], paused=False, epoch=1, duration_s=0.01,
-    )  # fmt: skip
+    subjects, outbox, running = _running_outbox(nc)
+    resumed = _ack("u1", Phase.RESUME)
     outbox.put(resumed)
     await asyncio.wait_for(hung.wait(), DEADLINE_S)
 
@@ -187,27 +180,18 @@ async def test_a_report_counts_as_sent_only_once_it_is_published() -> None:
         await publish(subject, payload, **kw)
 
     nc.publish = publish_fails_while_asked  # type: ignore[method-assign]
-    subjects = Subjects(fleet="f")
-    outbox = NodeOutbox(nc, subjects, "n0")  # type: ignore[arg-type]
-    outbox.track("n0w0", lambda: True)
-    running = asyncio.create_task(outbox.run())
+    _, outbox, running = _running_outbox(nc)
     told: list[str] = []
     sent = asyncio.Event()
     try:
-        lost = Ack(
-            update_id="u1", phase=Phase.LOAD, worker_id="n0w0", ok=True, world_size=1,
-            adapters=["p-v1"], paused=False, epoch=1, duration_s=0.01,
-        )  # fmt: skip
+        lost = _ack("u1", Phase.LOAD)
         outbox.put(lost, lambda: told.append("lost"))
         await asyncio.wait_for(refused.wait(), DEADLINE_S)
         await asyncio.sleep(0)  # the outbox goes on past the failed publish
         assert told == [], "a report whose publish failed was counted as sent"
 
         failing = False
-        outbox.put(
-            msgspec.structs.replace(lost, update_id="u2"),
-            lambda: (told.append("sent"), sent.set()),
-        )
+        outbox.put(_ack("u2", Phase.LOAD), lambda: (told.append("sent"), sent.set()))
         await asyncio.wait_for(sent.wait(), DEADLINE_S)
     finally:
         running.cancel()
@@ -217,6 +201,21 @@ async def test_a_report_counts_as_sent_only_once_it_is_published() -> None:
     assert [
         a.update_id for _, d in server.published for a in reports_of(ack_message_decoder.decode(d))
     ] == ["u2"]
+
+
+def _running_outbox(nc: Any) -> tuple[Subjects, NodeOutbox, asyncio.Task[None]]:
+    """Node n0's outbox on ``nc``, for its one worker, running."""
+    subjects = Subjects(fleet="f")
+    outbox = NodeOutbox(nc, subjects, "n0")
+    outbox.track("n0w0", lambda: True)
+    return subjects, outbox, asyncio.create_task(outbox.run())
+
+
+def _ack(update_id: str, phase: Phase) -> Ack:
+    return Ack(
+        update_id=update_id, phase=phase, worker_id="n0w0", ok=True, world_size=1,
+        adapters=[], paused=False, epoch=1, duration_s=0.01,
+    )  # fmt: skip
 
 
 def _reports(subject: str, data: bytes, fleet: InMemoryFleet) -> list[Any]:
