@@ -16,7 +16,7 @@ from pathlib import Path
 from nats.aio.msg import Msg
 from secured import watched
 
-from lorabus.bus.connect import Bus, close, connect
+from lorabus.bus.connect import Bus, close, connect, flushed
 from lorabus.bus.options import BusOptions
 from lorabus.coordinator.bus import CoordinatorBus
 from lorabus.coordinator.membership import Membership
@@ -125,7 +125,7 @@ async def test_the_coordinator_takes_a_nodes_beats_only_for_its_own_workers() ->
         sender = await connect(server.url, name="test-forger")
         bus = CoordinatorBus(nc, s, membership, nodes=NodeRoster(NODES))
         subs = await bus.follow()
-        await nc.flush()  # the subscriptions are at the server before anything is sent
+        await flushed(nc)  # the subscriptions are at the server before anything is sent
         try:
             # n1 for its own w000, and for n2's w003 and the lone w002: only w000 counts.
             forged = NodeBeats(node="n1", beats=[beat("w000"), beat("w003"), beat(LONE)])

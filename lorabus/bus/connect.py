@@ -293,12 +293,26 @@ STILL_WAITING_EVERY_S = 60.0
 """How often a process that still waits for its bus says so again."""
 
 
+async def flushed(nc: NatsClient, timeout_s: int = _FLUSH_TIMEOUT_S) -> None:
+    """Return once the server has read everything ``nc`` sent so far, its
+    subscriptions just made among it: from then on they take every other
+    connection's messages. Two flushes, since one does not prove it:
+    nats-py writes a flush's PING straight to the socket, ahead of the
+    commands its flusher task has not written yet, so the first PONG can
+    come back before the server has read a subscription made just before
+    (seen under load: a test's subscriber missed every message another
+    connection sent right after). The first flush lets the flusher write
+    them; the second PING goes out behind them."""
+    await nc.flush(timeout=timeout_s)
+    await nc.flush(timeout=timeout_s)
+
+
 async def wait_flushed(nc: NatsClient, *, who: str) -> None:
     """Wait until the server has what ``nc`` sent (its subscriptions, say),
     for as long as the bus takes to answer; ``who`` opens the log lines that
     say it waits. A closed connection raises (no wait can mend it)."""
     await until_answered(
-        lambda: nc.flush(timeout=_FLUSH_TIMEOUT_S),
+        lambda: flushed(nc),
         who=who,
         doing="flushing to NATS",
         retry=retry_if_exception(is_transient),
@@ -421,7 +435,7 @@ async def close(nc: NatsClient) -> None:
     if nc.is_connected:
         try:
             async with asyncio.timeout(_FLUSH_ON_CLOSE_S):
-                await nc.flush()
+                await flushed(nc)
         except Exception as exc:
             log.debug("flush of %s before closing failed: %r", nc.connected_url, exc)
     if nc.is_closed:

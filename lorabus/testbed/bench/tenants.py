@@ -35,7 +35,7 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from lorabus.bus.connect import close
+from lorabus.bus.connect import close, flushed
 from lorabus.client import UpdateClient
 from lorabus.coordinator.config import CoordinatorConfig
 from lorabus.errors import LorabusError
@@ -97,7 +97,7 @@ class _RoundTap:
     async def start(self) -> None:
         for subject in (self.subjects.cmd(), f"{self.subjects.cmd()}.*"):
             await self.nc.subscribe(subject, cb=self._on_command)
-        await self.nc.flush()
+        await flushed(self.nc)
 
     async def _on_command(self, msg: Msg) -> None:
         try:
