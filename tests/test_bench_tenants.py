@@ -13,6 +13,7 @@ The verdicts and the table are checked from figures made up here.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import msgspec
@@ -88,8 +89,15 @@ def test_the_run_takes_the_layout_and_the_canary_it_is_given(tenants_run: Run) -
             case = _case(report, mode, tenants)
             assert case.layout == "node"
             assert "load" in case.phases_s and "canary" not in case.phases_s, case.phases_s
-    _, text, _, _ = tenants_run
+    _, text, out, _ = tenants_run
     assert "agents' connections node" in text
+    # What the agent hosts were started with, not what the report echoes:
+    # every worker driven by a node agent.
+    specs = [json.loads(p.read_text()) for p in (out.parent / "run").rglob("*host*.spec.json")]
+    assert specs, "no agent host was started"
+    for spec in specs:
+        driven = [w for workers in spec["nodes"].values() for w in workers]
+        assert driven and sorted(driven) == sorted(spec["workers"]), spec["nodes"]
 
 
 @pytest.mark.slow
